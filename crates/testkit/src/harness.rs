@@ -1,0 +1,297 @@
+//! A `main` for integration-test binaries: one tokio runtime and one [`Cluster`] per
+//! binary, shared by its tests, torn down when the binary ends (also after failing or
+//! panicking tests).
+//!
+//! Test binaries set `harness = false` and hand their tests to [`Harness`]; output and
+//! command-line options are libtest's (`cargo test -- NAME`, `--list`, `--test-threads`),
+//! through `libtest-mimic`.
+//!
+//! - Tests run in parallel and share the hosts; each takes its own databases with
+//!   [`TestContext::databases`], so tests do not see each other's tables.
+//! - Tests that fault hosts (stop, kill, pause) are registered with
+//!   [`Harness::exclusive`]: they run alone, and every host is healed afterwards.
+//! - The cluster starts on first use, so `--list` or a filter that matches nothing starts
+//!   no server. When it cannot start, every test fails with the reason.
+//!
+//! ```no_run
+//! use shardline_testkit::harness::{Harness, TestContext, TestResult};
+//!
+//! async fn tables_are_per_database(ctx: TestContext) -> TestResult {
+//!     let db = ctx.databases().await?;
+//!     ctx.hosts()[0].connect(&db).await?.batch_execute("CREATE TABLE t (id int)").await?;
+//!     Ok(())
+//! }
+//!
+//! fn main() {
+//!     Harness::new(3).test("tables_are_per_database", tables_are_per_database).run()
+//! }
+//! ```
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use libtest_mimic::{Arguments, Failed, Trial};
+use tokio::sync::{OnceCell, RwLock};
+
+use crate::host::error_chain;
+use crate::{Cluster, Host, Result};
+
+/// What a test returns: `Err` (or a panic) fails it.
+pub type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// The environment variable that overrides the per-test time limit, in seconds.
+pub const TIMEOUT_ENV: &str = "SHARDLINE_TEST_TIMEOUT_SECS";
+
+/// A test's time limit when [`TIMEOUT_ENV`] is unset: a hung test fails instead of
+/// holding CI until its own limit.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+type TestFn = Arc<dyn Fn(TestContext) -> BoxFuture<'static, TestResult> + Send + Sync>;
+
+struct Case {
+    name: String,
+    exclusive: bool,
+    run: TestFn,
+}
+
+/// What a test gets: the shared cluster, and fresh databases on demand.
+#[derive(Debug, Clone)]
+pub struct TestContext {
+    cluster: Arc<Cluster>,
+    name: Arc<str>,
+    databases: Arc<AtomicUsize>,
+}
+
+impl TestContext {
+    /// The cluster shared by every test of the binary.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// The cluster's hosts.
+    pub fn hosts(&self) -> &[Host] {
+        self.cluster.hosts()
+    }
+
+    /// The test's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Creates a database, new and empty, on every host, and returns its name (the same
+    /// on each host). Named after the test, so a failing test's data can be found.
+    ///
+    /// # Errors
+    ///
+    /// When a host refuses.
+    pub async fn databases(&self) -> Result<String> {
+        let n = self.databases.fetch_add(1, Ordering::Relaxed);
+        let name = database_name(n, &self.name);
+        self.cluster.create_database(&name).await?;
+        Ok(name)
+    }
+}
+
+/// `t{n}_{test name}`, lowercased, with every other character made `_`, at most 63 bytes.
+fn database_name(n: usize, test: &str) -> String {
+    let mut name = format!("t{n}_");
+    for c in test.chars() {
+        if name.len() >= 63 {
+            break;
+        }
+        name.push(if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' });
+    }
+    name
+}
+
+/// The tests of one binary, and how many hosts they share.
+pub struct Harness {
+    hosts: usize,
+    cases: Vec<Case>,
+}
+
+impl std::fmt::Debug for Harness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness")
+            .field("hosts", &self.hosts)
+            .field("tests", &self.cases.iter().map(|c| c.name.as_str()).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Harness {
+    /// A harness whose tests share a cluster of `hosts` servers.
+    pub fn new(hosts: usize) -> Self {
+        Harness { hosts, cases: Vec::new() }
+    }
+
+    /// Adds a test that runs in parallel with the others.
+    pub fn test<F, Fut>(self, name: &str, test: F) -> Self
+    where
+        F: Fn(TestContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TestResult> + Send + 'static,
+    {
+        self.add(name, false, test)
+    }
+
+    /// Adds a test that runs alone (it may stop, kill or pause hosts); every host is
+    /// brought back to running after it, whether it passed or not.
+    pub fn exclusive<F, Fut>(self, name: &str, test: F) -> Self
+    where
+        F: Fn(TestContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TestResult> + Send + 'static,
+    {
+        self.add(name, true, test)
+    }
+
+    fn add<F, Fut>(mut self, name: &str, exclusive: bool, test: F) -> Self
+    where
+        F: Fn(TestContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TestResult> + Send + 'static,
+    {
+        let run: TestFn = Arc::new(move |ctx| Box::pin(test(ctx)));
+        self.cases.push(Case { name: name.to_owned(), exclusive, run });
+        self
+    }
+
+    /// Runs the tests the command line selects, tears the cluster down, and exits with
+    /// libtest's status.
+    pub fn run(self) -> ! {
+        let mut args = Arguments::from_args();
+        // The tests wait on servers, not on the CPU: more threads than cores pay off.
+        args.test_threads.get_or_insert(4);
+        let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("shardline-testkit: cannot build a tokio runtime: {e}");
+                std::process::exit(101);
+            }
+        };
+        let timeout = std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+        let shared = Arc::new(Shared {
+            hosts: self.hosts,
+            cluster: OnceCell::new(),
+            exclusive: RwLock::new(()),
+            databases: Arc::new(AtomicUsize::new(0)),
+            timeout,
+        });
+        let trials = self
+            .cases
+            .into_iter()
+            .map(|case| {
+                let shared = Arc::clone(&shared);
+                let handle = runtime.handle().clone();
+                let name = case.name.clone();
+                Trial::test(case.name, move || {
+                    handle.block_on(shared.run_case(&name, case.exclusive, &case.run))
+                })
+            })
+            .collect();
+        let conclusion = libtest_mimic::run(&args, trials);
+        if let Some(Ok(cluster)) = shared.cluster.get()
+            && let Err(e) = runtime.block_on(cluster.shutdown())
+        {
+            eprintln!("shardline-testkit: tearing the cluster down: {}", error_chain(&e));
+        }
+        drop(runtime);
+        conclusion.exit()
+    }
+}
+
+struct Shared {
+    hosts: usize,
+    cluster: OnceCell<std::result::Result<Arc<Cluster>, String>>,
+    /// Read-held by ordinary tests, write-held by exclusive ones.
+    exclusive: RwLock<()>,
+    databases: Arc<AtomicUsize>,
+    timeout: Duration,
+}
+
+impl Shared {
+    async fn cluster(&self) -> std::result::Result<Arc<Cluster>, Failed> {
+        let cluster = self
+            .cluster
+            .get_or_init(|| async {
+                match Cluster::start(self.hosts).await {
+                    Ok(c) => {
+                        eprintln!(
+                            "shardline-testkit: {} hosts started in {:.2} s ({} backend)",
+                            c.hosts().len(),
+                            c.startup_time().as_secs_f64(),
+                            c.backend()
+                        );
+                        Ok(Arc::new(c))
+                    }
+                    Err(e) => Err(format!("the test cluster did not start: {}", error_chain(&e))),
+                }
+            })
+            .await;
+        cluster.clone().map_err(Failed::from)
+    }
+
+    async fn run_case(&self, name: &str, exclusive: bool, run: &TestFn) -> std::result::Result<(), Failed> {
+        let cluster = self.cluster().await?;
+        let ctx = TestContext {
+            cluster: Arc::clone(&cluster),
+            name: name.into(),
+            databases: Arc::clone(&self.databases),
+        };
+        let (read, write);
+        if exclusive {
+            write = Some(self.exclusive.write().await);
+            read = None;
+        } else {
+            read = Some(self.exclusive.read().await);
+            write = None;
+        }
+        let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
+        let result = match outcome {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(e))) => Err(Failed::from(error_chain(e.as_ref()))),
+            Ok(Err(_)) => {
+                Err(Failed::from(format!("timed out after {:?} (set {TIMEOUT_ENV} to change)", self.timeout)))
+            }
+            Err(panic) => Err(Failed::from(panic_message(panic.as_ref()))),
+        };
+        if exclusive && let Err(e) = cluster.heal().await {
+            let healed = format!("healing the hosts after the test failed: {}", error_chain(&e));
+            return Err(match result {
+                Ok(()) => Failed::from(healed),
+                Err(f) => Failed::from(format!("{}\n{healed}", f.message().unwrap_or_default())),
+            });
+        }
+        drop((read, write));
+        result
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_name;
+
+    #[test]
+    fn database_names_follow_the_test() {
+        assert_eq!(database_name(3, "faults::kill_then_start"), "t3_faults__kill_then_start");
+        let long = database_name(12, &"X".repeat(100));
+        assert_eq!(long.len(), 63);
+        crate::cluster::check_database_name(&long).unwrap();
+    }
+}

@@ -1,0 +1,42 @@
+//! Integration tests against real PostgreSQL hosts: one cluster of three, shared by every
+//! test of this binary (see `shardline_testkit::harness`).
+
+mod cluster;
+mod faults;
+mod replication;
+
+use shardline_testkit::harness::Harness;
+
+fn main() {
+    Harness::new(3)
+        .test("cluster::three_independent_hosts_start", cluster::three_independent_hosts_start)
+        .test("cluster::backend_is_the_one_asked_for", cluster::backend_is_the_one_asked_for)
+        .test(
+            "cluster::a_table_made_on_one_host_is_absent_on_the_others",
+            cluster::a_table_made_on_one_host_is_absent_on_the_others,
+        )
+        .test("cluster::tests_get_separate_databases", cluster::tests_get_separate_databases)
+        .test(
+            "cluster::hosts_run_with_the_settings_moves_need",
+            cluster::hosts_run_with_the_settings_moves_need,
+        )
+        .test(
+            "replication::logical_replication_delivers_a_row",
+            replication::logical_replication_delivers_a_row,
+        )
+        .exclusive(
+            "faults::stop_ends_sessions_and_start_brings_data_back",
+            faults::stop_ends_sessions_and_start_brings_data_back,
+        )
+        .exclusive(
+            "faults::kill_crashes_and_start_recovers_committed_rows",
+            faults::kill_crashes_and_start_recovers_committed_rows,
+        )
+        .exclusive(
+            "faults::pause_makes_queries_time_out_and_resume_answers_them",
+            faults::pause_makes_queries_time_out_and_resume_answers_them,
+        )
+        .exclusive("faults::restart_keeps_the_url_and_the_data", faults::restart_keeps_the_url_and_the_data)
+        .exclusive("faults::handles_refuse_what_makes_no_sense", faults::handles_refuse_what_makes_no_sense)
+        .run()
+}
