@@ -3,6 +3,7 @@
 
 mod cluster;
 mod faults;
+mod lifecycle;
 mod replication;
 
 use shardline_testkit::harness::Harness;
@@ -19,6 +20,10 @@ fn main() {
         .test(
             "cluster::hosts_run_with_the_settings_moves_need",
             cluster::hosts_run_with_the_settings_moves_need,
+        )
+        .test(
+            "lifecycle::a_killed_test_process_leaves_no_server",
+            lifecycle::a_killed_test_process_leaves_no_server,
         )
         .test(
             "replication::logical_replication_delivers_a_row",

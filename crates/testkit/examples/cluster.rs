@@ -49,7 +49,10 @@ async fn run(hosts: usize) -> Result<(), Box<dyn std::error::Error + Send + Sync
         let answer = async {
             let client = host.connect("postgres").await?;
             let row = client.query_one("SELECT version(), current_setting('wal_level')", &[]).await?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((row.get::<_, String>(0), row.get::<_, String>(1)))
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((
+                row.get::<_, String>(0),
+                row.get::<_, String>(1),
+            ))
         }
         .await;
         match answer {

@@ -59,6 +59,14 @@ impl Cluster {
         Ok(Cluster { backend, hosts, startup })
     }
 
+    /// Removes what test processes that no longer exist left behind: containers (and
+    /// their networks) of the docker backend, data directories of the local one. Every
+    /// start does this; it is public so tests can show it works.
+    pub async fn remove_leftovers() {
+        crate::docker::remove_leftovers().await;
+        crate::local::remove_leftovers(&crate::local::scratch_parent());
+    }
+
     /// Which backend runs the servers.
     pub fn backend(&self) -> BackendKind {
         self.backend.kind()

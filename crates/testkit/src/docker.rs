@@ -221,7 +221,7 @@ async fn docker_cli(args: &[&str]) -> Result<String> {
 
 /// Removes containers and networks that a test process which no longer exists left
 /// behind (it was SIGKILLed before its teardown ran). Best effort.
-async fn remove_leftovers() {
+pub(crate) async fn remove_leftovers() {
     let Ok(listing) = docker_cli(&[
         "ps",
         "-a",

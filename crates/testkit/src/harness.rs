@@ -161,7 +161,14 @@ impl Harness {
 
     /// Runs the tests the command line selects, tears the cluster down, and exits with
     /// libtest's status.
+    ///
+    /// With [`HOLD_ENV`]` = N` in the environment it runs no test: it starts a cluster of
+    /// N hosts, prints `shardline-testkit-hold PORT...` on stdout and waits to be killed.
+    /// Tests use this to show that a killed test process leaves no server behind.
     pub fn run(self) -> ! {
+        if let Some(hosts) = std::env::var(HOLD_ENV).ok().and_then(|n| n.parse::<usize>().ok()) {
+            hold(hosts)
+        }
         let mut args = Arguments::from_args();
         // The tests wait on servers, not on the CPU: more threads than cores pay off.
         args.test_threads.get_or_insert(4);
@@ -204,6 +211,41 @@ impl Harness {
         drop(runtime);
         conclusion.exit()
     }
+}
+
+/// The environment variable that turns a test binary into a cluster holder (see
+/// [`Harness::run`]).
+pub const HOLD_ENV: &str = "SHARDLINE_TESTKIT_HOLD_CLUSTER";
+
+/// What a holder prints, followed by its hosts' ports, once its cluster is up.
+pub const HOLD_READY: &str = "shardline-testkit-hold";
+
+fn hold(hosts: usize) -> ! {
+    use std::io::Write;
+    let code = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Err(e) => {
+            eprintln!("shardline-testkit: cannot build a tokio runtime: {e}");
+            101
+        }
+        Ok(runtime) => runtime.block_on(async {
+            match Cluster::start(hosts).await {
+                Err(e) => {
+                    eprintln!("shardline-testkit: the held cluster did not start: {}", error_chain(&e));
+                    1
+                }
+                Ok(cluster) => {
+                    let ports: Vec<String> =
+                        cluster.hosts().iter().map(|h| h.endpoint().port.to_string()).collect();
+                    println!("{HOLD_READY} {}", ports.join(" "));
+                    let _ = std::io::stdout().flush();
+                    // Until killed; the cluster is deliberately never shut down.
+                    std::future::pending::<()>().await;
+                    0
+                }
+            }
+        }),
+    };
+    std::process::exit(code)
 }
 
 struct Shared {

@@ -123,13 +123,13 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> E
 }
 
 /// tmpfs when the machine has one (a server starts ~5x faster there), else the temp dir.
-fn scratch_parent() -> PathBuf {
+pub(crate) fn scratch_parent() -> PathBuf {
     let shm = Path::new("/dev/shm");
     if shm.is_dir() { shm.to_owned() } else { std::env::temp_dir() }
 }
 
 /// Removes the directories of runs whose process is gone. Their servers died with them.
-fn remove_leftovers(parent: &Path) {
+pub(crate) fn remove_leftovers(parent: &Path) {
     let Ok(entries) = fs::read_dir(parent) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
@@ -251,7 +251,10 @@ impl LocalHost {
             .arg(format!("port={}", self.port))
             .args(["-c", "listen_addresses=127.0.0.1"])
             .arg("-c")
-            .arg(format!("unix_socket_directories={}", self.dir.display()));
+            .arg(format!("unix_socket_directories={}", self.dir.display()))
+            // Dynamic shared memory in the data directory rather than /dev/shm, so a
+            // killed server leaves nothing outside the directory the kit removes.
+            .args(["-c", "dynamic_shared_memory_type=mmap"]);
         for (key, value) in server_settings() {
             cmd.arg("-c").arg(format!("{key}={value}"));
         }

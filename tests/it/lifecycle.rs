@@ -1,0 +1,61 @@
+//! The kit cleans up after itself, even after a test process is SIGKILLed.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use shardline_testkit::backend::BACKEND_ENV;
+use shardline_testkit::harness::{HOLD_ENV, HOLD_READY, TestContext, TestResult};
+use shardline_testkit::{BackendKind, Cluster};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_postgres::NoTls;
+
+async fn accepts(port: u16) -> bool {
+    let mut config = tokio_postgres::Config::new();
+    config.host("127.0.0.1").port(port).user("postgres").dbname("postgres");
+    matches!(tokio::time::timeout(Duration::from_secs(5), config.connect(NoTls)).await, Ok(Ok(_)))
+}
+
+pub(crate) async fn a_killed_test_process_leaves_no_server(ctx: TestContext) -> TestResult {
+    let backend = ctx.cluster().backend();
+    // This very binary, told to hold a cluster of two hosts and wait.
+    let mut holder = tokio::process::Command::new(std::env::current_exe()?)
+        .env(HOLD_ENV, "2")
+        .env(BACKEND_ENV, backend.as_str())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = holder.stdout.take().ok_or("the holder has no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(ports) = line.strip_prefix(HOLD_READY) {
+                return Ok(Some(ports.to_owned()));
+            }
+        }
+        Ok::<_, std::io::Error>(None)
+    })
+    .await??
+    .ok_or("the holder ended before its cluster was up")?;
+    let ports: Vec<u16> = ready.split_whitespace().map(str::parse).collect::<Result<_, _>>()?;
+    assert_eq!(ports.len(), 2);
+    for &port in &ports {
+        assert!(accepts(port).await, "the held host on port {port} does not answer");
+    }
+
+    holder.start_kill()?; // SIGKILL: no destructor, no teardown runs in the holder
+    holder.wait().await?;
+    if backend == BackendKind::Docker {
+        // Containers outlive a SIGKILLed client; the next run of the kit removes them.
+        Cluster::remove_leftovers().await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for &port in &ports {
+        while accepts(port).await {
+            assert!(Instant::now() < deadline, "a server of the killed process still answers on port {port}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
