@@ -45,7 +45,7 @@
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
-#![doc(test(attr(deny(warnings))))]
+#![doc(test(attr(deny(warnings), allow(dead_code))))]
 
 pub mod backend;
 pub mod cluster;
@@ -59,6 +59,11 @@ pub use backend::{Backend, BackendKind};
 pub use cluster::Cluster;
 pub use error::{Error, Result};
 pub use host::{Endpoint, Host, HostControl, HostState};
+
+/// The README's code samples, compiled as doctests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
 
 /// Server settings every host runs with, whatever the backend.
 ///
