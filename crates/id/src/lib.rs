@@ -1,8 +1,63 @@
-//! Mint and decode shardline's 64-bit IDs.
+//! Mint and decode shardline's 64-bit shard IDs.
 //!
-//! An ID is `| 41 bits: ms since the epoch | 13 bits: logical shard | 10 bits: sequence |`,
-//! stored as a Postgres `bigint`, so a read by ID can be routed by the shard inside it.
+//! ```text
+//! | 41 bits: ms since 2011-08-24T21:07:01.721Z | 13 bits: logical shard | 10 bits: sequence |
+//! ```
 //!
-//! This crate is still empty: the layout, the `Id` newtype and the SQL that mints IDs
-//! inside each shard schema arrive with the `[ids]` issue. See `docs/` for the design.
+//! An ID is a non-negative Postgres `bigint` that carries its creation time and the
+//! logical shard that minted it, so a read by ID goes straight to the right host. The
+//! widths and the epoch are a value ([`Layout`], Instagram's by default) that feeds
+//! both the Rust code here and the SQL that mints IDs inside every shard schema
+//! ([`sql::ShardSql`]), so the two cannot disagree.
+//!
+//! Unique by construction: a shard's IDs come from one number that only grows,
+//! `(ms since epoch << 10) | counter` — in Postgres, the shard's own sequence. More than
+//! 1024 IDs in a millisecond borrow the next millisecond; a clock that steps back
+//! changes nothing. `docs/ids.md` has the argument and the measurements.
+//!
+//! # Layout
+//!
+//! - [`Layout`]: widths, epoch, composing and decoding, the sign-bit and exhaustion dates.
+//! - [`Id`]: the newtype, its decimal and compact text forms.
+//! - [`generator`]: an in-process generator, and blocks reserved from a shard's sequence.
+//! - [`sql`]: the SQL that installs the minter in a shard schema.
+//!
+//! # Features
+//!
+//! - `serde`: `Serialize`/`Deserialize` for [`Id`] (a decimal string in human-readable
+//!   formats, `i64` in binary ones), and [`serde::as_i64`] for `#[serde(with)]`.
+//! - `sqlx`: [`Id`] as a Postgres `BIGINT` in sqlx, validated on decode.
+//! - `postgres-types`: `FromSql`/`ToSql` for tokio-postgres, validated on decode.
+//! - `test-util`: [`generator::ManualClock`].
+//!
+//! # Example
+//!
+//! ```
+//! use shardline_id::{Id, Layout};
+//!
+//! let id: Id = "1436985812374127403".parse().unwrap();
+//! let parts = Layout::INSTAGRAM.decode(id);
+//! assert_eq!(parts.shard, id.shard());
+//! // IDs minted in an hour form one range, found with the primary key alone.
+//! let (from, to) = (Id::min_at(id.created_at())?, Id::max_at(id.created_at())?);
+//! assert!(from <= id && id <= to);
+//! # Ok::<(), shardline_id::Error>(())
+//! ```
 #![forbid(unsafe_code)]
+#![doc(test(attr(deny(warnings))))]
+
+mod error;
+mod external;
+pub mod generator;
+mod id;
+mod layout;
+pub mod sql;
+
+pub use error::{Error, ParseIdError, Result};
+#[cfg(feature = "serde")]
+pub use external::serde_support as serde;
+pub use id::Id;
+pub use layout::{INSTAGRAM_EPOCH_MS, IdParts, Layout};
+
+#[cfg(test)]
+mod tests;

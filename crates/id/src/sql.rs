@@ -1,0 +1,261 @@
+//! The SQL that mints IDs inside a shard schema, rendered from a [`Layout`].
+//!
+//! [`ShardSql::install`] creates, in one schema (idempotently):
+//!
+//! - `shardline_id_seq`, the shard's sequence. Its value is
+//!   `(ms since epoch << sequence_bits) | counter`: one `nextval` carries both the time
+//!   and the sequence fields, never repeats and never goes back.
+//! - `next_id()`, for `DEFAULT next_id()`: a SQL function the planner inlines into the
+//!   statement (measured at 0.97× bigserial's rows/s, see `docs/ids.md`). It takes
+//!   `nextval`; when that lags the transaction's start time by more than
+//!   [`ShardSql::max_lag_ms`], it calls `shardline_catch_up()` instead.
+//! - `shardline_catch_up()`: moves the sequence forward to the transaction's start time,
+//!   only forward, while no other transaction can take a value (see below), and mints.
+//! - `id_parts(bigint)`: the decoder, `(unix_ms, shard, sequence)`.
+//! - `reserve_ids(n)`: `n` values of the same sequence, as ranges, for minting in the
+//!   application ([`crate::generator::ReservedBlocks`]).
+//!
+//! # Why catching up cannot duplicate
+//!
+//! Postgres has no compare-and-set on a sequence: `setval` after reading `last_value`
+//! races with concurrent `nextval`s. So the catch-up first takes the sequence's
+//! `SHARE ROW EXCLUSIVE` lock (by a no-op `ALTER SEQUENCE ... OWNED BY NONE`, which does
+//! not rewrite the sequence). That lock conflicts with the `ROW EXCLUSIVE` lock every
+//! `nextval` takes and holds to the end of its transaction, so once it is granted no
+//! other transaction has taken or can take a value: `last_value` is exact, and `setval`
+//! moves the sequence forward only. The lock is taken in a subtransaction that is then
+//! rolled back, which releases it at once (the non-transactional `setval` stays). It
+//! waits at most 20 ms for minting transactions to finish; when it cannot get the lock
+//! it mints from the lagging sequence (still unique, just older) and the session tries
+//! again after a second. The minting fast path takes no lock beyond `nextval`'s own.
+
+use crate::{Error, Layout, Result};
+
+/// How far the sequence may lag the transaction's start before `next_id()` catches it
+/// up, by default: at most one catch-up per 100 ms under steady load.
+pub const DEFAULT_MAX_LAG_MS: i64 = 100;
+
+/// How long a catch-up waits for other minting transactions to finish, in ms.
+pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 20;
+
+/// After a catch-up could not get its lock, how long the session mints from the lagging
+/// sequence before it tries again, in ms.
+pub const CATCH_UP_RETRY_MS: i64 = 1000;
+
+/// The largest `n` one `reserve_ids(n)` call hands out.
+pub const MAX_RESERVE: i32 = 1_000_000;
+
+/// The minter of one logical shard, as SQL for its schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSql {
+    layout: Layout,
+    schema: String,
+    shard: u32,
+    max_lag_ms: i64,
+    clock_offset_ms: i64,
+}
+
+impl ShardSql {
+    /// The minter of `shard`, installed in `schema`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidSchemaName`] unless `schema` is 1–63 bytes of `[a-z0-9_]` starting
+    /// with a letter or `_`; [`Error::ShardOutOfRange`] when the shard does not fit.
+    pub fn new(layout: Layout, schema: &str, shard: u32) -> Result<Self> {
+        check_identifier(schema)?;
+        if shard > layout.max_shard() {
+            return Err(Error::ShardOutOfRange { shard, max: layout.max_shard() });
+        }
+        Ok(ShardSql {
+            layout,
+            schema: schema.to_owned(),
+            shard,
+            max_lag_ms: DEFAULT_MAX_LAG_MS,
+            clock_offset_ms: 0,
+        })
+    }
+
+    /// How far (ms, at least 0) the sequence may lag the transaction's start time before
+    /// `next_id()` catches it up. Smaller keeps ID times closer to the truth and catches
+    /// up more often.
+    #[must_use]
+    pub fn max_lag_ms(mut self, ms: i64) -> Self {
+        self.max_lag_ms = ms.max(0);
+        self
+    }
+
+    /// Shifts the clock the SQL reads by `ms` (negative: back). For tests that show a
+    /// clock stepping back changes nothing; production leaves it at 0.
+    #[must_use]
+    pub fn clock_offset_ms(mut self, ms: i64) -> Self {
+        self.clock_offset_ms = ms;
+        self
+    }
+
+    /// The layout the SQL mints with.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The schema, quoted for SQL.
+    pub fn quoted_schema(&self) -> String {
+        format!("\"{}\"", self.schema)
+    }
+
+    /// The sequence, schema-qualified and quoted.
+    pub fn sequence(&self) -> String {
+        format!("\"{}\".shardline_id_seq", self.schema)
+    }
+
+    /// The statements that install (or update) the minter in the schema, which must
+    /// exist. Idempotent: run it again to change the layout's options; the sequence is
+    /// only ever moved forward.
+    pub fn install(&self) -> String {
+        let s = self.quoted_schema();
+        let seq = self.sequence();
+        let l = self.layout;
+        let (epoch, seq_bits, ts_shift) = (l.epoch_ms(), l.sequence_bits(), l.timestamp_shift());
+        let (max_seq, shard_part) = (l.max_sequence(), i64::from(self.shard) << l.shard_shift());
+        let max_value = l.max_sequence_value();
+        let offset = self.clock_offset_ms;
+        let lag = self.max_lag_ms;
+        let shard = self.shard;
+        let retry_guc = format!("shardline.catch_up_retry_{}", self.schema);
+        // Every shift is on bigint: `x << 23` on an int wraps silently in Postgres.
+        let compose = |v: &str| {
+            format!("((({v} >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint | ({v} & {max_seq}))")
+        };
+        let now_ticks = format!("((date_part('epoch', now()) * 1000)::bigint + ({offset}) - {epoch})");
+        let fast = compose(&format!("currval('{seq}')"));
+        let slow_compose = compose("v");
+        format!(
+            r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
+COMMENT ON SEQUENCE {seq} IS 'shardline id sequence: (ms since epoch << {seq_bits}) | counter; layout {ts}/{sb}/{seq_bits}, epoch {epoch} ms, shard {shard}';
+
+CREATE OR REPLACE FUNCTION {s}.shardline_catch_up() RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    now_ms bigint := floor(extract(epoch FROM now()) * 1000)::bigint + ({offset});
+    target bigint;
+    last bigint;
+    retry_at text := current_setting('{retry_guc}', true);
+    v bigint;
+BEGIN
+    IF now_ms - {epoch} > {last_ticks} THEN
+        RAISE EXCEPTION 'shard {shard}: the ID layout ends at % ms since the Unix epoch', {last_unix_ms}
+            USING ERRCODE = 'numeric_value_out_of_range';
+    END IF;
+    target := greatest(now_ms - {epoch}, 0) << {seq_bits};
+    IF coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms THEN
+        BEGIN
+            PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
+            -- SHARE ROW EXCLUSIVE: granted once no other transaction holds nextval's
+            -- ROW EXCLUSIVE lock, and it keeps new ones out. No rewrite: setval sticks.
+            ALTER SEQUENCE {seq} OWNED BY NONE;
+            SELECT s.last_value INTO last FROM {seq} AS s;
+            IF target > last THEN
+                PERFORM setval('{seq}', target);
+            END IF;
+            -- Roll the subtransaction back: that releases the lock now.
+            RAISE SQLSTATE 'SLC01';
+        EXCEPTION
+            WHEN SQLSTATE 'SLC01' THEN NULL;
+            WHEN lock_not_available THEN
+                PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
+        END;
+    END IF;
+    v := nextval('{seq}');
+    RETURN {slow_compose};
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
+LANGUAGE sql VOLATILE AS $fn$
+SELECT CASE WHEN (nextval('{seq}') >> {seq_bits}) >= {now_ticks} - {lag}
+    THEN {fast}
+    ELSE {s}.shardline_catch_up()
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.id_parts(id bigint, OUT unix_ms bigint, OUT shard integer, OUT sequence integer)
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+SELECT (id >> {ts_shift}) + {epoch}, ((id >> {shard_shift}) & {max_shard})::integer, (id & {max_seq})::integer
+$fn$;
+
+CREATE OR REPLACE FUNCTION {s}.reserve_ids(n integer) RETURNS TABLE (first_value bigint, last_value bigint)
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    IF n IS NULL OR n < 1 OR n > {max_reserve} THEN
+        RAISE EXCEPTION 'reserve_ids: n must be between 1 and {max_reserve}, not %', n
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    SELECT min(v), max(v) FROM (
+        SELECT v, v - row_number() OVER (ORDER BY v) AS run
+        FROM (SELECT ((id >> {ts_shift}) << {seq_bits}) | (id & {max_seq}) AS v
+              FROM (SELECT {s}.next_id() AS id FROM generate_series(1, n)) AS minted) AS values_
+    ) AS runs
+    GROUP BY run ORDER BY 1;
+END
+$fn$;
+
+SELECT {s}.shardline_catch_up();
+"#,
+            ts = l.timestamp_bits(),
+            sb = l.shard_bits(),
+            last_ticks = l.last_unix_ms() - epoch,
+            last_unix_ms = l.last_unix_ms(),
+            lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
+            retry_ms = CATCH_UP_RETRY_MS,
+            shard_shift = l.shard_shift(),
+            max_shard = l.max_shard(),
+            max_reserve = MAX_RESERVE,
+        )
+    }
+
+    /// Instagram's original `next_id()` (PL/pgSQL, `nextval() % 1024` beside the
+    /// clock), as `instagram_next_id()` in the schema with its own sequence: only for
+    /// benchmarks and tests that show what it gets wrong.
+    pub fn instagram_original(&self) -> String {
+        let s = self.quoted_schema();
+        format!(
+            r#"CREATE SEQUENCE IF NOT EXISTS {s}.instagram_seq;
+CREATE OR REPLACE FUNCTION {s}.instagram_next_id(OUT result bigint) AS $fn$
+DECLARE
+    our_epoch bigint := {epoch};
+    seq_id bigint;
+    now_millis bigint;
+    shard_id int := {shard};
+BEGIN
+    SELECT nextval('{s}.instagram_seq') % 1024 INTO seq_id;
+    SELECT FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) INTO now_millis;
+    result := (now_millis - our_epoch) << 23;
+    result := result | (shard_id << 10);
+    result := result | (seq_id);
+END;
+$fn$ LANGUAGE plpgsql;
+"#,
+            epoch = self.layout.epoch_ms(),
+            shard = self.shard,
+        )
+    }
+}
+
+/// Checks that `name` is a plain lowercase Postgres identifier (so quoting it is exact).
+pub fn check_identifier(name: &str) -> Result<()> {
+    let bad = |reason| Err(Error::InvalidSchemaName { name: name.to_owned(), reason });
+    if name.is_empty() || name.len() > 63 {
+        return bad("must be 1 to 63 bytes");
+    }
+    if !name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_') {
+        return bad("must start with a lowercase ASCII letter or an underscore");
+    }
+    if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+        return bad("may hold only lowercase ASCII letters, digits and underscores");
+    }
+    if name.starts_with("pg_") {
+        return bad("names starting with pg_ are reserved by Postgres");
+    }
+    Ok(())
+}
