@@ -3,6 +3,7 @@
 
 mod cluster;
 mod faults;
+mod ids;
 mod lifecycle;
 mod replication;
 
@@ -28,6 +29,26 @@ fn main() {
         .test(
             "replication::logical_replication_delivers_a_row",
             replication::logical_replication_delivers_a_row,
+        )
+        .test(
+            "ids::a_million_rows_from_one_statement_are_distinct",
+            ids::a_million_rows_from_one_statement_are_distinct,
+        )
+        .test(
+            "ids::more_than_1024_ids_in_one_clock_millisecond_stay_unique",
+            ids::more_than_1024_ids_in_one_clock_millisecond_stay_unique,
+        )
+        .test("ids::two_concurrent_sessions_never_collide", ids::two_concurrent_sessions_never_collide)
+        .test("ids::four_concurrent_sessions_never_collide", ids::four_concurrent_sessions_never_collide)
+        .test("ids::a_clock_stepping_back_changes_nothing", ids::a_clock_stepping_back_changes_nothing)
+        .test(
+            "ids::a_lagging_sequence_catches_up_and_waits_for_no_one",
+            ids::a_lagging_sequence_catches_up_and_waits_for_no_one,
+        )
+        .test("ids::rust_and_sql_decode_alike", ids::rust_and_sql_decode_alike)
+        .test(
+            "ids::reserved_blocks_and_database_minting_share_one_source",
+            ids::reserved_blocks_and_database_minting_share_one_source,
         )
         .exclusive(
             "faults::stop_ends_sessions_and_start_brings_data_back",

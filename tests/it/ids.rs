@@ -1,0 +1,278 @@
+//! IDs minted inside Postgres by the SQL `shardline-id` renders: unique by construction,
+//! monotonic per shard, deaf to clock steps, and decoded identically by Rust and SQL.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::TestRunner;
+use shardline_id::generator::ReservedBlocks;
+use shardline_id::sql::ShardSql;
+use shardline_id::{Id, IdParts, Layout};
+use shardline_testkit::Host;
+use shardline_testkit::harness::{TestContext, TestResult};
+use tokio_postgres::Client;
+
+const L: Layout = Layout::INSTAGRAM;
+const SHARD: u32 = 5;
+const SCHEMA: &str = "shard_0005";
+
+/// A fresh database on host `host` with shard 5's minter and a `photos` table using it.
+async fn shard_db(
+    ctx: &TestContext,
+    host: usize,
+    sql: &ShardSql,
+) -> Result<(String, Client), Box<dyn std::error::Error + Send + Sync>> {
+    let db = ctx.databases().await?;
+    let client = ctx.hosts()[host].connect(&db).await?;
+    client.batch_execute(&format!("CREATE SCHEMA {SCHEMA}")).await?;
+    client.batch_execute(&sql.install()).await?;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {SCHEMA}.photos (id bigint PRIMARY KEY DEFAULT {SCHEMA}.next_id(), n bigint NOT NULL, session int NOT NULL DEFAULT 0)"
+        ))
+        .await?;
+    Ok((db, client))
+}
+
+fn minter() -> ShardSql {
+    ShardSql::new(L, SCHEMA, SHARD).expect("a valid schema and shard")
+}
+
+async fn ids(client: &Client, sql: &str) -> Result<Vec<Id>, tokio_postgres::Error> {
+    Ok(client.query(sql, &[]).await?.iter().map(|r| r.get::<_, Id>(0)).collect())
+}
+
+fn strictly_increasing(ids: &[Id]) -> bool {
+    ids.windows(2).all(|w| w[0] < w[1])
+}
+
+pub(crate) async fn a_million_rows_from_one_statement_are_distinct(ctx: TestContext) -> TestResult {
+    let (_db, client) = shard_db(&ctx, 0, &minter()).await?;
+    client
+        .execute(&format!("INSERT INTO {SCHEMA}.photos (n) SELECT g FROM generate_series(1, 1000000) g"), &[])
+        .await?;
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE id <= prev), min(id), max(id)
+                 FROM (SELECT id, lag(id) OVER (ORDER BY n) AS prev FROM {SCHEMA}.photos) t"
+            ),
+            &[],
+        )
+        .await?;
+    let (rows, distinct, decreasing): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!((rows, distinct), (1_000_000, 1_000_000), "duplicate IDs");
+    assert_eq!(decreasing, 0, "IDs must increase in the order rows were minted");
+    let (first, last): (Id, Id) = (row.get(3), row.get(4));
+    for id in [first, last] {
+        assert_eq!(id.shard(), SHARD);
+    }
+    let now = shardline_id::generator::Clock::now_ms(&shardline_id::generator::SystemClock);
+    assert!(
+        (first.unix_ms() - now).abs() < 120_000,
+        "first ID's time {} is far from now {now}",
+        first.unix_ms()
+    );
+    Ok(())
+}
+
+pub(crate) async fn more_than_1024_ids_in_one_clock_millisecond_stay_unique(ctx: TestContext) -> TestResult {
+    let (_db, client) = shard_db(&ctx, 1, &minter()).await?;
+    // Inside one transaction the clock the minter reads (now()) does not move: every ID
+    // below is minted "in the same millisecond". 5000 of them borrow the next ones.
+    let minted = ids(&client, &format!("SELECT {SCHEMA}.next_id() FROM generate_series(1, 5000)")).await?;
+    assert_eq!(minted.iter().collect::<HashSet<_>>().len(), 5000);
+    assert!(strictly_increasing(&minted));
+    let mut per_ms = std::collections::BTreeMap::<i64, u32>::new();
+    for id in &minted {
+        *per_ms.entry(id.unix_ms()).or_default() += 1;
+    }
+    assert!(per_ms.values().all(|&n| n <= 1024));
+    assert!(
+        per_ms.values().filter(|&&n| n == 1024).count() >= 3,
+        "the burst should fill whole milliseconds: {per_ms:?}"
+    );
+
+    // Instagram's scheme, `nextval() % 1024` beside the same clock, repeats IDs in the
+    // same burst: this test would catch a minter that is unique only by luck.
+    client
+        .batch_execute(&format!(
+            "CREATE SEQUENCE {SCHEMA}.insta_seq;
+             CREATE FUNCTION {SCHEMA}.insta_next_id() RETURNS bigint LANGUAGE sql VOLATILE AS $$
+             SELECT ((floor(extract(epoch FROM now()) * 1000)::bigint - {epoch}) << 23) | ({SHARD} << 10) | (nextval('{SCHEMA}.insta_seq') % 1024) $$",
+            epoch = L.epoch_ms()
+        ))
+        .await?;
+    let theirs =
+        ids(&client, &format!("SELECT {SCHEMA}.insta_next_id() FROM generate_series(1, 5000)")).await?;
+    let distinct = theirs.iter().collect::<HashSet<_>>().len();
+    assert_eq!(distinct, 1024, "Instagram's scheme should repeat after 1024 IDs in one clock millisecond");
+    Ok(())
+}
+
+async fn concurrent_sessions(ctx: TestContext, sessions: i32, rows: i64) -> TestResult {
+    // The clock reads 10 s ahead of the sequence, so every session starts by catching up,
+    // all at once: the catch-up must be safe against the others' nextval.
+    let sql = minter();
+    let (db, client) = shard_db(&ctx, 2, &sql).await?;
+    client.batch_execute(&sql.clone().clock_offset_ms(10_000).install()).await?;
+    let host: &Host = &ctx.hosts()[2];
+    let mut tasks = Vec::new();
+    for s in 0..sessions {
+        let c = host.connect(&db).await?;
+        tasks.push(tokio::spawn(async move {
+            c.execute(
+                &format!("INSERT INTO {SCHEMA}.photos (n, session) SELECT g, $1 FROM generate_series(1, $2::bigint) g"),
+                &[&s, &rows],
+            )
+            .await
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT count(*), count(DISTINCT id),
+                        (SELECT count(*) FROM (SELECT id, lag(id) OVER (PARTITION BY session ORDER BY n) AS prev FROM {SCHEMA}.photos) t WHERE id <= prev)
+                 FROM {SCHEMA}.photos"
+            ),
+            &[],
+        )
+        .await?;
+    let (total, distinct, decreasing): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(total, i64::from(sessions) * rows);
+    assert_eq!(distinct, total, "{sessions} concurrent sessions minted duplicate IDs");
+    assert_eq!(decreasing, 0, "a session's IDs went down");
+    Ok(())
+}
+
+pub(crate) async fn two_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
+    concurrent_sessions(ctx, 2, 250_000).await
+}
+
+pub(crate) async fn four_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
+    concurrent_sessions(ctx, 4, 250_000).await
+}
+
+pub(crate) async fn a_clock_stepping_back_changes_nothing(ctx: TestContext) -> TestResult {
+    let sql = minter();
+    let (_db, client) = shard_db(&ctx, 0, &sql).await?;
+    let mut all = Vec::new();
+    for offset in [0, -3_600_000, -86_400_000, 5_000, -10_000] {
+        client.batch_execute(&sql.clone().clock_offset_ms(offset).install()).await?;
+        for _ in 0..3 {
+            all.extend(
+                ids(&client, &format!("SELECT {SCHEMA}.next_id() FROM generate_series(1, 700)")).await?,
+            );
+        }
+    }
+    assert_eq!(all.iter().collect::<HashSet<_>>().len(), all.len(), "a clock step made a duplicate");
+    assert!(strictly_increasing(&all), "a clock step made IDs go down");
+    Ok(())
+}
+
+pub(crate) async fn a_lagging_sequence_catches_up_and_waits_for_no_one(ctx: TestContext) -> TestResult {
+    let sql = minter();
+    let (db, client) = shard_db(&ctx, 1, &sql).await?;
+    let before = ids(&client, &format!("SELECT {SCHEMA}.next_id()")).await?[0];
+    // The clock jumps 60 s ahead: the next ID catches up to it.
+    client.batch_execute(&sql.clone().clock_offset_ms(60_000).install()).await?;
+    let jumped = ids(&client, &format!("SELECT {SCHEMA}.next_id()")).await?[0];
+    assert!(jumped.unix_ms() - before.unix_ms() >= 59_000, "no catch-up: {before:?} -> {jumped:?}");
+
+    // Another transaction mints and stays open. Then the clock jumps another minute: the
+    // catch-up cannot get its lock while that transaction is open, so the ID comes at
+    // once from the lagging sequence (still unique, just older) instead of waiting.
+    let holder = ctx.hosts()[1].connect(&db).await?;
+    holder.batch_execute(&format!("BEGIN; SELECT {SCHEMA}.next_id()")).await?;
+    let started = Instant::now();
+    client.batch_execute(&sql.clone().clock_offset_ms(120_000).install()).await?;
+    let lagging = ids(&client, &format!("SELECT {SCHEMA}.next_id()")).await?[0];
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(2), "minting waited {waited:?} for an open transaction");
+    assert!(lagging > jumped, "IDs went down");
+    assert!(
+        lagging.unix_ms() - jumped.unix_ms() < 1000,
+        "caught up while another minting transaction was open"
+    );
+    holder.batch_execute("COMMIT").await?;
+    // The session retries its catch-up a second later.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let caught = ids(&client, &format!("SELECT {SCHEMA}.next_id()")).await?[0];
+    assert!(
+        caught.unix_ms() - jumped.unix_ms() >= 59_000,
+        "no catch-up after the holder committed: {caught:?}"
+    );
+    Ok(())
+}
+
+pub(crate) async fn rust_and_sql_decode_alike(ctx: TestContext) -> TestResult {
+    let (_db, client) = shard_db(&ctx, 2, &minter()).await?;
+    // SQL-minted IDs: Rust's decoding equals SQL's id_parts.
+    let rows = client
+        .query(&format!("SELECT id, (p).unix_ms, (p).shard, (p).sequence FROM (SELECT id, {SCHEMA}.id_parts(id) AS p FROM (SELECT {SCHEMA}.next_id() AS id FROM generate_series(1, 3000)) m) d"), &[])
+        .await?;
+    for r in &rows {
+        let id: Id = r.get(0);
+        let sql = IdParts {
+            unix_ms: r.get(1),
+            shard: u32::try_from(r.get::<_, i32>(2))?,
+            sequence: u32::try_from(r.get::<_, i32>(3))?,
+        };
+        assert_eq!(L.decode(id), sql);
+    }
+    // Rust-composed IDs over the whole range, from a property strategy: SQL's id_parts
+    // gives back the parts Rust composed them from.
+    let strategy =
+        proptest::collection::vec((L.epoch_ms()..=L.last_unix_ms(), 0u32..=8191, 0u32..=1023), 2000);
+    let cases = strategy.new_tree(&mut TestRunner::deterministic()).map_err(|r| r.to_string())?.current();
+    let composed: Vec<i64> =
+        cases.iter().map(|&(ms, s, q)| L.compose(ms, s, q).map(Id::as_i64)).collect::<Result<_, _>>()?;
+    let decoded = client
+        .query(&format!("SELECT (p).unix_ms, (p).shard, (p).sequence FROM (SELECT {SCHEMA}.id_parts(x) AS p, o FROM unnest($1::bigint[]) WITH ORDINALITY AS u(x, o)) d ORDER BY o"), &[&composed])
+        .await?;
+    assert_eq!(decoded.len(), cases.len());
+    for (r, &(ms, s, q)) in decoded.iter().zip(&cases) {
+        assert_eq!(
+            (r.get::<_, i64>(0), r.get::<_, i32>(1), r.get::<_, i32>(2)),
+            (ms, i32::try_from(s)?, i32::try_from(q)?)
+        );
+    }
+    Ok(())
+}
+
+pub(crate) async fn reserved_blocks_and_database_minting_share_one_source(ctx: TestContext) -> TestResult {
+    let (db, client) = shard_db(&ctx, 0, &minter()).await?;
+    let other = ctx.hosts()[0].connect(&db).await?;
+    // The database mints while the application reserves blocks of the same sequence.
+    let inserting = tokio::spawn(async move {
+        other
+            .execute(
+                &format!("INSERT INTO {SCHEMA}.photos (n) SELECT g FROM generate_series(1, 100000) g"),
+                &[],
+            )
+            .await
+    });
+    let mut blocks = ReservedBlocks::new(L, SHARD)?;
+    for _ in 0..20 {
+        for r in client.query(&format!("SELECT * FROM {SCHEMA}.reserve_ids(2500)"), &[]).await? {
+            blocks.push(r.get(0), r.get(1))?;
+        }
+    }
+    inserting.await??;
+    assert_eq!(blocks.remaining(), 50_000);
+    let app: Vec<Id> = std::iter::from_fn(|| blocks.next_id().transpose()).collect::<Result<_, _>>()?;
+    let db_ids = ids(&client, &format!("SELECT id FROM {SCHEMA}.photos")).await?;
+    let mut all: HashSet<Id> = db_ids.iter().copied().collect();
+    assert_eq!(all.len(), 100_000);
+    for id in &app {
+        assert_eq!(id.shard(), SHARD);
+        assert!(all.insert(*id), "the application and the database both minted {id}");
+    }
+    let err = client.query(&format!("SELECT * FROM {SCHEMA}.reserve_ids(0)"), &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::INVALID_PARAMETER_VALUE));
+    Ok(())
+}
