@@ -1,0 +1,165 @@
+//! `shardline id`: decode, encode and explain IDs without a database.
+
+use std::io::Write;
+use std::time::{Duration, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use shardline_id::{INSTAGRAM_EPOCH_MS, Id, Layout};
+
+use crate::UsageError;
+
+/// Options of `shardline id`.
+#[derive(Debug, Args)]
+pub struct IdOpt {
+    /// What to do with IDs.
+    #[command(subcommand)]
+    pub command: IdCommand,
+}
+
+/// `shardline id` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum IdCommand {
+    /// Split IDs into creation time, logical shard and sequence.
+    Decode {
+        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's, 2011-08-24T21:07:01.721Z).
+        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: i64,
+        /// One JSON object per line: {"id":"<decimal>","unix_ms":..,"shard":..,"sequence":..}.
+        #[arg(long)]
+        json: bool,
+        /// Decimal IDs (non-negative 64-bit integers).
+        #[arg(required = true, value_name = "ID")]
+        ids: Vec<String>,
+    },
+    /// Compose an ID from its parts and print it in decimal.
+    Encode {
+        /// Creation time, in ms since the Unix epoch.
+        #[arg(long, value_name = "MS", allow_negative_numbers = true)]
+        unix_ms: i64,
+        /// Logical shard, 0 to 8191.
+        #[arg(long, value_name = "SHARD")]
+        shard: u32,
+        /// Sequence number within the millisecond, 0 to 1023.
+        #[arg(long, value_name = "N")]
+        sequence: u32,
+        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
+        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: i64,
+    },
+    /// Show the layout: field widths, capacity, and when IDs turn negative or run out.
+    Layout {
+        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
+        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: i64,
+    },
+}
+
+/// What `decode --json` prints for each ID.
+#[derive(Debug, serde::Serialize)]
+struct Decoded {
+    id: Id,
+    unix_ms: i64,
+    shard: u32,
+    sequence: u32,
+}
+
+fn layout(epoch_ms: i64) -> Result<Layout, UsageError> {
+    Layout::INSTAGRAM
+        .with_epoch(epoch_ms)
+        .map_err(|e| UsageError(format!("invalid value {epoch_ms} for --epoch-ms: {e}")))
+}
+
+fn utc(unix_ms: i64) -> String {
+    u64::try_from(unix_ms).map_or_else(
+        |_| format!("{unix_ms} ms"),
+        |ms| humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string(),
+    )
+}
+
+/// Runs `shardline id`. Every input is checked before anything is printed.
+///
+/// # Errors
+///
+/// [`UsageError`] naming the field and its allowed range; I/O errors writing `out`.
+pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    match opt.command {
+        IdCommand::Decode { epoch_ms, json, ids } => {
+            let layout = layout(epoch_ms)?;
+            let parsed = ids
+                .iter()
+                .map(|s| {
+                    s.parse::<Id>()
+                        .map_err(|e| UsageError(format!("invalid ID {s:?}: {e} (IDs are 0 to {})", i64::MAX)))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            for id in parsed {
+                let p = layout.decode(id);
+                if json {
+                    let line = serde_json::to_string(&Decoded {
+                        id,
+                        unix_ms: p.unix_ms,
+                        shard: p.shard,
+                        sequence: p.sequence,
+                    })?;
+                    writeln!(out, "{line}")?;
+                } else {
+                    writeln!(out, "{id}  {}  shard {}  sequence {}", utc(p.unix_ms), p.shard, p.sequence)?;
+                }
+            }
+        }
+        IdCommand::Encode { unix_ms, shard, sequence, epoch_ms } => {
+            let layout = layout(epoch_ms)?;
+            if shard > layout.max_shard() {
+                return Err(UsageError(format!(
+                    "invalid value {shard} for --shard: allowed 0 to {}",
+                    layout.max_shard()
+                ))
+                .into());
+            }
+            if sequence > layout.max_sequence() {
+                return Err(UsageError(format!(
+                    "invalid value {sequence} for --sequence: allowed 0 to {}",
+                    layout.max_sequence()
+                ))
+                .into());
+            }
+            let id = layout.compose(unix_ms, shard, sequence).map_err(|_| {
+                UsageError(format!(
+                    "invalid value {unix_ms} for --unix-ms: allowed {} ({}) to {} ({})",
+                    layout.epoch_ms(),
+                    utc(layout.epoch_ms()),
+                    layout.last_unix_ms(),
+                    utc(layout.last_unix_ms())
+                ))
+            })?;
+            writeln!(out, "{id}")?;
+        }
+        IdCommand::Layout { epoch_ms } => {
+            let l = layout(epoch_ms)?;
+            let w = |out: &mut dyn Write, k: &str, v: String| writeln!(out, "{k:<24}{v}");
+            w(
+                out,
+                "fields",
+                format!(
+                    "{} bits ms | {} bits shard | {} bits sequence",
+                    l.timestamp_bits(),
+                    l.shard_bits(),
+                    l.sequence_bits()
+                ),
+            )?;
+            w(out, "epoch", format!("{} ms ({})", l.epoch_ms(), utc(l.epoch_ms())))?;
+            w(out, "logical shards", format!("0 to {}", l.max_shard()))?;
+            w(out, "IDs per ms per shard", l.ids_per_ms().to_string())?;
+            if let Some(neg) = l.negative_from_unix_ms() {
+                w(out, "negative from", format!("{neg} ms ({}): minting stops before", utc(neg)))?;
+            }
+            if let Some(end) = l.exhausted_from_unix_ms() {
+                w(out, "timestamp runs out", format!("{end} ms ({})", utc(end)))?;
+            }
+            w(out, "last mintable ms", format!("{} ms ({})", l.last_unix_ms(), utc(l.last_unix_ms())))?;
+        }
+    }
+    out.flush().context("writing the output")?;
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! `shardline id` as a user runs it: output, exit codes, and nothing on stdout on error.
+#![allow(clippy::unwrap_used, reason = "tests")]
+
+use std::process::{Command, Output};
+
+fn shardline(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardline")).args(args).output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+#[test]
+fn encode_then_decode_round_trips() {
+    let o = shardline(&["id", "encode", "--unix-ms", "1700000000000", "--shard", "42", "--sequence", "7"]);
+    assert!(o.status.success());
+    let id = stdout(&o).trim().to_owned();
+    assert_eq!(id, "3236157012031088647");
+    let o = shardline(&["id", "decode", &id]);
+    assert_eq!(stdout(&o), "3236157012031088647  2023-11-14T22:13:20.000Z  shard 42  sequence 7\n");
+    let o = shardline(&["id", "decode", "--json", &id, "0"]);
+    assert_eq!(
+        stdout(&o),
+        "{\"id\":\"3236157012031088647\",\"unix_ms\":1700000000000,\"shard\":42,\"sequence\":7}\n\
+         {\"id\":\"0\",\"unix_ms\":1314220021721,\"shard\":0,\"sequence\":0}\n"
+    );
+}
+
+#[test]
+fn another_epoch_changes_the_time_only() {
+    let o = shardline(&["id", "decode", "--epoch-ms", "1293840000000", "--json", "11637205501278089"]);
+    assert_eq!(
+        stdout(&o),
+        "{\"id\":\"11637205501278089\",\"unix_ms\":1295227263000,\"shard\":1341,\"sequence\":905}\n"
+    );
+}
+
+#[test]
+fn layout_states_the_sign_bit_date() {
+    let text = stdout(&shardline(&["id", "layout"]));
+    assert!(text.contains("negative from           2413731649497 ms (2046-06-27T17:00:49.497Z)"), "{text}");
+    assert!(text.contains("timestamp runs out      3513243277273 ms (2081-04-30T12:54:37.273Z)"), "{text}");
+    assert!(text.contains("IDs per ms per shard    1024"), "{text}");
+}
+
+#[test]
+fn bad_input_exits_2_names_the_field_and_prints_nothing() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["id", "decode", "12x"], "invalid ID \"12x\""),
+        (&["id", "decode", "5", "--", "-5"], "cannot be negative"),
+        (&["id", "decode", "9223372036854775808"], "at most 9223372036854775807"),
+        (&["id", "decode"], "required arguments"),
+        (
+            &["id", "encode", "--unix-ms", "5", "--shard", "1", "--sequence", "1"],
+            "--unix-ms: allowed 1314220021721",
+        ),
+        (
+            &["id", "encode", "--unix-ms", "2413731649497", "--shard", "1", "--sequence", "1"],
+            "--unix-ms: allowed",
+        ),
+        (
+            &["id", "encode", "--unix-ms", "1700000000000", "--shard", "8192", "--sequence", "1"],
+            "--shard: allowed 0 to 8191",
+        ),
+        (
+            &["id", "encode", "--unix-ms", "1700000000000", "--shard", "1", "--sequence", "1024"],
+            "--sequence: allowed 0 to 1023",
+        ),
+        (&["id", "encode", "--unix-ms", "x", "--shard", "1", "--sequence", "1"], "--unix-ms"),
+        (&["id", "layout", "--epoch-ms", "-5"], "--epoch-ms"),
+        (&["id", "layout", "--epoch-ms", "9223372036854775000"], "--epoch-ms"),
+        (&["id", "frobnicate"], "unrecognized subcommand"),
+    ];
+    for (args, message) in cases {
+        let o = shardline(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(o.stdout.is_empty(), "{args:?} printed {:?}", stdout(&o));
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+}
