@@ -47,6 +47,19 @@ pub enum IdCommand {
         #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
         epoch_ms: i64,
     },
+    /// Print the SQL that installs the ID minter (sequence, next_id(), id_parts(),
+    /// reserve_ids()) in one shard schema.
+    Sql {
+        /// The shard's schema (it must exist before the SQL runs).
+        #[arg(long, value_name = "SCHEMA")]
+        schema: String,
+        /// The logical shard the schema holds, 0 to 8191.
+        #[arg(long, value_name = "SHARD")]
+        shard: u32,
+        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
+        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: i64,
+    },
     /// Show the layout: field widths, capacity, and when IDs turn negative or run out.
     Layout {
         /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
@@ -134,6 +147,16 @@ pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
                 ))
             })?;
             writeln!(out, "{id}")?;
+        }
+        IdCommand::Sql { schema, shard, epoch_ms } => {
+            let layout = layout(epoch_ms)?;
+            let sql = shardline_id::sql::ShardSql::new(layout, &schema, shard).map_err(|e| match e {
+                shardline_id::Error::ShardOutOfRange { max, .. } => {
+                    UsageError(format!("invalid value {shard} for --shard: allowed 0 to {max}"))
+                }
+                other => UsageError(format!("invalid value {schema:?} for --schema: {other}")),
+            })?;
+            write!(out, "{}", sql.install())?;
         }
         IdCommand::Layout { epoch_ms } => {
             let l = layout(epoch_ms)?;
