@@ -14,59 +14,31 @@ mod replication;
 use shardline_testkit::harness::Harness;
 
 fn main() {
-    Harness::new(3)
-        .test("cluster::three_independent_hosts_start", cluster::three_independent_hosts_start)
-        .test("cluster::backend_is_the_one_asked_for", cluster::backend_is_the_one_asked_for)
-        .test(
-            "cluster::a_table_made_on_one_host_is_absent_on_the_others",
+    shardline_testkit::tests!(Harness::new(3),
+        shared: [
+            cluster::three_independent_hosts_start,
+            cluster::backend_is_the_one_asked_for,
             cluster::a_table_made_on_one_host_is_absent_on_the_others,
-        )
-        .test("cluster::tests_get_separate_databases", cluster::tests_get_separate_databases)
-        .test(
-            "cluster::hosts_run_with_the_settings_moves_need",
+            cluster::tests_get_separate_databases,
             cluster::hosts_run_with_the_settings_moves_need,
-        )
-        .test(
-            "lifecycle::a_killed_test_process_leaves_no_server",
             lifecycle::a_killed_test_process_leaves_no_server,
-        )
-        .test(
-            "replication::logical_replication_delivers_a_row",
             replication::logical_replication_delivers_a_row,
-        )
-        .test(
-            "ids::a_million_rows_from_one_statement_are_distinct",
             ids::a_million_rows_from_one_statement_are_distinct,
-        )
-        .test(
-            "ids::more_than_1024_ids_in_one_clock_millisecond_stay_unique",
             ids::more_than_1024_ids_in_one_clock_millisecond_stay_unique,
-        )
-        .test("ids::two_concurrent_sessions_never_collide", ids::two_concurrent_sessions_never_collide)
-        .test("ids::four_concurrent_sessions_never_collide", ids::four_concurrent_sessions_never_collide)
-        .test("ids::a_clock_stepping_back_changes_nothing", ids::a_clock_stepping_back_changes_nothing)
-        .test(
-            "ids::a_lagging_sequence_catches_up_and_waits_for_no_one",
+            ids::two_concurrent_sessions_never_collide,
+            ids::four_concurrent_sessions_never_collide,
+            ids::a_clock_stepping_back_changes_nothing,
             ids::a_lagging_sequence_catches_up_and_waits_for_no_one,
-        )
-        .test("ids::rust_and_sql_decode_alike", ids::rust_and_sql_decode_alike)
-        .test(
-            "ids::reserved_blocks_and_database_minting_share_one_source",
+            ids::rust_and_sql_decode_alike,
             ids::reserved_blocks_and_database_minting_share_one_source,
-        )
-        .exclusive(
-            "faults::stop_ends_sessions_and_start_brings_data_back",
+        ],
+        exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
-        )
-        .exclusive(
-            "faults::kill_crashes_and_start_recovers_committed_rows",
             faults::kill_crashes_and_start_recovers_committed_rows,
-        )
-        .exclusive(
-            "faults::pause_makes_queries_time_out_and_resume_answers_them",
             faults::pause_makes_queries_time_out_and_resume_answers_them,
-        )
-        .exclusive("faults::restart_keeps_the_url_and_the_data", faults::restart_keeps_the_url_and_the_data)
-        .exclusive("faults::handles_refuse_what_makes_no_sense", faults::handles_refuse_what_makes_no_sense)
-        .run()
+            faults::restart_keeps_the_url_and_the_data,
+            faults::handles_refuse_what_makes_no_sense,
+        ],
+    )
+    .run()
 }

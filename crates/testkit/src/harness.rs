@@ -337,3 +337,27 @@ mod tests {
         crate::cluster::check_database_name(&long).unwrap();
     }
 }
+
+/// Registers test functions under their own paths, so a test's name can never differ
+/// from its function's:
+///
+/// ```no_run
+/// # mod cluster { pub async fn starts(_: shardline_testkit::harness::TestContext) -> shardline_testkit::harness::TestResult { Ok(()) } }
+/// # mod faults { pub async fn kill(_: shardline_testkit::harness::TestContext) -> shardline_testkit::harness::TestResult { Ok(()) } }
+/// use shardline_testkit::harness::Harness;
+///
+/// let harness = shardline_testkit::tests!(Harness::new(3),
+///     shared: [cluster::starts],
+///     exclusive: [faults::kill],
+/// );
+/// harness.run()
+/// ```
+#[macro_export]
+macro_rules! tests {
+    ($harness:expr, shared: [$($shared:path),* $(,)?], exclusive: [$($exclusive:path),* $(,)?] $(,)?) => {{
+        let harness = $harness;
+        $(let harness = harness.test(&stringify!($shared).replace(' ', ""), $shared);)*
+        $(let harness = harness.exclusive(&stringify!($exclusive).replace(' ', ""), $exclusive);)*
+        harness
+    }};
+}
