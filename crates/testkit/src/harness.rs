@@ -325,19 +325,6 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::database_name;
-
-    #[test]
-    fn database_names_follow_the_test() {
-        assert_eq!(database_name(3, "faults::kill_then_start"), "t3_faults__kill_then_start");
-        let long = database_name(12, &"X".repeat(100));
-        assert_eq!(long.len(), 63);
-        crate::cluster::check_database_name(&long).unwrap();
-    }
-}
-
 /// Registers test functions under their own paths, so a test's name can never differ
 /// from its function's:
 ///
@@ -360,4 +347,17 @@ macro_rules! tests {
         $(let harness = harness.exclusive(&stringify!($exclusive).replace(' ', ""), $exclusive);)*
         harness
     }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_name;
+
+    #[test]
+    fn database_names_follow_the_test() {
+        assert_eq!(database_name(3, "faults::kill_then_start"), "t3_faults__kill_then_start");
+        let long = database_name(12, &"X".repeat(100));
+        assert_eq!(long.len(), 63);
+        crate::cluster::check_database_name(&long).unwrap();
+    }
 }
