@@ -276,3 +276,57 @@ pub(crate) async fn reserved_blocks_and_database_minting_share_one_source(ctx: T
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::INVALID_PARAMETER_VALUE));
     Ok(())
 }
+
+pub(crate) async fn the_application_generator_shares_the_sequence_and_keeps_near_the_clock(
+    ctx: TestContext,
+) -> TestResult {
+    use shardline_id::generator::{Clock, SystemClock};
+    use shardline_repo::ids::ShardIdGenerator;
+    use std::sync::Arc;
+
+    let (db, client) = shard_db(&ctx, 1, &minter()).await?;
+    // Blocks of 20,000 values hold about 20 ms of IDs; at most 5 ms ahead of the clock
+    // may be handed out, so the generator must wait (asynchronously) inside each block.
+    let generator = Arc::new(ShardIdGenerator::new(L, SCHEMA, SHARD)?.block(20_000).max_ahead_ms(5));
+    let other = ctx.hosts()[1].connect(&db).await?;
+    let inserting = tokio::spawn(async move {
+        other
+            .execute(
+                &format!("INSERT INTO {SCHEMA}.photos (n) SELECT g FROM generate_series(1, 50000) g"),
+                &[],
+            )
+            .await
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let generator = Arc::clone(&generator);
+        let c = ctx.hosts()[1].connect(&db).await?;
+        tasks.push(tokio::spawn(async move {
+            let mut minted = Vec::new();
+            for _ in 0..10_000 {
+                let id = generator.next_id(&c).await?;
+                let now = SystemClock.now_ms();
+                if id.unix_ms() > now + 5 {
+                    return Err(format!("{id} is {} ms ahead of the clock", id.unix_ms() - now).into());
+                }
+                minted.push(id);
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(minted)
+        }));
+    }
+    let mut app = Vec::new();
+    for t in tasks {
+        let minted = t.await??;
+        assert!(strictly_increasing(&minted), "one caller's IDs went down");
+        app.extend(minted);
+    }
+    inserting.await??;
+    let mut all: HashSet<Id> =
+        ids(&client, &format!("SELECT id FROM {SCHEMA}.photos")).await?.into_iter().collect();
+    assert_eq!(all.len(), 50_000);
+    for id in app {
+        assert!(all.insert(id), "{id} minted twice");
+    }
+    assert_eq!(all.len(), 90_000);
+    Ok(())
+}

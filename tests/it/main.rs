@@ -31,6 +31,7 @@ fn main() {
             ids::a_lagging_sequence_catches_up_and_waits_for_no_one,
             ids::rust_and_sql_decode_alike,
             ids::reserved_blocks_and_database_minting_share_one_source,
+            ids::the_application_generator_shares_the_sequence_and_keeps_near_the_clock,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
