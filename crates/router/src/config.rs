@@ -1,0 +1,506 @@
+//! The configuration file operators write (TOML), validated when it is loaded.
+//!
+//! ```toml
+//! logical_shards = 2000            # default 2000; 1..=8192 (13 bits)
+//! schema_prefix  = "shard_"        # schemas shard_0000 .. shard_1999
+//! migrations     = "migrations"    # .sql files applied to every shard schema, in file-name order
+//!
+//! [id]
+//! epoch_ms = 1314220021721         # default: Instagram's
+//!
+//! [catalog]
+//! url = "postgres://shardline@catalog:5432/shardline"
+//!
+//! [[hosts]]
+//! name = "pg1"
+//! url_env = "PG1_URL"              # or url = "postgres://app:${PG1_PASSWORD}@pg1:5432/app"
+//! # peer_url = "..."               # how other hosts reach this one (moves); default: url
+//! ```
+//!
+//! Unknown keys are refused. Every error names the file, the line and the key. Secrets
+//! need not sit in the file: `*_env` keys take a whole URL from the environment, and
+//! `${VAR}` inside a URL is replaced from it. URLs print with their password redacted.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use shardline_id::Layout;
+use toml::Spanned;
+
+use crate::{Error, HostName, Result, SchemaPrefix, ShardCount};
+
+/// The default number of logical shards, as Instagram had.
+pub const DEFAULT_LOGICAL_SHARDS: i64 = 2000;
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How many logical shards (default 2000). Fixed for the life of the cluster.
+    pub logical_shards: ShardCount,
+    /// The prefix of shard schema names (default `shard_`).
+    pub schema_prefix: SchemaPrefix,
+    /// The directory of `.sql` migrations applied to every shard schema (default
+    /// `migrations`, relative to the config file's directory).
+    pub migrations: PathBuf,
+    /// The ID layout: Instagram's widths with the configured epoch.
+    pub layout: Layout,
+    /// The catalog database.
+    pub catalog: DbUrl,
+    /// The physical hosts, in the order shards are first placed on them.
+    pub hosts: Vec<HostConfig>,
+}
+
+/// One physical host.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// Its name in the catalog.
+    pub name: HostName,
+    /// How shardline reaches it.
+    pub url: DbUrl,
+    /// How the other hosts reach it (logical replication during moves); default `url`.
+    pub peer_url: DbUrl,
+}
+
+/// A connection URL. It prints (and debugs) with its password replaced by `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DbUrl(String);
+
+impl DbUrl {
+    /// Wraps a URL.
+    pub fn new(url: String) -> Self {
+        DbUrl(url)
+    }
+
+    /// The URL with its secret, for the driver only. Never log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL with any password replaced by `***`.
+    pub fn redacted(&self) -> String {
+        redact(&self.0)
+    }
+}
+
+impl fmt::Debug for DbUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DbUrl({:?})", self.redacted())
+    }
+}
+
+impl fmt::Display for DbUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+/// Replaces the password of a `scheme://user:password@host` URL, and the value of any
+/// `password=` key of a key/value connection string, by `***`.
+pub fn redact(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        if let Some(at) = rest.rfind('@') {
+            let (userinfo, host) = rest.split_at(at);
+            if let Some((user, _)) = userinfo.split_once(':') {
+                return format!("{scheme}://{user}:***{host}");
+            }
+        }
+        return redact_query(url);
+    }
+    url.split_whitespace()
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            _ => kv.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn redact_query(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
+    let query = query
+        .split('&')
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            _ => kv.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    format!("{base}?{query}")
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+struct RawConfig {
+    logical_shards: Option<Spanned<i64>>,
+    schema_prefix: Option<Spanned<String>>,
+    migrations: Option<Spanned<String>>,
+    id: Option<RawId>,
+    catalog: Option<Spanned<RawUrl>>,
+    hosts: Option<Spanned<Vec<Spanned<RawHost>>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+struct RawId {
+    epoch_ms: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+struct RawUrl {
+    url: Option<Spanned<String>>,
+    url_env: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+struct RawHost {
+    name: Option<Spanned<String>>,
+    url: Option<Spanned<String>>,
+    url_env: Option<Spanned<String>>,
+    peer_url: Option<Spanned<String>>,
+    peer_url_env: Option<Spanned<String>>,
+}
+
+struct Source<'a> {
+    file: &'a str,
+    text: &'a str,
+    env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl Source<'_> {
+    fn line(&self, offset: usize) -> usize {
+        self.text.get(..offset).map_or(1, |t| t.bytes().filter(|&b| b == b'\n').count() + 1)
+    }
+
+    fn err(&self, offset: usize, key: &str, message: impl Into<String>) -> Error {
+        Error::Config {
+            file: self.file.to_owned(),
+            line: self.line(offset),
+            key: key.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// `url` or `url_env` (exactly one), with `${VAR}` expanded.
+    fn url(
+        &self,
+        at: usize,
+        key: &str,
+        url: Option<Spanned<String>>,
+        url_env: Option<Spanned<String>>,
+    ) -> Result<Option<DbUrl>> {
+        match (url, url_env) {
+            (Some(_), Some(e)) => Err(self.err(
+                e.span().start,
+                &format!("{key}_env"),
+                format!("give {key} or {key}_env, not both"),
+            )),
+            (None, None) => Ok(None),
+            (None, Some(e)) => {
+                let var = e.get_ref();
+                (self.env)(var).filter(|v| !v.is_empty()).map(|v| Some(DbUrl(v))).ok_or_else(|| {
+                    self.err(
+                        e.span().start,
+                        &format!("{key}_env"),
+                        format!("environment variable {var} is not set"),
+                    )
+                })
+            }
+            (Some(u), None) => self.expand(u.span().start, key, u.get_ref()).map(|u| Some(DbUrl(u))),
+        }
+        .map_err(|e| if let Error::Config { .. } = e { e } else { self.err(at, key, e.to_string()) })
+    }
+
+    fn expand(&self, at: usize, key: &str, text: &str) -> Result<String> {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(start) = rest.find("${") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let end = after.find('}').ok_or_else(|| self.err(at, key, "an unclosed ${ in the URL"))?;
+            let var = &after[..end];
+            let value = (self.env)(var)
+                .ok_or_else(|| self.err(at, key, format!("environment variable {var} is not set")))?;
+            out.push_str(&value);
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+        if out.trim().is_empty() {
+            return Err(self.err(at, key, "is empty"));
+        }
+        Ok(out)
+    }
+}
+
+impl Config {
+    /// Reads a configuration from TOML `text`. `file` names it in errors; relative
+    /// paths in it are relative to `base_dir`; `env` looks up environment variables.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the file, line and key: unknown keys, wrong types,
+    /// missing keys, values out of range, duplicate host names, unset variables.
+    pub fn from_toml(
+        text: &str,
+        file: &str,
+        base_dir: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config> {
+        let src = Source { file, text, env };
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let offset = e.span().map_or(0, |s| s.start);
+            src.err(offset, "toml", e.message().trim().to_owned())
+        })?;
+
+        let logical_shards = match raw.logical_shards {
+            None => ShardCount::new(DEFAULT_LOGICAL_SHARDS)?,
+            Some(n) => ShardCount::new(*n.get_ref()).map_err(|_| {
+                src.err(n.span().start, "logical_shards", format!("{} is out of range 1..=8192", n.get_ref()))
+            })?,
+        };
+        let schema_prefix = match raw.schema_prefix {
+            None => SchemaPrefix::default(),
+            Some(p) => SchemaPrefix::new(p.get_ref())
+                .map_err(|e| src.err(p.span().start, "schema_prefix", strip_name(&e)))?,
+        };
+        let migrations = match raw.migrations {
+            None => base_dir.join("migrations"),
+            Some(m) if m.get_ref().trim().is_empty() => {
+                return Err(src.err(m.span().start, "migrations", "is empty"));
+            }
+            Some(m) => base_dir.join(m.get_ref()),
+        };
+        let epoch = raw.id.and_then(|id| id.epoch_ms);
+        let layout = match epoch {
+            None => Layout::INSTAGRAM,
+            Some(e) => Layout::INSTAGRAM
+                .with_epoch(*e.get_ref())
+                .map_err(|err| src.err(e.span().start, "id.epoch_ms", err.to_string()))?,
+        };
+        let catalog = match raw.catalog {
+            None => {
+                return Err(src.err(
+                    text.len(),
+                    "catalog",
+                    "missing: add a [catalog] table with url or url_env",
+                ));
+            }
+            Some(c) => {
+                let at = c.span().start;
+                let c = c.into_inner();
+                src.url(at, "catalog.url", c.url, c.url_env)?
+                    .ok_or_else(|| src.err(at, "catalog", "needs url or url_env"))?
+            }
+        };
+        let Some(raw_hosts) = raw.hosts else {
+            return Err(src.err(text.len(), "hosts", "missing: add at least one [[hosts]] table"));
+        };
+        if raw_hosts.get_ref().is_empty() {
+            return Err(src.err(raw_hosts.span().start, "hosts", "needs at least one host"));
+        }
+        let mut hosts: Vec<HostConfig> = Vec::new();
+        for (i, h) in raw_hosts.into_inner().into_iter().enumerate() {
+            let at = h.span().start;
+            let h = h.into_inner();
+            let key = |k: &str| format!("hosts[{i}].{k}");
+            let name = h.name.ok_or_else(|| src.err(at, &key("name"), "missing"))?;
+            let host_name = HostName::new(name.get_ref())
+                .map_err(|e| src.err(name.span().start, &key("name"), strip_name(&e)))?;
+            if let Some(first) = hosts.iter().position(|o| o.name == host_name) {
+                return Err(src.err(
+                    name.span().start,
+                    &key("name"),
+                    format!("{host_name} is already the name of hosts[{first}]"),
+                ));
+            }
+            let url = src
+                .url(at, &key("url"), h.url, h.url_env)?
+                .ok_or_else(|| src.err(at, &key("url"), "missing: give url or url_env"))?;
+            let peer_url =
+                src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)?.unwrap_or_else(|| url.clone());
+            hosts.push(HostConfig { name: host_name, url, peer_url });
+        }
+        Ok(Config { logical_shards, schema_prefix, migrations, layout, catalog, hosts })
+    }
+
+    /// The first placement of the shards: contiguous, even ranges over the hosts in
+    /// config order.
+    ///
+    /// # Errors
+    ///
+    /// None in practice: a loaded config has at least one host and unique names.
+    pub fn even_map(&self) -> Result<crate::ShardMap> {
+        crate::ShardMap::even(self.logical_shards, self.hosts.iter().map(|h| h.name.clone()).collect())
+    }
+
+    /// The config entry of host `name`.
+    pub fn host(&self, name: &HostName) -> Option<&HostConfig> {
+        self.hosts.iter().find(|h| &h.name == name)
+    }
+}
+
+/// The reason part of an [`Error::InvalidName`] (the key already names the field).
+fn strip_name(e: &Error) -> String {
+    match e {
+        Error::InvalidName { name, reason, .. } => format!("{name:?} is not allowed: {reason}"),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+logical_shards = 2000
+schema_prefix  = "shard_"
+migrations     = "migrations"
+
+[id]
+epoch_ms = 1314220021721
+
+[catalog]
+url = "postgres://shardline:${CATALOG_PASSWORD}@catalog:5432/shardline"
+
+[[hosts]]
+name = "pg1"
+url_env = "PG1_URL"
+
+[[hosts]]
+name = "pg2"
+url = "postgres://app@pg2:5432/app"
+peer_url = "postgres://app@10.0.0.2:5432/app"
+"#;
+
+    fn env(var: &str) -> Option<String> {
+        match var {
+            "CATALOG_PASSWORD" => Some("s3cret".into()),
+            "PG1_URL" => Some("postgres://app:hunter2@pg1:5432/app".into()),
+            _ => None,
+        }
+    }
+
+    fn load(text: &str) -> Result<Config> {
+        Config::from_toml(text, "shardline.toml", Path::new("/etc/shardline"), &env)
+    }
+
+    #[test]
+    fn a_good_config_loads_and_hides_its_secrets() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.logical_shards.get(), 2000);
+        assert_eq!(c.migrations, Path::new("/etc/shardline/migrations"));
+        assert_eq!(c.catalog.expose(), "postgres://shardline:s3cret@catalog:5432/shardline");
+        assert_eq!(c.catalog.to_string(), "postgres://shardline:***@catalog:5432/shardline");
+        assert_eq!(c.hosts[0].url.expose(), "postgres://app:hunter2@pg1:5432/app");
+        assert_eq!(c.hosts[0].peer_url, c.hosts[0].url);
+        assert_eq!(c.hosts[1].peer_url.expose(), "postgres://app@10.0.0.2:5432/app");
+        let debug = format!("{c:?}");
+        assert!(!debug.contains("s3cret") && !debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = load(
+            "[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.logical_shards.get(), 2000);
+        assert_eq!(c.schema_prefix.as_str(), "shard_");
+        assert_eq!(c.layout, Layout::INSTAGRAM);
+    }
+
+    #[test]
+    fn every_mistake_names_its_line_and_key() {
+        let cases: &[(&str, &str)] = &[
+            ("logical_shards = 0", "shardline.toml:2: logical_shards: 0 is out of range 1..=8192"),
+            ("logical_shards = 9000", "shardline.toml:2: logical_shards: 9000 is out of range"),
+            (
+                "logical_shards = \"many\"",
+                "shardline.toml:2: toml: invalid type: string \"many\", expected i64",
+            ),
+            ("shards = 3", "shardline.toml:2: toml: unknown field `shards`"),
+            ("schema_prefix = \"Shard-\"", "shardline.toml:2: schema_prefix: \"Shard-\" is not allowed"),
+            ("schema_prefix = \"a;drop schema x;\"", "schema_prefix: \"a;drop schema x;\" is not allowed"),
+        ];
+        for (extra, message) in cases {
+            let text = format!(
+                "\n{extra}\n{}",
+                GOOD.lines()
+                    .filter(|l| !l.starts_with("logical_shards")
+                        && !l.starts_with("schema_prefix")
+                        && !l.starts_with("[id]")
+                        && !l.starts_with("epoch_ms"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            let err = load(&text).unwrap_err().to_string();
+            assert!(err.contains(message), "{extra:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn id_mistakes_name_their_line() {
+        let tail =
+            "[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n";
+        for (id, message) in [
+            (
+                "[id]\nepoch_ms = -5\n",
+                "shardline.toml:2: id.epoch_ms: invalid ID layout: the epoch cannot be before 1970",
+            ),
+            ("[id]\nepoch = 5\n", "shardline.toml:2: toml: unknown field `epoch`"),
+        ] {
+            let err = load(&format!("{id}{tail}")).unwrap_err().to_string();
+            assert!(err.contains(message), "{id:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn host_mistakes_name_the_host() {
+        let base = "[catalog]\nurl = \"postgres://c/db\"\n";
+        let cases: &[(&str, &str)] = &[
+            (
+                "[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://b/db\"\n",
+                "shardline.toml:7: hosts[1].name: a is already the name of hosts[0]",
+            ),
+            (
+                "[[hosts]]\nname = \"a b\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:4: hosts[0].name: \"a b\" is not allowed",
+            ),
+            ("[[hosts]]\nurl = \"postgres://a/db\"\n", "hosts[0].name: missing"),
+            ("[[hosts]]\nname = \"a\"\n", "hosts[0].url: missing: give url or url_env"),
+            (
+                "[[hosts]]\nname = \"a\"\nurl_env = \"NOPE\"\n",
+                "shardline.toml:5: hosts[0].url_env: environment variable NOPE is not set",
+            ),
+            (
+                "[[hosts]]\nname = \"a\"\nurl = \"postgres://u:${NOPE}@a/db\"\n",
+                "hosts[0].url: environment variable NOPE is not set",
+            ),
+            (
+                "[[hosts]]\nname = \"a\"\nurl = \"x\"\nurl_env = \"PG1_URL\"\n",
+                "hosts[0].url_env: give hosts[0].url or hosts[0].url_env, not both",
+            ),
+            ("[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\nport = 5\n", "toml: unknown field `port`"),
+            ("", "hosts: missing: add at least one [[hosts]] table"),
+        ];
+        for (hosts, message) in cases {
+            let err = load(&format!("{base}{hosts}")).unwrap_err().to_string();
+            assert!(err.contains(message), "{hosts:?}: {err}");
+        }
+        let err = load(&format!("hosts = []\n{base}")).unwrap_err().to_string();
+        assert!(err.contains("shardline.toml:1: hosts: needs at least one host"), "{err}");
+        let err = load("[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n").unwrap_err().to_string();
+        assert!(err.contains("catalog: missing"), "{err}");
+    }
+
+    #[test]
+    fn redaction_covers_url_and_key_value_forms() {
+        assert_eq!(redact("postgres://u:p@h:5/db"), "postgres://u:***@h:5/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("postgres://h/db?user=u&password=p"), "postgres://h/db?user=u&password=***");
+        assert_eq!(redact("host=h user=u password=p dbname=d"), "host=h user=u password=*** dbname=d");
+        assert_eq!(redact("postgres://u:p@ss@h/db"), "postgres://u:***@h/db");
+    }
+}

@@ -1,0 +1,186 @@
+//! The domain newtypes: logical shards, their count, schema and host names.
+
+use std::fmt;
+
+use crate::{Error, Result};
+
+/// The most logical shards a 13-bit shard field holds.
+pub const MAX_LOGICAL_SHARDS: u16 = 8192;
+
+/// A logical shard: one Postgres schema, `0..logical_shards`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LogicalShard(u16);
+
+impl LogicalShard {
+    /// Shard `n` of `count`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShardOutOfRange`] when `n >= count`.
+    pub fn new(n: i64, count: ShardCount) -> Result<Self> {
+        u16::try_from(n)
+            .ok()
+            .filter(|&n| n < count.get())
+            .map(LogicalShard)
+            .ok_or(Error::ShardOutOfRange { shard: n, count: count.get() })
+    }
+
+    /// The shard number.
+    pub const fn get(self) -> u16 {
+        self.0
+    }
+}
+
+impl fmt::Display for LogicalShard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// How many logical shards there are: 1 to 8192. It never changes for a cluster:
+/// `user_id mod N` must stay the same, so growing moves shards, never re-buckets rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ShardCount(u16);
+
+impl ShardCount {
+    /// `n` logical shards.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShardCountOutOfRange`] unless `1 <= n <= 8192`.
+    pub fn new(n: i64) -> Result<Self> {
+        u16::try_from(n)
+            .ok()
+            .filter(|&n| (1..=MAX_LOGICAL_SHARDS).contains(&n))
+            .map(ShardCount)
+            .ok_or(Error::ShardCountOutOfRange { count: n })
+    }
+
+    /// The count.
+    pub const fn get(self) -> u16 {
+        self.0
+    }
+
+    /// The shard of a user: `user_id mod count`, Euclidean, so a negative user ID maps to
+    /// `count - (|user_id| mod count)` (or 0) rather than to a negative shard. This is
+    /// Instagram's rule (`user_id % 2000`) for the non-negative IDs it had.
+    pub fn shard_of_user(self, user_id: i64) -> LogicalShard {
+        let n = user_id.rem_euclid(i64::from(self.0));
+        // rem_euclid of a positive modulus is in 0..count, which fits u16.
+        LogicalShard(u16::try_from(n).unwrap_or(0))
+    }
+
+    /// The shard of a string key: [`crate::hash::key_hash`] mod count.
+    pub fn shard_of_key(self, key: &str) -> LogicalShard {
+        let n = crate::hash::key_hash(key.as_bytes()) % u64::from(self.0);
+        LogicalShard(u16::try_from(n).unwrap_or(0))
+    }
+
+    /// Every shard, in order.
+    pub fn shards(self) -> impl Iterator<Item = LogicalShard> {
+        (0..self.0).map(LogicalShard)
+    }
+}
+
+/// The prefix of the schema names: `shard_` makes `shard_0000` ... `shard_1999`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SchemaPrefix(String);
+
+impl SchemaPrefix {
+    /// A prefix of lowercase ASCII letters, digits and underscores, starting with a
+    /// letter or underscore, at most 59 bytes (the 4 digits make 63, Postgres's limit).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] otherwise; also for `pg_`, which Postgres reserves.
+    pub fn new(prefix: &str) -> Result<Self> {
+        let bad = |reason| Err(Error::InvalidName { what: "schema_prefix", name: prefix.to_owned(), reason });
+        if prefix.is_empty() || prefix.len() > 59 {
+            return bad("must be 1 to 59 bytes");
+        }
+        if !prefix.starts_with(|c: char| c.is_ascii_lowercase() || c == '_') {
+            return bad("must start with a lowercase ASCII letter or an underscore");
+        }
+        if !prefix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+            return bad("may hold only lowercase ASCII letters, digits and underscores");
+        }
+        if prefix.starts_with("pg_") {
+            return bad("Postgres reserves names starting with pg_");
+        }
+        Ok(SchemaPrefix(prefix.to_owned()))
+    }
+
+    /// The prefix.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The schema of `shard`: the prefix and the shard number in 4 zero-padded digits.
+    /// The only place a schema name is made.
+    pub fn schema(&self, shard: LogicalShard) -> SchemaName {
+        SchemaName(format!("{}{:04}", self.0, shard.0))
+    }
+}
+
+impl Default for SchemaPrefix {
+    fn default() -> Self {
+        SchemaPrefix("shard_".to_owned())
+    }
+}
+
+/// A shard's schema name. Only [`SchemaPrefix::schema`] makes one, so it is always a
+/// plain identifier that is safe to quote.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SchemaName(String);
+
+impl SchemaName {
+    /// The bare name (`shard_0005`).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The name quoted for SQL (`"shard_0005"`).
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.0)
+    }
+}
+
+impl fmt::Display for SchemaName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A physical host's name in the config and catalog: 1–63 ASCII letters, digits, `-`,
+/// `_` or `.`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HostName(String);
+
+impl HostName {
+    /// Checks and wraps a host name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] for anything else.
+    pub fn new(name: &str) -> Result<Self> {
+        let bad = |reason| Err(Error::InvalidName { what: "host name", name: name.to_owned(), reason });
+        if name.is_empty() || name.len() > 63 {
+            return bad("must be 1 to 63 bytes");
+        }
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.') {
+            return bad("may hold only ASCII letters, digits, '-', '_' and '.'");
+        }
+        Ok(HostName(name.to_owned()))
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for HostName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
