@@ -330,3 +330,28 @@ pub(crate) async fn the_application_generator_shares_the_sequence_and_keeps_near
     assert_eq!(all.len(), 90_000);
     Ok(())
 }
+
+pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestContext) -> TestResult {
+    // Two open transactions have each minted (each holds nextval's lock). The clock
+    // jumps; both try to catch up at once: each waits for the other's lock, a deadlock
+    // Postgres reports immediately. Both must still get their IDs.
+    let sql = minter();
+    let (db, client) = shard_db(&ctx, 2, &sql).await?;
+    let host = &ctx.hosts()[2];
+    let (a, b) = (host.connect(&db).await?, host.connect(&db).await?);
+    let mut all = Vec::new();
+    for round in 1..=5i64 {
+        a.batch_execute(&format!("BEGIN; SELECT {SCHEMA}.next_id()")).await?;
+        b.batch_execute(&format!("BEGIN; SELECT {SCHEMA}.next_id()")).await?;
+        client.batch_execute(&sql.clone().clock_offset_ms(round * 60_000).install()).await?;
+        let q = format!("SELECT {SCHEMA}.next_id() FROM generate_series(1, 50)");
+        let (x, y) = tokio::join!(a.query(&q, &[]), b.query(&q, &[]));
+        for rows in [x?, y?] {
+            all.extend(rows.iter().map(|r| r.get::<_, Id>(0)));
+        }
+        a.batch_execute("COMMIT").await?;
+        b.batch_execute("COMMIT").await?;
+    }
+    assert_eq!(all.iter().collect::<HashSet<_>>().len(), 500);
+    Ok(())
+}

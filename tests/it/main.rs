@@ -32,6 +32,7 @@ fn main() {
             ids::rust_and_sql_decode_alike,
             ids::reserved_blocks_and_database_minting_share_one_source,
             ids::the_application_generator_shares_the_sequence_and_keeps_near_the_clock,
+            ids::two_transactions_catching_up_together_both_mint,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

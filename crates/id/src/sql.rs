@@ -26,8 +26,9 @@
 //! moves the sequence forward only. The lock is taken in a subtransaction that is then
 //! rolled back, which releases it at once (the non-transactional `setval` stays). It
 //! waits at most 20 ms for minting transactions to finish; when it cannot get the lock
-//! it mints from the lagging sequence (still unique, just older) and the session tries
-//! again after a second. The minting fast path takes no lock beyond `nextval`'s own.
+//! (a timeout, or the deadlock Postgres reports at once when two minting transactions
+//! try to catch up together) it mints from the lagging sequence (still unique, just
+//! older) and the session tries again after a second. The minting fast path takes no lock beyond `nextval`'s own.
 
 use crate::{Error, Layout, Result};
 
@@ -161,7 +162,10 @@ BEGIN
             RAISE SQLSTATE 'SLC01';
         EXCEPTION
             WHEN SQLSTATE 'SLC01' THEN NULL;
-            WHEN lock_not_available THEN
+            -- Another transaction that minted holds nextval's lock (lock_timeout), or
+            -- is itself catching up (a deadlock Postgres reports at once, before any
+            -- timeout): give way, mint from the lagging sequence, retry later.
+            WHEN lock_not_available OR deadlock_detected THEN
                 PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
         END;
     END IF;
