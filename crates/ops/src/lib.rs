@@ -1,5 +1,167 @@
-//! shardline operations as a library: apply `migrations/` to every shard schema, move
-//! logical shards between hosts online, plan rebalancing.
+//! shardline's operations, as a library the CLI (and your own tooling) calls.
 //!
-//! This crate is still empty; it arrives with the `[catalog]` and `[moves]` issues.
+//! - [`init()`]: create the catalog, place the shards, create every shard schema with its
+//!   ID minter, apply the migrations. Idempotent and resumable.
+//! - [`migrate()`]: apply pending migrations to every shard schema, one transaction per
+//!   shard, recorded in a ledger beside the shard on its host.
+//! - [`status()`]: per host, reachable or not, its shards, rows and bytes per table.
+//!
+//! # Layout
+//!
+//! - [`migrations`]: reading, checking and splitting migration files.
+//! - [`converge`]: bringing every shard up to date (shared by `init` and `migrate`).
+//! - [`bootstrap`]: the `init` and `migrate` commands.
+//! - [`mod@status`]: the `status` report.
+//! - [`Error`]: the crate's error type.
 #![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+pub mod bootstrap;
+pub mod converge;
+pub mod migrations;
+pub mod status;
+
+pub use bootstrap::{Options, Progress, Report, init, migrate};
+pub use status::{HostStatus, Status, TableStatus, status};
+
+/// What can go wrong in an operation. Each names the host, shard, file or key involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The migrations directory or one of its files cannot be read.
+    #[error("{}: {message}", path.display())]
+    MigrationDir {
+        /// The directory or file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A migration file that cannot be used as written.
+    #[error("{file}:{line}: {message}")]
+    MigrationSyntax {
+        /// The file name.
+        file: String,
+        /// 1-based line.
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// A migration file that no longer matches what a shard's ledger recorded, or that
+    /// was removed or would apply out of order.
+    #[error("migration {file}: {message}")]
+    Ledger {
+        /// The file name.
+        file: String,
+        /// What disagrees, naming a shard.
+        message: String,
+    },
+    /// One or more hosts cannot be reached; nothing was changed.
+    #[error("{} unreachable, so nothing was changed: {}", if .hosts.len() == 1 { "a host is" } else { "hosts are" }, .hosts.iter().map(|(h, e)| format!("{h}: {e}")).collect::<Vec<_>>().join("; "))]
+    Unreachable {
+        /// Each unreachable host, with why.
+        hosts: Vec<(String, String)>,
+    },
+    /// A statement on a host (not inside a migration) failed.
+    #[error("host {host}: {what} failed (SQLSTATE {}): {message}", sqlstate.as_deref().unwrap_or("none"))]
+    Host {
+        /// The host.
+        host: String,
+        /// What was being done, naming the shard when there is one.
+        what: String,
+        /// The SQLSTATE, when the server sent one.
+        sqlstate: Option<String>,
+        /// The server's (or driver's) message.
+        message: String,
+    },
+    /// A migration statement failed in one shard; that shard was rolled back, whole.
+    #[error("{0}")]
+    Migration(Box<FailedStatement>),
+    /// A host in the catalog that holds shards is missing from the config.
+    #[error("host {host} holds {shards} shard(s) in the catalog but is not in the config; add it back")]
+    HostMissing {
+        /// The host.
+        host: String,
+        /// How many shards it holds.
+        shards: usize,
+    },
+    /// Another `init`, `migrate` or move holds the catalog's lock.
+    #[error(
+        "another shardline operation (init, migrate or a move) is running on this cluster; try again when it ends"
+    )]
+    Busy,
+    /// The catalog or a connection failed.
+    #[error(transparent)]
+    Repo(#[from] shardline_repo::Error),
+    /// A routing value was invalid.
+    #[error(transparent)]
+    Router(#[from] shardline_router::Error),
+    /// The ID minter's SQL could not be rendered.
+    #[error(transparent)]
+    Id(#[from] shardline_id::Error),
+}
+
+impl Error {
+    /// The SQLSTATE behind the error, if any.
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Error::Host { sqlstate, .. } => sqlstate.as_deref(),
+            Error::Migration(f) => f.sqlstate.as_deref(),
+            Error::Repo(e) => e.sqlstate(),
+            _ => None,
+        }
+    }
+}
+
+/// Where a migration failed, and why: the shard, its host, the file, the statement.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "shard {shard} ({schema}) on host {host}: {file}, statement {index} (line {line}) failed (SQLSTATE {}): {message}\n    {statement}",
+    sqlstate.as_deref().unwrap_or("none")
+)]
+#[non_exhaustive]
+pub struct FailedStatement {
+    /// The logical shard.
+    pub shard: u16,
+    /// Its schema.
+    pub schema: String,
+    /// Its host.
+    pub host: String,
+    /// The migration file.
+    pub file: String,
+    /// 1-based index of the statement in the file.
+    pub index: usize,
+    /// The line it starts on.
+    pub line: usize,
+    /// The statement.
+    pub statement: String,
+    /// The SQLSTATE, when the server sent one.
+    pub sqlstate: Option<String>,
+    /// The server's message (and detail).
+    pub message: String,
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The server's message with its detail and hint, or the driver's message.
+pub(crate) fn describe(e: &tokio_postgres::Error) -> (Option<String>, String) {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut m = db.message().to_owned();
+            if let Some(d) = db.detail() {
+                m.push_str(&format!(" ({d})"));
+            }
+            if let Some(h) = db.hint() {
+                m.push_str(&format!(" hint: {h}"));
+            }
+            (Some(db.code().code().to_owned()), m)
+        }
+        None => (e.code().map(|c| c.code().to_owned()), e.to_string()),
+    }
+}
+
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync + 'static>() {}
+    assert_send_sync::<Error>();
+};

@@ -1,0 +1,468 @@
+//! `init` and `migrate`.
+//!
+//! Both check everything they can before changing anything: the migration files parse,
+//! every host answers, the config agrees with the catalog, every shard's ledger agrees
+//! with the files. Then they bring every shard up to date ([`crate::converge`]), in
+//! parallel across hosts, and record each shard's state in the catalog.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use shardline_repo::catalog::{self, Catalog, LOCK_KEY, SCHEMA_SQL};
+use shardline_router::{Config, HostName, LogicalShard, ShardMap};
+use tokio_postgres::Client;
+
+use crate::converge::{self, Done, HostPlan, Inputs};
+use crate::migrations::{self, Migration};
+use crate::{Error, Result, describe};
+
+/// How `init` and `migrate` work.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Connections per host, each working on one shard at a time (default 4).
+    pub jobs_per_host: usize,
+    /// How long a migration statement waits for a lock before its shard fails (default
+    /// 5 s), so a migration never queues every query of a busy table behind it.
+    pub lock_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { jobs_per_host: 4, lock_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// What `init` and `migrate` report as they go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Progress {
+    /// The plan is made: this many shards need work.
+    Planned {
+        /// Shards to work on.
+        shards: usize,
+    },
+    /// One shard's transaction committed.
+    ShardDone {
+        /// Its host.
+        host: HostName,
+        /// The shard.
+        shard: LogicalShard,
+    },
+    /// Something the operator should know, that does not stop the work.
+    Warning(String),
+}
+
+/// What `init` or `migrate` did.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Report {
+    /// The catalog was created by this run.
+    pub catalog_created: bool,
+    /// Shards placed on hosts by this run (all of them on the first `init`, else 0).
+    pub shards_placed: usize,
+    /// Hosts new to the catalog, added with no shards.
+    pub hosts_added: Vec<String>,
+    /// Shard schemas created.
+    pub schemas_created: usize,
+    /// ID minters installed or updated.
+    pub minters_installed: usize,
+    /// Shards that had migrations applied.
+    pub shards_migrated: usize,
+    /// Migrations applied, summed over shards.
+    pub migrations_applied: usize,
+    /// Shards in the cluster.
+    pub shards: usize,
+    /// Hosts in the cluster.
+    pub hosts: usize,
+    /// Migration files.
+    pub migrations: usize,
+    /// The shard map's version.
+    pub map_version: i64,
+    /// Warnings, such as a host whose `wal_level` is not `logical`.
+    pub warnings: Vec<String>,
+    /// Wall-clock time taken, in ms.
+    pub elapsed_ms: u64,
+}
+
+impl Report {
+    /// Whether the run changed anything.
+    pub fn changed(&self) -> bool {
+        self.catalog_created
+            || self.shards_placed > 0
+            || !self.hosts_added.is_empty()
+            || self.schemas_created > 0
+            || self.minters_installed > 0
+            || self.migrations_applied > 0
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = Duration::from_millis(self.elapsed_ms).as_secs_f64();
+        if !self.changed() {
+            return write!(
+                f,
+                "nothing to do: {} shards on {} hosts are up to date with {} migration(s) (map version {})",
+                self.shards, self.hosts, self.migrations, self.map_version
+            );
+        }
+        if self.catalog_created {
+            writeln!(f, "created the catalog")?;
+        }
+        if self.shards_placed > 0 {
+            writeln!(
+                f,
+                "placed {} shards on {} hosts (map version {})",
+                self.shards_placed, self.hosts, self.map_version
+            )?;
+        }
+        if !self.hosts_added.is_empty() {
+            writeln!(
+                f,
+                "added host(s) {} with no shards; move shards onto them",
+                self.hosts_added.join(", ")
+            )?;
+        }
+        if self.schemas_created > 0 || self.minters_installed > 0 {
+            writeln!(
+                f,
+                "created {} shard schema(s), installed {} ID minter(s)",
+                self.schemas_created, self.minters_installed
+            )?;
+        }
+        if self.migrations_applied > 0 {
+            writeln!(
+                f,
+                "applied {} migration(s) over {} shard(s)",
+                self.migrations_applied, self.shards_migrated
+            )?;
+        }
+        write!(
+            f,
+            "{} shards on {} hosts are up to date with {} migration(s), in {secs:.1} s",
+            self.shards, self.hosts, self.migrations
+        )
+    }
+}
+
+/// The catalog's transaction-spanning lock, released when the connection closes.
+async fn lock(catalog: &Catalog) -> Result<()> {
+    let got: bool = catalog
+        .client()
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK_KEY])
+        .await
+        .map_err(|e| catalog_err("take the catalog lock", &e))?
+        .get(0);
+    if got { Ok(()) } else { Err(Error::Busy) }
+}
+
+fn catalog_err(what: &str, e: &tokio_postgres::Error) -> Error {
+    let (sqlstate, message) = describe(e);
+    Error::Host { host: "catalog".into(), what: what.into(), sqlstate, message }
+}
+
+/// Connects to every host of the config, in parallel.
+///
+/// # Errors
+///
+/// [`Error::Unreachable`] naming every host that did not answer.
+async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, Vec<Client>)>> {
+    let attempts = config.hosts.iter().map(|h| async move {
+        let target = format!("host {}", h.name);
+        let conns =
+            futures::future::join_all((0..per_host.max(1)).map(|_| catalog::connect(&h.url, &target))).await;
+        (h.name.clone(), conns.into_iter().collect::<shardline_repo::Result<Vec<_>>>())
+    });
+    let mut ok = Vec::new();
+    let mut down = Vec::new();
+    for (name, r) in futures::future::join_all(attempts).await {
+        match r {
+            Ok(clients) => ok.push((name, clients)),
+            Err(shardline_repo::Error::Connect { source, .. }) => {
+                down.push((name.to_string(), source.to_string()))
+            }
+            Err(e) => down.push((name.to_string(), e.to_string())),
+        }
+    }
+    if down.is_empty() { Ok(ok) } else { Err(Error::Unreachable { hosts: down }) }
+}
+
+/// `wal_level` of each host that is not `logical`, as warnings.
+async fn wal_warnings(hosts: &[(HostName, Vec<Client>)]) -> Vec<String> {
+    let checks = hosts.iter().filter_map(|(name, clients)| clients.first().map(|c| (name, c))).map(|(name, c)| async move {
+        match c.query_one("SHOW wal_level", &[]).await {
+            Ok(row) if row.get::<_, String>(0) == "logical" => None,
+            Ok(row) => Some(format!(
+                "host {name} has wal_level = {}: moving shards to or from it needs wal_level = logical (and a restart)",
+                row.get::<_, String>(0)
+            )),
+            Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
+        }
+    });
+    futures::future::join_all(checks).await.into_iter().flatten().collect()
+}
+
+/// Refuses when a host that holds shards is missing from the config.
+fn check_hosts(map: &ShardMap, config: &Config) -> Result<()> {
+    for host in map.hosts() {
+        let shards = map.shards_of(host).count();
+        if shards > 0 && config.host(host).is_none() {
+            return Err(Error::HostMissing { host: host.to_string(), shards });
+        }
+    }
+    Ok(())
+}
+
+/// Creates the catalog if needed, checks it against the config, adds new hosts, and
+/// places the shards on the first run. One transaction: on any refusal nothing changes.
+async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report) -> Result<()> {
+    let c = catalog.client();
+    let exists: bool = c
+        .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
+        .await
+        .map_err(|e| catalog_err("look for the catalog", &e))?
+        .get(0);
+    c.batch_execute("BEGIN").await.map_err(|e| catalog_err("begin", &e))?;
+    let result = async {
+        if !exists {
+            c.batch_execute(SCHEMA_SQL).await.map_err(|e| catalog_err("create the catalog schema", &e))?;
+        }
+        match catalog.cluster().await? {
+            Some(info) => info.check(config)?,
+            None => {
+                c.execute(
+                    "INSERT INTO shardline.cluster (format, logical_shards, schema_prefix, epoch_ms) VALUES ($1, $2, $3, $4)",
+                    &[
+                        &catalog::FORMAT,
+                        &i32::from(config.logical_shards.get()),
+                        &config.schema_prefix.as_str(),
+                        &config.layout.epoch_ms(),
+                    ],
+                )
+                .await
+                .map_err(|e| catalog_err("record the cluster's parameters", &e))?;
+                report.catalog_created = true;
+            }
+        }
+        let known: HashSet<String> = c
+            .query("SELECT name FROM shardline.hosts", &[])
+            .await
+            .map_err(|e| catalog_err("read the hosts", &e))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let new: Vec<String> =
+            config.hosts.iter().map(|h| h.name.to_string()).filter(|h| !known.contains(h)).collect();
+        if !new.is_empty() {
+            c.execute(
+                "INSERT INTO shardline.hosts (name, position)
+                 SELECT name, (SELECT coalesce(max(position), 0) FROM shardline.hosts) + ord
+                 FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)",
+                &[&new],
+            )
+            .await
+            .map_err(|e| catalog_err("add hosts", &e))?;
+        }
+        let placed: i64 = c
+            .query_one("SELECT count(*) FROM shardline.shards", &[])
+            .await
+            .map_err(|e| catalog_err("count the shards", &e))?
+            .get(0);
+        if placed == 0 {
+            let map = config.even_map()?;
+            let (shards, hosts): (Vec<i32>, Vec<String>) = config
+                .logical_shards
+                .shards()
+                .map(|s| (i32::from(s.get()), map.host_of(s).to_string()))
+                .unzip();
+            c.execute(
+                "INSERT INTO shardline.shards (shard, host) SELECT * FROM unnest($1::integer[], $2::text[])",
+                &[&shards, &hosts],
+            )
+            .await
+            .map_err(|e| catalog_err("place the shards", &e))?;
+            report.shards_placed = shards.len();
+        } else if !report.catalog_created {
+            // Hosts added to the config after the first run get no shards: only moves
+            // change the map.
+            report.hosts_added = new;
+        }
+        check_hosts(&catalog.map().await?, config)
+    }
+    .await;
+    match result {
+        Ok(()) => c.batch_execute("COMMIT").await.map_err(|e| catalog_err("commit", &e)),
+        Err(e) => {
+            let _ = c.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
+/// `shardline init`: creates the catalog, places the shards over the config's hosts
+/// in contiguous even ranges (config order), creates every shard schema with its ID
+/// minter, and applies the migrations. Idempotent: a second run changes nothing and the
+/// report says so. Interrupted (killed, a host died), a later run completes the work.
+/// Hosts new to the config are added to the catalog with no shards.
+///
+/// # Errors
+///
+/// Refusals that change nothing: [`Error::MigrationDir`] / [`Error::MigrationSyntax`]
+/// (bad files), [`Error::Unreachable`] (any host), [`Error::Repo`] with a mismatch
+/// (the config contradicts the catalog), [`Error::HostMissing`], [`Error::Busy`],
+/// [`Error::Ledger`]. Failures part-way ([`Error::Migration`], [`Error::Host`]) leave
+/// every shard whole, migrated or untouched; run again once fixed.
+pub async fn init(
+    config: &Config,
+    options: &Options,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<Report> {
+    run(config, options, progress, true).await
+}
+
+/// `shardline migrate`: applies pending migrations to every shard schema (and installs
+/// any missing minter), one transaction per shard, recorded in the shard's ledger. A
+/// failure in one shard stops the run, names the shard, file and statement, and leaves
+/// every shard fully migrated or untouched; a re-run continues.
+///
+/// # Errors
+///
+/// As [`init`], and [`shardline_repo::Error::NotInitialised`] before the first `init`.
+pub async fn migrate(
+    config: &Config,
+    options: &Options,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<Report> {
+    run(config, options, progress, false).await
+}
+
+async fn run(
+    config: &Config,
+    options: &Options,
+    progress: &(dyn Fn(Progress) + Sync),
+    init: bool,
+) -> Result<Report> {
+    let started = Instant::now();
+    let migrations = migrations::load_dir(&config.migrations)?;
+    let hosts = connect_all(config, options.jobs_per_host).await?;
+    let catalog = if init {
+        Catalog::connect(config).await?
+    } else {
+        let (catalog, _) = Catalog::open(config).await?;
+        catalog
+    };
+    lock(&catalog).await?;
+    let mut report = Report { migrations: migrations.len(), ..Report::default() };
+    for w in wal_warnings(&hosts).await {
+        tracing::warn!("{w}");
+        progress(Progress::Warning(w.clone()));
+        report.warnings.push(w);
+    }
+    if init {
+        prepare_catalog(&catalog, config, &mut report).await?;
+    }
+    let map = catalog.map().await?;
+    check_hosts(&map, config)?;
+    let info = catalog.cluster().await?.ok_or(shardline_repo::Error::NotInitialised)?;
+    let inputs = Inputs {
+        map: &map,
+        prefix: &info.schema_prefix,
+        layout: info.layout,
+        migrations: &migrations,
+        lock_timeout: options.lock_timeout,
+    };
+
+    let plans = futures::future::join_all(hosts.iter().map(|(name, clients)| async {
+        match clients.first() {
+            Some(c) => converge::plan_host(c, name, &inputs).await,
+            None => Ok(HostPlan { host: name.clone(), work: Vec::new(), shards: Vec::new() }),
+        }
+    }))
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
+    progress(Progress::Planned { shards: plans.iter().map(|p| p.work.len()).sum() });
+
+    let stop = AtomicBool::new(false);
+    let finished: Mutex<HashSet<u16>> = Mutex::new(HashSet::new());
+    let on_done = |host: &HostName, shard: LogicalShard| {
+        if let Ok(mut f) = finished.lock() {
+            f.insert(shard.get());
+        }
+        progress(Progress::ShardDone { host: host.clone(), shard });
+    };
+    let outcomes = futures::future::join_all(
+        plans
+            .iter()
+            .zip(&hosts)
+            .map(|(plan, (_, clients))| converge::run_host(plan, clients, &inputs, &stop, &on_done)),
+    )
+    .await;
+
+    let finished = finished.into_inner().unwrap_or_default();
+    let pending: HashSet<u16> = plans
+        .iter()
+        .flat_map(|p| p.work.iter().map(|w| w.shard.get()))
+        .filter(|s| !finished.contains(s))
+        .collect();
+    record_states(&catalog, &plans, &pending, &migrations).await?;
+
+    let mut first_error = None;
+    for (done, error) in outcomes {
+        let Done { schemas_created, minters_installed, shards_migrated, migrations_applied } = done;
+        report.schemas_created += schemas_created;
+        report.minters_installed += minters_installed;
+        report.shards_migrated += shards_migrated;
+        report.migrations_applied += migrations_applied;
+        if first_error.is_none() {
+            first_error = error;
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    report.shards = usize::from(map.count().get());
+    report.hosts = map.hosts().len();
+    report.map_version = catalog.map().await?.version();
+    report.elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    Ok(report)
+}
+
+/// Copies each up-to-date shard's state into the catalog (ready, last migration), and
+/// records the migration files' checksums. Writes only rows that differ.
+async fn record_states(
+    catalog: &Catalog,
+    plans: &[HostPlan],
+    pending: &HashSet<u16>,
+    migrations: &[Migration],
+) -> Result<()> {
+    let ready: Vec<i32> = plans
+        .iter()
+        .flat_map(|p| &p.shards)
+        .map(|s| s.get())
+        .filter(|s| !pending.contains(s))
+        .map(i32::from)
+        .collect();
+    let last: Option<&str> = migrations.last().map(|m| m.name.as_str());
+    let c = catalog.client();
+    c.execute(
+        "UPDATE shardline.shards SET ready = true, migration = $2, updated_at = now()
+         WHERE shard = ANY($1) AND (NOT ready OR migration IS DISTINCT FROM $2)",
+        &[&ready, &last],
+    )
+    .await
+    .map_err(|e| catalog_err("record the shards' state", &e))?;
+    let (names, sums): (Vec<&str>, Vec<&str>) =
+        migrations.iter().map(|m| (m.name.as_str(), m.checksum.as_str())).unzip();
+    c.execute(
+        "INSERT INTO shardline.migrations (name, checksum) SELECT * FROM unnest($1::text[], $2::text[])
+         ON CONFLICT (name) DO NOTHING",
+        &[&names, &sums],
+    )
+    .await
+    .map_err(|e| catalog_err("record the migrations", &e))?;
+    Ok(())
+}

@@ -1,0 +1,315 @@
+//! Bringing every shard up to date: its schema, its ID minter, its migrations.
+//!
+//! The truth about a shard lives beside it, on its host: a ledger table,
+//! `shardline.shard_migrations`, written in the same transaction as the work it records.
+//! So a shard is always either fully migrated or untouched, whatever dies when, and a
+//! later run reads the ledger and carries on. (The catalog keeps a copy of each shard's
+//! state for `status` and `map`; it is refreshed from the ledgers on every run.)
+//!
+//! Work is planned for every host first (reading ledgers, checking checksums and order),
+//! so a problem in any file is found before anything changes. Then each host works
+//! through its shards with a few connections; each shard is one transaction whose
+//! statements are pipelined (sent together, answered in order), so a shard costs about
+//! one round trip plus the server's work.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use shardline_id::Layout;
+use shardline_id::sql::ShardSql;
+use shardline_router::{HostName, LogicalShard, SchemaName, SchemaPrefix, ShardMap};
+use tokio_postgres::Client;
+
+use crate::migrations::{Migration, checksum};
+use crate::{Error, Result, describe};
+
+/// The ledger's name for the ID minter (sequence and functions), installed before any
+/// migration. Its checksum is that of the SQL installed, so a newer shardline that
+/// renders different SQL reinstalls it (installing is idempotent and never moves a
+/// sequence backwards).
+pub const MINTER: &str = "shardline minter";
+
+/// The ledger on each host, created if missing.
+pub const HOST_LEDGER_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
+CREATE TABLE IF NOT EXISTS shardline.shard_migrations (
+    schema_name text NOT NULL,
+    shard       integer NOT NULL,
+    name        text NOT NULL,
+    checksum    text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (schema_name, name)
+);
+COMMENT ON TABLE shardline.shard_migrations IS 'shardline: what has been applied to each shard schema on this host, written in the same transaction as the work';";
+
+/// What one shard needs.
+#[derive(Debug, Clone)]
+pub(crate) struct ShardWork {
+    pub(crate) shard: LogicalShard,
+    pub(crate) schema: SchemaName,
+    pub(crate) create_schema: bool,
+    pub(crate) minter: Option<String>,
+    pub(crate) migrations: Vec<usize>,
+}
+
+/// What one host needs.
+#[derive(Debug)]
+pub(crate) struct HostPlan {
+    pub(crate) host: HostName,
+    pub(crate) work: Vec<ShardWork>,
+    /// Every shard of the host with the last migration it will have once the work is
+    /// done.
+    pub(crate) shards: Vec<LogicalShard>,
+}
+
+/// What converging did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Done {
+    pub(crate) schemas_created: usize,
+    pub(crate) minters_installed: usize,
+    pub(crate) shards_migrated: usize,
+    pub(crate) migrations_applied: usize,
+}
+
+/// The shared, read-only inputs.
+pub(crate) struct Inputs<'a> {
+    pub(crate) map: &'a ShardMap,
+    pub(crate) prefix: &'a SchemaPrefix,
+    pub(crate) layout: Layout,
+    pub(crate) migrations: &'a [Migration],
+    pub(crate) lock_timeout: Duration,
+}
+
+fn host_err(host: &HostName, what: impl Into<String>, e: &tokio_postgres::Error) -> Error {
+    let (sqlstate, message) = describe(e);
+    Error::Host { host: host.to_string(), what: what.into(), sqlstate, message }
+}
+
+/// Reads `host`'s ledger and plans its shards' work. Creates the ledger table if it is
+/// missing, and changes nothing else.
+pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<'_>) -> Result<HostPlan> {
+    let shards: Vec<LogicalShard> = inputs.map.shards_of(host).collect();
+    let schemas: Vec<String> = shards.iter().map(|s| inputs.prefix.schema(*s).as_str().to_owned()).collect();
+    client.batch_execute(HOST_LEDGER_SQL).await.map_err(|e| host_err(host, "create the ledger", &e))?;
+    let existing: HashSet<String> = client
+        .query("SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1)", &[&schemas])
+        .await
+        .map_err(|e| host_err(host, "list the shard schemas", &e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut ledger: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    for row in client
+        .query(
+            "SELECT schema_name, name, checksum FROM shardline.shard_migrations WHERE schema_name = ANY($1)",
+            &[&schemas],
+        )
+        .await
+        .map_err(|e| host_err(host, "read the ledger", &e))?
+    {
+        ledger.entry(row.get(0)).or_default().push((row.get(1), row.get(2)));
+    }
+
+    let by_name: HashMap<&str, (usize, &Migration)> =
+        inputs.migrations.iter().enumerate().map(|(i, m)| (m.name.as_str(), (i, m))).collect();
+    let mut work = Vec::new();
+    for (shard, schema_name) in shards.iter().zip(&schemas) {
+        let schema = inputs.prefix.schema(*shard);
+        let applied = ledger.remove(schema_name).unwrap_or_default();
+        let where_ = format!("{schema} (shard {}) on {host}", shard.get());
+        if !existing.contains(schema_name) && !applied.is_empty() {
+            return Err(Error::Ledger {
+                file: applied[0].0.clone(),
+                message: format!(
+                    "the ledger of {where_} lists it, but the schema is missing; \
+                     delete that shard's rows from shardline.shard_migrations on {host} to rebuild it"
+                ),
+            });
+        }
+        let mut minter_sum = None;
+        let mut last_applied: Option<&str> = None;
+        let mut done: HashSet<&str> = HashSet::new();
+        for (name, sum) in &applied {
+            if name == MINTER {
+                minter_sum = Some(sum.as_str());
+                continue;
+            }
+            match by_name.get(name.as_str()) {
+                None => {
+                    return Err(Error::Ledger {
+                        file: name.clone(),
+                        message: format!(
+                            "{where_} has it applied, but it is not in the migrations directory; \
+                             restore the file"
+                        ),
+                    });
+                }
+                Some((_, m)) if m.checksum != *sum => {
+                    return Err(Error::Ledger {
+                        file: name.clone(),
+                        message: format!(
+                            "the file changed after it was applied to {where_} (checksum {sum} then, {} now); \
+                             an applied migration must not change: restore it and add a new file",
+                            m.checksum
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
+            done.insert(name.as_str());
+            last_applied = last_applied.max(Some(name.as_str()));
+        }
+        let pending: Vec<usize> = inputs
+            .migrations
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !done.contains(m.name.as_str()))
+            .map(|(i, _)| i)
+            .collect();
+        if let (Some(first), Some(last)) = (pending.first(), last_applied) {
+            let name = &inputs.migrations[*first].name;
+            if name.as_str() < last {
+                return Err(Error::Ledger {
+                    file: name.clone(),
+                    message: format!(
+                        "it sorts before {last}, which {where_} already has; \
+                         rename it so that it sorts after every applied migration"
+                    ),
+                });
+            }
+        }
+        let install = ShardSql::new(inputs.layout, schema.as_str(), u32::from(shard.get()))?.install();
+        let minter = (minter_sum != Some(checksum(install.as_bytes()).as_str())).then_some(install);
+        if !existing.contains(schema_name) || minter.is_some() || !pending.is_empty() {
+            work.push(ShardWork {
+                shard: *shard,
+                schema,
+                create_schema: !existing.contains(schema_name),
+                minter,
+                migrations: pending,
+            });
+        }
+    }
+    Ok(HostPlan { host: host.clone(), work, shards })
+}
+
+/// Where a pipelined statement came from, to name it when it fails.
+enum Origin {
+    Ours(&'static str),
+    File { migration: usize, statement: usize },
+}
+
+/// Quotes a string literal (standard_conforming_strings, on since Postgres 9.1).
+fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Applies one shard's work in one transaction, pipelined.
+async fn apply_shard(client: &Client, host: &HostName, w: &ShardWork, inputs: &Inputs<'_>) -> Result<()> {
+    let q = w.schema.quoted();
+    let shard = w.shard.get();
+    let mut batch: Vec<(Origin, String)> = vec![(
+        Origin::Ours("begin the shard's transaction"),
+        format!(
+            "BEGIN; SET LOCAL search_path TO {q}, public; SET LOCAL lock_timeout = '{}ms'; CREATE SCHEMA IF NOT EXISTS {q}",
+            inputs.lock_timeout.as_millis()
+        ),
+    )];
+    let mut ledger: Vec<(String, String)> = Vec::new();
+    if let Some(install) = &w.minter {
+        batch.push((Origin::Ours("install the ID minter"), install.clone()));
+        ledger.push((MINTER.to_owned(), checksum(install.as_bytes())));
+    }
+    for &m in &w.migrations {
+        let migration = &inputs.migrations[m];
+        for (i, s) in migration.statements.iter().enumerate() {
+            batch.push((Origin::File { migration: m, statement: i }, s.sql.clone()));
+        }
+        ledger.push((migration.name.clone(), migration.checksum.clone()));
+    }
+    let values: Vec<String> = ledger
+        .iter()
+        .map(|(name, sum)| {
+            format!("({}, {shard}, {}, {})", literal(w.schema.as_str()), literal(name), literal(sum))
+        })
+        .collect();
+    batch.push((
+        Origin::Ours("record the work in the ledger"),
+        format!(
+            "INSERT INTO shardline.shard_migrations (schema_name, shard, name, checksum) VALUES {} \
+             ON CONFLICT (schema_name, name) DO UPDATE SET checksum = excluded.checksum, applied_at = now()",
+            values.join(", ")
+        ),
+    ));
+    batch.push((Origin::Ours("commit"), "COMMIT".to_owned()));
+
+    let results = futures::future::join_all(batch.iter().map(|(_, sql)| client.batch_execute(sql))).await;
+    let Some((at, e)) = results.iter().enumerate().find_map(|(i, r)| r.as_ref().err().map(|e| (i, e))) else {
+        return Ok(());
+    };
+    let (sqlstate, message) = describe(e);
+    Err(match &batch[at].0 {
+        Origin::Ours(what) => Error::Host {
+            host: host.to_string(),
+            what: format!("shard {shard} ({}): {what}", w.schema),
+            sqlstate,
+            message,
+        },
+        Origin::File { migration, statement } => {
+            let m = &inputs.migrations[*migration];
+            let s = &m.statements[*statement];
+            Error::Migration(Box::new(crate::FailedStatement {
+                shard,
+                schema: w.schema.to_string(),
+                host: host.to_string(),
+                file: m.name.clone(),
+                index: statement + 1,
+                line: s.line,
+                statement: s.sql.clone(),
+                sqlstate,
+                message,
+            }))
+        }
+    })
+}
+
+/// Works through one host's plan with `clients` (one worker each), stopping early
+/// when `stop` is set (by this or another host's failure). Calls `done` after each
+/// shard commits. Returns the shards that committed, and the first error.
+pub(crate) async fn run_host(
+    plan: &HostPlan,
+    clients: &[Client],
+    inputs: &Inputs<'_>,
+    stop: &AtomicBool,
+    done: &(dyn Fn(&HostName, LogicalShard) + Sync),
+) -> (Done, Option<Error>) {
+    let queue: Mutex<VecDeque<&ShardWork>> = Mutex::new(plan.work.iter().collect());
+    let totals = Mutex::new(Done::default());
+    let next = || queue.lock().ok().and_then(|mut q| q.pop_front());
+    let workers = clients.iter().map(|client| async {
+        while !stop.load(Ordering::Relaxed) {
+            let Some(w) = next() else { break };
+            if let Err(e) = apply_shard(client, &plan.host, w, inputs).await {
+                stop.store(true, Ordering::Relaxed);
+                return Some(e);
+            }
+            if let Ok(mut t) = totals.lock() {
+                t.schemas_created += usize::from(w.create_schema);
+                t.minters_installed += usize::from(w.minter.is_some());
+                t.shards_migrated += usize::from(!w.migrations.is_empty());
+                t.migrations_applied += w.migrations.len();
+            }
+            done(&plan.host, w.shard);
+        }
+        None
+    });
+    let errors: Vec<Error> = futures::future::join_all(workers).await.into_iter().flatten().collect();
+    let totals = totals.into_inner().unwrap_or_default();
+    let mut errors = errors.into_iter();
+    let first = errors.next();
+    for other in errors {
+        tracing::warn!(host = %plan.host, error = %other, "another shard failed too");
+    }
+    (totals, first)
+}

@@ -1,0 +1,178 @@
+//! `shardline status`: per host, reachable or not, its shards, and rows and bytes per
+//! table summed over its shard schemas.
+//!
+//! Row counts are Postgres's live-tuple estimates (`pg_stat_user_tables.n_live_tup`),
+//! which cost nothing to read; counting 2000 shards' rows exactly would scan every
+//! table. Bytes are exact (`pg_total_relation_size`: table, indexes and TOAST).
+
+use std::time::Duration;
+
+use serde::Serialize;
+use shardline_repo::Catalog;
+use shardline_repo::catalog;
+use shardline_router::Config;
+use tokio_postgres::Client;
+
+use crate::migrations;
+use crate::{Error, Result, describe};
+
+/// The cluster as seen now.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Status {
+    /// The shard map's version.
+    pub map_version: i64,
+    /// How many logical shards.
+    pub logical_shards: u16,
+    /// How many migration files the config's directory holds.
+    pub migrations: usize,
+    /// Each host of the map, in order.
+    pub hosts: Vec<HostStatus>,
+}
+
+/// One host.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct HostStatus {
+    /// Its name.
+    pub name: String,
+    /// Whether it answered.
+    pub reachable: bool,
+    /// Why not, when it did not.
+    pub error: Option<String>,
+    /// Shards the map gives it.
+    pub shards: usize,
+    /// Of those, shards whose schema exists on it.
+    pub schemas_present: usize,
+    /// Of those, shards missing their schema or one or more of the migration files.
+    pub shards_behind: usize,
+    /// Its `wal_level` (moves need `logical`).
+    pub wal_level: Option<String>,
+    /// Tables, summed over its shard schemas, by name.
+    pub tables: Vec<TableStatus>,
+}
+
+/// One table name, summed over a host's shard schemas.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct TableStatus {
+    /// The table's name (unqualified).
+    pub name: String,
+    /// Live rows (Postgres's estimate).
+    pub rows: i64,
+    /// Bytes on disk: table, indexes and TOAST.
+    pub bytes: i64,
+}
+
+/// Reads the catalog, then every host in parallel. A host that does not answer within
+/// `timeout` is reported as unreachable, not as an error.
+///
+/// # Errors
+///
+/// When the catalog cannot be read, or the config contradicts it.
+pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
+    let (catalog, info) = Catalog::open(config).await?;
+    let map = catalog.map().await?;
+    let files = migrations::load_dir(&config.migrations)?;
+    let names: Vec<String> = files.iter().map(|m| m.name.clone()).collect();
+    let hosts = futures::future::join_all(map.hosts().iter().map(|host| {
+        let map = &map;
+        let names = &names;
+        let prefix = &info.schema_prefix;
+        async move {
+            let schemas: Vec<String> =
+                map.shards_of(host).map(|s| prefix.schema(s).as_str().to_owned()).collect();
+            let mut status = HostStatus {
+                name: host.to_string(),
+                reachable: false,
+                error: None,
+                shards: schemas.len(),
+                schemas_present: 0,
+                shards_behind: 0,
+                wal_level: None,
+                tables: Vec::new(),
+            };
+            let Some(h) = config.host(host) else {
+                status.error = Some("not in the config".into());
+                return status;
+            };
+            let read = async {
+                let client =
+                    catalog::connect(&h.url, &format!("host {host}")).await.map_err(|e| e.to_string())?;
+                read_host(&client, &schemas, names).await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(timeout, read).await {
+                Ok(Ok((present, behind, wal, tables))) => {
+                    status.reachable = true;
+                    status.schemas_present = present;
+                    status.shards_behind = behind;
+                    status.wal_level = Some(wal);
+                    status.tables = tables;
+                }
+                Ok(Err(e)) => status.error = Some(e),
+                Err(_) => status.error = Some(format!("no answer within {timeout:?}")),
+            }
+            status
+        }
+    }))
+    .await;
+    Ok(Status {
+        map_version: map.version(),
+        logical_shards: map.count().get(),
+        migrations: names.len(),
+        hosts,
+    })
+}
+
+async fn read_host(
+    client: &Client,
+    schemas: &[String],
+    names: &[String],
+) -> Result<(usize, usize, String, Vec<TableStatus>)> {
+    let q = |what: &'static str| {
+        move |e: tokio_postgres::Error| {
+            let (sqlstate, message) = describe(&e);
+            Error::Host { host: String::new(), what: what.into(), sqlstate, message }
+        }
+    };
+    let row = client
+        .query_one(
+            "SELECT current_setting('wal_level'),
+                    (SELECT count(*) FROM pg_namespace WHERE nspname = ANY($1)),
+                    to_regclass('shardline.shard_migrations') IS NOT NULL",
+            &[&schemas],
+        )
+        .await
+        .map_err(q("read the host"))?;
+    let wal: String = row.get(0);
+    let present = usize::try_from(row.get::<_, i64>(1)).unwrap_or(0);
+    let has_ledger: bool = row.get(2);
+    let up_to_date = if names.is_empty() {
+        i64::try_from(present).unwrap_or(i64::MAX)
+    } else if has_ledger {
+        client
+            .query_one(
+                "SELECT count(*) FROM (
+                     SELECT schema_name FROM shardline.shard_migrations
+                     WHERE schema_name = ANY($1) AND name = ANY($2)
+                     GROUP BY schema_name HAVING count(*) = cardinality($2)) t",
+                &[&schemas, &names],
+            )
+            .await
+            .map_err(q("read the ledger"))?
+            .get::<_, i64>(0)
+    } else {
+        0
+    };
+    let behind = schemas.len().saturating_sub(usize::try_from(up_to_date).unwrap_or(0));
+    let tables = client
+        .query(
+            "SELECT s.relname::text, sum(s.n_live_tup)::bigint, sum(pg_total_relation_size(s.relid))::bigint
+             FROM pg_stat_user_tables s WHERE s.schemaname = ANY($1)
+             GROUP BY 1 ORDER BY 1",
+            &[&schemas],
+        )
+        .await
+        .map_err(q("read table sizes"))?
+        .iter()
+        .map(|r| TableStatus { name: r.get(0), rows: r.get(1), bytes: r.get(2) })
+        .collect();
+    Ok((present, behind, wal, tables))
+}

@@ -1,0 +1,365 @@
+//! The catalog: a `shardline` schema in a small database of its own (or any database
+//! the config names), holding the cluster's fixed parameters, the hosts, the shard map
+//! with its version, a per-shard record of migrations, and the journal of moves.
+//!
+//! Every change to the map (a shard placed, moved or removed) bumps
+//! `shardline.cluster.map_version` and sends `NOTIFY shardline_map, '<version>'`, by
+//! trigger, so even a change made by hand in `psql` reaches the routers.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use shardline_id::Layout;
+use shardline_router::config::DbUrl;
+use shardline_router::{Config, HostName, SchemaPrefix, ShardCount, ShardMap};
+use tokio_postgres::{Client, NoTls};
+
+use crate::{Error, Result};
+
+/// The channel map changes are announced on; the payload is the new version.
+pub const MAP_CHANNEL: &str = "shardline_map";
+
+/// How long a connection attempt waits when the URL sets no `connect_timeout`.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The catalog's own format; a catalog of another format is refused.
+pub const FORMAT: i32 = 1;
+
+/// The key of the session advisory lock that `init`, `migrate` and moves hold on the
+/// catalog, so that two of them never work on one cluster at once ("shardlin").
+pub const LOCK_KEY: i64 = 0x7368_6172_646c_696e;
+
+/// The catalog's tables, created if missing. Idempotent.
+pub const SCHEMA_SQL: &str = r#"
+CREATE SCHEMA IF NOT EXISTS shardline;
+
+CREATE TABLE IF NOT EXISTS shardline.cluster (
+    singleton      boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    format         integer NOT NULL,
+    logical_shards integer NOT NULL CHECK (logical_shards BETWEEN 1 AND 8192),
+    schema_prefix  text    NOT NULL,
+    epoch_ms       bigint  NOT NULL,
+    map_version    bigint  NOT NULL DEFAULT 0,
+    created_at     timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE shardline.cluster IS 'shardline: the parameters fixed for the life of the cluster, and the shard map version';
+
+CREATE TABLE IF NOT EXISTS shardline.hosts (
+    name     text PRIMARY KEY,
+    position integer NOT NULL UNIQUE,
+    added_at timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE shardline.hosts IS 'shardline: the physical hosts (their URLs stay in the config: no secrets here)';
+
+CREATE TABLE IF NOT EXISTS shardline.shards (
+    shard      integer PRIMARY KEY CHECK (shard >= 0),
+    host       text NOT NULL REFERENCES shardline.hosts (name),
+    ready      boolean NOT NULL DEFAULT false,
+    migration  text,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE shardline.shards IS 'shardline: the shard map, and each shard''s state as last seen on its host (its ledger there is the truth)';
+
+CREATE TABLE IF NOT EXISTS shardline.migrations (
+    name       text PRIMARY KEY,
+    checksum   text NOT NULL,
+    first_seen timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE shardline.migrations IS 'shardline: every migration file ever applied, with its checksum';
+
+CREATE TABLE IF NOT EXISTS shardline.moves (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    shard      integer NOT NULL,
+    source     text NOT NULL REFERENCES shardline.hosts (name),
+    target     text NOT NULL REFERENCES shardline.hosts (name),
+    step       text NOT NULL,
+    state      text NOT NULL CHECK (state IN ('running', 'done', 'failed', 'rolled_back')),
+    detail     jsonb NOT NULL DEFAULT '{}',
+    error      text,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE UNIQUE INDEX IF NOT EXISTS moves_one_running_per_shard ON shardline.moves (shard) WHERE state = 'running';
+COMMENT ON TABLE shardline.moves IS 'shardline: the journal of shard moves, one row per move, its step updated as it goes';
+
+CREATE OR REPLACE FUNCTION shardline.map_changed() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v bigint;
+BEGIN
+    IF TG_LEVEL = 'STATEMENT' AND TG_OP = 'INSERT' THEN
+        PERFORM FROM new_rows LIMIT 1;
+        IF NOT FOUND THEN RETURN NULL; END IF;
+    ELSIF TG_LEVEL = 'STATEMENT' AND TG_OP = 'DELETE' THEN
+        PERFORM FROM old_rows LIMIT 1;
+        IF NOT FOUND THEN RETURN NULL; END IF;
+    END IF;
+    UPDATE shardline.cluster SET map_version = map_version + 1 RETURNING map_version INTO v;
+    PERFORM pg_notify('shardline_map', v::text);
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER map_changed_insert AFTER INSERT ON shardline.shards
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION shardline.map_changed();
+CREATE OR REPLACE TRIGGER map_changed_delete AFTER DELETE ON shardline.shards
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION shardline.map_changed();
+CREATE OR REPLACE TRIGGER map_changed_update AFTER UPDATE OF host ON shardline.shards
+    FOR EACH ROW WHEN (OLD.host IS DISTINCT FROM NEW.host) EXECUTE FUNCTION shardline.map_changed();
+"#;
+
+/// The parameters a cluster fixes at `init` for its whole life, and the map version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterInfo {
+    /// How many logical shards.
+    pub logical_shards: ShardCount,
+    /// The prefix of the shard schemas.
+    pub schema_prefix: SchemaPrefix,
+    /// The ID layout (its epoch).
+    pub layout: Layout,
+    /// The shard map's version.
+    pub map_version: i64,
+}
+
+impl ClusterInfo {
+    /// Checks that `config` agrees with the catalog on what cannot change.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Mismatch`] naming the first key that differs, with both values.
+    pub fn check(&self, config: &Config) -> Result<()> {
+        let mismatch = |key: &'static str, catalog: String, config: String| {
+            Err(Error::Mismatch { key, catalog, config })
+        };
+        if self.logical_shards != config.logical_shards {
+            return mismatch(
+                "logical_shards",
+                self.logical_shards.get().to_string(),
+                config.logical_shards.get().to_string(),
+            );
+        }
+        if self.schema_prefix != config.schema_prefix {
+            return mismatch(
+                "schema_prefix",
+                self.schema_prefix.as_str().to_owned(),
+                config.schema_prefix.as_str().to_owned(),
+            );
+        }
+        if self.layout.epoch_ms() != config.layout.epoch_ms() {
+            return mismatch(
+                "id.epoch_ms",
+                self.layout.epoch_ms().to_string(),
+                config.layout.epoch_ms().to_string(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Connects to `url` (`target` names it in errors and logs: never the URL itself, which
+/// may hold a password). Waits at most [`DEFAULT_CONNECT_TIMEOUT`] unless the URL says.
+///
+/// # Errors
+///
+/// [`Error::BadUrl`] when the URL does not parse; [`Error::Connect`] when the server
+/// cannot be reached or refuses.
+pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
+    let (client, connection) = pg_config(url, target)?
+        .connect(NoTls)
+        .await
+        .map_err(|source| Error::Connect { target: target.to_owned(), source })?;
+    let target = target.to_owned();
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(%target, error = %e, "connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// The driver's configuration for `url`, with shardline's defaults: a connect timeout
+/// of [`DEFAULT_CONNECT_TIMEOUT`] and `application_name = shardline`, unless the URL
+/// sets them.
+///
+/// # Errors
+///
+/// [`Error::BadUrl`] naming `target` (never the URL) when the URL does not parse.
+pub fn pg_config(url: &DbUrl, target: &str) -> Result<tokio_postgres::Config> {
+    let mut config = tokio_postgres::Config::from_str(url.expose())
+        .map_err(|e| Error::BadUrl { target: target.to_owned(), message: e.to_string() })?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("shardline");
+    }
+    Ok(config)
+}
+
+/// A connection to the catalog.
+#[derive(Debug)]
+pub struct Catalog {
+    client: Client,
+}
+
+impl Catalog {
+    /// Connects to the catalog the config names. Reads nothing yet.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`].
+    pub async fn connect(config: &Config) -> Result<Catalog> {
+        Ok(Catalog { client: connect(&config.catalog, "catalog").await? })
+    }
+
+    /// Connects to the catalog and checks that it is initialised and agrees with
+    /// `config`.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`]; [`Error::NotInitialised`]; [`Error::Mismatch`].
+    pub async fn open(config: &Config) -> Result<(Catalog, ClusterInfo)> {
+        let catalog = Catalog::connect(config).await?;
+        let info = catalog.cluster().await?.ok_or(Error::NotInitialised)?;
+        info.check(config)?;
+        Ok((catalog, info))
+    }
+
+    /// The connection, for statements this type does not wrap.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The cluster's parameters, or `None` before the first `init`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when a query fails; [`Error::InvalidCatalog`] when the stored
+    /// values are not valid.
+    pub async fn cluster(&self) -> Result<Option<ClusterInfo>> {
+        let exists: bool = self
+            .client
+            .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
+            .await
+            .map_err(|e| Error::catalog("look for the catalog", e))?
+            .get(0);
+        if !exists {
+            return Ok(None);
+        }
+        let row = self
+            .client
+            .query_opt(
+                "SELECT format, logical_shards, schema_prefix, epoch_ms, map_version FROM shardline.cluster",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::catalog("read shardline.cluster", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let format: i32 = row.get(0);
+        if format != FORMAT {
+            return Err(Error::InvalidCatalog {
+                reason: format!("its format is {format}; this shardline reads format {FORMAT}"),
+            });
+        }
+        let invalid = |e: &dyn std::fmt::Display| Error::InvalidCatalog { reason: e.to_string() };
+        Ok(Some(ClusterInfo {
+            logical_shards: ShardCount::new(i64::from(row.get::<_, i32>(1))).map_err(|e| invalid(&e))?,
+            schema_prefix: SchemaPrefix::new(row.get(2)).map_err(|e| invalid(&e))?,
+            layout: Layout::INSTAGRAM.with_epoch(row.get(3)).map_err(|e| invalid(&e))?,
+            map_version: row.get(4),
+        }))
+    }
+
+    /// The shard map, read in one statement (one snapshot), validated.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotInitialised`] before `init`; [`Error::InvalidCatalog`] when the stored
+    /// map does not map every shard exactly once to a known host.
+    pub async fn map(&self) -> Result<ShardMap> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT c.logical_shards, c.map_version,
+                        (SELECT coalesce(array_agg(name ORDER BY position), '{}') FROM shardline.hosts),
+                        (SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM shardline.shards),
+                        (SELECT coalesce(array_agg(host ORDER BY shard), '{}') FROM shardline.shards)
+                 FROM shardline.cluster c",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::catalog("read the shard map", e))?
+            .ok_or(Error::NotInitialised)?;
+        let invalid = |e: shardline_router::Error| Error::InvalidCatalog { reason: e.to_string() };
+        let count = ShardCount::new(i64::from(row.get::<_, i32>(0))).map_err(invalid)?;
+        let hosts = row
+            .get::<_, Vec<String>>(2)
+            .iter()
+            .map(|h| HostName::new(h))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(invalid)?;
+        let shards: Vec<i32> = row.get(3);
+        let owners: Vec<String> = row.get(4);
+        let assignments = shards
+            .into_iter()
+            .zip(owners)
+            .map(|(s, h)| Ok((i64::from(s), HostName::new(&h)?)))
+            .collect::<Result<Vec<_>, shardline_router::Error>>()
+            .map_err(invalid)?;
+        ShardMap::new(row.get(1), count, hosts, assignments).map_err(invalid)
+    }
+}
+
+/// A dedicated connection `LISTEN`ing on [`MAP_CHANNEL`].
+#[derive(Debug)]
+pub struct MapListener {
+    _client: Client,
+    versions: tokio::sync::mpsc::UnboundedReceiver<i64>,
+}
+
+impl MapListener {
+    /// Opens a connection of its own to the catalog at `url` and `LISTEN`s on it.
+    /// Versions announced from then on can be read with [`MapListener::next`].
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`]; [`Error::Catalog`] when `LISTEN` fails.
+    pub async fn start(url: &DbUrl) -> Result<MapListener> {
+        use futures::StreamExt as _;
+        let (client, mut connection) = pg_config(url, "catalog")?
+            .connect(NoTls)
+            .await
+            .map_err(|source| Error::Connect { target: "catalog".into(), source })?;
+        let (tx, versions) = tokio::sync::mpsc::unbounded_channel();
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        tokio::spawn(async move {
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(tokio_postgres::AsyncMessage::Notification(n)) if n.channel() == MAP_CHANNEL => {
+                        if let Ok(v) = n.payload().parse::<i64>()
+                            && tx.send(v).is_err()
+                        {
+                            break;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "catalog listener ended");
+                        break;
+                    }
+                }
+            }
+        });
+        client
+            .batch_execute(&format!("LISTEN {MAP_CHANNEL}"))
+            .await
+            .map_err(|e| Error::catalog("LISTEN for map changes", e))?;
+        Ok(MapListener { _client: client, versions })
+    }
+
+    /// The next announced map version, or `None` after `timeout` or when the
+    /// connection has ended.
+    pub async fn next(&mut self, timeout: Duration) -> Option<i64> {
+        tokio::time::timeout(timeout, self.versions.recv()).await.ok().flatten()
+    }
+}
