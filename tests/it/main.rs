@@ -5,6 +5,7 @@
     reason = "a test fails by panicking; harness = false hides it from clippy's test detection"
 )]
 
+mod bootstrap;
 mod cluster;
 mod faults;
 mod ids;
@@ -33,6 +34,14 @@ fn main() {
             ids::reserved_blocks_and_database_minting_share_one_source,
             ids::the_application_generator_shares_the_sequence_and_keeps_near_the_clock,
             ids::two_transactions_catching_up_together_both_mint,
+            bootstrap::init_twice_changes_nothing_the_second_time,
+            bootstrap::a_host_new_to_the_config_joins_with_no_shards,
+            bootstrap::refusals_change_nothing,
+            bootstrap::a_migration_failing_in_one_shard_stops_and_a_rerun_continues,
+            bootstrap::changed_or_misordered_files_are_refused_before_anything_changes,
+            bootstrap::locate_agrees_with_where_rows_are,
+            bootstrap::map_changes_bump_the_version_and_notify,
+            bootstrap::status_reports_rows_bytes_and_unreachable_hosts,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
@@ -40,6 +49,7 @@ fn main() {
             faults::pause_makes_queries_time_out_and_resume_answers_them,
             faults::restart_keeps_the_url_and_the_data,
             faults::handles_refuse_what_makes_no_sense,
+            bootstrap::init_interrupted_by_a_killed_host_completes_later,
         ],
     )
     .run()

@@ -3,20 +3,31 @@
 //!
 //! # Layout
 //!
-//! - [`id`]: `shardline id decode|encode|layout`, which need no database.
-//!
-//! More subcommands arrive with the issues that build them (`init`, `migrate`, `map`,
-//! `move`, `demo`).
+//! - [`id`]: `shardline id decode|encode|layout|sql`, which need no database.
+//! - [`cluster`]: `init`, `migrate`, `map`, `locate`, `status`, which work on the
+//!   cluster a config file describes.
 #![forbid(unsafe_code)]
+
+use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
+pub mod cluster;
 pub mod id;
 
 /// A sharding-aware data-access layer for PostgreSQL.
 #[derive(Debug, Parser)]
 #[command(name = "shardline", version, about, long_about = None)]
 pub struct Opt {
+    /// The cluster's config file (TOML).
+    #[arg(
+        long,
+        global = true,
+        env = "SHARDLINE_CONFIG",
+        default_value = "shardline.toml",
+        value_name = "FILE"
+    )]
+    pub config: PathBuf,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -27,6 +38,17 @@ pub struct Opt {
 pub enum Command {
     /// Decode, encode and explain 64-bit shard IDs (no database needed).
     Id(id::IdOpt),
+    /// Create the catalog, place the shards, create every shard schema with its ID
+    /// minter, apply the migrations. Idempotent; resumes an interrupted run.
+    Init(cluster::ApplyOpt),
+    /// Apply pending migrations to every shard schema, one transaction per shard.
+    Migrate(cluster::ApplyOpt),
+    /// Show the shard map: hosts, their shard ranges, the map version.
+    Map(cluster::MapOpt),
+    /// Show where a user's or an ID's rows live: shard, schema, host.
+    Locate(cluster::LocateOpt),
+    /// Show each host: reachable or not, its shards, rows and bytes per table.
+    Status(cluster::StatusOpt),
 }
 
 /// A mistake in what the user typed, found after clap parsed it: the binary prints it
@@ -41,8 +63,15 @@ pub struct UsageError(pub String);
 ///
 /// [`UsageError`] for bad input; anything else for failures.
 pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    match opt.command {
-        Command::Id(opt) => id::run(opt, out),
+    let Opt { config, command } = opt;
+    let config = || cluster::load_config(&config);
+    match command {
+        Command::Id(o) => id::run(o, out),
+        Command::Init(o) => cluster::apply(&config()?, &o, true, out),
+        Command::Migrate(o) => cluster::apply(&config()?, &o, false, out),
+        Command::Map(o) => cluster::map(&config()?, &o, out),
+        Command::Locate(o) => cluster::locate(&config()?, &o, out),
+        Command::Status(o) => cluster::status(&config()?, &o, out),
     }
 }
 

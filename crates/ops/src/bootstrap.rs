@@ -357,7 +357,7 @@ async fn run(
     lock(&catalog).await?;
     let mut report = Report { migrations: migrations.len(), ..Report::default() };
     for w in wal_warnings(&hosts).await {
-        tracing::warn!("{w}");
+        tracing::info!("{w}");
         progress(Progress::Warning(w.clone()));
         report.warnings.push(w);
     }

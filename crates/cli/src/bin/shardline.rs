@@ -3,9 +3,16 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let opt = shardline::Opt::parse();
+    // Logs go to stderr, filtered by SHARDLINE_LOG (e.g. `shardline_ops=debug`); warnings
+    // and errors only by default. They never hold connection URLs.
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_env("SHARDLINE_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .init();
     let mut stdout = std::io::stdout().lock();
     match shardline::run(opt, &mut stdout) {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,633 @@
+//! `init`, `migrate`, `map`, `locate` and `status` against real hosts: idempotent,
+//! resumable after a host dies, refusing bad input with nothing changed, and agreeing
+//! with where rows really are.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use clap::Parser as _;
+use shardline_ops::{Error as OpsError, Options, Progress, Report};
+use shardline_repo::catalog::{LOCK_KEY, MapListener};
+use shardline_router::Config;
+use shardline_testkit::harness::{TestContext, TestResult};
+use tokio_postgres::Client;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The example migrations shipped in `migrations/`.
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations")
+}
+
+/// A cluster under test: a config file (in a directory of its own, with its own
+/// migrations) over the first `hosts` hosts, on a fresh database, with the catalog in
+/// host 0's database.
+struct Fixture {
+    db: String,
+    dir: PathBuf,
+    hosts: usize,
+}
+
+impl Fixture {
+    async fn new(ctx: &TestContext, hosts: usize, shards: u16) -> Result<Fixture, BoxError> {
+        let db = ctx.databases().await?;
+        let dir = std::env::temp_dir().join(format!("shardline-it-{}-{db}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("migrations"))?;
+        let f = Fixture { db, dir, hosts };
+        for entry in std::fs::read_dir(examples())? {
+            let entry = entry?;
+            std::fs::copy(entry.path(), f.dir.join("migrations").join(entry.file_name()))?;
+        }
+        f.write_config(ctx, |_, url| url, shards)?;
+        Ok(f)
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("shardline.toml")
+    }
+
+    /// Writes the config, letting `url` change host `i`'s URL.
+    fn write_config(
+        &self,
+        ctx: &TestContext,
+        url: impl Fn(usize, String) -> String,
+        shards: u16,
+    ) -> Result<(), BoxError> {
+        let mut text =
+            format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{}\"\n", ctx.hosts()[0].url(&self.db));
+        for (i, h) in ctx.hosts().iter().take(self.hosts).enumerate() {
+            text.push_str(&format!(
+                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\n",
+                i + 1,
+                url(i, h.url(&self.db))
+            ));
+        }
+        std::fs::write(self.path(), text)?;
+        Ok(())
+    }
+
+    fn migration(&self, name: &str, sql: &str) -> Result<(), BoxError> {
+        std::fs::write(self.dir.join("migrations").join(name), sql)?;
+        Ok(())
+    }
+
+    fn config(&self) -> Result<Config, BoxError> {
+        Ok(shardline::cluster::load_config(&self.path())?)
+    }
+
+    async fn client(&self, ctx: &TestContext, host: usize) -> Result<Client, BoxError> {
+        Ok(ctx.hosts()[host].connect(&self.db).await?)
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn quiet(_: Progress) {}
+
+fn options(jobs: usize) -> Options {
+    Options { jobs_per_host: jobs, ..Options::default() }
+}
+
+/// Runs the `shardline` command line (on a thread of its own: it makes its own
+/// runtime) and returns what it printed, and its error if it failed.
+async fn cli_full(f: &Fixture, args: &[&str]) -> (String, Result<(), String>) {
+    let mut argv = vec!["shardline".to_owned(), "--config".to_owned(), f.path().display().to_string()];
+    argv.extend(args.iter().map(|a| (*a).to_owned()));
+    let ran = tokio::task::spawn_blocking(move || {
+        let opt = match shardline::Opt::try_parse_from(argv) {
+            Ok(opt) => opt,
+            Err(e) => return (String::new(), Err(e.to_string())),
+        };
+        let mut out = Vec::new();
+        let result = shardline::run(opt, &mut out).map_err(|e| format!("{e:#}"));
+        (String::from_utf8_lossy(&out).into_owned(), result)
+    })
+    .await;
+    ran.unwrap_or_else(|e| (String::new(), Err(e.to_string())))
+}
+
+/// As [`cli_full`], for commands expected to succeed: what they printed, or the error.
+async fn cli(f: &Fixture, args: &[&str]) -> Result<String, String> {
+    let (out, result) = cli_full(f, args).await;
+    result.map(|()| out)
+}
+
+/// The shard schemas on `client`'s host, by name.
+async fn schemas(client: &Client) -> Result<Vec<String>, BoxError> {
+    Ok(client
+        .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%' ORDER BY 1", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// The ledger on `client`'s host: schema → names applied.
+async fn ledger(client: &Client) -> Result<BTreeMap<String, Vec<String>>, BoxError> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    if client.query_one("SELECT to_regclass('shardline.shard_migrations') IS NULL", &[]).await?.get(0) {
+        return Ok(out);
+    }
+    for r in
+        client.query("SELECT schema_name, name FROM shardline.shard_migrations ORDER BY 1, 2", &[]).await?
+    {
+        out.entry(r.get(0)).or_default().push(r.get(1));
+    }
+    Ok(out)
+}
+
+fn all_migrations() -> Vec<String> {
+    ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "shardline minter"].map(String::from).to_vec()
+}
+
+pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 30).await?;
+    let config = f.config()?;
+    let first = shardline_ops::init(&config, &options(2), &quiet).await?;
+    assert!(first.catalog_created && first.changed(), "{first:?}");
+    assert_eq!((first.shards_placed, first.schemas_created, first.minters_installed), (30, 30, 30));
+    assert_eq!((first.migrations_applied, first.shards_migrated, first.map_version), (90, 30, 1));
+
+    // Contiguous, even ranges in config order; each schema whole, with its own minter.
+    for (h, range) in [(0usize, 0..10u16), (1, 10..20), (2, 20..30)] {
+        let c = f.client(&ctx, h).await?;
+        let want: Vec<String> = range.clone().map(|s| format!("shard_{s:04}")).collect();
+        assert_eq!(schemas(&c).await?, want, "host pg{}", h + 1);
+        let l = ledger(&c).await?;
+        assert_eq!(l.len(), 10);
+        assert!(l.values().all(|names| *names == all_migrations()), "{l:?}");
+        for s in range {
+            let id: i64 = c
+                .query_one(
+                    &format!("INSERT INTO shard_{s:04}.photos (user_id, url) VALUES (1, 'u') RETURNING id"),
+                    &[],
+                )
+                .await?
+                .get(0);
+            assert_eq!(
+                shardline_id::Layout::INSTAGRAM.decode(shardline_id::Id::from_i64(id)?).shard,
+                u32::from(s)
+            );
+        }
+    }
+    let before = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT max(applied_at)::text FROM shardline.shard_migrations", &[])
+        .await?;
+
+    let second = shardline_ops::init(&config, &options(2), &quiet).await?;
+    assert!(!second.changed(), "a second init changed something: {second:?}");
+    assert_eq!(second.map_version, 1);
+    let after = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT max(applied_at)::text FROM shardline.shard_migrations", &[])
+        .await?;
+    assert_eq!(before.get::<_, String>(0), after.get::<_, String>(0));
+    let said = cli(&f, &["init"]).await?;
+    assert!(
+        said.starts_with(
+            "nothing to do: 30 shards on 3 hosts are up to date with 3 migration(s) (map version 1)"
+        ),
+        "{said}"
+    );
+    let said = cli(&f, &["migrate", "--json"]).await?;
+    let json: serde_json::Value = serde_json::from_str(&said)?;
+    assert_eq!(json["migrations_applied"], 0, "{said}");
+    Ok(())
+}
+
+pub(crate) async fn a_host_new_to_the_config_joins_with_no_shards(ctx: TestContext) -> TestResult {
+    let mut f = Fixture::new(&ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    f.hosts = 3;
+    f.write_config(&ctx, |_, u| u, 8)?;
+    let report = shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    assert_eq!(report.hosts_added, ["pg3"]);
+    assert_eq!((report.shards_placed, report.schemas_created, report.map_version), (0, 0, 1), "{report:?}");
+    assert!(schemas(&f.client(&ctx, 2).await?).await?.is_empty());
+    let map: serde_json::Value = serde_json::from_str(&cli(&f, &["map", "--json"]).await?)?;
+    assert_eq!(map["version"], 1);
+    assert_eq!(map["hosts"][0]["ranges"], serde_json::json!([[0, 3]]));
+    assert_eq!(map["hosts"][1]["ranges"], serde_json::json!([[4, 7]]));
+    assert_eq!(map["hosts"][2], serde_json::json!({"name": "pg3", "shards": 0, "ranges": []}));
+    let text = cli(&f, &["map"]).await?;
+    assert!(
+        text.starts_with("map version 1: 8 logical shards on 3 hosts\npg1      4 shards  0-3\n"),
+        "{text}"
+    );
+    Ok(())
+}
+
+/// What every host and the catalog hold, to show that a refusal changed nothing.
+async fn snapshot(f: &Fixture, ctx: &TestContext) -> Result<Vec<String>, BoxError> {
+    let mut out = Vec::new();
+    for h in 0..f.hosts {
+        let c = f.client(ctx, h).await?;
+        out.push(format!("{:?} {:?}", schemas(&c).await?, ledger(&c).await?));
+    }
+    let c = f.client(ctx, 0).await?;
+    let exists: bool = c.query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[]).await?.get(0);
+    let catalog: Option<String> = if exists {
+        c.query_one(
+            "SELECT format('%s/%s', (SELECT row_to_json(c)::text FROM shardline.cluster c),
+                           (SELECT string_agg(shard || host, ',' ORDER BY shard) FROM shardline.shards))",
+            &[],
+        )
+        .await?
+        .get(0)
+    } else {
+        None
+    };
+    out.push(format!("{catalog:?}"));
+    Ok(out)
+}
+
+pub(crate) async fn refusals_change_nothing(ctx: TestContext) -> TestResult {
+    let mut f = Fixture::new(&ctx, 2, 16).await?;
+    let empty = snapshot(&f, &ctx).await?;
+
+    // An unreachable host: refused before the catalog exists.
+    f.write_config(
+        &ctx,
+        |i, u| if i == 1 { "postgres://postgres@127.0.0.1:9/nowhere".into() } else { u },
+        16,
+    )?;
+    let err = shardline_ops::init(&f.config()?, &options(1), &quiet).await.unwrap_err();
+    assert!(matches!(err, OpsError::Unreachable { .. }), "{err:?}");
+    let said = err.to_string();
+    assert!(said.starts_with("a host is unreachable, so nothing was changed: pg2: "), "{said}");
+    assert!(!said.contains("127.0.0.1:9"), "the error leaked the URL: {said}");
+    assert_eq!(snapshot(&f, &ctx).await?, empty);
+
+    // A bad migration file: refused before anything changes.
+    f.write_config(&ctx, |_, u| u, 16)?;
+    f.migration("0004_bad.sql", "CREATE TABLE x (a int);\nCOMMIT;\n")?;
+    let err = shardline_ops::init(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "0004_bad.sql:2: COMMIT is not allowed: shardline runs each shard's pending migrations in one transaction of its own"
+    );
+    assert_eq!(snapshot(&f, &ctx).await?, empty);
+    std::fs::remove_file(f.dir.join("migrations/0004_bad.sql"))?;
+
+    // Another operation holding the catalog lock.
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let done = snapshot(&f, &ctx).await?;
+    let holder = f.client(&ctx, 0).await?;
+    holder.execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY]).await?;
+    f.migration("0004_more.sql", "CREATE TABLE more (a int);")?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err();
+    assert!(matches!(err, OpsError::Busy), "{err:?}");
+    holder.execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY]).await?;
+    assert_eq!(snapshot(&f, &ctx).await?, done);
+    std::fs::remove_file(f.dir.join("migrations/0004_more.sql"))?;
+
+    // A config that contradicts the catalog.
+    for (config, message) in [
+        (
+            "logical_shards = 32\n",
+            "the config says logical_shards = 32, but the cluster was initialised with logical_shards = 16",
+        ),
+        (
+            "logical_shards = 16\nschema_prefix = \"s_\"\n",
+            "the config says schema_prefix = s_, but the cluster was initialised with schema_prefix = shard_",
+        ),
+        (
+            "logical_shards = 16\n[id]\nepoch_ms = 1600000000000\n",
+            "the config says id.epoch_ms = 1600000000000, but the cluster was initialised with id.epoch_ms = 1314220021721",
+        ),
+    ] {
+        f.write_config(&ctx, |_, u| u, 16)?;
+        let text = std::fs::read_to_string(f.path())?;
+        let rest = text.split_once('\n').map(|(_, r)| r).unwrap_or_default();
+        let (head, tail) = match config.split_once("[id]") {
+            Some((h, t)) => (h.to_owned(), format!("[id]{t}")),
+            None => (config.to_owned(), String::new()),
+        };
+        std::fs::write(f.path(), format!("{head}{rest}\n{tail}"))?;
+        for run in ["init", "migrate", "map", "status"] {
+            let err = cli(&f, &[run]).await.unwrap_err();
+            assert!(err.contains(message), "{run}: {err}");
+        }
+        assert_eq!(snapshot(&f, &ctx).await?, done);
+    }
+    // A host that holds shards, dropped from the config.
+    f.hosts = 1;
+    f.write_config(&ctx, |_, u| u, 16)?;
+    let err = cli(&f, &["init"]).await.unwrap_err();
+    assert!(err.contains("host pg2 holds 8 shard(s) in the catalog but is not in the config"), "{err}");
+    f.hosts = 2;
+    assert_eq!(snapshot(&f, &ctx).await?, done);
+    Ok(())
+}
+
+pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    for m in ["0002_likes.sql", "0003_comments.sql"] {
+        std::fs::remove_file(f.dir.join("migrations").join(m))?;
+    }
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    // Shard 5 (on pg2) holds a row the next migration's constraint rejects.
+    let pg2 = f.client(&ctx, 1).await?;
+    pg2.execute("INSERT INTO shard_0005.photos (user_id, url, caption) VALUES (5, 'u', '')", &[]).await?;
+    f.migration("0002_tags.sql", "CREATE TABLE tags (photo_id bigint NOT NULL, tag text NOT NULL);\n")?;
+    f.migration(
+        "0003_captions.sql",
+        "-- Every photo needs a caption.\nCREATE INDEX photos_caption ON photos (caption);\n\nALTER TABLE photos\n    ADD CONSTRAINT caption_required CHECK (caption <> '');\n",
+    )?;
+
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err();
+    let OpsError::Migration(failed) = &err else { panic!("expected a migration failure, got {err:?}") };
+    assert_eq!((failed.shard, failed.schema.as_str(), failed.host.as_str()), (5, "shard_0005", "pg2"));
+    assert_eq!((failed.file.as_str(), failed.index, failed.line), ("0003_captions.sql", 2, 4));
+    assert_eq!(failed.sqlstate.as_deref(), Some("23514"));
+    assert!(failed.statement.starts_with("ALTER TABLE photos"), "{}", failed.statement);
+    let said = err.to_string();
+    assert!(
+        said.starts_with("shard 5 (shard_0005) on host pg2: 0003_captions.sql, statement 2 (line 4) failed (SQLSTATE 23514): check constraint \"caption_required\""),
+        "{said}"
+    );
+
+    // Every shard is whole: both new files (tables, index, constraint, ledger) or none.
+    let mut migrated = 0;
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        for (schema, names) in ledger(&c).await? {
+            let has_tags: bool =
+                c.query_one(&format!("SELECT to_regclass('{schema}.tags') IS NOT NULL"), &[]).await?.get(0);
+            let has_index: bool = c
+                .query_one(&format!("SELECT to_regclass('{schema}.photos_caption') IS NOT NULL"), &[])
+                .await?
+                .get(0);
+            let recorded = names.contains(&"0003_captions.sql".to_owned());
+            assert_eq!(recorded, names.contains(&"0002_tags.sql".to_owned()), "{schema}: {names:?}");
+            assert_eq!((has_tags, has_index), (recorded, recorded), "{schema} is half migrated");
+            migrated += usize::from(recorded);
+            if schema == "shard_0005" {
+                assert!(!recorded, "the failing shard kept part of its work");
+            }
+        }
+    }
+    assert!(migrated < 8);
+    let status = shardline_ops::status(&f.config()?, Duration::from_secs(5)).await?;
+    assert_eq!(status.hosts.iter().map(|h| h.shards_behind).sum::<usize>(), 8 - migrated);
+
+    // Fix the data; the re-run finishes the rest.
+    pg2.execute("UPDATE shard_0005.photos SET caption = 'fixed'", &[]).await?;
+    let report = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await?;
+    assert_eq!(report.shards_migrated, 8 - migrated);
+    assert_eq!(report.migrations_applied, 2 * (8 - migrated));
+    for h in 0..2 {
+        let l = ledger(&f.client(&ctx, h).await?).await?;
+        assert!(l.values().all(|n| n.len() == 4), "{l:?}");
+    }
+    Ok(())
+}
+
+pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_changes(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    f.migration("0009_new.sql", "CREATE TABLE new_one (a int);")?;
+    let done = snapshot(&f, &ctx).await?;
+
+    let photos = f.dir.join("migrations/0001_photos.sql");
+    let original = std::fs::read_to_string(&photos)?;
+    std::fs::write(&photos, original.replace("caption text", "caption varchar(80)"))?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
+    assert!(err.starts_with("migration 0001_photos.sql: the file changed after it was applied to shard_0000 (shard 0) on pg1 (checksum "), "{err}");
+    assert_eq!(snapshot(&f, &ctx).await?, done);
+    std::fs::write(&photos, original)?;
+
+    f.migration("0000_early.sql", "CREATE TABLE early (a int);")?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
+    assert!(err.starts_with("migration 0000_early.sql: it sorts before 0003_comments.sql, which shard_0000 (shard 0) on pg1 already has"), "{err}");
+    std::fs::remove_file(f.dir.join("migrations/0000_early.sql"))?;
+
+    std::fs::remove_file(f.dir.join("migrations/0002_likes.sql"))?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
+    assert!(err.starts_with("migration 0002_likes.sql: shard_0000 (shard 0) on pg1 has it applied, but it is not in the migrations directory"), "{err}");
+    assert_eq!(snapshot(&f, &ctx).await?, done);
+    Ok(())
+}
+
+pub(crate) async fn locate_agrees_with_where_rows_are(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 30).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let clients = [f.client(&ctx, 0).await?, f.client(&ctx, 1).await?, f.client(&ctx, 2).await?];
+    let mut ids = Vec::new();
+    for user in [0i64, 1, 9, 10, 29, 30, 31, 12345, -1, -31, i64::MAX, i64::MIN] {
+        let at: serde_json::Value =
+            serde_json::from_str(&cli(&f, &["locate", "--user", &user.to_string(), "--json"]).await?)?;
+        assert_eq!(at["shard"].as_i64(), Some(user.rem_euclid(30)), "{at}");
+        let host = at["host"].as_str().unwrap_or_default();
+        let h = host.trim_start_matches("pg").parse::<usize>()? - 1;
+        let schema = at["schema"].as_str().unwrap_or_default().to_owned();
+        let id: i64 = clients[h]
+            .query_one(
+                &format!("INSERT INTO {schema}.photos (user_id, url) VALUES ($1, 'u') RETURNING id"),
+                &[&user],
+            )
+            .await?
+            .get(0);
+        ids.push((id, user));
+    }
+    // Where each row really is: every host, every shard schema on it.
+    let mut found: HashMap<i64, Vec<(String, String)>> = HashMap::new();
+    for (h, c) in clients.iter().enumerate() {
+        for schema in schemas(c).await? {
+            for r in c.query(&format!("SELECT id FROM {schema}.photos"), &[]).await? {
+                found.entry(r.get(0)).or_default().push((format!("pg{}", h + 1), schema.clone()));
+            }
+        }
+    }
+    for (id, user) in ids {
+        let at: serde_json::Value =
+            serde_json::from_str(&cli(&f, &["locate", "--id", &id.to_string(), "--json"]).await?)?;
+        let place = (
+            at["host"].as_str().unwrap_or_default().to_owned(),
+            at["schema"].as_str().unwrap_or_default().to_owned(),
+        );
+        assert_eq!(found.get(&id), Some(&vec![place]), "user {user}, id {id}: locate said {at}");
+        let compact = shardline_id::Id::from_i64(id)?.to_compact();
+        let again: serde_json::Value =
+            serde_json::from_str(&cli(&f, &["locate", "--id", &compact, "--json"]).await?)?;
+        assert_eq!(again, at);
+    }
+    let text = cli(&f, &["locate", "--user", "31"]).await?;
+    assert_eq!(text, "shard 1  schema shard_0001  host pg1\n");
+    // An ID from a shard this cluster does not have.
+    let foreign = shardline_id::Id::from_parts(1_700_000_000_000, 4000, 0)?;
+    let err = cli(&f, &["locate", "--id", &foreign.to_string()]).await.unwrap_err();
+    assert!(
+        err.contains(&format!("invalid value {foreign} for --id: logical shard 4000 is out of range 0..30")),
+        "{err}"
+    );
+    Ok(())
+}
+
+pub(crate) async fn map_changes_bump_the_version_and_notify(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let mut listener = MapListener::start(&config.catalog).await?;
+    let c = f.client(&ctx, 0).await?;
+    // Not a change: the same host, or another column.
+    c.execute("UPDATE shardline.shards SET host = host, ready = ready", &[]).await?;
+    assert_eq!(listener.next(Duration::from_millis(300)).await, None);
+    c.execute("UPDATE shardline.shards SET host = 'pg2' WHERE shard = 0", &[]).await?;
+    assert_eq!(listener.next(Duration::from_secs(5)).await, Some(2));
+    let (catalog, _) = shardline_repo::Catalog::open(&config).await?;
+    let map = catalog.map().await?;
+    assert_eq!(map.version(), 2);
+    assert_eq!(map.route_user(0, &config.schema_prefix).host.as_str(), "pg2");
+    // A map that is no longer valid is refused, naming the shard.
+    c.execute("DELETE FROM shardline.shards WHERE shard = 3", &[]).await?;
+    assert_eq!(listener.next(Duration::from_secs(5)).await, Some(3));
+    let err = catalog.map().await.unwrap_err().to_string();
+    assert_eq!(err, "the catalog is not valid: invalid shard map: shard 3 is not mapped to any host");
+    Ok(())
+}
+
+pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let c = f.client(&ctx, 0).await?;
+    c.execute(
+        "INSERT INTO shard_0000.photos (user_id, url) SELECT g * 6, 'u' FROM generate_series(1, 500) g",
+        &[],
+    )
+    .await?;
+    c.execute("ANALYZE shard_0000.photos", &[]).await?;
+    let json: serde_json::Value = serde_json::from_str(&cli(&f, &["status", "--json"]).await?)?;
+    assert_eq!(json["map_version"], 1);
+    let pg1 = &json["hosts"][0];
+    assert_eq!(
+        (pg1["reachable"].as_bool(), pg1["shards"].as_u64(), pg1["shards_behind"].as_u64()),
+        (Some(true), Some(2), Some(0))
+    );
+    let tables: Vec<&str> =
+        pg1["tables"].as_array().into_iter().flatten().filter_map(|t| t["name"].as_str()).collect();
+    assert_eq!(tables, ["comments", "likes", "photos"]);
+    let photos = &pg1["tables"][2];
+    assert!(photos["bytes"].as_i64().unwrap_or(0) > 8192, "{photos}");
+    // Statistics reach pg_stat_user_tables within a second or so of the commit.
+    let mut rows = photos["rows"].as_i64();
+    for _ in 0..50 {
+        if rows == Some(500) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let again: serde_json::Value = serde_json::from_str(&cli(&f, &["status", "--json"]).await?)?;
+        rows = again["hosts"][0]["tables"][2]["rows"].as_i64();
+    }
+    assert_eq!(rows, Some(500));
+
+    // pg3 becomes unreachable: status still reports, names it, and fails.
+    f.write_config(
+        &ctx,
+        |i, u| if i == 2 { "postgres://postgres@127.0.0.1:9/nowhere".into() } else { u },
+        6,
+    )?;
+    let err = cli(&f, &["status"]).await.unwrap_err();
+    assert_eq!(err, "unreachable: pg3");
+    let (json, failed) = cli_full(&f, &["status", "--json"]).await;
+    assert_eq!(failed, Err("unreachable: pg3".to_owned()));
+    let json: serde_json::Value = serde_json::from_str(&json)?;
+    assert_eq!(json["hosts"][2]["reachable"], false);
+    assert!(
+        json["hosts"][2]["error"].as_str().unwrap_or_default().starts_with("host pg3 is unreachable"),
+        "{json}"
+    );
+    assert_eq!(json["hosts"][1]["reachable"], true);
+    Ok(())
+}
+
+pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 300).await?;
+    let config = f.config()?;
+    let done_on_pg2 = Mutex::new(0usize);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let tx = Mutex::new(Some(tx));
+    let progress = |p: Progress| {
+        if let Progress::ShardDone { host, .. } = p
+            && host.as_str() == "pg2"
+            && let Ok(mut n) = done_on_pg2.lock()
+        {
+            *n += 1;
+            if *n == 5
+                && let Some(tx) = tx.lock().ok().and_then(|mut t| t.take())
+            {
+                let _ = tx.send(());
+            }
+        }
+    };
+    let pg2 = &ctx.hosts()[1];
+    let killer = async {
+        if rx.await.is_ok() {
+            pg2.kill().await?;
+        }
+        Ok::<_, BoxError>(())
+    };
+    let one_job = options(1);
+    let (result, killed) = tokio::join!(shardline_ops::init(&config, &one_job, &progress), killer);
+    killed?;
+    let err = result.expect_err("init should fail when a host dies under it");
+    assert!(err.to_string().contains("pg2"), "the error should name pg2: {err}");
+    let interrupted_at = done_on_pg2.lock().map(|n| *n).unwrap_or_default();
+    assert!(interrupted_at < 100, "pg2 finished before it was killed ({interrupted_at} shards)");
+
+    // While pg2 is down, a re-run refuses and changes nothing.
+    let err = shardline_ops::init(&config, &options(1), &quiet).await.unwrap_err();
+    assert!(
+        matches!(&err, OpsError::Unreachable { hosts } if hosts.len() == 1 && hosts[0].0 == "pg2"),
+        "{err:?}"
+    );
+
+    // After the crash, each shard is whole or absent, on every host.
+    pg2.start().await?;
+    let mut survived = 0;
+    for h in 0..3 {
+        let c = f.client(&ctx, h).await?;
+        let present = schemas(&c).await?;
+        let l = ledger(&c).await?;
+        for s in &present {
+            assert_eq!(l.get(s), Some(&all_migrations()), "{s} on pg{} survived the crash half done", h + 1);
+        }
+        assert_eq!(l.len(), present.len());
+        survived += present.len();
+    }
+    assert!(survived < 300, "every shard was done before the kill");
+    let report: Report = shardline_ops::init(&config, &options(2), &quiet).await?;
+    assert!(!report.catalog_created && report.shards_placed == 0, "{report:?}");
+    assert_eq!(report.schemas_created, 300 - survived, "{report:?}");
+    for h in 0..3 {
+        let l = ledger(&f.client(&ctx, h).await?).await?;
+        assert_eq!(l.len(), 100, "pg{}", h + 1);
+        assert!(l.values().all(|n| *n == all_migrations()));
+    }
+    let ready: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(
+            "SELECT count(*) FROM shardline.shards WHERE ready AND migration = '0003_comments.sql'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(ready, 300);
+    assert!(!shardline_ops::init(&config, &options(2), &quiet).await?.changed());
+    Ok(())
+}
