@@ -30,7 +30,7 @@ pub use status::{HostStatus, Status, TableStatus, status};
 #[non_exhaustive]
 pub enum Error {
     /// The migrations directory or one of its files cannot be read.
-    #[error("{}: {message}", path.display())]
+    #[error("cannot read the migrations at {}: {message}", path.display())]
     MigrationDir {
         /// The directory or file.
         path: PathBuf,

@@ -395,6 +395,6 @@ mod tests {
     #[test]
     fn a_missing_directory_is_named() {
         let err = load_dir(Path::new("/no/such/dir")).unwrap_err().to_string();
-        assert!(err.starts_with("/no/such/dir: "), "{err}");
+        assert!(err.starts_with("cannot read the migrations at /no/such/dir: "), "{err}");
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use testcontainers::core::{IntoContainerPort, WaitFor};
+use testcontainers::core::{IntoContainerPort, Mount, WaitFor};
 use testcontainers::runners::AsyncRunner;
 use testcontainers::{ContainerAsync, GenericImage, ImageExt};
 use tokio::sync::Mutex;
@@ -56,6 +56,9 @@ pub(crate) fn split_image(image: &str) -> (&str, &str) {
     }
 }
 
+/// Where the image keeps its cluster (the official image's `PGDATA` too).
+const DATA_DIR: &str = "/var/lib/postgresql/data";
+
 #[async_trait]
 impl Backend for DockerBackend {
     fn kind(&self) -> BackendKind {
@@ -82,6 +85,12 @@ impl Backend for DockerBackend {
             .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
             .with_label(PID_LABEL, std::process::id().to_string())
             .with_cmd(cmd)
+            // The data directory on a volume of its own, not on the image's layered
+            // filesystem: with the fuse-overlayfs storage driver every file Postgres
+            // creates (a table, an index) costs a trip through FUSE, which made DDL-heavy
+            // work 3x slower. Anonymous: created from the image's baked cluster, kept
+            // across stop and start, removed with the container (`rm -v`).
+            .with_mount(Mount::volume_mount("", DATA_DIR))
             .start()
             .await
             .map_err(|source| Error::Docker {
