@@ -190,18 +190,25 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
     if down.is_empty() { Ok(ok) } else { Err(Error::Unreachable { hosts: down }) }
 }
 
+/// The warning for a host whose `wal_level` is `level`, if it is not `logical`.
+fn wal_warning(host: &HostName, level: &str) -> Option<String> {
+    (level != "logical").then(|| {
+        format!(
+            "host {host} has wal_level = {level}: moving shards to or from it needs wal_level = logical (and a restart)"
+        )
+    })
+}
+
 /// `wal_level` of each host that is not `logical`, as warnings.
 async fn wal_warnings(hosts: &[(HostName, Vec<Client>)]) -> Vec<String> {
-    let checks = hosts.iter().filter_map(|(name, clients)| clients.first().map(|c| (name, c))).map(|(name, c)| async move {
-        match c.query_one("SHOW wal_level", &[]).await {
-            Ok(row) if row.get::<_, String>(0) == "logical" => None,
-            Ok(row) => Some(format!(
-                "host {name} has wal_level = {}: moving shards to or from it needs wal_level = logical (and a restart)",
-                row.get::<_, String>(0)
-            )),
-            Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
-        }
-    });
+    let checks = hosts.iter().filter_map(|(name, clients)| clients.first().map(|c| (name, c))).map(
+        |(name, c)| async move {
+            match c.query_one("SHOW wal_level", &[]).await {
+                Ok(row) => wal_warning(name, &row.get::<_, String>(0)),
+                Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
+            }
+        },
+    );
     futures::future::join_all(checks).await.into_iter().flatten().collect()
 }
 
@@ -408,7 +415,7 @@ async fn run(
         .flat_map(|p| p.work.iter().map(|w| w.shard.get()))
         .filter(|s| !finished.contains(s))
         .collect();
-    record_states(&catalog, &plans, &pending, &migrations).await?;
+    let recorded = record_states(&catalog, &plans, &pending, &migrations).await;
 
     let mut first_error = None;
     for (done, error) in outcomes {
@@ -421,8 +428,15 @@ async fn run(
             first_error = error;
         }
     }
-    if let Some(e) = first_error {
-        return Err(e);
+    // A shard's failure is the news; a failure to copy states into the catalog comes
+    // second (the next run copies them again from the ledgers).
+    match (first_error, recorded) {
+        (Some(e), Err(r)) => {
+            tracing::warn!(error = %r, "could not record the shards' state in the catalog");
+            return Err(e);
+        }
+        (Some(e), Ok(())) | (None, Err(e)) => return Err(e),
+        (None, Ok(())) => {}
     }
     report.shards = usize::from(map.count().get());
     report.hosts = map.hosts().len();
@@ -465,4 +479,32 @@ async fn record_states(
     .await
     .map_err(|e| catalog_err("record the migrations", &e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_logical_wal_level_passes_without_a_warning() {
+        let pg1 = HostName::new("pg1").unwrap();
+        assert_eq!(wal_warning(&pg1, "logical"), None);
+        for level in ["replica", "minimal"] {
+            let w = wal_warning(&pg1, level).unwrap();
+            assert!(w.starts_with(&format!("host pg1 has wal_level = {level}: moving shards")), "{w}");
+        }
+    }
+
+    #[test]
+    fn a_report_that_changed_nothing_says_so() {
+        let r = Report { shards: 8, hosts: 2, migrations: 3, map_version: 4, ..Report::default() };
+        assert!(!r.changed());
+        assert_eq!(
+            r.to_string(),
+            "nothing to do: 8 shards on 2 hosts are up to date with 3 migration(s) (map version 4)"
+        );
+        let r = Report { migrations_applied: 1, shards_migrated: 1, ..r };
+        assert!(r.changed());
+        assert!(r.to_string().starts_with("applied 1 migration(s) over 1 shard(s)\n"), "{r}");
+    }
 }
