@@ -14,7 +14,7 @@ use shardline_router::Config;
 use shardline_testkit::harness::{TestContext, TestResult};
 use tokio_postgres::Client;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The example migrations shipped in `migrations/`.
 fn examples() -> PathBuf {
@@ -24,14 +24,14 @@ fn examples() -> PathBuf {
 /// A cluster under test: a config file (in a directory of its own, with its own
 /// migrations) over the first `hosts` hosts, on a fresh database, with the catalog in
 /// host 0's database.
-struct Fixture {
+pub(crate) struct Fixture {
     db: String,
     dir: PathBuf,
     hosts: usize,
 }
 
 impl Fixture {
-    async fn new(ctx: &TestContext, hosts: usize, shards: u16) -> Result<Fixture, BoxError> {
+    pub(crate) async fn new(ctx: &TestContext, hosts: usize, shards: u16) -> Result<Fixture, BoxError> {
         let db = ctx.databases().await?;
         let dir = std::env::temp_dir().join(format!("shardline-it-{}-{db}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -74,11 +74,11 @@ impl Fixture {
         Ok(())
     }
 
-    fn config(&self) -> Result<Config, BoxError> {
+    pub(crate) fn config(&self) -> Result<Config, BoxError> {
         Ok(shardline::cluster::load_config(&self.path())?)
     }
 
-    async fn client(&self, ctx: &TestContext, host: usize) -> Result<Client, BoxError> {
+    pub(crate) async fn client(&self, ctx: &TestContext, host: usize) -> Result<Client, BoxError> {
         Ok(ctx.hosts()[host].connect(&self.db).await?)
     }
 }
@@ -89,9 +89,9 @@ impl Drop for Fixture {
     }
 }
 
-fn quiet(_: Progress) {}
+pub(crate) fn quiet(_: Progress) {}
 
-fn options(jobs: usize) -> Options {
+pub(crate) fn options(jobs: usize) -> Options {
     Options { jobs_per_host: jobs, ..Options::default() }
 }
 

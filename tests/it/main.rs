@@ -11,6 +11,7 @@ mod faults;
 mod ids;
 mod lifecycle;
 mod replication;
+mod repo;
 
 use shardline_testkit::harness::Harness;
 
@@ -42,6 +43,10 @@ fn main() {
             bootstrap::locate_agrees_with_where_rows_are,
             bootstrap::map_changes_bump_the_version_and_notify,
             bootstrap::status_reports_rows_bytes_and_unreachable_hosts,
+            repo::reads_and_writes_land_on_the_shard_the_map_gives,
+            repo::a_users_pages_come_newest_first_by_keyset,
+            repo::a_stale_map_is_refreshed_not_obeyed,
+            repo::a_fan_out_merges_every_host_newest_first,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
@@ -50,6 +55,7 @@ fn main() {
             faults::restart_keeps_the_url_and_the_data,
             faults::handles_refuse_what_makes_no_sense,
             bootstrap::init_interrupted_by_a_killed_host_completes_later,
+            repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
         ],
     )
     .run()

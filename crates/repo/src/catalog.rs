@@ -225,6 +225,11 @@ impl Catalog {
         Ok((catalog, info))
     }
 
+    /// Wraps an open connection to the catalog.
+    pub fn from_client(client: Client) -> Catalog {
+        Catalog { client }
+    }
+
     /// The connection, for statements this type does not wrap.
     pub fn client(&self) -> &Client {
         &self.client
@@ -355,6 +360,12 @@ impl MapListener {
             .await
             .map_err(|e| Error::catalog("LISTEN for map changes", e))?;
         Ok(MapListener { _client: client, versions })
+    }
+
+    /// Whether the connection has ended (then [`MapListener::next`] returns `None` at
+    /// once; start a new listener).
+    pub fn is_closed(&self) -> bool {
+        self.versions.is_closed() && self.versions.is_empty()
     }
 
     /// The next announced map version, or `None` after `timeout` or when the

@@ -14,9 +14,15 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+pub mod cluster;
+pub mod entity;
 pub mod ids;
+pub mod repository;
 
 pub use catalog::{Catalog, ClusterInfo};
+pub use cluster::{Cluster, ClusterOptions};
+pub use entity::{Entity, NewRow};
+pub use repository::{FanOut, Many, Missing, Page, Repo};
 
 /// The driver this crate runs on, re-exported so versions cannot drift.
 pub use tokio_postgres;
@@ -86,6 +92,75 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A statement on a host failed.
+    #[error("host {host}{}: {what} failed (SQLSTATE {}): {}", shard.map(|s| format!(", shard {s}")).unwrap_or_default(), sqlstate.as_deref().unwrap_or("none"), source.as_ref().map_or_else(|| "no detail".to_owned(), |e| e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_owned())))]
+    Host {
+        /// The host.
+        host: String,
+        /// The logical shard, when the statement was for one.
+        shard: Option<u16>,
+        /// What was being done.
+        what: &'static str,
+        /// The SQLSTATE, when the server sent one.
+        sqlstate: Option<String>,
+        /// The driver's error.
+        #[source]
+        source: Option<tokio_postgres::Error>,
+    },
+    /// A host did not answer within the host timeout.
+    #[error("host {host} did not answer within {after:?}")]
+    Timeout {
+        /// The host.
+        host: String,
+        /// The timeout.
+        after: std::time::Duration,
+    },
+    /// No connection to a host could be had from its pool in time.
+    #[error("host {host}: no connection: {message}")]
+    Pool {
+        /// The host.
+        host: String,
+        /// The pool's reason (a connect failure or a wait timeout).
+        message: String,
+    },
+    /// The map places shards on a host the config does not name.
+    #[error("the shard map places shards on host {host}, which the config does not name")]
+    UnknownHost {
+        /// The host.
+        host: String,
+    },
+    /// A table or column name that is not a plain SQL identifier.
+    #[error("{what} {name:?} is not a plain SQL identifier (lowercase ASCII letters, digits, _)")]
+    InvalidIdentifier {
+        /// What the name is for.
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// A row that does not map onto its entity.
+    #[error("a row of {table} does not match its entity: {source}")]
+    Decode {
+        /// The table.
+        table: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A statement that should return a row returned none.
+    #[error("{what} returned no row")]
+    Empty {
+        /// The statement.
+        what: &'static str,
+    },
+    /// An argument that cannot be used.
+    #[error("{what}")]
+    Invalid {
+        /// What is wrong.
+        what: String,
+    },
+    /// Routing refused (an ID whose shard the cluster does not have, ...).
+    #[error(transparent)]
+    Router(#[from] shardline_router::Error),
     /// The config contradicts the catalog on a value fixed at `init`.
     #[error(
         "the config says {key} = {config}, but the cluster was initialised with {key} = {catalog}; \
@@ -112,12 +187,58 @@ impl Error {
         Error::Catalog { what, sqlstate, source }
     }
 
+    pub(crate) fn host(
+        host: &shardline_router::HostName,
+        shard: Option<shardline_router::LogicalShard>,
+        what: &'static str,
+        source: tokio_postgres::Error,
+    ) -> Self {
+        let sqlstate = source.code().map(|c| c.code().to_owned());
+        Error::Host {
+            host: host.to_string(),
+            shard: shard.map(|s| s.get()),
+            what,
+            sqlstate,
+            source: Some(source),
+        }
+    }
+
     /// The SQLSTATE of a database error, if any.
     pub fn sqlstate(&self) -> Option<&str> {
         match self {
-            Error::Db { sqlstate, .. } | Error::Catalog { sqlstate, .. } => sqlstate.as_deref(),
+            Error::Db { sqlstate, .. } | Error::Catalog { sqlstate, .. } | Error::Host { sqlstate, .. } => {
+                sqlstate.as_deref()
+            }
             Error::Connect { source, .. } => source.code().map(tokio_postgres::error::SqlState::code),
             _ => None,
+        }
+    }
+
+    /// A unique constraint refused the row (SQLSTATE 23505).
+    pub fn is_unique_violation(&self) -> bool {
+        self.sqlstate() == Some("23505")
+    }
+
+    /// A host did not answer in time, or no connection could be had in time.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
+            || matches!(self, Error::Pool { message, .. } if message.contains("Timeout"))
+    }
+
+    /// Whether running the same work again may succeed: a lost or refused connection,
+    /// a timeout, a serialization failure or deadlock, a server shutting down. Only
+    /// retry work that did not commit (or is idempotent).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Timeout { .. } | Error::Pool { .. } | Error::Connect { .. } => true,
+            Error::Host { sqlstate: None, source: Some(e), .. }
+            | Error::Db { sqlstate: None, source: e, .. }
+            | Error::Catalog { sqlstate: None, source: e, .. } => e.is_closed() || e.as_db_error().is_none(),
+            _ => matches!(
+                self.sqlstate(),
+                Some("40001" | "40P01" | "57P01" | "57P02" | "57P03" | "55P03")
+                    | Some("08000" | "08003" | "08006")
+            ),
         }
     }
 }

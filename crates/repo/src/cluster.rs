@@ -1,0 +1,252 @@
+//! The cluster handle applications hold: the shard map from the catalog, one connection
+//! pool per physical host, and the routes between them.
+//!
+//! The map is read once at [`Cluster::connect`] and then kept fresh two ways: a task
+//! `LISTEN`s for the catalog's `NOTIFY shardline_map` and reloads it, and a statement
+//! that reaches a shard that is not where the map said (its schema is missing there)
+//! reloads it and, if the shard now lives elsewhere, runs once more there.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use shardline_id::{Id, Layout};
+use shardline_router::{Config, HostName, LogicalShard, Route, SchemaPrefix, ShardMap};
+use tokio::sync::Mutex;
+use tokio_postgres::NoTls;
+
+use crate::catalog::{self, Catalog, MapListener};
+use crate::{Error, Result};
+
+/// How a [`Cluster`] connects and waits.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Connections per host, at most (default 16). One pool per host, never per shard.
+    pub pool_size: usize,
+    /// How long to wait for a new connection (default 5 s).
+    pub connect_timeout: Duration,
+    /// How long a statement may take on one host before the caller gets
+    /// [`Error::Timeout`] (default 5 s). A hung host costs this, never more.
+    pub host_timeout: Duration,
+    /// How many hosts a fan-out queries at once (default 16).
+    pub fan_out: usize,
+    /// Reload the map on the catalog's `NOTIFY` (default true).
+    pub listen: bool,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            pool_size: 16,
+            connect_timeout: Duration::from_secs(5),
+            host_timeout: Duration::from_secs(5),
+            fan_out: 16,
+            listen: true,
+        }
+    }
+}
+
+/// A handle on a sharded cluster. Cheap to clone; clones share the pools and the map.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    layout: Layout,
+    prefix: SchemaPrefix,
+    map: RwLock<Arc<ShardMap>>,
+    pools: HashMap<HostName, Pool>,
+    catalog_url: shardline_router::config::DbUrl,
+    catalog: Mutex<Option<Catalog>>,
+    options: ClusterOptions,
+    listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.listener.lock()
+            && let Some(task) = l.take()
+        {
+            task.abort();
+        }
+    }
+}
+
+impl Cluster {
+    /// Opens the catalog, checks it against `config`, loads the shard map, and makes one
+    /// pool per host (connections are opened on first use).
+    ///
+    /// # Errors
+    ///
+    /// Catalog errors ([`Error::NotInitialised`], [`Error::Mismatch`], ...);
+    /// [`Error::UnknownHost`] when the map places shards on a host the config lacks;
+    /// [`Error::BadUrl`].
+    pub async fn connect(config: &Config, options: ClusterOptions) -> Result<Cluster> {
+        let (catalog, info) = Catalog::open(config).await?;
+        let map = catalog.map().await?;
+        let mut pools = HashMap::new();
+        for h in &config.hosts {
+            let target = format!("host {}", h.name);
+            let mut pg = catalog::pg_config(&h.url, &target)?;
+            pg.connect_timeout(options.connect_timeout);
+            let manager =
+                Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+            let pool = Pool::builder(manager)
+                .max_size(options.pool_size.max(1))
+                .runtime(Runtime::Tokio1)
+                .wait_timeout(Some(options.host_timeout))
+                .create_timeout(Some(options.connect_timeout))
+                .build()
+                .map_err(|e| Error::Pool { host: h.name.to_string(), message: e.to_string() })?;
+            pools.insert(h.name.clone(), pool);
+        }
+        check_hosts(&map, &pools)?;
+        let inner = Arc::new(Inner {
+            layout: info.layout,
+            prefix: info.schema_prefix,
+            map: RwLock::new(Arc::new(map)),
+            pools,
+            catalog_url: config.catalog.clone(),
+            catalog: Mutex::new(Some(catalog)),
+            options,
+            listener: std::sync::Mutex::new(None),
+        });
+        let cluster = Cluster { inner };
+        if cluster.inner.options.listen {
+            let listener = MapListener::start(&cluster.inner.catalog_url).await?;
+            let task = tokio::spawn(listen(Arc::downgrade(&cluster.inner), listener));
+            if let Ok(mut l) = cluster.inner.listener.lock() {
+                *l = Some(task);
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// The map as this handle knows it now.
+    pub fn map(&self) -> Arc<ShardMap> {
+        self.inner.map.read().map_or_else(|p| Arc::clone(&p.into_inner()), |m| Arc::clone(&m))
+    }
+
+    /// The ID layout of the cluster.
+    pub fn layout(&self) -> Layout {
+        self.inner.layout
+    }
+
+    /// The prefix of the shard schemas.
+    pub fn prefix(&self) -> &SchemaPrefix {
+        &self.inner.prefix
+    }
+
+    /// The options the handle was made with.
+    pub fn options(&self) -> &ClusterOptions {
+        &self.inner.options
+    }
+
+    /// Where a user's rows live.
+    pub fn route_user(&self, user_id: i64) -> Route {
+        self.map().route_user(user_id, &self.inner.prefix)
+    }
+
+    /// Where an ID's row lives: its shard is decoded from the ID, no query.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] when the ID's shard is not one of the cluster's.
+    pub fn route_id(&self, id: Id) -> Result<Route> {
+        Ok(self.map().route_id(id, self.inner.layout, &self.inner.prefix)?)
+    }
+
+    /// Where a shard lives.
+    pub fn route(&self, shard: LogicalShard) -> Route {
+        self.map().route(shard, &self.inner.prefix)
+    }
+
+    /// Reloads the map from the catalog; returns its version. A map older than the one
+    /// held is ignored.
+    ///
+    /// # Errors
+    ///
+    /// Catalog errors; [`Error::UnknownHost`] when the new map uses a host the config
+    /// lacks (the old map is kept).
+    pub async fn refresh(&self) -> Result<i64> {
+        refresh(&self.inner).await
+    }
+
+    /// A connection to `host` from its pool.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
+    pub async fn client(&self, host: &HostName) -> Result<Object> {
+        let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.to_string() })?;
+        pool.get().await.map_err(|e| Error::Pool { host: host.to_string(), message: e.to_string() })
+    }
+}
+
+fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, Pool>) -> Result<()> {
+    for host in map.hosts() {
+        if !pools.contains_key(host) && map.shards_of(host).next().is_some() {
+            return Err(Error::UnknownHost { host: host.to_string() });
+        }
+    }
+    Ok(())
+}
+
+async fn refresh(inner: &Inner) -> Result<i64> {
+    let mut slot = inner.catalog.lock().await;
+    let map = match slot.as_ref() {
+        Some(c) if !c.client().is_closed() => c.map().await,
+        _ => Err(Error::NotInitialised),
+    };
+    let map = match map {
+        Ok(m) => m,
+        Err(_) => {
+            // The catalog connection is gone or failed: one new connection, one retry.
+            let client = catalog::connect(&inner.catalog_url, "catalog").await?;
+            let c = Catalog::from_client(client);
+            let m = c.map().await?;
+            *slot = Some(c);
+            m
+        }
+    };
+    check_hosts(&map, &inner.pools)?;
+    let version = map.version();
+    if let Ok(mut held) = inner.map.write()
+        && held.version() <= version
+    {
+        *held = Arc::new(map);
+    }
+    tracing::debug!(version, "shard map loaded");
+    Ok(version)
+}
+
+async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
+    loop {
+        let next = listener.next(Duration::from_secs(3600)).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let held = inner.map.read().map(|m| m.version()).unwrap_or(0);
+        match next {
+            Some(v) if v <= held => continue,
+            Some(_) => {}
+            None if listener.is_closed() => {
+                // The catalog connection ended: listen again, and reload in case a change
+                // was missed meanwhile.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                match MapListener::start(&inner.catalog_url).await {
+                    Ok(l) => listener = l,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot listen for map changes; retrying");
+                        continue;
+                    }
+                }
+            }
+            None => continue,
+        }
+        if let Err(e) = refresh(&inner).await {
+            tracing::warn!(error = %e, "cannot reload the shard map");
+        }
+    }
+}

@@ -1,0 +1,503 @@
+//! [`Repo`]: routed reads and writes of one [`Entity`].
+//!
+//! Every statement is built in [`Sql`] (the one place SQL text is made: identifiers
+//! checked and quoted, values always bind parameters) and runs on the host the map gives
+//! for the shard: from the user for inserts and pages, from the ID itself for reads by
+//! ID. A statement that finds its shard's schema missing (the shard moved) reloads the
+//! map and, if the shard now lives on another host, runs once more there; a statement
+//! that failed did not commit, so running it again is safe.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::marker::PhantomData;
+use std::time::SystemTime;
+
+use futures::StreamExt as _;
+use shardline_id::Id;
+use shardline_router::{HostName, LogicalShard, Route, SchemaName};
+use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::cluster::Cluster;
+use crate::entity::{Entity, NewRow, check_entity, check_ident};
+use crate::{Error, Result};
+
+/// The SQL of one entity, made once.
+#[derive(Debug)]
+struct Sql {
+    table: String,
+    columns: String,
+    user_column: String,
+}
+
+impl Sql {
+    fn new<E: Entity>() -> Result<Sql> {
+        check_entity::<E>()?;
+        Ok(Sql {
+            table: format!("\"{}\"", E::TABLE),
+            columns: E::COLUMNS.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", "),
+            user_column: format!("\"{}\"", E::USER_COLUMN),
+        })
+    }
+
+    fn qualified(&self, schema: &SchemaName) -> String {
+        format!("{}.{}", schema.quoted(), self.table)
+    }
+
+    fn insert(&self, schema: &SchemaName, columns: &[&str], rows: usize) -> String {
+        let names = columns.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
+        let values = (0..rows)
+            .map(|r| {
+                let row = (1..=columns.len()).map(|i| format!("${}", r * columns.len() + i));
+                format!("({})", row.collect::<Vec<_>>().join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("INSERT INTO {} ({names}) VALUES {values} RETURNING {}", self.qualified(schema), self.columns)
+    }
+
+    fn get(&self, schema: &SchemaName) -> String {
+        format!("SELECT {} FROM {} WHERE \"id\" = $1", self.columns, self.qualified(schema))
+    }
+
+    /// One statement for many shards of one host: `$n` is shard n's array of IDs.
+    fn get_many(&self, schemas: &[&SchemaName]) -> String {
+        schemas
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                format!("SELECT {} FROM {} WHERE \"id\" = ANY(${})", self.columns, self.qualified(s), i + 1)
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ")
+    }
+
+    fn update(&self, schema: &SchemaName, columns: &[&str]) -> String {
+        let set = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("\"{c}\" = ${}", i + 2))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("UPDATE {} SET {set} WHERE \"id\" = $1 RETURNING {}", self.qualified(schema), self.columns)
+    }
+
+    fn delete(&self, schema: &SchemaName) -> String {
+        format!("DELETE FROM {} WHERE \"id\" = $1 RETURNING \"id\"", self.qualified(schema))
+    }
+
+    /// A user's rows, newest first, IDs below `$2`, at most `$3`.
+    fn page(&self, schema: &SchemaName) -> String {
+        format!(
+            "SELECT {} FROM {} WHERE {} = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
+            self.columns,
+            self.qualified(schema),
+            self.user_column
+        )
+    }
+
+    /// Rows with IDs in `[$1, $2]` across many shards of one host, newest first, at most
+    /// `$3`: each shard's part reads its primary key backwards and stops at the limit.
+    fn window(&self, schemas: &[&SchemaName]) -> String {
+        let parts = schemas
+            .iter()
+            .map(|s| {
+                format!(
+                    "(SELECT {} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
+                    self.columns,
+                    self.qualified(s)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        format!("SELECT * FROM ({parts}) AS w ORDER BY \"id\" DESC LIMIT $3")
+    }
+}
+
+/// Reads and writes of entity `E`, routed. Cheap to clone.
+#[derive(Debug)]
+pub struct Repo<E> {
+    cluster: Cluster,
+    sql: std::sync::Arc<Sql>,
+    _entity: PhantomData<fn() -> E>,
+}
+
+impl<E> Clone for Repo<E> {
+    fn clone(&self) -> Self {
+        Repo { cluster: self.cluster.clone(), sql: self.sql.clone(), _entity: PhantomData }
+    }
+}
+
+/// The result of [`Repo::get_many`]: rows in the caller's order, and the IDs not found.
+#[derive(Debug)]
+pub struct Many<E> {
+    /// One entry per ID asked, in the same order: the row, or `None`.
+    pub rows: Vec<Option<E>>,
+    /// The IDs that were not found.
+    pub missing: Vec<Id>,
+}
+
+/// One page of a user's rows, newest first.
+#[derive(Debug)]
+pub struct Page<E> {
+    /// The rows.
+    pub rows: Vec<E>,
+    /// The cursor for the next page (the last row's ID), or `None` at the end.
+    pub next: Option<Id>,
+}
+
+/// Shards a fan-out could not read, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Missing {
+    /// The host that failed.
+    pub host: String,
+    /// The shards it holds, all missing from the result.
+    pub shards: Vec<u16>,
+    /// What went wrong.
+    pub error: String,
+}
+
+/// The result of a fan-out: rows, and which shards are missing from them.
+#[derive(Debug)]
+pub struct FanOut<E> {
+    /// The rows, newest first.
+    pub rows: Vec<E>,
+    /// Shards that could not be read. Empty when the result is complete.
+    pub missing: Vec<Missing>,
+}
+
+impl<E> FanOut<E> {
+    /// Whether every shard answered.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty()
+    }
+}
+
+fn is_moved(e: &tokio_postgres::Error) -> bool {
+    matches!(e.code(), Some(c) if *c == SqlState::INVALID_SCHEMA_NAME || *c == SqlState::UNDEFINED_TABLE)
+}
+
+impl Cluster {
+    /// A repository of `E` on this cluster.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidIdentifier`] when `E`'s table or columns are not plain SQL
+    /// identifiers (checked once, here).
+    pub fn repo<E: Entity>(&self) -> Result<Repo<E>> {
+        Ok(Repo { cluster: self.clone(), sql: std::sync::Arc::new(Sql::new::<E>()?), _entity: PhantomData })
+    }
+}
+
+impl<E: Entity> Repo<E> {
+    /// Runs the statement `sql(schema)` with `params` on the shard's host (prepared
+    /// once per connection), within the host timeout. When the shard's schema is not
+    /// there, reloads the map and runs once more if the shard moved.
+    async fn on_shard(
+        &self,
+        shard: LogicalShard,
+        what: &'static str,
+        sql: impl Fn(&SchemaName) -> String,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
+        let mut route = self.cluster.route(shard);
+        let mut retried = false;
+        loop {
+            let result = self.attempt(&route, what, &sql(&route.schema), params).await;
+            match result {
+                Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) && !retried => {
+                    retried = true;
+                    self.cluster.refresh().await?;
+                    let now = self.cluster.route(shard);
+                    if now.host == route.host {
+                        return result;
+                    }
+                    tracing::debug!(shard = shard.get(), from = %route.host, to = %now.host, "shard moved; retrying");
+                    route = now;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn attempt(
+        &self,
+        route: &Route,
+        what: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
+        let timeout = self.cluster.options().host_timeout;
+        let work = async {
+            let client = self.cluster.client(&route.host).await?;
+            let fail = |e| Error::host(&route.host, Some(route.shard), what, e);
+            let statement = client.prepare_cached(sql).await.map_err(fail)?;
+            client.query(&statement, params).await.map_err(fail)
+        };
+        tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| Error::Timeout { host: route.host.to_string(), after: timeout })?
+    }
+
+    fn rows(rows: &[Row]) -> Result<Vec<E>> {
+        rows.iter()
+            .map(|r| E::from_row(r).map_err(|source| Error::Decode { table: E::TABLE, source }))
+            .collect()
+    }
+
+    /// Inserts a row in its user's shard (the ID minted there) and returns it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...
+    pub async fn insert<N: NewRow<Entity = E>>(&self, new: &N) -> Result<E> {
+        let shard = self.cluster.route_user(new.user_id()).shard;
+        let rows =
+            self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
+        Self::rows(&rows)?.pop().ok_or(Error::Empty { what: "insert" })
+    }
+
+    /// Inserts rows, grouped by shard: one multi-row statement per shard, all shards in
+    /// parallel. Returns them in the order given. Not atomic across shards: each shard's
+    /// statement commits on its own.
+    ///
+    /// # Errors
+    ///
+    /// The first failure; rows of other shards may have been inserted.
+    pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
+        let mut by_shard: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, n) in new.iter().enumerate() {
+            by_shard.entry(self.cluster.route_user(n.user_id()).shard.get()).or_default().push(i);
+        }
+        let map = self.cluster.map();
+        let mut by_host: HashMap<HostName, Vec<(LogicalShard, Vec<usize>)>> = HashMap::new();
+        for (shard, idx) in by_shard {
+            let shard = LogicalShard::new(i64::from(shard), map.count())?;
+            by_host.entry(map.host_of(shard).clone()).or_default().push((shard, idx));
+        }
+        let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
+        let hosts = by_host.into_values().map(|groups| async move {
+            let parts = futures::future::join_all(groups.iter().map(|(shard, idx)| async move {
+                let values: Vec<&(dyn ToSql + Sync)> = idx.iter().flat_map(|&i| new[i].values()).collect();
+                let rows = self
+                    .on_shard(*shard, "insert many", |s| self.sql.insert(s, N::COLUMNS, idx.len()), &values)
+                    .await?;
+                Ok::<_, Error>((idx.clone(), Self::rows(&rows)?))
+            }))
+            .await;
+            parts.into_iter().collect::<Result<Vec<_>>>()
+        });
+        for host in futures::future::join_all(hosts).await {
+            for (idx, rows) in host? {
+                for (&i, row) in idx.iter().zip(rows) {
+                    out[i] = Some(row);
+                }
+            }
+        }
+        out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect()
+    }
+
+    /// The row with `id`: its shard is decoded from the ID, one query on its host.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] for an ID whose shard the cluster does not have (no query is
+    /// sent); [`Error::Host`]; [`Error::Timeout`].
+    pub async fn get(&self, id: Id) -> Result<Option<E>> {
+        let shard = self.cluster.route_id(id)?.shard;
+        let rows = self.on_shard(shard, "get", |s| self.sql.get(s), &[&id]).await?;
+        Ok(Self::rows(&rows)?.pop())
+    }
+
+    /// The rows with `ids`, one round trip per host (not per ID, not per shard), in the
+    /// caller's order, with the IDs not found.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] for an ID whose shard the cluster does not have (nothing is
+    /// sent); the first host's failure.
+    pub async fn get_many(&self, ids: &[Id]) -> Result<Many<E>> {
+        let map = self.cluster.map();
+        let prefix = self.cluster.prefix();
+        let mut by_host: HashMap<HostName, BTreeMap<SchemaName, Vec<i64>>> = HashMap::new();
+        for &id in ids {
+            let route = map.route_id(id, self.cluster.layout(), prefix)?;
+            by_host.entry(route.host).or_default().entry(route.schema).or_default().push(i64::from(id));
+        }
+        let timeout = self.cluster.options().host_timeout;
+        let queries = by_host.into_iter().map(|(host, schemas)| async move {
+            let names: Vec<&SchemaName> = schemas.keys().collect();
+            let sql = self.sql.get_many(&names);
+            let arrays: Vec<&Vec<i64>> = schemas.values().collect();
+            let params: Vec<(&(dyn ToSql + Sync), Type)> =
+                arrays.iter().map(|a| (*a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
+            let work = async {
+                let client = self.cluster.client(&host).await?;
+                client.query_typed(&sql, &params).await.map_err(|e| Error::host(&host, None, "get many", e))
+            };
+            tokio::time::timeout(timeout, work)
+                .await
+                .map_err(|_| Error::Timeout { host: host.to_string(), after: timeout })?
+        });
+        let mut found: HashMap<Id, E> = HashMap::new();
+        for rows in futures::future::join_all(queries).await {
+            for e in Self::rows(&rows?)? {
+                found.insert(e.id(), e);
+            }
+        }
+        let mut missing = Vec::new();
+        let rows = ids
+            .iter()
+            .map(|id| {
+                let row = found.remove(id);
+                if row.is_none() {
+                    missing.push(*id);
+                }
+                row
+            })
+            .collect();
+        Ok(Many { rows, missing })
+    }
+
+    /// Sets `columns` of the row with `id`; returns the row as it now is, or `None` when
+    /// there is no such row.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidIdentifier`] for a column `E` does not declare (nothing is sent);
+    /// as [`Repo::get`].
+    pub async fn update(&self, id: Id, set: &[(&str, &(dyn ToSql + Sync))]) -> Result<Option<E>> {
+        for (c, _) in set {
+            if *c == "id" || !E::COLUMNS.contains(c) {
+                return Err(Error::InvalidIdentifier { what: "column to update", name: (*c).to_owned() });
+            }
+            check_ident("column", c)?;
+        }
+        let columns: Vec<&str> = set.iter().map(|(c, _)| *c).collect();
+        let shard = self.cluster.route_id(id)?.shard;
+        let mut values: Vec<&(dyn ToSql + Sync)> = vec![&id];
+        values.extend(set.iter().map(|(_, v)| *v));
+        let rows = self.on_shard(shard, "update", |s| self.sql.update(s, &columns), &values).await?;
+        Ok(Self::rows(&rows)?.pop())
+    }
+
+    /// Deletes the row with `id`; returns whether there was one.
+    ///
+    /// # Errors
+    ///
+    /// As [`Repo::get`].
+    pub async fn delete(&self, id: Id) -> Result<bool> {
+        let shard = self.cluster.route_id(id)?.shard;
+        let rows = self.on_shard(shard, "delete", |s| self.sql.delete(s), &[&id]).await?;
+        Ok(!rows.is_empty())
+    }
+
+    /// A page of `user_id`'s rows, newest first: at most `limit`, with IDs below `before`
+    /// (the previous page's [`Page::next`]; `None` for the first page). Keyset paging on
+    /// the primary key: page 1000 costs what page 1 costs.
+    ///
+    /// # Errors
+    ///
+    /// As [`Repo::get`].
+    pub async fn page_of_user(&self, user_id: i64, before: Option<Id>, limit: u32) -> Result<Page<E>> {
+        let shard = self.cluster.route_user(user_id).shard;
+        let below = before.map_or(i64::MAX, i64::from);
+        let n = i64::from(limit);
+        let rows = self.on_shard(shard, "page", |s| self.sql.page(s), &[&user_id, &below, &n]).await?;
+        let rows = Self::rows(&rows)?;
+        let next = if rows.len() == usize::try_from(limit).unwrap_or(usize::MAX) {
+            rows.last().map(Entity::id)
+        } else {
+            None
+        };
+        Ok(Page { rows, next })
+    }
+
+    /// The newest rows created in `[from, to]` across every shard, at most `limit`: the
+    /// window's ID range, one query per host in parallel (at most
+    /// [`crate::ClusterOptions::fan_out`] at once, each within the host timeout), merged
+    /// by ID. A host that fails or times out does not fail the call: its shards are
+    /// listed in [`FanOut::missing`], never silently left out.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Id`] when the window is outside the ID layout.
+    pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
+        let layout = self.cluster.layout();
+        let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
+        let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
+        let n = i64::try_from(limit).unwrap_or(i64::MAX);
+        let map = self.cluster.map();
+        let prefix = self.cluster.prefix();
+        let timeout = self.cluster.options().host_timeout;
+        let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
+            .hosts()
+            .iter()
+            .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
+            .filter(|(_, s)| !s.is_empty())
+            .collect();
+        let results = futures::stream::iter(hosts)
+            .map(|(host, shards)| async move {
+                let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
+                let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>());
+                let work = async {
+                    let client = self.cluster.client(&host).await?;
+                    client
+                        .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
+                        .await
+                        .map_err(|e| Error::host(&host, None, "fan-out", e))
+                };
+                let result = match tokio::time::timeout(timeout, work).await {
+                    Ok(r) => r.and_then(|rows| Self::rows(&rows)),
+                    Err(_) => Err(Error::Timeout { host: host.to_string(), after: timeout }),
+                };
+                (host, shards, result)
+            })
+            .buffer_unordered(self.cluster.options().fan_out.max(1))
+            .collect::<Vec<_>>()
+            .await;
+        let mut missing = Vec::new();
+        let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
+        for (host, shards, result) in results {
+            match result {
+                Ok(rows) => lists.push(rows.into_iter()),
+                Err(e) => {
+                    tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                    missing.push(Missing {
+                        host: host.to_string(),
+                        shards: shards.iter().map(|s| s.get()).collect(),
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(FanOut { rows: merge_newest_first(lists, limit), missing })
+    }
+}
+
+fn unix_ms(t: SystemTime) -> Result<i64> {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .and_then(|d| i64::try_from(d.as_millis()).ok())
+        .ok_or_else(|| Error::Invalid { what: format!("the time {t:?} is before 1970 or too far ahead") })
+}
+
+/// A k-way merge of lists each sorted newest first, stopping at `limit`.
+fn merge_newest_first<E: Entity>(mut lists: Vec<std::vec::IntoIter<E>>, limit: usize) -> Vec<E> {
+    let mut heads: Vec<Option<E>> = lists.iter_mut().map(Iterator::next).collect();
+    let mut heap: BinaryHeap<(Id, Reverse<usize>)> =
+        heads.iter().enumerate().filter_map(|(i, h)| h.as_ref().map(|e| (e.id(), Reverse(i)))).collect();
+    let mut out = Vec::with_capacity(limit.min(1024));
+    while out.len() < limit {
+        let Some((_, Reverse(i))) = heap.pop() else { break };
+        if let Some(e) = heads[i].take() {
+            out.push(e);
+        }
+        if let Some(next) = lists[i].next() {
+            heap.push((next.id(), Reverse(i)));
+            heads[i] = Some(next);
+        }
+    }
+    out
+}

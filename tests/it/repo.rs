@@ -1,0 +1,263 @@
+//! The repository API against real hosts: every read and write lands on the shard the
+//! map gives, a stale map is refreshed instead of reading the wrong host, and a fan-out
+//! with a dead or hung host says which shards are missing instead of hanging.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use shardline_id::Id;
+use shardline_repo::tokio_postgres::Row;
+use shardline_repo::tokio_postgres::types::ToSql;
+use shardline_repo::{Cluster, ClusterOptions, Entity, Error, NewRow};
+use shardline_testkit::harness::{TestContext, TestResult};
+
+use crate::bootstrap::{Fixture, options, quiet};
+
+#[derive(Debug, Clone, PartialEq)]
+struct Photo {
+    id: Id,
+    user_id: i64,
+    url: String,
+    caption: String,
+}
+
+impl Entity for Photo {
+    const TABLE: &'static str = "photos";
+    const COLUMNS: &'static [&'static str] = &["id", "user_id", "url", "caption"];
+    const USER_COLUMN: &'static str = "user_id";
+    fn from_row(row: &Row) -> Result<Self, shardline_repo::tokio_postgres::Error> {
+        Ok(Photo {
+            id: row.try_get("id")?,
+            user_id: row.try_get("user_id")?,
+            url: row.try_get("url")?,
+            caption: row.try_get("caption")?,
+        })
+    }
+    fn id(&self) -> Id {
+        self.id
+    }
+}
+
+struct NewPhoto {
+    user_id: i64,
+    url: String,
+}
+
+impl NewRow for NewPhoto {
+    type Entity = Photo;
+    const COLUMNS: &'static [&'static str] = &["user_id", "url"];
+    fn user_id(&self) -> i64 {
+        self.user_id
+    }
+    fn values(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![&self.user_id, &self.url]
+    }
+}
+
+fn photo(user_id: i64, n: i64) -> NewPhoto {
+    NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg") }
+}
+
+async fn cluster(
+    ctx: &TestContext,
+    hosts: usize,
+    shards: u16,
+    o: ClusterOptions,
+) -> Result<(Fixture, Cluster), crate::bootstrap::BoxError> {
+    let f = Fixture::new(ctx, hosts, shards).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let c = Cluster::connect(&f.config()?, o).await?;
+    Ok((f, c))
+}
+
+pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
+    let (f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let mut made = Vec::new();
+    for user in [0i64, 1, 5, 11, 12, 23, -1, 1_000_003] {
+        let p = photos.insert(&photo(user, 0)).await?;
+        let route = cluster.route_user(user);
+        assert_eq!(
+            cluster.layout().decode(p.id).shard,
+            u32::from(route.shard.get()),
+            "the ID carries the user's shard"
+        );
+        // The row is on the route's host, in the route's schema, and nowhere else.
+        for (h, host) in ["pg1", "pg2", "pg3"].iter().enumerate() {
+            let c = f.client(&ctx, h).await?;
+            let n: i64 = c
+                .query_one(
+                    &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
+                    &[&p.id],
+                )
+                .await
+                .map(|r| r.get(0))
+                .unwrap_or(0);
+            assert_eq!(n, i64::from(*host == route.host.as_str()), "user {user} on {host}");
+        }
+        assert_eq!(photos.get(p.id).await?, Some(p.clone()));
+        made.push(p);
+    }
+    let batch = photos.insert_many(&(0..30).map(|i| photo(i % 7, i)).collect::<Vec<_>>()).await?;
+    assert_eq!(batch.len(), 30);
+    for (i, p) in batch.iter().enumerate() {
+        assert_eq!(p.url, format!("https://cdn/{}/{i}.jpg", i % 7), "insert_many kept the caller's order");
+    }
+
+    // Many IDs: the caller's order, the missing ones named.
+    let absent = cluster.layout().compose(1_700_000_000_000, 3, 7)?;
+    let ask = vec![made[3].id, absent, made[0].id, made[7].id];
+    let many = photos.get_many(&ask).await?;
+    assert_eq!(many.missing, vec![absent]);
+    let got: Vec<Option<Id>> = many.rows.iter().map(|r| r.as_ref().map(|p| p.id)).collect();
+    assert_eq!(got, vec![Some(made[3].id), None, Some(made[0].id), Some(made[7].id)]);
+
+    // Update and delete by ID.
+    let changed = photos.update(made[1].id, &[("caption", &"sunset")]).await?;
+    assert_eq!(changed.map(|p| p.caption), Some("sunset".to_owned()));
+    assert!(matches!(
+        photos.update(made[1].id, &[("id", &5i64)]).await,
+        Err(Error::InvalidIdentifier { .. })
+    ));
+    assert!(matches!(
+        photos.update(made[1].id, &[("nope", &5i64)]).await,
+        Err(Error::InvalidIdentifier { .. })
+    ));
+    assert!(photos.delete(made[1].id).await?);
+    assert!(!photos.delete(made[1].id).await?);
+    assert_eq!(photos.get(made[1].id).await?, None);
+
+    // An ID whose shard this cluster does not have: refused before any query.
+    let foreign = cluster.layout().compose(1_700_000_000_000, 4000, 0)?;
+    let err = photos.get(foreign).await.unwrap_err();
+    assert!(matches!(err, Error::Router(_)), "{err:?}");
+    assert_eq!(err.to_string(), "logical shard 4000 is out of range 0..12");
+    Ok(())
+}
+
+pub(crate) async fn a_users_pages_come_newest_first_by_keyset(ctx: TestContext) -> TestResult {
+    let (_f, cluster) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let mut ids = Vec::new();
+    for n in 0..25 {
+        ids.push(photos.insert(&photo(42, n)).await?.id);
+        photos.insert(&photo(46, n)).await?; // same shard (46 % 4 == 42 % 4), another user
+    }
+    ids.reverse();
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = photos.page_of_user(42, cursor, 10).await?;
+        assert!(page.rows.iter().all(|p| p.user_id == 42));
+        seen.extend(page.rows.iter().map(|p| p.id));
+        match page.next {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids, "pages are newest first, complete, without repeats");
+    Ok(())
+}
+
+pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> TestResult {
+    let (f, stale) =
+        cluster(&ctx, 2, 4, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    let listening = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = stale.repo::<Photo>()?;
+    let before = photos.insert(&photo(0, 0)).await?;
+    assert_eq!(stale.route_user(0).host.as_str(), "pg1");
+
+    // Move shard 0 from pg1 to pg2 by hand: copy it, drop it at the source, flip the map.
+    let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    let install = shardline_id::sql::ShardSql::new(stale.layout(), "shard_0000", 0)?.install();
+    pg2.batch_execute(&format!(
+        "CREATE SCHEMA shard_0000; {install}; SET search_path TO shard_0000;
+         CREATE TABLE photos (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, url text NOT NULL, caption text NOT NULL DEFAULT '');
+         RESET search_path"
+    ))
+    .await?;
+    pg2.execute(
+        "INSERT INTO shard_0000.photos VALUES ($1, $2, $3, $4)",
+        &[&before.id, &before.user_id, &before.url, &before.caption],
+    )
+    .await?;
+    pg1.batch_execute("DROP SCHEMA shard_0000 CASCADE").await?;
+    pg1.execute("UPDATE shardline.shards SET host = 'pg2' WHERE shard = 0", &[]).await?;
+
+    // The stale handle still routes to pg1; its statements find the shard gone there,
+    // reload the map and run on pg2.
+    assert_eq!(stale.map().version(), 1);
+    assert_eq!(photos.get(before.id).await?, Some(before.clone()));
+    assert_eq!(stale.map().version(), 2);
+    assert_eq!(stale.route_user(0).host.as_str(), "pg2");
+    let after = photos.insert(&photo(4, 1)).await?;
+    let n: i64 =
+        pg2.query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&after.id]).await?.get(0);
+    assert_eq!(n, 1);
+
+    // The listening handle hears the NOTIFY and reloads without any statement.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while listening.map().version() < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(listening.map().version(), 2);
+    assert_eq!(listening.route_user(0).host.as_str(), "pg2");
+    Ok(())
+}
+
+async fn fan_out_fixture(
+    ctx: &TestContext,
+) -> Result<(Fixture, Cluster, SystemTime), crate::bootstrap::BoxError> {
+    let o = ClusterOptions { host_timeout: Duration::from_secs(1), ..ClusterOptions::default() };
+    let (f, cluster) = cluster(ctx, 3, 9, o).await?;
+    let start = SystemTime::now() - Duration::from_secs(1);
+    let photos = cluster.repo::<Photo>()?;
+    photos.insert_many(&(0..90).map(|i| photo(i, i)).collect::<Vec<_>>()).await?;
+    Ok((f, cluster, start))
+}
+
+pub(crate) async fn a_fan_out_merges_every_host_newest_first(ctx: TestContext) -> TestResult {
+    let (_f, cluster, start) = fan_out_fixture(&ctx).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let now = SystemTime::now() + Duration::from_secs(1);
+    let all = photos.created_between(start, now, 1000).await?;
+    assert!(all.is_complete());
+    assert_eq!(all.rows.len(), 90);
+    assert!(all.rows.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+    let top = photos.created_between(start, now, 25).await?;
+    assert_eq!(top.rows, all.rows[..25].to_vec(), "the limit keeps the newest");
+    let none = photos
+        .created_between(start - Duration::from_secs(3600), start - Duration::from_secs(1800), 10)
+        .await?;
+    assert!(none.rows.is_empty() && none.is_complete());
+    Ok(())
+}
+
+pub(crate) async fn a_fan_out_names_the_shards_of_a_dead_or_hung_host(ctx: TestContext) -> TestResult {
+    let (_f, cluster, start) = fan_out_fixture(&ctx).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let now = SystemTime::now() + Duration::from_secs(1);
+    let pg3 = &ctx.hosts()[2];
+
+    pg3.pause().await?;
+    let t = Instant::now();
+    let part = photos.created_between(start, now, 1000).await?;
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(4), "a hung host held the fan-out for {took:?}");
+    assert_eq!(part.missing.len(), 1, "{:?}", part.missing);
+    assert_eq!((part.missing[0].host.as_str(), part.missing[0].shards.clone()), ("pg3", vec![6, 7, 8]));
+    assert_eq!(part.rows.len(), 60, "the other hosts' rows are all there");
+    assert!(part.rows.iter().all(|p| cluster.layout().decode(p.id).shard < 6));
+    let err = photos.get(part.rows[0].id).await; // pg1/pg2 still answer
+    assert!(err.is_ok());
+    pg3.resume().await?;
+
+    pg3.kill().await?;
+    let part = photos.created_between(start, now, 1000).await?;
+    assert_eq!(part.missing.iter().map(|m| m.host.as_str()).collect::<Vec<_>>(), ["pg3"]);
+    assert_eq!(part.rows.len(), 60);
+    let on_pg3 = cluster.layout().compose(1_700_000_000_000, 7, 0)?;
+    let err = photos.get(on_pg3).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    pg3.start().await?;
+    Ok(())
+}
