@@ -47,6 +47,9 @@ fn main() {
             repo::a_users_pages_come_newest_first_by_keyset,
             repo::a_stale_map_is_refreshed_not_obeyed,
             repo::a_fan_out_merges_every_host_newest_first,
+            repo::insert_many_is_one_statement_per_host,
+            repo::a_transaction_commits_or_rolls_back_whole_in_one_shard,
+            repo::for_each_shard_reaches_every_shard_once,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -4,57 +4,15 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
 use shardline_id::Id;
-use shardline_repo::tokio_postgres::Row;
-use shardline_repo::tokio_postgres::types::ToSql;
-use shardline_repo::{Cluster, ClusterOptions, Entity, Error, NewRow};
+use shardline_repo::{Cluster, ClusterOptions, Error};
 use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{Fixture, options, quiet};
 
-#[derive(Debug, Clone, PartialEq)]
-struct Photo {
-    id: Id,
-    user_id: i64,
-    url: String,
-    caption: String,
-}
-
-impl Entity for Photo {
-    const TABLE: &'static str = "photos";
-    const COLUMNS: &'static [&'static str] = &["id", "user_id", "url", "caption"];
-    const USER_COLUMN: &'static str = "user_id";
-    fn from_row(row: &Row) -> Result<Self, shardline_repo::tokio_postgres::Error> {
-        Ok(Photo {
-            id: row.try_get("id")?,
-            user_id: row.try_get("user_id")?,
-            url: row.try_get("url")?,
-            caption: row.try_get("caption")?,
-        })
-    }
-    fn id(&self) -> Id {
-        self.id
-    }
-}
-
-struct NewPhoto {
-    user_id: i64,
-    url: String,
-}
-
-impl NewRow for NewPhoto {
-    type Entity = Photo;
-    const COLUMNS: &'static [&'static str] = &["user_id", "url"];
-    fn user_id(&self) -> i64 {
-        self.user_id
-    }
-    fn values(&self) -> Vec<&(dyn ToSql + Sync)> {
-        vec![&self.user_id, &self.url]
-    }
-}
-
 fn photo(user_id: i64, n: i64) -> NewPhoto {
-    NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg") }
+    NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
 
 async fn cluster(
@@ -162,6 +120,8 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
     let (f, stale) =
         cluster(&ctx, 2, 4, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     let listening = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let stale_tx =
+        Cluster::connect(&f.config()?, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     let photos = stale.repo::<Photo>()?;
     let before = photos.insert(&photo(0, 0)).await?;
     assert_eq!(stale.route_user(0).host.as_str(), "pg1");
@@ -192,6 +152,23 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
     let after = photos.insert(&photo(4, 1)).await?;
     let n: i64 =
         pg2.query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&after.id]).await?.get(0);
+    assert_eq!(n, 1);
+
+    // A transaction of another stale handle: rolled back on pg1, run again on pg2.
+    let shard0 = stale_tx.route_user(0).shard;
+    assert_eq!(stale_tx.route(shard0).host.as_str(), "pg1");
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let (id, host) = stale_tx
+        .transaction(shard0, |tx| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async move {
+                let p = tx.insert(&photo(8, 2)).await?;
+                Ok::<_, Error>((p.id, tx.host().to_string()))
+            })
+        })
+        .await?;
+    assert_eq!((runs.into_inner(), host.as_str()), (2, "pg2"));
+    let n: i64 = pg2.query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&id]).await?.get(0);
     assert_eq!(n, 1);
 
     // The listening handle hears the NOTIFY and reloads without any statement.
@@ -259,5 +236,155 @@ pub(crate) async fn a_fan_out_names_the_shards_of_a_dead_or_hung_host(ctx: TestC
     let err = photos.get(on_pg3).await.unwrap_err();
     assert!(err.is_retryable(), "{err:?}");
     pg3.start().await?;
+    Ok(())
+}
+
+pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> TestResult {
+    let (_f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;
+    let (photos, comments) = (cluster.repo::<Photo>()?, cluster.repo::<Comment>()?);
+    // One photo per shard (user u lives in shard u).
+    let posted = photos.insert_many(&(0..12).map(|u| photo(u, u)).collect::<Vec<_>>()).await?;
+    let new = |p: &Photo, body: &str| NewComment { photo_id: p.id, user_id: 99, body: body.to_owned() };
+    let ok = comments
+        .insert_many(&posted.iter().map(|p| new(p, &format!("on {}", p.id))).collect::<Vec<_>>())
+        .await?;
+    for (p, c) in posted.iter().zip(&ok) {
+        assert_eq!(
+            (c.photo_id, c.body.clone()),
+            (p.id, format!("on {}", p.id)),
+            "rows come back in the caller's order"
+        );
+        assert_eq!(
+            cluster.layout().decode(c.id).shard,
+            cluster.layout().decode(p.id).shard,
+            "a comment lives beside its photo"
+        );
+    }
+
+    // A batch whose comment in shard 5 breaks a CHECK: pg2 (shards 4..8) got one
+    // statement, so none of pg2's rows are in; pg1's and pg3's are.
+    let batch: Vec<NewComment> =
+        posted.iter().map(|p| new(p, if p.user_id == 5 { "" } else { "second" })).collect();
+    let err = comments.insert_many(&batch).await.unwrap_err();
+    assert_eq!(err.sqlstate(), Some("23514"), "{err}");
+    assert!(err.to_string().starts_with("host pg2"), "{err}");
+    for p in &posted {
+        let page = comments.page_of_parent(p.id, None, 10).await?;
+        let expected = if (4..8).contains(&p.user_id) { 1 } else { 2 };
+        assert_eq!(page.rows.len(), expected, "comments of the photo in shard {}", p.user_id);
+        assert!(page.rows.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+    }
+
+    // Past Postgres's 65,535 bind parameters per statement: split, still all in, in order.
+    let many: Vec<NewPhoto> = (0..70_000).map(|i| photo(i % 12, i)).collect();
+    let got = photos.insert_many(&many).await?;
+    assert_eq!(got.len(), many.len());
+    assert!(got.iter().zip(&many).all(|(g, n)| g.url == n.url && g.user_id == n.user_id));
+    let distinct: std::collections::HashSet<Id> = got.iter().map(|p| p.id).collect();
+    assert_eq!(distinct.len(), 70_000, "every ID distinct");
+    Ok(())
+}
+
+pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: TestContext) -> TestResult {
+    let (_f, cluster) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let shard = cluster.route_user(6).shard;
+
+    // Committed: a photo, a comment beside it, and the caller's own SQL (unqualified
+    // names resolve in the shard's schema).
+    let (p, c) = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                let p = tx.insert(&photo(6, 1)).await?;
+                let c = tx.insert(&NewComment { photo_id: p.id, user_id: 7, body: "first".into() }).await?;
+                let n = tx.execute("UPDATE photos SET caption = 'edited' WHERE id = $1", &[&p.id]).await?;
+                assert_eq!(n, 1);
+                let rows = tx.query("SELECT current_schema()", &[]).await?;
+                assert_eq!(rows[0].get::<_, String>(0), tx.schema().as_str());
+                Ok::<_, Error>((p, c))
+            })
+        })
+        .await?;
+    assert_eq!(photos.get(p.id).await?.map(|p| p.caption), Some("edited".to_owned()));
+    assert_eq!(cluster.repo::<Comment>()?.get(c.id).await?.map(|c| c.body), Some("first".to_owned()));
+
+    // Rolled back: the closure's error comes back and nothing it did stays.
+    let inserted = std::sync::Mutex::new(None);
+    let err = cluster
+        .transaction(shard, |tx| {
+            let inserted = &inserted;
+            Box::pin(async move {
+                let id = tx.insert(&photo(6, 2)).await?.id;
+                *inserted.lock().unwrap() = Some(id);
+                tx.delete::<Photo>(p.id).await?;
+                Err::<(), _>(Error::Invalid { what: "changed my mind".into() })
+            })
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), "changed my mind");
+    let inserted = inserted.into_inner()?.ok_or("the closure ran")?;
+    assert_eq!(photos.get(inserted).await?, None);
+    assert!(photos.get(p.id).await?.is_some());
+
+    // Rows and IDs of another shard are refused before anything is sent.
+    let other = photos.insert(&photo(7, 1)).await?;
+    let err = cluster
+        .transaction(shard, |tx| Box::pin(async move { tx.insert(&photo(7, 3)).await }))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::WrongShard { shard: 3, transaction: 2, .. }), "{err:?}");
+    let err = cluster
+        .transaction(shard, |tx| Box::pin(async move { tx.get::<Photo>(other.id).await }))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::WrongShard { what: "get", .. }), "{err:?}");
+
+    // A transaction runs inside a spawned task (its future is Send).
+    let c2 = cluster.clone();
+    let id = p.id;
+    let got = tokio::spawn(async move {
+        c2.transaction(shard, |tx| Box::pin(async move { tx.get::<Photo>(id).await })).await
+    })
+    .await??;
+    assert_eq!(got.map(|p| p.id), Some(p.id));
+    Ok(())
+}
+
+pub(crate) async fn for_each_shard_reaches_every_shard_once(ctx: TestContext) -> TestResult {
+    let (_f, cluster) = cluster(&ctx, 3, 9, ClusterOptions::default()).await?;
+    let results = cluster
+        .for_each_shard(|tx| {
+            Box::pin(async move {
+                let shard = i64::from(tx.shard().get());
+                tx.execute("INSERT INTO photos (user_id, url) VALUES ($1, 'marker')", &[&shard]).await?;
+                if shard == 4 {
+                    return Err(Error::Invalid { what: "shard 4 says no".into() });
+                }
+                Ok(shard)
+            })
+        })
+        .await;
+    let shards: Vec<u16> = results.iter().map(|(s, _)| s.get()).collect();
+    assert_eq!(shards, (0..9).collect::<Vec<_>>(), "every shard once, in order");
+    for (s, r) in &results {
+        match r {
+            Ok(v) => assert_eq!(*v, i64::from(s.get())),
+            Err(e) => assert_eq!((s.get(), e.to_string().as_str()), (4, "shard 4 says no")),
+        }
+    }
+    // What committed is where it should be: one marker per shard, none in shard 4.
+    let counts = cluster
+        .for_each_shard(|tx| {
+            Box::pin(async move {
+                let user = i64::from(tx.shard().get());
+                let n: i64 =
+                    tx.query("SELECT count(*) FROM photos WHERE user_id = $1", &[&user]).await?[0].get(0);
+                Ok::<_, Error>(n)
+            })
+        })
+        .await;
+    let counts: Vec<i64> = counts.into_iter().map(|(_, r)| r).collect::<Result<_, _>>()?;
+    assert_eq!(counts, vec![1, 1, 1, 1, 0, 1, 1, 1, 1]);
     Ok(())
 }

@@ -159,6 +159,18 @@ impl Cluster {
         Ok(self.map().route_id(id, self.inner.layout, &self.inner.prefix)?)
     }
 
+    /// Where a new row with this key goes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] for a parent ID whose shard the cluster does not have.
+    pub fn route_key(&self, key: crate::entity::ShardKey) -> Result<Route> {
+        match key {
+            crate::entity::ShardKey::User(u) => Ok(self.route_user(u)),
+            crate::entity::ShardKey::Parent(id) => self.route_id(id),
+        }
+    }
+
     /// Where a shard lives.
     pub fn route(&self, shard: LogicalShard) -> Route {
         self.map().route(shard, &self.inner.prefix)

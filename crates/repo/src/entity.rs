@@ -1,9 +1,12 @@
 //! What an application declares: an [`Entity`] (a table of every shard schema and its
-//! row mapping) and a [`NewRow`] (what an insert supplies).
+//! row mapping) and a [`NewRow`] (what an insert supplies, and which shard it goes to).
+//!
+//! Most applications derive both (`#[derive(Entity, NewRow)]`, re-exported from the
+//! crate root); by hand they look like this:
 //!
 //! ```
 //! use shardline_id::Id;
-//! use shardline_repo::entity::{Entity, NewRow};
+//! use shardline_repo::entity::{Entity, NewRow, ShardKey};
 //! use shardline_repo::tokio_postgres::{Row, types::ToSql};
 //!
 //! struct Photo { id: Id, user_id: i64, url: String }
@@ -11,7 +14,7 @@
 //! impl Entity for Photo {
 //!     const TABLE: &'static str = "photos";
 //!     const COLUMNS: &'static [&'static str] = &["id", "user_id", "url"];
-//!     const USER_COLUMN: &'static str = "user_id";
+//!     const USER_COLUMN: Option<&'static str> = Some("user_id");
 //!     fn from_row(row: &Row) -> Result<Self, shardline_repo::tokio_postgres::Error> {
 //!         Ok(Photo { id: row.try_get("id")?, user_id: row.try_get("user_id")?, url: row.try_get("url")? })
 //!     }
@@ -23,7 +26,7 @@
 //! impl NewRow for NewPhoto {
 //!     type Entity = Photo;
 //!     const COLUMNS: &'static [&'static str] = &["user_id", "url"];
-//!     fn user_id(&self) -> i64 { self.user_id }
+//!     fn shard_key(&self) -> ShardKey { ShardKey::User(self.user_id) }
 //!     fn values(&self) -> Vec<&(dyn ToSql + Sync)> { vec![&self.user_id, &self.url] }
 //! }
 //! ```
@@ -34,15 +37,22 @@ use tokio_postgres::types::ToSql;
 
 use crate::{Error, Result};
 
-/// A table present in every shard schema, keyed by a shardline ID in column `id`, and
-/// owned by a user (the column that routes it).
+/// A table present in every shard schema, keyed by a shardline ID in column `id`.
+///
+/// A row lives in the shard of its owning user ([`Entity::USER_COLUMN`], photos), or
+/// beside the row it belongs to ([`Entity::PARENT_COLUMN`], a photo's comments live in
+/// the photo's shard), so the rows one request needs share one shard.
 pub trait Entity: Sized + Send + Sync + 'static {
     /// The table, unqualified (`photos`).
     const TABLE: &'static str;
     /// Every column read back, `id` among them.
     const COLUMNS: &'static [&'static str];
-    /// The column holding the owning user's ID: inserts route by it, pages filter by it.
-    const USER_COLUMN: &'static str;
+    /// The column holding the owning user's ID, when rows are placed by user:
+    /// [`crate::Repo::page_of_user`] filters by it.
+    const USER_COLUMN: Option<&'static str> = None;
+    /// The column holding the ID of the row this one lives beside, when rows are placed
+    /// by parent: [`crate::Repo::page_of_parent`] filters by it.
+    const PARENT_COLUMN: Option<&'static str> = None;
     /// Builds the value from a row holding [`Entity::COLUMNS`].
     ///
     /// # Errors
@@ -53,6 +63,35 @@ pub trait Entity: Sized + Send + Sync + 'static {
     fn id(&self) -> Id;
 }
 
+/// What places a new row in a shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardKey {
+    /// The shard of this user (`user_id mod logical_shards`); the value is stored in
+    /// the entity's [`Entity::USER_COLUMN`].
+    User(i64),
+    /// The shard of this ID (decoded from it), for a row that lives beside another; the
+    /// value is stored in the entity's [`Entity::PARENT_COLUMN`].
+    Parent(Id),
+}
+
+impl ShardKey {
+    /// The stored value.
+    pub fn value(self) -> i64 {
+        match self {
+            ShardKey::User(u) => u,
+            ShardKey::Parent(id) => i64::from(id),
+        }
+    }
+
+    /// The column of `E` that stores it.
+    pub(crate) fn column<E: Entity>(self) -> Option<&'static str> {
+        match self {
+            ShardKey::User(_) => E::USER_COLUMN,
+            ShardKey::Parent(_) => E::PARENT_COLUMN,
+        }
+    }
+}
+
 /// The values an insert supplies; the database fills the rest (`id` from the shard's
 /// `next_id()`).
 pub trait NewRow: Send + Sync {
@@ -60,8 +99,9 @@ pub trait NewRow: Send + Sync {
     type Entity: Entity;
     /// The columns given, in the order of [`NewRow::values`].
     const COLUMNS: &'static [&'static str];
-    /// The user whose shard the row goes to.
-    fn user_id(&self) -> i64;
+    /// What places the row: its user, or the row it lives beside. Its value must also
+    /// be one of [`NewRow::values`], in the entity's user or parent column.
+    fn shard_key(&self) -> ShardKey;
     /// The values, one per column.
     fn values(&self) -> Vec<&(dyn ToSql + Sync)>;
 }
@@ -82,7 +122,15 @@ pub(crate) fn check_entity<E: Entity>() -> Result<()> {
     for c in E::COLUMNS {
         check_ident("column", c)?;
     }
-    check_ident("column", E::USER_COLUMN)?;
+    for c in E::USER_COLUMN.iter().chain(E::PARENT_COLUMN.iter()) {
+        check_ident("column", c)?;
+        if !E::COLUMNS.contains(c) {
+            return Err(Error::InvalidIdentifier {
+                what: "user or parent column (not among the columns)",
+                name: (*c).to_owned(),
+            });
+        }
+    }
     if !E::COLUMNS.contains(&"id") {
         return Err(Error::InvalidIdentifier {
             what: "columns (no `id` among them)",
@@ -90,4 +138,18 @@ pub(crate) fn check_entity<E: Entity>() -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Checks the columns an update sets: declared by `E`, not `id`, plain identifiers.
+pub(crate) fn check_update<'a, E: Entity>(set: &[(&'a str, &(dyn ToSql + Sync))]) -> Result<Vec<&'a str>> {
+    for (c, _) in set {
+        if *c == "id" || !E::COLUMNS.contains(c) {
+            return Err(Error::InvalidIdentifier { what: "column to update", name: (*c).to_owned() });
+        }
+        check_ident("column", c)?;
+    }
+    if set.is_empty() {
+        return Err(Error::Invalid { what: format!("an update of {} sets no column", E::TABLE) });
+    }
+    Ok(set.iter().map(|(c, _)| *c).collect())
 }

@@ -1,13 +1,43 @@
-//! What applications call: the catalog client, one connection pool per physical host,
-//! routed inserts, reads by ID, pages and fan-out.
+//! What applications call: the cluster handle (the catalog's shard map, one connection
+//! pool per physical host), and repositories of entities with routed inserts, reads by
+//! ID, pages, fan-out and transactions inside one shard.
 //!
-//! So far it holds the [`catalog`] client (the cluster's parameters, the shard map and
-//! its change notifications) and [`ids::ShardIdGenerator`], which mints IDs in the
-//! application from blocks reserved from a shard's own sequence. Routed queries arrive
-//! with the `[repo]` issue.
+//! ```no_run
+//! use shardline_repo::{Cluster, ClusterOptions, Entity, Id, NewRow};
+//!
+//! #[derive(Debug, Entity)]
+//! #[shardline(table = "photos")]
+//! struct Photo {
+//!     id: Id,
+//!     #[shardline(user)]
+//!     user_id: i64,
+//!     caption: String,
+//! }
+//!
+//! #[derive(NewRow)]
+//! #[shardline(entity = Photo)]
+//! struct NewPhoto {
+//!     #[shardline(user)]
+//!     user_id: i64,
+//!     caption: String,
+//! }
+//!
+//! # async fn run(config: shardline_router::Config) -> Result<(), shardline_repo::Error> {
+//! let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+//! let photos = cluster.repo::<Photo>()?;
+//! let photo = photos.insert(&NewPhoto { user_id: 42, caption: "sunset".into() }).await?;
+//! // The ID carries its shard: this read goes straight to the right host.
+//! assert_eq!(photos.get(photo.id).await?.map(|p| p.caption), Some("sunset".into()));
+//! let page = photos.page_of_user(42, None, 20).await?;
+//! # let _ = page; Ok(()) }
+//! ```
 //!
 //! # Layout
 //!
+//! - [`cluster`]: [`Cluster`], the handle: map, pools, refresh on change.
+//! - [`entity`]: [`Entity`] and [`NewRow`], by hand or derived.
+//! - [`repository`]: [`Repo`], an entity's routed operations.
+//! - [`shard`]: transactions inside one shard, and work on every shard.
 //! - [`catalog`]: the catalog schema, connecting, reading the map, `LISTEN`ing for changes.
 //! - [`ids`]: application-side minting from reserved blocks.
 //! - [`Error`]: the crate's error type.
@@ -18,11 +48,15 @@ pub mod cluster;
 pub mod entity;
 pub mod ids;
 pub mod repository;
+pub mod shard;
 
 pub use catalog::{Catalog, ClusterInfo};
 pub use cluster::{Cluster, ClusterOptions};
-pub use entity::{Entity, NewRow};
+pub use entity::{Entity, NewRow, ShardKey};
 pub use repository::{FanOut, Many, Missing, Page, Repo};
+pub use shard::{ShardResult, ShardTx};
+pub use shardline_derive::{Entity, NewRow};
+pub use shardline_id::Id;
 
 /// The driver this crate runs on, re-exported so versions cannot drift.
 pub use tokio_postgres;
@@ -161,6 +195,16 @@ pub enum Error {
     /// Routing refused (an ID whose shard the cluster does not have, ...).
     #[error(transparent)]
     Router(#[from] shardline_router::Error),
+    /// A row or ID of another shard given to a transaction in one shard.
+    #[error("{what}: the row belongs to shard {shard}, but the transaction is in shard {transaction}")]
+    WrongShard {
+        /// The operation.
+        what: &'static str,
+        /// The shard of the row or ID.
+        shard: u16,
+        /// The transaction's shard.
+        transaction: u16,
+    },
     /// The config contradicts the catalog on a value fixed at `init`.
     #[error(
         "the config says {key} = {config}, but the cluster was initialised with {key} = {catalog}; \

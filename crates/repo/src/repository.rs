@@ -20,44 +20,65 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::cluster::Cluster;
-use crate::entity::{Entity, NewRow, check_entity, check_ident};
+use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_update};
 use crate::{Error, Result};
 
 /// The SQL of one entity, made once.
 #[derive(Debug)]
-struct Sql {
+pub(crate) struct Sql {
     table: String,
     columns: String,
-    user_column: String,
 }
 
 impl Sql {
-    fn new<E: Entity>() -> Result<Sql> {
+    pub(crate) fn new<E: Entity>() -> Result<Sql> {
         check_entity::<E>()?;
         Ok(Sql {
             table: format!("\"{}\"", E::TABLE),
             columns: E::COLUMNS.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", "),
-            user_column: format!("\"{}\"", E::USER_COLUMN),
         })
     }
 
-    fn qualified(&self, schema: &SchemaName) -> String {
+    pub(crate) fn qualified(&self, schema: &SchemaName) -> String {
         format!("{}.{}", schema.quoted(), self.table)
     }
 
-    fn insert(&self, schema: &SchemaName, columns: &[&str], rows: usize) -> String {
+    pub(crate) fn insert(&self, schema: &SchemaName, columns: &[&str], rows: usize) -> String {
+        format!("{} RETURNING {}", self.insert_values(schema, columns, rows, 0), self.columns)
+    }
+
+    /// `INSERT INTO schema.table (columns) VALUES ...` of `rows` rows, binds from `$(first+1)`.
+    fn insert_values(&self, schema: &SchemaName, columns: &[&str], rows: usize, first: usize) -> String {
         let names = columns.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
         let values = (0..rows)
             .map(|r| {
-                let row = (1..=columns.len()).map(|i| format!("${}", r * columns.len() + i));
+                let row = (1..=columns.len()).map(|i| format!("${}", first + r * columns.len() + i));
                 format!("({})", row.collect::<Vec<_>>().join(", "))
             })
             .collect::<Vec<_>>()
             .join(", ");
-        format!("INSERT INTO {} ({names}) VALUES {values} RETURNING {}", self.qualified(schema), self.columns)
+        format!("INSERT INTO {} ({names}) VALUES {values}", self.qualified(schema))
     }
 
-    fn get(&self, schema: &SchemaName) -> String {
+    /// Inserts into several shards of one host in one statement: part `i` inserts
+    /// `parts[i].1` rows into `parts[i].0`; the rows come back tagged with `i` in
+    /// column `shardline_part`.
+    fn insert_parts(&self, parts: &[(&SchemaName, usize)], columns: &[&str]) -> String {
+        let mut first = 0;
+        let mut ctes = Vec::with_capacity(parts.len());
+        for (i, (schema, rows)) in parts.iter().enumerate() {
+            let insert = self.insert_values(schema, columns, *rows, first);
+            ctes.push(format!("p{i} AS ({insert} RETURNING {})", self.columns));
+            first += rows * columns.len();
+        }
+        let selects = (0..parts.len())
+            .map(|i| format!("SELECT {i} AS \"shardline_part\", * FROM p{i}"))
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        format!("WITH {} {selects}", ctes.join(", "))
+    }
+
+    pub(crate) fn get(&self, schema: &SchemaName) -> String {
         format!("SELECT {} FROM {} WHERE \"id\" = $1", self.columns, self.qualified(schema))
     }
 
@@ -73,7 +94,7 @@ impl Sql {
             .join(" UNION ALL ")
     }
 
-    fn update(&self, schema: &SchemaName, columns: &[&str]) -> String {
+    pub(crate) fn update(&self, schema: &SchemaName, columns: &[&str]) -> String {
         let set = columns
             .iter()
             .enumerate()
@@ -83,17 +104,16 @@ impl Sql {
         format!("UPDATE {} SET {set} WHERE \"id\" = $1 RETURNING {}", self.qualified(schema), self.columns)
     }
 
-    fn delete(&self, schema: &SchemaName) -> String {
+    pub(crate) fn delete(&self, schema: &SchemaName) -> String {
         format!("DELETE FROM {} WHERE \"id\" = $1 RETURNING \"id\"", self.qualified(schema))
     }
 
-    /// A user's rows, newest first, IDs below `$2`, at most `$3`.
-    fn page(&self, schema: &SchemaName) -> String {
+    /// The rows whose `column` is `$1`, newest first, IDs below `$2`, at most `$3`.
+    fn page(&self, schema: &SchemaName, column: &str) -> String {
         format!(
-            "SELECT {} FROM {} WHERE {} = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
+            "SELECT {} FROM {} WHERE \"{column}\" = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
             self.columns,
             self.qualified(schema),
-            self.user_column
         )
     }
 
@@ -120,12 +140,19 @@ impl Sql {
 pub struct Repo<E> {
     cluster: Cluster,
     sql: std::sync::Arc<Sql>,
+    /// The parameter types of each insert's column list (see `insert_types`).
+    types: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<Type>>>>,
     _entity: PhantomData<fn() -> E>,
 }
 
 impl<E> Clone for Repo<E> {
     fn clone(&self) -> Self {
-        Repo { cluster: self.cluster.clone(), sql: self.sql.clone(), _entity: PhantomData }
+        Repo {
+            cluster: self.cluster.clone(),
+            sql: self.sql.clone(),
+            types: self.types.clone(),
+            _entity: PhantomData,
+        }
     }
 }
 
@@ -174,7 +201,7 @@ impl<E> FanOut<E> {
     }
 }
 
-fn is_moved(e: &tokio_postgres::Error) -> bool {
+pub(crate) fn is_moved(e: &tokio_postgres::Error) -> bool {
     matches!(e.code(), Some(c) if *c == SqlState::INVALID_SCHEMA_NAME || *c == SqlState::UNDEFINED_TABLE)
 }
 
@@ -186,7 +213,12 @@ impl Cluster {
     /// [`Error::InvalidIdentifier`] when `E`'s table or columns are not plain SQL
     /// identifiers (checked once, here).
     pub fn repo<E: Entity>(&self) -> Result<Repo<E>> {
-        Ok(Repo { cluster: self.clone(), sql: std::sync::Arc::new(Sql::new::<E>()?), _entity: PhantomData })
+        Ok(Repo {
+            cluster: self.clone(),
+            sql: std::sync::Arc::new(Sql::new::<E>()?),
+            types: std::sync::Arc::default(),
+            _entity: PhantomData,
+        })
     }
 }
 
@@ -252,42 +284,55 @@ impl<E: Entity> Repo<E> {
     ///
     /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...
     pub async fn insert<N: NewRow<Entity = E>>(&self, new: &N) -> Result<E> {
-        let shard = self.cluster.route_user(new.user_id()).shard;
+        let shard = self.cluster.route_key(new.shard_key())?.shard;
         let rows =
             self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
         Self::rows(&rows)?.pop().ok_or(Error::Empty { what: "insert" })
     }
 
-    /// Inserts rows, grouped by shard: one multi-row statement per shard, all shards in
-    /// parallel. Returns them in the order given. Not atomic across shards: each shard's
-    /// statement commits on its own.
+    /// Inserts rows, grouped by host: one statement per host (each shard's rows one
+    /// `INSERT` inside it), all hosts in parallel, so one round trip per host. Returns
+    /// the rows in the order given. Atomic per host, not across hosts. A host's batch is
+    /// split into several pipelined statements only past Postgres's 65,535 bind
+    /// parameters.
     ///
     /// # Errors
     ///
-    /// The first failure; rows of other shards may have been inserted.
+    /// The first failure; rows of other hosts may have been inserted.
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
-        let mut by_shard: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, n) in new.iter().enumerate() {
-            by_shard.entry(self.cluster.route_user(n.user_id()).shard.get()).or_default().push(i);
+        if new.is_empty() {
+            return Ok(Vec::new());
         }
         let map = self.cluster.map();
-        let mut by_host: HashMap<HostName, Vec<(LogicalShard, Vec<usize>)>> = HashMap::new();
-        for (shard, idx) in by_shard {
-            let shard = LogicalShard::new(i64::from(shard), map.count())?;
-            by_host.entry(map.host_of(shard).clone()).or_default().push((shard, idx));
+        let prefix = self.cluster.prefix();
+        let mut by_host: HashMap<HostName, BTreeMap<u16, (Route, Vec<usize>)>> = HashMap::new();
+        for (i, n) in new.iter().enumerate() {
+            let route = match n.shard_key() {
+                ShardKey::User(u) => map.route_user(u, prefix),
+                ShardKey::Parent(id) => map.route_id(id, self.cluster.layout(), prefix)?,
+            };
+            let entry = by_host.entry(route.host.clone()).or_default();
+            entry.entry(route.shard.get()).or_insert_with(|| (route, Vec::new())).1.push(i);
         }
-        let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
-        let hosts = by_host.into_values().map(|groups| async move {
-            let parts = futures::future::join_all(groups.iter().map(|(shard, idx)| async move {
-                let values: Vec<&(dyn ToSql + Sync)> = idx.iter().flat_map(|&i| new[i].values()).collect();
-                let rows = self
-                    .on_shard(*shard, "insert many", |s| self.sql.insert(s, N::COLUMNS, idx.len()), &values)
-                    .await?;
-                Ok::<_, Error>((idx.clone(), Self::rows(&rows)?))
-            }))
-            .await;
-            parts.into_iter().collect::<Result<Vec<_>>>()
+        let hosts = by_host.into_iter().map(|(host, groups)| async move {
+            let groups: Vec<(Route, Vec<usize>)> = groups.into_values().collect();
+            match self.insert_on_host::<N>(&host, &groups, new).await {
+                Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) => {
+                    // A stale map: shard by shard, through the path that reloads it.
+                    let mut out = Vec::new();
+                    for (route, idx) in &groups {
+                        let values: Vec<&(dyn ToSql + Sync)> =
+                            idx.iter().flat_map(|&i| new[i].values()).collect();
+                        let sql = |s: &SchemaName| self.sql.insert(s, N::COLUMNS, idx.len());
+                        let rows = self.on_shard(route.shard, "insert many", sql, &values).await?;
+                        out.push((idx.clone(), Self::rows(&rows)?));
+                    }
+                    Ok(out)
+                }
+                other => other,
+            }
         });
+        let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
         for host in futures::future::join_all(hosts).await {
             for (idx, rows) in host? {
                 for (&i, row) in idx.iter().zip(rows) {
@@ -296,6 +341,117 @@ impl<E: Entity> Repo<E> {
             }
         }
         out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect()
+    }
+
+    /// The parameter types of `N`'s insert, learnt once from the prepared single-row
+    /// insert (every shard has the same tables), so batches go in one round trip.
+    async fn insert_types<N: NewRow<Entity = E>>(
+        &self,
+        client: &deadpool_postgres::Object,
+        host: &HostName,
+        route: &Route,
+    ) -> Result<Vec<Type>> {
+        let key = N::COLUMNS.join(",");
+        if let Some(t) = self.types.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(t);
+        }
+        let sql = self.sql.insert(&route.schema, N::COLUMNS, 1);
+        let statement = client
+            .prepare_cached(&sql)
+            .await
+            .map_err(|e| Error::host(host, Some(route.shard), "insert many", e))?;
+        let types = statement.params().to_vec();
+        if let Ok(mut m) = self.types.lock() {
+            m.insert(key, types.clone());
+        }
+        Ok(types)
+    }
+
+    /// One host's part of [`Repo::insert_many`]: each returned entry pairs input
+    /// indices with their rows.
+    async fn insert_on_host<N: NewRow<Entity = E>>(
+        &self,
+        host: &HostName,
+        groups: &[(Route, Vec<usize>)],
+        new: &[N],
+    ) -> Result<Vec<(Vec<usize>, Vec<E>)>> {
+        const MAX_PARAMS: usize = 65_535;
+        let width = N::COLUMNS.len().max(1);
+        let timeout = self.cluster.options().host_timeout;
+        let work = async {
+            let client = self.cluster.client(host).await?;
+            let types = self.insert_types::<N>(&client, host, &groups[0].0).await?;
+            // Chunks of (route, input indices) under the parameter limit.
+            let mut chunks: Vec<Vec<(&Route, &[usize])>> = vec![Vec::new()];
+            let mut used = 0;
+            for (route, idx) in groups {
+                for part in idx.chunks(MAX_PARAMS / width) {
+                    if used + part.len() * width > MAX_PARAMS {
+                        chunks.push(Vec::new());
+                        used = 0;
+                    }
+                    used += part.len() * width;
+                    if let Some(last) = chunks.last_mut() {
+                        last.push((route, part));
+                    }
+                }
+            }
+            let statements = chunks.iter().map(|chunk| {
+                let parts: Vec<(&SchemaName, usize)> =
+                    chunk.iter().map(|(r, idx)| (&r.schema, idx.len())).collect();
+                let sql = self.sql.insert_parts(&parts, N::COLUMNS);
+                let values: Vec<Vec<&(dyn ToSql + Sync)>> =
+                    chunk.iter().flat_map(|(_, idx)| idx.iter().map(|&i| new[i].values())).collect();
+                let client = &client;
+                let types = &types;
+                async move {
+                    let params: Vec<(&(dyn ToSql + Sync), Type)> = values
+                        .iter()
+                        .flat_map(|row| row.iter().zip(types.iter()).map(|(v, t)| (*v, t.clone())))
+                        .collect();
+                    let rows = client
+                        .query_typed(&sql, &params)
+                        .await
+                        .map_err(|e| Error::host(host, None, "insert many", e))?;
+                    let mut parts: Vec<(Vec<usize>, Vec<E>)> =
+                        chunk.iter().map(|(_, idx)| (idx.to_vec(), Vec::with_capacity(idx.len()))).collect();
+                    for row in &rows {
+                        let part: i32 = row
+                            .try_get("shardline_part")
+                            .map_err(|source| Error::Decode { table: E::TABLE, source })?;
+                        let e =
+                            E::from_row(row).map_err(|source| Error::Decode { table: E::TABLE, source })?;
+                        let slot = usize::try_from(part).ok().and_then(|p| parts.get_mut(p));
+                        let (idx, got) =
+                            slot.ok_or(Error::Empty { what: "insert many (a row of no part)" })?;
+                        // RETURNING gives rows in VALUES order; check it rather than trust it.
+                        let key = idx.get(got.len()).map(|&i| new[i].shard_key());
+                        let stored = match key.and_then(ShardKey::column::<E>) {
+                            Some(column) => Some(
+                                row.try_get::<_, i64>(column)
+                                    .map_err(|source| Error::Decode { table: E::TABLE, source })?,
+                            ),
+                            None => key.map(ShardKey::value),
+                        };
+                        if key.map(ShardKey::value) != stored {
+                            return Err(Error::Invalid {
+                                what: format!("insert many: {} returned rows out of order", E::TABLE),
+                            });
+                        }
+                        got.push(e);
+                    }
+                    Ok::<_, Error>(parts)
+                }
+            });
+            let mut out = Vec::new();
+            for chunk in futures::future::join_all(statements).await {
+                out.extend(chunk?);
+            }
+            Ok(out)
+        };
+        tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| Error::Timeout { host: host.to_string(), after: timeout })?
     }
 
     /// The row with `id`: its shard is decoded from the ID, one query on its host.
@@ -368,13 +524,7 @@ impl<E: Entity> Repo<E> {
     /// [`Error::InvalidIdentifier`] for a column `E` does not declare (nothing is sent);
     /// as [`Repo::get`].
     pub async fn update(&self, id: Id, set: &[(&str, &(dyn ToSql + Sync))]) -> Result<Option<E>> {
-        for (c, _) in set {
-            if *c == "id" || !E::COLUMNS.contains(c) {
-                return Err(Error::InvalidIdentifier { what: "column to update", name: (*c).to_owned() });
-            }
-            check_ident("column", c)?;
-        }
-        let columns: Vec<&str> = set.iter().map(|(c, _)| *c).collect();
+        let columns = check_update::<E>(set)?;
         let shard = self.cluster.route_id(id)?.shard;
         let mut values: Vec<&(dyn ToSql + Sync)> = vec![&id];
         values.extend(set.iter().map(|(_, v)| *v));
@@ -399,12 +549,37 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// As [`Repo::get`].
+    /// [`Error::Invalid`] when `E` has no [`Entity::USER_COLUMN`]; as [`Repo::get`].
     pub async fn page_of_user(&self, user_id: i64, before: Option<Id>, limit: u32) -> Result<Page<E>> {
-        let shard = self.cluster.route_user(user_id).shard;
+        let column = E::USER_COLUMN
+            .ok_or_else(|| Error::Invalid { what: format!("{} has no user column to page by", E::TABLE) })?;
+        self.page(self.cluster.route_user(user_id).shard, column, user_id, before, limit).await
+    }
+
+    /// A page of the rows that live beside `parent` (a photo's comments), newest first,
+    /// paged as [`Repo::page_of_user`]; one query on the parent's shard.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when `E` has no [`Entity::PARENT_COLUMN`]; as [`Repo::get`].
+    pub async fn page_of_parent(&self, parent: Id, before: Option<Id>, limit: u32) -> Result<Page<E>> {
+        let column = E::PARENT_COLUMN.ok_or_else(|| Error::Invalid {
+            what: format!("{} has no parent column to page by", E::TABLE),
+        })?;
+        self.page(self.cluster.route_id(parent)?.shard, column, i64::from(parent), before, limit).await
+    }
+
+    async fn page(
+        &self,
+        shard: LogicalShard,
+        column: &str,
+        key: i64,
+        before: Option<Id>,
+        limit: u32,
+    ) -> Result<Page<E>> {
         let below = before.map_or(i64::MAX, i64::from);
         let n = i64::from(limit);
-        let rows = self.on_shard(shard, "page", |s| self.sql.page(s), &[&user_id, &below, &n]).await?;
+        let rows = self.on_shard(shard, "page", |s| self.sql.page(s, column), &[&key, &below, &n]).await?;
         let rows = Self::rows(&rows)?;
         let next = if rows.len() == usize::try_from(limit).unwrap_or(usize::MAX) {
             rows.last().map(Entity::id)

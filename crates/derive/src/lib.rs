@@ -1,0 +1,256 @@
+//! `#[derive(Entity)]` and `#[derive(NewRow)]` for `shardline-repo`; use them through
+//! `shardline_repo::{Entity, NewRow}`, which re-exports them beside the traits.
+//!
+//! ```ignore
+//! #[derive(Entity)]
+//! #[shardline(table = "photos")]
+//! struct Photo {
+//!     id: Id,
+//!     #[shardline(user)]
+//!     user_id: i64,
+//!     url: String,
+//! }
+//!
+//! #[derive(NewRow)]
+//! #[shardline(entity = Photo)]
+//! struct NewPhoto {
+//!     #[shardline(user)]
+//!     user_id: i64,
+//!     url: String,
+//! }
+//!
+//! #[derive(Entity)]
+//! #[shardline(table = "comments")]
+//! struct Comment {
+//!     id: Id,
+//!     #[shardline(parent)]
+//!     photo_id: Id,
+//!     user_id: i64,
+//!     body: String,
+//! }
+//! ```
+//!
+//! Attributes:
+//! - on the struct: `table = "..."` (`Entity`, required), `entity = Type` (`NewRow`,
+//!   required);
+//! - on a field: `user` (the owning user: the row lives in the user's shard) or
+//!   `parent` (an ID: the row lives in that row's shard), exactly one on a `NewRow`, at
+//!   most one each on an `Entity`; `column = "..."`
+//!   (the column's name when it is not the field's), `id` (`Entity`: the ID field when it
+//!   is not named `id`).
+//!
+//! Column and table names are checked when the repository is made (plain lowercase SQL
+//! identifiers), so a bad name is an error there, never SQL text.
+
+use proc_macro::TokenStream;
+use quote::quote;
+use syn::{Data, DeriveInput, Fields, Ident, LitStr, Path, spanned::Spanned as _};
+
+/// Implements `shardline_repo::Entity` for a struct with named fields.
+#[proc_macro_derive(Entity, attributes(shardline))]
+pub fn derive_entity(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as DeriveInput);
+    entity(&input).unwrap_or_else(syn::Error::into_compile_error).into()
+}
+
+/// Implements `shardline_repo::NewRow` for a struct with named fields.
+#[proc_macro_derive(NewRow, attributes(shardline))]
+pub fn derive_new_row(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as DeriveInput);
+    new_row(&input).unwrap_or_else(syn::Error::into_compile_error).into()
+}
+
+#[derive(Default)]
+struct StructAttrs {
+    table: Option<LitStr>,
+    entity: Option<Path>,
+}
+
+struct Field {
+    ident: Ident,
+    column: String,
+    user: bool,
+    parent: bool,
+    id: bool,
+}
+
+fn struct_attrs(input: &DeriveInput) -> syn::Result<StructAttrs> {
+    let mut out = StructAttrs::default();
+    for attr in input.attrs.iter().filter(|a| a.path().is_ident("shardline")) {
+        attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("table") {
+                out.table = Some(meta.value()?.parse()?);
+                Ok(())
+            } else if meta.path.is_ident("entity") {
+                out.entity = Some(meta.value()?.parse()?);
+                Ok(())
+            } else {
+                Err(meta.error("unknown shardline attribute; expected `table = \"...\"` or `entity = Type`"))
+            }
+        })?;
+    }
+    Ok(out)
+}
+
+fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
+    let Data::Struct(data) = &input.data else {
+        return Err(syn::Error::new(input.span(), "shardline derives work on structs only"));
+    };
+    let Fields::Named(named) = &data.fields else {
+        return Err(syn::Error::new(input.span(), "shardline derives need a struct with named fields"));
+    };
+    let mut out = Vec::new();
+    for f in &named.named {
+        let Some(ident) = f.ident.clone() else { continue };
+        let mut field = Field { column: ident.to_string(), ident, user: false, parent: false, id: false };
+        for attr in f.attrs.iter().filter(|a| a.path().is_ident("shardline")) {
+            attr.parse_nested_meta(|meta| {
+                if meta.path.is_ident("user") {
+                    field.user = true;
+                    Ok(())
+                } else if meta.path.is_ident("parent") {
+                    field.parent = true;
+                    Ok(())
+                } else if meta.path.is_ident("id") {
+                    field.id = true;
+                    Ok(())
+                } else if meta.path.is_ident("column") {
+                    let name: LitStr = meta.value()?.parse()?;
+                    field.column = name.value();
+                    Ok(())
+                } else {
+                    Err(meta.error("unknown shardline field attribute; expected `user`, `parent`, `id` or `column = \"...\"`"))
+                }
+            })?;
+        }
+        out.push(field);
+    }
+    Ok(out)
+}
+
+/// The field marked `what` (`user` or `parent`), if any; an error if several are.
+fn marked<'f>(fields: &'f [Field], what: &str, pick: fn(&Field) -> bool) -> syn::Result<Option<&'f Field>> {
+    let mut found = fields.iter().filter(|f| pick(f));
+    match (found.next(), found.next()) {
+        (first, None) => Ok(first),
+        (Some(_), Some(second)) => {
+            Err(syn::Error::new(second.ident.span(), format!("only one field can be #[shardline({what})]")))
+        }
+        (None, Some(_)) => Ok(None),
+    }
+}
+
+fn optional_column(field: Option<&Field>) -> proc_macro2::TokenStream {
+    match field {
+        Some(f) => {
+            let c = &f.column;
+            quote! { ::core::option::Option::Some(#c) }
+        }
+        None => quote! { ::core::option::Option::None },
+    }
+}
+
+fn entity(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
+    let attrs = struct_attrs(input)?;
+    let Some(table) = attrs.table else {
+        return Err(syn::Error::new(
+            input.ident.span(),
+            "#[derive(Entity)] needs #[shardline(table = \"...\")]",
+        ));
+    };
+    let fields = fields(input)?;
+    let user = optional_column(marked(&fields, "user", |f| f.user)?);
+    let parent = optional_column(marked(&fields, "parent", |f| f.parent)?);
+    let marked: Vec<&Field> = fields.iter().filter(|f| f.id).collect();
+    let id = match marked.as_slice() {
+        [one] => *one,
+        [] => fields.iter().find(|f| f.ident == "id").ok_or_else(|| {
+            syn::Error::new(
+                input.ident.span(),
+                "an entity needs an `id` field, or one marked #[shardline(id)]",
+            )
+        })?,
+        [_, second, ..] => {
+            return Err(syn::Error::new(second.ident.span(), "only one field can be #[shardline(id)]"));
+        }
+    };
+    if id.column != "id" {
+        return Err(syn::Error::new(id.ident.span(), "the ID field's column must be `id`"));
+    }
+    let name = &input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let columns: Vec<&str> = fields.iter().map(|f| f.column.as_str()).collect();
+    let reads = fields.iter().map(|f| {
+        let (ident, column) = (&f.ident, &f.column);
+        quote! { #ident: row.try_get(#column)? }
+    });
+    let id_ident = &id.ident;
+    Ok(quote! {
+        impl #impl_generics ::shardline_repo::entity::Entity for #name #ty_generics #where_clause {
+            const TABLE: &'static str = #table;
+            const COLUMNS: &'static [&'static str] = &[#(#columns),*];
+            const USER_COLUMN: ::core::option::Option<&'static str> = #user;
+            const PARENT_COLUMN: ::core::option::Option<&'static str> = #parent;
+            fn from_row(
+                row: &::shardline_repo::tokio_postgres::Row,
+            ) -> ::core::result::Result<Self, ::shardline_repo::tokio_postgres::Error> {
+                ::core::result::Result::Ok(Self { #(#reads),* })
+            }
+            fn id(&self) -> ::shardline_repo::Id {
+                self.#id_ident
+            }
+        }
+    })
+}
+
+fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
+    let attrs = struct_attrs(input)?;
+    let Some(entity) = attrs.entity else {
+        return Err(syn::Error::new(
+            input.ident.span(),
+            "#[derive(NewRow)] needs #[shardline(entity = Type)]",
+        ));
+    };
+    let fields = fields(input)?;
+    let key = match (marked(&fields, "user", |f| f.user)?, marked(&fields, "parent", |f| f.parent)?) {
+        (Some(u), None) => {
+            let ident = &u.ident;
+            quote! { ::shardline_repo::ShardKey::User(::core::convert::Into::<i64>::into(self.#ident)) }
+        }
+        (None, Some(p)) => {
+            let ident = &p.ident;
+            quote! { ::shardline_repo::ShardKey::Parent(self.#ident) }
+        }
+        (Some(_), Some(p)) => {
+            return Err(syn::Error::new(
+                p.ident.span(),
+                "a row is placed by its user or by its parent, not both",
+            ));
+        }
+        (None, None) => {
+            return Err(syn::Error::new(
+                input.ident.span(),
+                "mark the field that places the row: #[shardline(user)] (a user ID) or #[shardline(parent)] (an ID)",
+            ));
+        }
+    };
+    if let Some(id) = fields.iter().find(|f| f.column == "id" || f.id) {
+        return Err(syn::Error::new(id.ident.span(), "a new row has no ID: the shard mints it"));
+    }
+    let name = &input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let columns: Vec<&str> = fields.iter().map(|f| f.column.as_str()).collect();
+    let values = fields.iter().map(|f| &f.ident);
+    Ok(quote! {
+        impl #impl_generics ::shardline_repo::entity::NewRow for #name #ty_generics #where_clause {
+            type Entity = #entity;
+            const COLUMNS: &'static [&'static str] = &[#(#columns),*];
+            fn shard_key(&self) -> ::shardline_repo::ShardKey {
+                #key
+            }
+            fn values(&self) -> ::std::vec::Vec<&(dyn ::shardline_repo::tokio_postgres::types::ToSql + ::core::marker::Sync)> {
+                ::std::vec![#(&self.#values),*]
+            }
+        }
+    })
+}
