@@ -17,19 +17,9 @@ use shardline_ops::migrations::load_dir;
 use shardline_router::Config;
 use shardline_testkit::Cluster;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-fn config(cluster: &Cluster, db: &str, shards: u16, dir: &Path) -> Result<Config, BoxError> {
-    let mut text = format!(
-        "logical_shards = {shards}\nmigrations = \"{}\"\n[catalog]\nurl = \"{}\"\n",
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations").display(),
-        cluster.hosts()[0].url(db)
-    );
-    for (i, h) in cluster.hosts().iter().enumerate() {
-        text.push_str(&format!("[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\n", i + 1, h.url(db)));
-    }
-    Ok(Config::from_toml(&text, "bench.toml", dir, &|_| None)?)
-}
+#[path = "common/mod.rs"]
+mod common;
+use common::{BoxError, config};
 
 /// The rival: per host one connection, per shard one transaction, each statement
 /// awaited before the next is sent.

@@ -1,7 +1,7 @@
 //! `#[derive(Entity)]` and `#[derive(NewRow)]` for `shardline-repo`; use them through
 //! `shardline_repo::{Entity, NewRow}`, which re-exports them beside the traits.
 //!
-//! ```ignore
+//! ```text
 //! #[derive(Entity)]
 //! #[shardline(table = "photos")]
 //! struct Photo {
@@ -253,4 +253,75 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entity_err(input: DeriveInput) -> String {
+        entity(&input).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    fn new_row_err(input: DeriveInput) -> String {
+        new_row(&input).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn an_entity_declares_its_columns_in_field_order() {
+        let out = entity(&syn::parse_quote! {
+            #[shardline(table = "comments")]
+            struct Comment { id: Id, #[shardline(parent)] photo_id: Id, #[shardline(column = "author")] user_id: i64 }
+        })
+        .unwrap()
+        .to_string();
+        assert!(out.contains(r#"& ["id" , "photo_id" , "author"]"#), "{out}");
+        assert!(out.contains(r#"PARENT_COLUMN : :: core :: option :: Option < & 'static str > = :: core :: option :: Option :: Some ("photo_id")"#), "{out}");
+        assert!(out.contains("USER_COLUMN : :: core :: option :: Option < & 'static str > = :: core :: option :: Option :: None"), "{out}");
+        assert!(out.contains(r#"user_id : row . try_get ("author") ?"#), "{out}");
+    }
+
+    #[test]
+    fn bad_declarations_are_named() {
+        assert_eq!(
+            entity_err(syn::parse_quote! { struct P { id: Id } }),
+            "#[derive(Entity)] needs #[shardline(table = \"...\")]"
+        );
+        assert_eq!(
+            entity_err(syn::parse_quote! { #[shardline(table = "p")] struct P { key: Id } }),
+            "an entity needs an `id` field, or one marked #[shardline(id)]"
+        );
+        assert_eq!(
+            entity_err(syn::parse_quote! { #[shardline(table = "p")] struct P(Id); }),
+            "shardline derives need a struct with named fields"
+        );
+        assert_eq!(
+            entity_err(syn::parse_quote! { #[shardline(tabel = "p")] struct P { id: Id } }),
+            "unknown shardline attribute; expected `table = \"...\"` or `entity = Type`"
+        );
+        assert_eq!(
+            entity_err(syn::parse_quote! {
+                #[shardline(table = "p")] struct P { id: Id, #[shardline(user)] a: i64, #[shardline(user)] b: i64 }
+            }),
+            "only one field can be #[shardline(user)]"
+        );
+        assert_eq!(
+            new_row_err(syn::parse_quote! { #[shardline(entity = P)] struct N { url: String } }),
+            "mark the field that places the row: #[shardline(user)] (a user ID) or #[shardline(parent)] (an ID)"
+        );
+        assert_eq!(
+            new_row_err(syn::parse_quote! {
+                #[shardline(entity = P)] struct N { #[shardline(user)] u: i64, #[shardline(parent)] p: Id }
+            }),
+            "a row is placed by its user or by its parent, not both"
+        );
+        assert_eq!(
+            new_row_err(syn::parse_quote! { #[shardline(entity = P)] struct N { id: Id, #[shardline(user)] u: i64 } }),
+            "a new row has no ID: the shard mints it"
+        );
+        assert_eq!(
+            new_row_err(syn::parse_quote! { struct N { #[shardline(user)] u: i64 } }),
+            "#[derive(NewRow)] needs #[shardline(entity = Type)]"
+        );
+    }
 }

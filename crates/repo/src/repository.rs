@@ -474,6 +474,17 @@ impl<E: Entity> Repo<E> {
     /// [`Error::Router`] for an ID whose shard the cluster does not have (nothing is
     /// sent); the first host's failure.
     pub async fn get_many(&self, ids: &[Id]) -> Result<Many<E>> {
+        match self.get_many_once(ids).await {
+            Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) => {
+                // A shard moved under a stale map: reload it and ask again, once.
+                self.cluster.refresh().await?;
+                self.get_many_once(ids).await
+            }
+            other => other,
+        }
+    }
+
+    async fn get_many_once(&self, ids: &[Id]) -> Result<Many<E>> {
         let map = self.cluster.map();
         let prefix = self.cluster.prefix();
         let mut by_host: HashMap<HostName, BTreeMap<SchemaName, Vec<i64>>> = HashMap::new();
