@@ -8,7 +8,7 @@
 //! ```
 #![allow(clippy::unwrap_used, reason = "a benchmark")]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use shardline_id::sql::ShardSql;

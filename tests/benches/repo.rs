@@ -147,7 +147,9 @@ async fn main() -> Result<(), BoxError> {
     let mut n = 0;
     let layout = cluster.layout();
     let (lo, hi) = (
-        i64::from(layout.min_id_at(i64::try_from(start.duration_since(SystemTime::UNIX_EPOCH)?.as_millis())?)?),
+        i64::from(
+            layout.min_id_at(i64::try_from(start.duration_since(SystemTime::UNIX_EPOCH)?.as_millis())?)?,
+        ),
         i64::from(layout.max_id_at(i64::try_from(end.duration_since(SystemTime::UNIX_EPOCH)?.as_millis())?)?),
     );
     let map = cluster.map();
@@ -163,7 +165,12 @@ async fn main() -> Result<(), BoxError> {
     assert_eq!(n, limit);
     let rate = |d: Duration| format!("{:.0} rows/s", f64::from(u32::try_from(n).unwrap()) / d.as_secs_f64());
     println!("\ntime window, all {n} rows, merged newest first:");
-    println!("  {:<56}{:>10.1} ms   {}", "rival: one query per shard, one after another", serial.as_secs_f64() * 1e3, rate(serial));
+    println!(
+        "  {:<56}{:>10.1} ms   {}",
+        "rival: one query per shard, one after another",
+        serial.as_secs_f64() * 1e3,
+        rate(serial)
+    );
     println!(
         "  {:<56}{:>10.1} ms   {}   {:.1}x faster",
         "shardline Repo::created_between (a query per host)",

@@ -144,7 +144,9 @@ async fn ledger(client: &Client) -> Result<BTreeMap<String, Vec<String>>, BoxErr
 }
 
 fn all_migrations() -> Vec<String> {
-    ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "shardline minter"].map(String::from).to_vec()
+    ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "0004_likes_by_id.sql", "shardline minter"]
+        .map(String::from)
+        .to_vec()
 }
 
 pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext) -> TestResult {
@@ -153,7 +155,7 @@ pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext)
     let first = shardline_ops::init(&config, &options(2), &quiet).await?;
     assert!(first.catalog_created && first.changed(), "{first:?}");
     assert_eq!((first.shards_placed, first.schemas_created, first.minters_installed), (30, 30, 30));
-    assert_eq!((first.migrations_applied, first.shards_migrated, first.map_version), (90, 30, 1));
+    assert_eq!((first.migrations_applied, first.shards_migrated, first.map_version), (120, 30, 1));
 
     // Contiguous, even ranges in config order; each schema whole, with its own minter.
     for (h, range) in [(0usize, 0..10u16), (1, 10..20), (2, 20..30)] {
@@ -195,7 +197,7 @@ pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext)
     let said = cli(&f, &["init"]).await?;
     assert!(
         said.starts_with(
-            "nothing to do: 30 shards on 3 hosts are up to date with 3 migration(s) (map version 1)"
+            "nothing to do: 30 shards on 3 hosts are up to date with 4 migration(s) (map version 1)"
         ),
         "{said}"
     );
@@ -334,7 +336,7 @@ pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues
     ctx: TestContext,
 ) -> TestResult {
     let f = Fixture::new(&ctx, 2, 8).await?;
-    for m in ["0002_likes.sql", "0003_comments.sql"] {
+    for m in ["0002_likes.sql", "0003_comments.sql", "0004_likes_by_id.sql"] {
         std::fs::remove_file(f.dir.join("migrations").join(m))?;
     }
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
@@ -413,7 +415,7 @@ pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_chan
 
     f.migration("0000_early.sql", "CREATE TABLE early (a int);")?;
     let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
-    assert!(err.starts_with("migration 0000_early.sql: it sorts before 0003_comments.sql, which shard_0000 (shard 0) on pg1 already has"), "{err}");
+    assert!(err.starts_with("migration 0000_early.sql: it sorts before 0004_likes_by_id.sql, which shard_0000 (shard 0) on pg1 already has"), "{err}");
     std::fs::remove_file(f.dir.join("migrations/0000_early.sql"))?;
 
     std::fs::remove_file(f.dir.join("migrations/0002_likes.sql"))?;
@@ -622,7 +624,7 @@ pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestC
         .client(&ctx, 0)
         .await?
         .query_one(
-            "SELECT count(*) FROM shardline.shards WHERE ready AND migration = '0003_comments.sql'",
+            "SELECT count(*) FROM shardline.shards WHERE ready AND migration = '0004_likes_by_id.sql'",
             &[],
         )
         .await?

@@ -316,7 +316,9 @@ mod tests {
             "a row is placed by its user or by its parent, not both"
         );
         assert_eq!(
-            new_row_err(syn::parse_quote! { #[shardline(entity = P)] struct N { id: Id, #[shardline(user)] u: i64 } }),
+            new_row_err(
+                syn::parse_quote! { #[shardline(entity = P)] struct N { id: Id, #[shardline(user)] u: i64 } }
+            ),
             "a new row has no ID: the shard mints it"
         );
         assert_eq!(

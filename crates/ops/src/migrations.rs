@@ -387,7 +387,7 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations");
         let got = load_dir(&dir).unwrap();
         let names: Vec<&str> = got.iter().map(|m| m.name.as_str()).collect();
-        assert_eq!(names, ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql"]);
+        assert_eq!(names, ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "0004_likes_by_id.sql"]);
         assert_eq!(got[0].statements.len(), 2);
         assert!(got[0].statements[0].sql.contains("CREATE TABLE photos"));
     }
