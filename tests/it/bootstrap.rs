@@ -45,7 +45,7 @@ impl Fixture {
         Ok(f)
     }
 
-    fn path(&self) -> PathBuf {
+    pub(crate) fn path(&self) -> PathBuf {
         self.dir.join("shardline.toml")
     }
 
@@ -60,16 +60,17 @@ impl Fixture {
             format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{}\"\n", ctx.hosts()[0].url(&self.db));
         for (i, h) in ctx.hosts().iter().take(self.hosts).enumerate() {
             text.push_str(&format!(
-                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\n",
+                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
                 i + 1,
-                url(i, h.url(&self.db))
+                url(i, h.url(&self.db)),
+                h.peer_url(&self.db)
             ));
         }
         std::fs::write(self.path(), text)?;
         Ok(())
     }
 
-    fn migration(&self, name: &str, sql: &str) -> Result<(), BoxError> {
+    pub(crate) fn migration(&self, name: &str, sql: &str) -> Result<(), BoxError> {
         std::fs::write(self.dir.join("migrations").join(name), sql)?;
         Ok(())
     }
@@ -97,7 +98,7 @@ pub(crate) fn options(jobs: usize) -> Options {
 
 /// Runs the `shardline` command line (on a thread of its own: it makes its own
 /// runtime) and returns what it printed, and its error if it failed.
-async fn cli_full(f: &Fixture, args: &[&str]) -> (String, Result<(), String>) {
+pub(crate) async fn cli_full(f: &Fixture, args: &[&str]) -> (String, Result<(), String>) {
     let mut argv = vec!["shardline".to_owned(), "--config".to_owned(), f.path().display().to_string()];
     argv.extend(args.iter().map(|a| (*a).to_owned()));
     let ran = tokio::task::spawn_blocking(move || {
@@ -114,7 +115,7 @@ async fn cli_full(f: &Fixture, args: &[&str]) -> (String, Result<(), String>) {
 }
 
 /// As [`cli_full`], for commands expected to succeed: what they printed, or the error.
-async fn cli(f: &Fixture, args: &[&str]) -> Result<String, String> {
+pub(crate) async fn cli(f: &Fixture, args: &[&str]) -> Result<String, String> {
     let (out, result) = cli_full(f, args).await;
     result.map(|()| out)
 }

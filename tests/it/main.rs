@@ -10,6 +10,7 @@ mod cluster;
 mod faults;
 mod ids;
 mod lifecycle;
+mod moves;
 mod replication;
 mod repo;
 
@@ -50,6 +51,7 @@ fn main() {
             repo::insert_many_is_one_statement_per_host,
             repo::a_transaction_commits_or_rolls_back_whole_in_one_shard,
             repo::for_each_shard_reaches_every_shard_once,
+            moves::a_moves_preflight_lists_every_problem_and_changes_nothing,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

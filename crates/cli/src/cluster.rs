@@ -65,6 +65,20 @@ pub struct StatusOpt {
     pub json: bool,
 }
 
+/// Options of `move`.
+#[derive(Debug, Args)]
+pub struct MoveOpt {
+    /// The logical shard to move.
+    pub shard: u16,
+    /// The host to move it to.
+    #[arg(long, value_name = "HOST")]
+    pub to: String,
+    /// Check everything the move needs and change nothing (required until the copy,
+    /// fence and flip land).
+    #[arg(long, required = true)]
+    pub dry_run: bool,
+}
+
 /// Reads and validates the config file. Every problem is a [`UsageError`] naming the
 /// file (and the line and key, for its content).
 ///
@@ -302,6 +316,23 @@ pub fn status(config: &Config, opt: &StatusOpt, out: &mut dyn Write) -> anyhow::
         anyhow::bail!("shards behind on {}: run `shardline migrate`", behind.join(", "));
     }
     Ok(())
+}
+
+/// Runs `move` (so far its pre-flight): prints what it found; fails when anything stops
+/// the move.
+///
+/// # Errors
+///
+/// As [`shardline_ops::moves::preflight`]; and when the pre-flight finds problems.
+pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let pre = runtime()?.block_on(shardline_ops::moves::preflight(config, opt.shard, &opt.to))?;
+    writeln!(out, "{pre}")?;
+    out.flush()?;
+    if pre.is_ok() {
+        Ok(())
+    } else {
+        anyhow::bail!("pre-flight found {} problem(s); nothing was changed", pre.problems.len())
+    }
 }
 
 #[cfg(test)]

@@ -49,6 +49,9 @@ pub enum Command {
     Locate(cluster::LocateOpt),
     /// Show each host: reachable or not, its shards, rows and bytes per table.
     Status(cluster::StatusOpt),
+    /// Move a logical shard to another host. So far only its pre-flight (`--dry-run`):
+    /// every check a move needs, all problems listed, nothing changed.
+    Move(cluster::MoveOpt),
 }
 
 /// A mistake in what the user typed, found after clap parsed it: the binary prints it
@@ -72,6 +75,7 @@ pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
         Command::Map(o) => cluster::map(&config()?, &o, out),
         Command::Locate(o) => cluster::locate(&config()?, &o, out),
         Command::Status(o) => cluster::status(&config()?, &o, out),
+        Command::Move(o) => cluster::move_shard(&config()?, &o, out),
     }
 }
 

@@ -12,6 +12,7 @@
 //! - [`converge`]: bringing every shard up to date (shared by `init` and `migrate`).
 //! - [`bootstrap`]: the `init` and `migrate` commands.
 //! - [`mod@status`]: the `status` report.
+//! - [`moves`]: moving a logical shard between hosts (so far its pre-flight).
 //! - [`Error`]: the crate's error type.
 #![forbid(unsafe_code)]
 
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 pub mod bootstrap;
 pub mod converge;
 pub mod migrations;
+pub mod moves;
 pub mod status;
 
 pub use bootstrap::{Options, Progress, Report, init, migrate};

@@ -1,0 +1,377 @@
+//! Moving a logical shard between hosts. So far: the pre-flight, which checks everything a
+//! move needs before anything changes, and reports every problem at once.
+//!
+//! The checks, on the current map:
+//! - the target is a host of the cluster and not the shard's host; no move of the shard is
+//!   running (the catalog's journal);
+//! - the source: `wal_level = logical`, two free replication slots and two free WAL
+//!   senders (the subscription's and one table-sync worker's), the shard's schema is there,
+//!   every table in it has a primary key or a replica identity, and its migration ledger
+//!   holds exactly the config's migration files (same names, same checksums);
+//! - the target: the shard's schema is not there yet, a free logical-replication worker,
+//!   and the source is reachable **from the target** at the source's `peer_url` (probed
+//!   with a subscription that connects and is dropped at once, without a slot).
+
+use shardline_repo::Catalog;
+use shardline_repo::catalog::connect;
+use shardline_router::{Config, HostName, LogicalShard, SchemaName};
+use tokio_postgres::Client;
+
+use crate::converge::MINTER;
+use crate::migrations::load_dir;
+use crate::{Error, Result, describe};
+
+/// One thing that stops a move.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Problem {
+    /// The host it is on, if it is on one.
+    pub host: Option<String>,
+    /// What was checked (`wal_level`, `replica identity`, ...).
+    pub check: &'static str,
+    /// What is wrong, and what to do.
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.host {
+            Some(h) => write!(f, "{h}: {}: {}", self.check, self.message),
+            None => write!(f, "{}: {}", self.check, self.message),
+        }
+    }
+}
+
+/// The outcome of a pre-flight: where the shard is, where it would go, and what stops it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Preflight {
+    /// The shard.
+    pub shard: LogicalShard,
+    /// Its schema.
+    pub schema: SchemaName,
+    /// Its host now.
+    pub source: HostName,
+    /// Where it would go.
+    pub target: HostName,
+    /// Rows in the shard (the planner's estimate, for the progress bar).
+    pub rows_estimate: i64,
+    /// Bytes of the shard's tables and indexes.
+    pub bytes: i64,
+    /// Every problem found; empty when the move can go ahead.
+    pub problems: Vec<Problem>,
+}
+
+impl Preflight {
+    /// Whether nothing stops the move.
+    pub fn is_ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl std::fmt::Display for Preflight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "shard {} ({}) {} -> {}: {} rows (estimate), {} bytes",
+            self.shard, self.schema, self.source, self.target, self.rows_estimate, self.bytes
+        )?;
+        if self.problems.is_empty() {
+            write!(f, "\npre-flight: ok")
+        } else {
+            write!(f, "\npre-flight: {} problem(s):", self.problems.len())?;
+            for p in &self.problems {
+                write!(f, "\n  - {p}")?;
+            }
+            Ok(())
+        }
+    }
+}
+
+struct Checks {
+    problems: Vec<Problem>,
+}
+
+impl Checks {
+    fn add(&mut self, host: Option<&HostName>, check: &'static str, message: impl Into<String>) {
+        self.problems.push(Problem { host: host.map(ToString::to_string), check, message: message.into() });
+    }
+}
+
+fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -> Error {
+    let (sqlstate, message) = describe(e);
+    Error::Host { host: host.to_string(), what: what.to_owned(), sqlstate, message }
+}
+
+/// Checks that `shard` can move to `target`, changing nothing. Every problem is listed,
+/// not only the first.
+///
+/// # Errors
+///
+/// Only what stops the checks themselves: the catalog unreachable or not initialised, a
+/// shard out of range, a statement failing. An unreachable source or target is a
+/// [`Problem`], not an error.
+pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Preflight> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let map = catalog.map().await?;
+    let shard = LogicalShard::new(i64::from(shard), map.count())?;
+    let schema = config.schema_prefix.schema(shard);
+    let source = map.host_of(shard).clone();
+    let target_name = HostName::new(target)?;
+    let mut checks = Checks { problems: Vec::new() };
+
+    let target_config = config.hosts.iter().find(|h| h.name == target_name);
+    if target_config.is_none() {
+        let known = config.hosts.iter().map(|h| h.name.to_string()).collect::<Vec<_>>().join(", ");
+        checks.add(None, "target", format!("{target_name} is not a host of the config (hosts: {known})"));
+    } else if !map.hosts().contains(&target_name) {
+        checks.add(
+            None,
+            "target",
+            format!("{target_name} is not in the catalog yet; run `shardline init` to add it"),
+        );
+    }
+    if target_name == source {
+        checks.add(None, "target", format!("shard {shard} is already on {source}"));
+    }
+    let running: i64 = catalog
+        .client()
+        .query_one(
+            "SELECT count(*) FROM shardline.moves WHERE shard = $1 AND state = 'running'",
+            &[&i32::from(shard.get())],
+        )
+        .await
+        .map_err(|e| shardline_repo::Error::Catalog {
+            what: "read the moves",
+            sqlstate: e.code().map(|c| c.code().to_owned()),
+            source: e,
+        })?
+        .get(0);
+    if running > 0 {
+        checks.add(None, "journal", format!("a move of shard {shard} is running; finish it with `shardline move --resume {shard}` or undo it with `--abort {shard}`"));
+    }
+
+    let mut out = Preflight {
+        shard,
+        schema: schema.clone(),
+        source: source.clone(),
+        target: target_name.clone(),
+        rows_estimate: 0,
+        bytes: 0,
+        problems: Vec::new(),
+    };
+
+    let source_config = config.hosts.iter().find(|h| h.name == source);
+    let source_client = match source_config {
+        None => {
+            checks.add(Some(&source), "source", "the shard's host is not in the config");
+            None
+        }
+        Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                checks.add(Some(&source), "reachable", e.to_string());
+                None
+            }
+        },
+    };
+    if let Some(c) = &source_client {
+        check_source(config, c, &source, &schema, &mut checks, &mut out).await?;
+    }
+
+    if let Some(t) = target_config.filter(|_| target_name != source) {
+        match connect(&t.url, &format!("host {}", t.name)).await {
+            Err(e) => checks.add(Some(&target_name), "reachable", e.to_string()),
+            Ok(c) => {
+                let peer = source_config.map(|s| s.peer_url.expose().to_owned());
+                check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;
+            }
+        }
+    }
+    out.problems = checks.problems;
+    Ok(out)
+}
+
+async fn check_source(
+    config: &Config,
+    c: &Client,
+    host: &HostName,
+    schema: &SchemaName,
+    checks: &mut Checks,
+    out: &mut Preflight,
+) -> Result<()> {
+    let fail = |e: tokio_postgres::Error| host_err(host, "pre-flight", &e);
+    let row = c
+        .query_one(
+            "SELECT current_setting('wal_level'),
+                    current_setting('max_replication_slots')::int - (SELECT count(*)::int FROM pg_replication_slots),
+                    current_setting('max_wal_senders')::int - (SELECT count(*)::int FROM pg_stat_replication)",
+            &[],
+        )
+        .await
+        .map_err(fail)?;
+    let (level, slots, senders): (String, i32, i32) = (row.get(0), row.get(1), row.get(2));
+    if level != "logical" {
+        checks.add(
+            Some(host),
+            "wal_level",
+            format!("is {level}; a move needs logical (set wal_level = logical and restart the server)"),
+        );
+    }
+    if slots < 2 {
+        checks.add(
+            Some(host),
+            "replication slots",
+            format!("{slots} free; a move needs 2 (raise max_replication_slots, or drop unused slots)"),
+        );
+    }
+    if senders < 2 {
+        checks.add(
+            Some(host),
+            "WAL senders",
+            format!("{senders} free; a move needs 2 (raise max_wal_senders)"),
+        );
+    }
+    let exists: bool = c
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema.as_str()])
+        .await
+        .map_err(fail)?
+        .get(0);
+    if !exists {
+        checks.add(
+            Some(host),
+            "schema",
+            format!("{schema} is not there, though the map places the shard here"),
+        );
+        return Ok(());
+    }
+    // Tables without a primary key or a usable replica identity cannot replicate
+    // updates and deletes.
+    let bad = c
+        .query(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+                AND (c.relreplident = 'n'
+                     OR (c.relreplident = 'd' AND NOT EXISTS (
+                         SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)))
+              ORDER BY 1",
+            &[&schema.as_str()],
+        )
+        .await
+        .map_err(fail)?;
+    for r in bad {
+        let table: String = r.get(0);
+        checks.add(Some(host), "replica identity", format!("{schema}.{table} has no primary key or replica identity; add a primary key (or REPLICA IDENTITY FULL)"));
+    }
+    let size = c
+        .query_one(
+            "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.relkind = 'r' AND c.reltuples > 0), 0)::bigint,
+                    coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1",
+            &[&schema.as_str()],
+        )
+        .await
+        .map_err(fail)?;
+    out.rows_estimate = size.get(0);
+    out.bytes = size.get(1);
+
+    // The same migration level on both sides: the target is built from the config's
+    // files, so the source's ledger must hold exactly those.
+    let files = load_dir(&config.migrations)?;
+    let applied = c
+        .query(
+            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> $2 ORDER BY name",
+            &[&schema.as_str(), &MINTER],
+        )
+        .await
+        .map_err(fail)?;
+    let applied: Vec<(String, String)> = applied.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let wanted: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
+    if applied != wanted {
+        let behind: Vec<&str> =
+            wanted.iter().filter(|w| !applied.contains(w)).map(|(n, _)| n.as_str()).collect();
+        let extra: Vec<&str> =
+            applied.iter().filter(|a| !wanted.contains(a)).map(|(n, _)| n.as_str()).collect();
+        checks.add(
+            Some(host),
+            "migrations",
+            format!(
+                "{schema} is not at the config's migration level (missing or changed: [{}]; not in the config: [{}]); run `shardline migrate` first",
+                behind.join(", "),
+                extra.join(", ")
+            ),
+        );
+    }
+    Ok(())
+}
+
+async fn check_target(
+    c: &Client,
+    host: &HostName,
+    schema: &SchemaName,
+    source_peer_url: Option<&str>,
+    checks: &mut Checks,
+) -> Result<()> {
+    let fail = |e: tokio_postgres::Error| host_err(host, "pre-flight", &e);
+    let row = c
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                    current_setting('max_logical_replication_workers')::int
+                      - (SELECT count(*)::int FROM pg_stat_subscription WHERE pid IS NOT NULL)",
+            &[&schema.as_str()],
+        )
+        .await
+        .map_err(fail)?;
+    let (exists, workers): (bool, i32) = (row.get(0), row.get(1));
+    if exists {
+        checks.add(
+            Some(host),
+            "schema",
+            format!(
+                "{schema} is already there (a leftover of an earlier move?); drop it, or run `shardline gc`"
+            ),
+        );
+    }
+    if workers < 2 {
+        checks.add(
+            Some(host),
+            "replication workers",
+            format!("{workers} free; a move needs 2 (raise max_logical_replication_workers)"),
+        );
+    }
+    let Some(peer) = source_peer_url else { return Ok(()) };
+    // Can the target reach the source? A subscription that connects, then is dropped;
+    // with no slot, nothing is left on the source.
+    static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = format!("shardline_probe_{}_{n}", std::process::id());
+    let create = format!(
+        "CREATE SUBSCRIPTION {probe} CONNECTION {} PUBLICATION shardline_probe
+           WITH (connect = true, enabled = false, create_slot = false, slot_name = NONE)",
+        quote_literal(peer)
+    );
+    match c.batch_execute(&create).await {
+        Ok(()) => {
+            c.batch_execute(&format!("DROP SUBSCRIPTION {probe}")).await.map_err(fail)?;
+        }
+        Err(e) => {
+            let (_, message) = describe(&e);
+            // The connection string holds the password: never repeat it.
+            checks.add(
+                Some(host),
+                "reaches the source",
+                format!("cannot connect to the source at its peer_url: {}", redact(&message, peer)),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `text` as an SQL string literal.
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+fn redact(message: &str, secret: &str) -> String {
+    message.replace(secret, "***")
+}
