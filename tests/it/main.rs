@@ -52,6 +52,10 @@ fn main() {
             repo::a_transaction_commits_or_rolls_back_whole_in_one_shard,
             repo::for_each_shard_reaches_every_shard_once,
             moves::a_moves_preflight_lists_every_problem_and_changes_nothing,
+            moves::a_shard_moves_online_verified_with_its_ids_growing,
+            moves::writes_go_on_during_a_move_and_none_is_lost,
+            moves::a_move_stopped_after_any_step_is_resumed_or_undone,
+            moves::a_failed_verification_names_the_keys_and_does_not_flip,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
@@ -61,6 +65,7 @@ fn main() {
             faults::handles_refuse_what_makes_no_sense,
             bootstrap::init_interrupted_by_a_killed_host_completes_later,
             repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
+            moves::hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned,
         ],
     )
     .run()

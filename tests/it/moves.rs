@@ -1,19 +1,31 @@
-//! Moving a shard, so far its pre-flight: every problem that stops a move is listed at
-//! once, by host, and nothing changes.
+//! Moving a shard: the pre-flight lists every problem and changes nothing; a move
+//! copies, fences, verifies and flips while writes go on; a move stopped after any step
+//! is resumed or undone; hosts dying mid-move leave nothing two-headed or orphaned.
 
-use shardline_ops::moves::preflight;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
+use shardline_id::Id;
+use shardline_ops::Error as OpsError;
+use shardline_ops::moves::{self, MoveOptions, State, Step, preflight};
+use shardline_repo::{Cluster, ClusterOptions};
 use shardline_testkit::harness::{TestContext, TestResult};
 
-use crate::bootstrap::{Fixture, cli, cli_full, options, quiet};
+use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
 
-async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, crate::bootstrap::BoxError> {
+/// Subscriptions, slots and publications of this test's database, per host.
+async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
     let mut out = Vec::new();
     for h in 0..3 {
         let c = f.client(ctx, h).await?;
         let row = c
             .query_one(
-                "SELECT (SELECT count(*) FROM pg_subscription WHERE subname LIKE 'shardline%')
-                      + (SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'shardline%')
+                "SELECT (SELECT count(*) FROM pg_subscription s JOIN pg_database d ON d.oid = s.subdbid
+                          WHERE d.datname = current_database())
+                      + (SELECT count(*) FROM pg_replication_slots WHERE database = current_database())
                       + (SELECT count(*) FROM pg_publication)",
                 &[],
             )
@@ -112,5 +124,394 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
         vec![0, 0, 0],
         "no check left a slot, publication or subscription"
     );
+    Ok(())
+}
+
+fn photo(user_id: i64, n: usize) -> NewPhoto {
+    NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
+}
+
+/// Fills shard `shard` (of `count`): `per_user` photos for each of 20 users, a like and
+/// a comment on each. Returns the photos.
+async fn seed(cluster: &Cluster, shard: i64, count: i64, per_user: usize) -> Result<Vec<Photo>, BoxError> {
+    let new: Vec<NewPhoto> =
+        (0..20).flat_map(|u| (0..per_user).map(move |i| photo(shard + u * count, i))).collect();
+    let made = cluster.repo::<Photo>()?.insert_many(&new).await?;
+    let likes: Vec<NewLike> =
+        made.iter().map(|p| NewLike { photo_id: p.id, user_id: p.user_id + 1 }).collect();
+    cluster.repo::<Like>()?.insert_many(&likes).await?;
+    let comments: Vec<NewComment> = made
+        .iter()
+        .map(|p| NewComment { photo_id: p.id, user_id: 7, body: format!("nice {}", p.id) })
+        .collect();
+    cluster.repo::<Comment>()?.insert_many(&comments).await?;
+    Ok(made)
+}
+
+/// Rows of photos, likes and comments in `schema` on host `h`; `None` without the schema.
+async fn counts(
+    f: &Fixture,
+    ctx: &TestContext,
+    h: usize,
+    schema: &str,
+) -> Result<Option<[i64; 3]>, BoxError> {
+    let c = f.client(ctx, h).await?;
+    let exists: bool =
+        c.query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema]).await?.get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = c
+        .query_one(
+            &format!(
+                "SELECT (SELECT count(*) FROM \"{schema}\".photos), (SELECT count(*) FROM \"{schema}\".likes),
+                        (SELECT count(*) FROM \"{schema}\".comments)"
+            ),
+            &[],
+        )
+        .await?;
+    Ok(Some([row.get(0), row.get(1), row.get(2)]))
+}
+
+fn host_index(name: &str) -> usize {
+    match name {
+        "pg1" => 0,
+        "pg2" => 1,
+        _ => 2,
+    }
+}
+
+pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let stale =
+        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    let made = seed(&cluster, 0, 6, 5).await?;
+    seed(&cluster, 1, 6, 2).await?;
+    let before_max = made.iter().map(|p| p.id).max().ok_or("photos")?;
+    let shard1_before = counts(&f, &ctx, 0, "shard_0001").await?;
+
+    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    assert_eq!(
+        (report.source.as_str(), report.target.as_str(), report.rows),
+        ("pg1", "pg2", 300),
+        "{report}"
+    );
+    assert_eq!(report.tables.len(), 3);
+    assert!(report.tables.iter().all(|t| t.matches && t.source_rows == 100), "{report}");
+    let moved = format!("shard_0000_moved_{}", report.id);
+
+    // The data: on the target; the source's copy renamed (fenced), the other shard
+    // on the source untouched.
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([100, 100, 100]));
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, None);
+    assert_eq!(counts(&f, &ctx, 0, &moved).await?, Some([100, 100, 100]));
+    assert_eq!(counts(&f, &ctx, 0, "shard_0001").await?, shard1_before);
+
+    // The listening handle hears the flip; the stale one finds out by trying.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cluster.route_user(0).host.as_str() != "pg2" && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
+    assert_eq!(stale.route_user(0).host.as_str(), "pg1");
+    assert_eq!(stale.repo::<Photo>()?.get(made[0].id).await?, Some(made[0].clone()));
+    let after = stale.repo::<Photo>()?.insert(&photo(0, 99)).await?;
+    assert_eq!(stale.route_user(0).host.as_str(), "pg2");
+    assert!(
+        after.id > before_max,
+        "an ID minted after the move ({}) is above those before ({before_max})",
+        after.id
+    );
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([101, 100, 100]));
+    // The target's sequence starts above every ID the source minted, whatever the table.
+    let pg1 = f.client(&ctx, 0).await?;
+    let source_max: i64 = pg1
+        .query_one(
+            &format!(
+                "SELECT greatest((SELECT max(id) FROM {moved}.photos), (SELECT max(id) FROM {moved}.likes),
+                                 (SELECT max(id) FROM {moved}.comments))"
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    let next: i64 = f.client(&ctx, 1).await?.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
+    assert!(next > source_max && next > i64::from(after.id));
+
+    // The journal, the CLI's view of it, and nothing left replicating.
+    let list = moves::list(&config).await?;
+    assert_eq!(list.len(), 1);
+    assert_eq!((list[0].state, list[0].step), (State::Done, Step::Cleaned));
+    assert!(list[0].detail.pause_ms.is_some() && list[0].detail.copy_ms.is_some());
+    let json: serde_json::Value = serde_json::from_str(&cli(&f, &["moves", "--json"]).await?)?;
+    assert_eq!(json[0]["state"], "done");
+    assert_eq!(json[0]["detail"]["rows"], 300);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+
+    // gc keeps the old schema through its grace period, then drops it with its ledger.
+    let kept = moves::gc(&config, Duration::from_secs(3600)).await?;
+    assert_eq!(kept.kept, vec![format!("pg1: schema {moved}")], "{kept}");
+    let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+    assert!(said.contains(&format!("dropped pg1: schema {moved}")), "{said}");
+    assert_eq!(counts(&f, &ctx, 0, &moved).await?, None);
+    let ledger: i64 = pg1
+        .query_one("SELECT count(*) FROM shardline.shard_migrations WHERE schema_name = $1", &[&moved])
+        .await?
+        .get(0);
+    assert_eq!(ledger, 0);
+    // The cluster stays consistent for migrate, and the shard can move back.
+    assert!(!shardline_ops::migrate(&config, &options(1), &quiet).await?.changed());
+    let back = cli(&f, &["move", "0", "--to", "pg1"]).await?;
+    assert!(back.contains("moved shard 0 (shard_0000) pg2 -> pg1") && back.contains("rows: 301"), "{back}");
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([101, 100, 100]));
+    assert_eq!(cluster.repo::<Photo>()?.get(after.id).await?, Some(after));
+    Ok(())
+}
+
+pub(crate) async fn writes_go_on_during_a_move_and_none_is_lost(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let seeded = seed(&cluster, 0, 6, 50).await?.len();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..4i64)
+        .map(|w| {
+            let (cluster, stop) = (cluster.clone(), stop.clone());
+            tokio::spawn(async move {
+                let photos = cluster.repo::<Photo>()?;
+                let (mut acked, mut slowest, mut n) = (Vec::new(), Duration::ZERO, 0usize);
+                while !stop.load(Ordering::Relaxed) {
+                    let user = 6 * (w * 1000 + i64::try_from(n % 20).unwrap_or(0));
+                    let t = Instant::now();
+                    let p = photos.insert(&photo(user, n)).await?;
+                    if n % 10 == 0 {
+                        // A read by ID never goes to the wrong host, mid-move or not.
+                        assert_eq!(photos.get(p.id).await?.map(|g| g.id), Some(p.id));
+                    }
+                    slowest = slowest.max(t.elapsed());
+                    acked.push(p.id);
+                    n += 1;
+                }
+                Ok::<_, shardline_repo::Error>((acked, slowest))
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut acked, mut slowest) = (Vec::new(), Duration::ZERO);
+    for w in writers {
+        let (ids, slow) = w.await??;
+        acked.extend(ids);
+        slowest = slowest.max(slow);
+    }
+    let unique: HashSet<Id> = acked.iter().copied().collect();
+    assert_eq!(unique.len(), acked.len(), "no ID twice");
+    let ids: Vec<i64> = acked.iter().map(|&i| i64::from(i)).collect();
+    let pg2 = f.client(&ctx, 1).await?;
+    let row = pg2
+        .query_one(
+            "SELECT count(*) FILTER (WHERE id = ANY($1)), count(*), count(DISTINCT id) FROM shard_0000.photos",
+            &[&ids],
+        )
+        .await?;
+    let (found, total, distinct): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let acked_n = i64::try_from(acked.len())?;
+    assert_eq!(found, acked_n, "every acknowledged write is on the target");
+    assert_eq!((total, distinct), (acked_n + i64::try_from(seeded)?, total), "and nothing else, once");
+    let moved = format!("shard_0000_moved_{}", report.id);
+    let on_source: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(&format!("SELECT count(*) FROM {moved}.photos WHERE id = ANY($1)"), &[&ids])
+        .await?
+        .get(0);
+    assert!(
+        on_source > 0 && on_source < acked_n,
+        "writes went on before the fence ({on_source}) and after the flip"
+    );
+    eprintln!(
+        "      {} writes during the move; pause {} ms; slowest write {} ms",
+        acked.len(),
+        report.pause_ms,
+        slowest.as_millis()
+    );
+    Ok(())
+}
+
+pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let mut expected = [40, 40, 40];
+    let mut on = "pg1";
+    for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
+        let other = if on == "pg1" { "pg2" } else { "pg1" };
+        let stopping = MoveOptions::default().stopping_after(step);
+        let err = moves::run(&config, 0, other, &stopping).await.unwrap_err();
+        assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        let running = moves::list(&config).await?.into_iter().filter(|m| m.state == State::Running).count();
+        assert_eq!(running, 1, "{step}");
+        if step < Step::Flipped {
+            // Undo it: the shard stays on its source, whole and writable; nothing left.
+            if i % 2 == 0 {
+                let said = cli(&f, &["move", "--abort", "0"]).await?;
+                assert!(said.starts_with("move ") && said.contains(&format!("stays on {on}")), "{said}");
+            } else {
+                let undone = moves::abort(&config, 0).await?;
+                assert_eq!(undone.unfenced, step.pauses_writes(), "{step}");
+            }
+            assert_eq!(counts(&f, &ctx, host_index(on), "shard_0000").await?, Some(expected), "{step}");
+            assert_eq!(counts(&f, &ctx, host_index(other), "shard_0000").await?, None, "{step}");
+            assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "after undoing at {step}");
+            let p = cluster.repo::<Photo>()?.insert(&photo(0, 1000 + i)).await?;
+            assert_eq!(cluster.route_user(0).host.as_str(), on);
+            assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?, Some(p));
+            expected[0] += 1;
+            let err = moves::run(&config, 0, other, &stopping).await.unwrap_err();
+            assert!(matches!(err, OpsError::Interrupted { .. }), "{err}");
+        } else {
+            let err = moves::abort(&config, 0).await.unwrap_err();
+            assert!(matches!(err, OpsError::Flipped { .. }), "{err}");
+        }
+        // Finish it.
+        let done = if i % 2 == 0 {
+            moves::resume(&config, Some(0), &MoveOptions::default()).await?
+        } else {
+            let said = cli(&f, &["move", "--resume", "--json"]).await?;
+            serde_json::from_str::<serde_json::Value>(&said)?
+                .as_array()
+                .map(|a| a.len())
+                .filter(|&n| n == 1)
+                .ok_or(format!("one report: {said}"))?;
+            Vec::new()
+        };
+        assert!(done.iter().all(|r| r.target == other && r.rows == expected.iter().sum::<i64>()));
+        assert_eq!(counts(&f, &ctx, host_index(other), "shard_0000").await?, Some(expected), "{step}");
+        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "after resuming at {step}");
+        let p = cluster.repo::<Photo>()?.insert(&photo(6, 2000 + i)).await?;
+        assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?.map(|g| g.id), Some(p.id));
+        expected[0] += 1;
+        on = other;
+    }
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal.iter().filter(|m| m.state == State::Done).count(), 9);
+    assert_eq!(journal.iter().filter(|m| m.state == State::RolledBack).count(), 8);
+    Ok(())
+}
+
+pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let made = seed(&cluster, 0, 6, 2).await?;
+    let stopping = MoveOptions::default().stopping_after(Step::SequenceCarried);
+    moves::run(&config, 0, "pg2", &stopping).await.unwrap_err();
+    // Corrupt the copy: one photo changed, one comment gone.
+    let pg2 = f.client(&ctx, 1).await?;
+    pg2.execute("UPDATE shard_0000.photos SET caption = 'tampered' WHERE id = $1", &[&made[3].id]).await?;
+    let gone: i64 = pg2
+        .query_one("DELETE FROM shard_0000.comments WHERE photo_id = $1 RETURNING id", &[&made[5].id])
+        .await?
+        .get(0);
+    let err = moves::resume(&config, Some(0), &MoveOptions::default()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, OpsError::Verify { .. }), "{text}");
+    assert!(text.contains(&format!("photos: 1 differing key(s) (id): ({})", made[3].id)), "{text}");
+    assert!(text.contains(&format!("comments: 1 differing key(s) (id): ({gone})")), "{text}");
+    // Not flipped, undone: the shard is whole and writable on its source.
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::RolledBack);
+    assert_eq!(journal[0].detail.differences.len(), 2);
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([40, 40, 40]));
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    cluster.repo::<Photo>()?.insert(&photo(0, 7)).await?;
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([41, 40, 40]));
+    Ok(())
+}
+
+pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 lives on pg2; the catalog on pg1 stays up throughout.
+    seed(&cluster, 2, 6, 2).await?;
+    let (pg2, pg3) = (&ctx.hosts()[1], &ctx.hosts()[2]);
+    let stop_after = |s: Step| MoveOptions::default().stopping_after(s);
+
+    // 1. The target dies during the copy: resume fails while it is down, and finishes
+    //    once it is back.
+    moves::run(&config, 2, "pg3", &stop_after(Step::Copying)).await.unwrap_err();
+    pg3.kill().await?;
+    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    assert!(err.to_string().contains("pg3"), "{err}");
+    assert_eq!(moves::list(&config).await?[0].state, State::Running);
+    pg3.start().await?;
+    moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+
+    // 2. The source dies while the shard is fenced: abort needs it, and says so; once it
+    //    is back, abort unfences it.
+    moves::run(&config, 2, "pg2", &stop_after(Step::Fenced)).await.unwrap_err();
+    pg3.kill().await?;
+    let err = moves::abort(&config, 2).await.unwrap_err();
+    assert!(err.to_string().contains("pg3"), "{err}");
+    pg3.start().await?;
+    let undone = moves::abort(&config, 2).await?;
+    assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{undone}");
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    fresh.repo::<Photo>()?.insert(&photo(2, 50)).await?;
+
+    // 3. The target dies while the shard is fenced: abort unfences the source at once and
+    //    leaves the target's part, named, to gc.
+    moves::run(&config, 2, "pg2", &stop_after(Step::Synced)).await.unwrap_err();
+    pg2.kill().await?;
+    let undone = moves::abort(&config, 2).await?;
+    assert!(undone.unfenced && !undone.cleanup_pending.is_empty(), "{undone}");
+    fresh.repo::<Photo>()?.insert(&photo(2, 51)).await?;
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([42, 40, 40]));
+    pg2.start().await?;
+    let said = cli(&f, &["gc"]).await?;
+    assert!(
+        said.contains("pg2: subscription")
+            && said.contains("pg2: schema shard_0002 (copy of rolled-back move"),
+        "{said}"
+    );
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+
+    // 4. The source dies after the flip: resume finishes on the target and leaves the
+    //    source's publication and slot to gc.
+    moves::run(&config, 2, "pg2", &stop_after(Step::Flipped)).await.unwrap_err();
+    pg3.kill().await?;
+    let done = moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    assert!(!done[0].cleanup_pending.is_empty(), "{}", done[0]);
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([42, 40, 40]));
+    fresh.repo::<Photo>()?.insert(&photo(2, 52)).await?;
+    pg3.start().await?;
+    let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+    assert!(
+        said.contains("pg3: publication/slots") && said.contains("pg3: schema shard_0002_moved_"),
+        "{said}"
+    );
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([43, 40, 40]));
     Ok(())
 }

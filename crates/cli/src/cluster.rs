@@ -65,20 +65,6 @@ pub struct StatusOpt {
     pub json: bool,
 }
 
-/// Options of `move`.
-#[derive(Debug, Args)]
-pub struct MoveOpt {
-    /// The logical shard to move.
-    pub shard: u16,
-    /// The host to move it to.
-    #[arg(long, value_name = "HOST")]
-    pub to: String,
-    /// Check everything the move needs and change nothing (required until the copy,
-    /// fence and flip land).
-    #[arg(long, required = true)]
-    pub dry_run: bool,
-}
-
 /// Reads and validates the config file. Every problem is a [`UsageError`] naming the
 /// file (and the line and key, for its content).
 ///
@@ -93,7 +79,7 @@ pub fn load_config(path: &Path) -> Result<Config, UsageError> {
         .map_err(|e| UsageError(e.to_string()))
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
@@ -251,7 +237,7 @@ pub fn locate(config: &Config, opt: &LocateOpt, out: &mut dyn Write) -> anyhow::
 
 /// Bytes in binary units, one decimal.
 #[allow(clippy::cast_precision_loss, reason = "one decimal is shown")]
-fn bytes(n: i64) -> String {
+pub(crate) fn bytes(n: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n.max(0) as f64;
     let mut unit = 0;
@@ -316,23 +302,6 @@ pub fn status(config: &Config, opt: &StatusOpt, out: &mut dyn Write) -> anyhow::
         anyhow::bail!("shards behind on {}: run `shardline migrate`", behind.join(", "));
     }
     Ok(())
-}
-
-/// Runs `move` (so far its pre-flight): prints what it found; fails when anything stops
-/// the move.
-///
-/// # Errors
-///
-/// As [`shardline_ops::moves::preflight`]; and when the pre-flight finds problems.
-pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow::Result<()> {
-    let pre = runtime()?.block_on(shardline_ops::moves::preflight(config, opt.shard, &opt.to))?;
-    writeln!(out, "{pre}")?;
-    out.flush()?;
-    if pre.is_ok() {
-        Ok(())
-    } else {
-        anyhow::bail!("pre-flight found {} problem(s); nothing was changed", pre.problems.len())
-    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! - [`id`]: `shardline id decode|encode|layout|sql`, which need no database.
 //! - [`cluster`]: `init`, `migrate`, `map`, `locate`, `status`, which work on the
 //!   cluster a config file describes.
+//! - [`moves`]: `move`, `moves`, `rebalance`, `gc`.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 
 pub mod cluster;
 pub mod id;
+pub mod moves;
 
 /// A sharding-aware data-access layer for PostgreSQL.
 #[derive(Debug, Parser)]
@@ -49,9 +51,16 @@ pub enum Command {
     Locate(cluster::LocateOpt),
     /// Show each host: reachable or not, its shards, rows and bytes per table.
     Status(cluster::StatusOpt),
-    /// Move a logical shard to another host. So far only its pre-flight (`--dry-run`):
-    /// every check a move needs, all problems listed, nothing changed.
-    Move(cluster::MoveOpt),
+    /// Move a logical shard to another host, online (`--to`); finish (`--resume`) or
+    /// undo (`--abort`) an interrupted move; `--dry-run` checks and changes nothing.
+    Move(moves::MoveOpt),
+    /// Show the journal of moves: each move, its step, its numbers.
+    Moves(moves::MovesOpt),
+    /// Even out the hosts by bytes: `--plan` prints the moves, `--apply` runs them.
+    Rebalance(moves::RebalanceOpt),
+    /// Drop what moves left behind: old source schemas after a grace period, and any
+    /// publication, subscription or slot no running move owns.
+    Gc(moves::GcOpt),
 }
 
 /// A mistake in what the user typed, found after clap parsed it: the binary prints it
@@ -75,7 +84,10 @@ pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
         Command::Map(o) => cluster::map(&config()?, &o, out),
         Command::Locate(o) => cluster::locate(&config()?, &o, out),
         Command::Status(o) => cluster::status(&config()?, &o, out),
-        Command::Move(o) => cluster::move_shard(&config()?, &o, out),
+        Command::Move(o) => moves::move_shard(&config()?, &o, out),
+        Command::Moves(o) => moves::moves(&config()?, &o, out),
+        Command::Rebalance(o) => moves::rebalance(&config()?, &o, out),
+        Command::Gc(o) => moves::gc(&config()?, &o, out),
     }
 }
 

@@ -373,6 +373,11 @@ async fn run(
     }
     let map = catalog.map().await?;
     check_hosts(&map, config)?;
+    // A fenced shard's schema is renamed on its host: converging now would build an
+    // empty one in its place. Moves finish (or are undone) first.
+    if let Some(m) = crate::moves::journal::running(catalog.client(), None).await?.into_iter().next() {
+        return Err(Error::MoveRunning { shard: m.shard });
+    }
     let info = catalog.cluster().await?.ok_or(shardline_repo::Error::NotInitialised)?;
     let inputs = Inputs {
         map: &map,

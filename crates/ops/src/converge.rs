@@ -206,7 +206,12 @@ fn literal(s: &str) -> String {
 }
 
 /// Applies one shard's work in one transaction, pipelined.
-async fn apply_shard(client: &Client, host: &HostName, w: &ShardWork, inputs: &Inputs<'_>) -> Result<()> {
+pub(crate) async fn apply_shard(
+    client: &Client,
+    host: &HostName,
+    w: &ShardWork,
+    inputs: &Inputs<'_>,
+) -> Result<()> {
     let q = w.schema.quoted();
     let shard = w.shard.get();
     let mut batch: Vec<(Origin, String)> = vec![(

@@ -12,7 +12,9 @@
 //! - [`converge`]: bringing every shard up to date (shared by `init` and `migrate`).
 //! - [`bootstrap`]: the `init` and `migrate` commands.
 //! - [`mod@status`]: the `status` report.
-//! - [`moves`]: moving a logical shard between hosts (so far its pre-flight).
+//! - [`moves`]: moving a logical shard between hosts online: pre-flight, copy, fence,
+//!   verify, flip; resume, abort, gc.
+//! - [`rebalance`]: planning and running moves that even out the hosts.
 //! - [`Error`]: the crate's error type.
 #![forbid(unsafe_code)]
 
@@ -22,6 +24,7 @@ pub mod bootstrap;
 pub mod converge;
 pub mod migrations;
 pub mod moves;
+pub mod rebalance;
 pub mod status;
 
 pub use bootstrap::{Options, Progress, Report, init, migrate};
@@ -92,6 +95,78 @@ pub enum Error {
         "another shardline operation (init, migrate or a move) is running on this cluster; try again when it ends"
     )]
     Busy,
+    /// A move's pre-flight found problems; nothing was changed.
+    #[error("pre-flight found {} problem(s); nothing was changed:\n{}", .0.problems.len(), .0.problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Preflight(Box<moves::Preflight>),
+    /// A move of the shard is already running.
+    #[error(
+        "a move of shard {shard} is already running; finish it with `shardline move --resume {shard}` or undo it with `--abort {shard}`"
+    )]
+    MoveRunning {
+        /// The shard.
+        shard: u16,
+    },
+    /// Another process is working on this move.
+    #[error("another shardline process is working on move {id}; wait for it, or stop it first")]
+    MoveBusy {
+        /// The move.
+        id: i64,
+    },
+    /// No running move to resume or abort.
+    #[error("{}", match .shard { Some(s) => format!("no move of shard {s} is running"), None => "no move is running".to_owned() })]
+    NoMove {
+        /// The shard asked for, if any.
+        shard: Option<u16>,
+    },
+    /// The move has flipped: it can only be finished.
+    #[error(
+        "move {id} of shard {shard} has already flipped the map: the shard lives on the target now; finish it with `shardline move --resume {shard}`"
+    )]
+    Flipped {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: u16,
+    },
+    /// Verification found differences; the move was undone (the shard stays on the
+    /// source).
+    #[error("move {id} of shard {shard}: the copy differs from the source, so the map was not flipped:\n{}", .differences.iter().map(|d| format!("  - {d}")).collect::<Vec<_>>().join("\n"))]
+    Verify {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: u16,
+        /// Per table: the differing primary keys.
+        differences: Vec<String>,
+    },
+    /// Stopped after a step, as asked (`MoveOptions::stop_after`).
+    #[error(
+        "move {id} stopped after step {step}, as asked; `shardline move --resume` finishes it, `--abort` undoes it"
+    )]
+    Interrupted {
+        /// The move.
+        id: i64,
+        /// The last step done.
+        step: moves::Step,
+    },
+    /// Something did not happen in time.
+    #[error("host {host}: timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// The host waited on.
+        host: String,
+        /// What was awaited.
+        what: String,
+        /// How long it waited.
+        after: std::time::Duration,
+    },
+    /// The journal disagrees with what is on the hosts, or cannot be read.
+    #[error("move {id}: {message}")]
+    Journal {
+        /// The move.
+        id: i64,
+        /// What is wrong.
+        message: String,
+    },
     /// The catalog or a connection failed.
     #[error(transparent)]
     Repo(#[from] shardline_repo::Error),

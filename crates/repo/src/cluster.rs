@@ -33,6 +33,10 @@ pub struct ClusterOptions {
     pub fan_out: usize,
     /// Reload the map on the catalog's `NOTIFY` (default true).
     pub listen: bool,
+    /// How long a statement that finds its shard fenced (a move is flipping it to
+    /// another host) waits for the new map before it gives up (default 10 s). The
+    /// fence normally lasts well under a second.
+    pub move_wait: Duration,
 }
 
 impl Default for ClusterOptions {
@@ -43,6 +47,7 @@ impl Default for ClusterOptions {
             host_timeout: Duration::from_secs(5),
             fan_out: 16,
             listen: true,
+            move_wait: Duration::from_secs(10),
         }
     }
 }
@@ -195,6 +200,55 @@ impl Cluster {
     pub async fn client(&self, host: &HostName) -> Result<Object> {
         let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.to_string() })?;
         pool.get().await.map_err(|e| Error::Pool { host: host.to_string(), message: e.to_string() })
+    }
+}
+
+impl Cluster {
+    /// After a statement found a shard's schema missing on `from` (the shard is fenced
+    /// for a move, or has moved): reloads the map until the shard is elsewhere, or its
+    /// move has ended (an undone move unfences it in place), for at most
+    /// [`ClusterOptions::move_wait`]. Returns whether running the statement again makes
+    /// sense; `false` when no move of these shards is running or recently ended (the
+    /// schema is really missing) or the wait ran out.
+    pub(crate) async fn wait_for_move(&self, shards: &[(LogicalShard, HostName)]) -> Result<bool> {
+        let deadline = tokio::time::Instant::now() + self.inner.options.move_wait;
+        let mut pause = Duration::from_millis(2);
+        let ids: Vec<i32> = shards.iter().map(|(s, _)| i32::from(s.get())).collect();
+        loop {
+            self.refresh().await?;
+            let map = self.map();
+            if shards.iter().any(|(s, from)| map.host_of(*s) != from) {
+                return Ok(true);
+            }
+            let (running, recent) = self.moves_of(&ids).await?;
+            if !running {
+                return Ok(recent);
+            }
+            if tokio::time::Instant::now() + pause > deadline {
+                tracing::warn!(shards = ?ids, "a move kept the shard fenced longer than move_wait");
+                return Ok(false);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(25));
+        }
+    }
+
+    /// Whether a move of any of `shards` is running, and whether one ended in the last
+    /// few seconds.
+    async fn moves_of(&self, shards: &[i32]) -> Result<(bool, bool)> {
+        let slot = self.inner.catalog.lock().await;
+        let Some(c) = slot.as_ref() else { return Ok((false, false)) };
+        let row = c
+            .client()
+            .query_one(
+                "SELECT coalesce(bool_or(state = 'running'), false),
+                        coalesce(bool_or(state <> 'running' AND updated_at > now() - interval '5 seconds'), false)
+                   FROM shardline.moves WHERE shard = ANY($1)",
+                &[&shards],
+            )
+            .await
+            .map_err(|e| Error::catalog("read the moves", e))?;
+        Ok((row.get(0), row.get(1)))
     }
 }
 

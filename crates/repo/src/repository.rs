@@ -240,11 +240,10 @@ impl<E: Entity> Repo<E> {
             match result {
                 Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) && !retried => {
                     retried = true;
-                    self.cluster.refresh().await?;
-                    let now = self.cluster.route(shard);
-                    if now.host == route.host {
+                    if !self.cluster.wait_for_move(&[(shard, route.host.clone())]).await? {
                         return result;
                     }
+                    let now = self.cluster.route(shard);
                     tracing::debug!(shard = shard.get(), from = %route.host, to = %now.host, "shard moved; retrying");
                     route = now;
                 }
@@ -474,10 +473,22 @@ impl<E: Entity> Repo<E> {
     /// [`Error::Router`] for an ID whose shard the cluster does not have (nothing is
     /// sent); the first host's failure.
     pub async fn get_many(&self, ids: &[Id]) -> Result<Many<E>> {
-        match self.get_many_once(ids).await {
+        let result = self.get_many_once(ids).await;
+        match result {
             Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) => {
-                // A shard moved under a stale map: reload it and ask again, once.
-                self.cluster.refresh().await?;
+                // A shard moved (or is moving) under a stale map: wait for the new map and
+                // ask again, once.
+                let map = self.cluster.map();
+                let mut shards: Vec<(LogicalShard, HostName)> = ids
+                    .iter()
+                    .filter_map(|&id| map.route_id(id, self.cluster.layout(), self.cluster.prefix()).ok())
+                    .map(|r| (r.shard, r.host))
+                    .collect();
+                shards.sort_by_key(|(s, _)| s.get());
+                shards.dedup_by_key(|(s, _)| s.get());
+                if !self.cluster.wait_for_move(&shards).await? {
+                    return result;
+                }
                 self.get_many_once(ids).await
             }
             other => other,

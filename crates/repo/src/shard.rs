@@ -285,8 +285,7 @@ impl Cluster {
                         return Err(e);
                     }
                     retried = true;
-                    self.refresh().await?;
-                    if self.route(shard).host == route.host {
+                    if !self.wait_for_move(&[(shard, route.host.clone())]).await? {
                         return Err(e);
                     }
                     tracing::debug!(shard = shard.get(), from = %route.host, "shard moved; running the transaction again");

@@ -1,5 +1,5 @@
-//! Moving a logical shard between hosts. So far: the pre-flight, which checks everything a
-//! move needs before anything changes, and reports every problem at once.
+//! The pre-flight of a move: everything a move needs, checked before anything changes,
+//! every problem reported at once.
 //!
 //! The checks, on the current map:
 //! - the target is a host of the cluster and not the shard's host; no move of the shard is
@@ -98,7 +98,7 @@ impl Checks {
     }
 }
 
-fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -> Error {
+pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -> Error {
     let (sqlstate, message) = describe(e);
     Error::Host { host: host.to_string(), what: what.to_owned(), sqlstate, message }
 }
@@ -368,10 +368,10 @@ async fn check_target(
 }
 
 /// `text` as an SQL string literal.
-fn quote_literal(text: &str) -> String {
+pub(crate) fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-fn redact(message: &str, secret: &str) -> String {
+pub(crate) fn redact(message: &str, secret: &str) -> String {
     message.replace(secret, "***")
 }

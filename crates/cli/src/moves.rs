@@ -1,0 +1,277 @@
+//! The commands that move shards: `move`, `moves`, `rebalance`, `gc`.
+
+use std::io::{IsTerminal as _, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use shardline_ops::moves::{MoveOptions, MoveProgress, Step};
+use shardline_router::Config;
+
+use crate::UsageError;
+use crate::cluster::{bytes, runtime};
+
+/// Options of `move`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["to", "resume", "abort"])))]
+pub struct MoveOpt {
+    /// The logical shard (with `--resume`, optional: every running move).
+    pub shard: Option<u16>,
+    /// Move the shard to this host: pre-flight, copy, catch up, fence, carry the ID
+    /// sequence, verify, flip the map, clean up.
+    #[arg(long, value_name = "HOST")]
+    pub to: Option<String>,
+    /// With `--to`: run the pre-flight only, change nothing.
+    #[arg(long, requires = "to")]
+    pub dry_run: bool,
+    /// Finish an interrupted move from its last journaled step.
+    #[arg(long)]
+    pub resume: bool,
+    /// Undo the shard's interrupted move (before its flip): the shard stays, writable,
+    /// on its source.
+    #[arg(long)]
+    pub abort: bool,
+    /// Fence only once a change on the source reaches the target this fast.
+    #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub max_lag: Duration,
+    /// Stop after this step as if killed (a drill for `--resume` and `--abort`):
+    /// started, prepared, copying, caught_up, fenced, synced, sequence_carried,
+    /// verified, flipped.
+    #[arg(long, value_name = "STEP", value_parser = parse_step)]
+    pub stop_after: Option<Step>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_step(s: &str) -> Result<Step, String> {
+    Step::parse(s).ok_or_else(|| {
+        let all: Vec<&str> = Step::ALL.iter().map(|s| s.as_str()).collect();
+        format!("unknown step {s:?}; the steps are {}", all.join(", "))
+    })
+}
+
+/// Options of `moves`.
+#[derive(Debug, Args)]
+pub struct MovesOpt {
+    /// Print one JSON array.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `rebalance`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["plan", "apply"])))]
+pub struct RebalanceOpt {
+    /// Print the moves that would even out the hosts by bytes; change nothing.
+    #[arg(long)]
+    pub plan: bool,
+    /// Plan, then run the moves.
+    #[arg(long)]
+    pub apply: bool,
+    /// At most this many moves.
+    #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=2000))]
+    pub max_moves: u16,
+    /// Moves at a time.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub parallel: u16,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `gc`.
+#[derive(Debug, Args)]
+pub struct GcOpt {
+    /// Keep a moved shard's old schema on its source this long after the move, so it
+    /// can be inspected or copied back by hand.
+    #[arg(long, default_value = "24h", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub grace: Duration,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A bar on stderr, drawn only on a terminal: bytes copied, then the lag.
+fn progress() -> (ProgressBar, shardline_ops::moves::ProgressFn) {
+    let bar = if std::io::stderr().is_terminal() { ProgressBar::new(0) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let b = bar.clone();
+    let f = Arc::new(move |p: &MoveProgress| match p {
+        MoveProgress::Step { id, step } => b.set_message(format!("move {id}: {step}")),
+        MoveProgress::Copy { bytes, total, tables_done, tables } => {
+            b.set_length(u64::try_from(*total.max(bytes)).unwrap_or(0));
+            b.set_position(u64::try_from(*bytes).unwrap_or(0));
+            b.set_message(format!("copying ({tables_done}/{tables} tables)"));
+        }
+        MoveProgress::Lag { ms } => b.set_message(format!("catching up: lag {ms} ms")),
+        _ => {}
+    });
+    (bar, f)
+}
+
+/// Runs `move`: `--to` (with `--dry-run`, the pre-flight alone), `--resume`, `--abort`.
+///
+/// # Errors
+///
+/// [`UsageError`] for a missing shard; the move's failure otherwise.
+pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let rt = runtime()?;
+    let (bar, f) = progress();
+    let mut options = MoveOptions::default();
+    options.max_lag = opt.max_lag;
+    options.stop_after = opt.stop_after;
+    options.progress = Some(f);
+    let need_shard =
+        || opt.shard.ok_or_else(|| UsageError("which shard? e.g. `shardline move 5 --to pg2`".into()));
+    if let Some(to) = &opt.to {
+        let shard = need_shard()?;
+        if opt.dry_run {
+            let pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
+            if opt.json {
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"ok": pre.is_ok(), "problems": pre.problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "rows_estimate": pre.rows_estimate, "bytes": pre.bytes})
+                )?;
+            } else {
+                writeln!(out, "{pre}")?;
+            }
+            out.flush()?;
+            if !pre.is_ok() {
+                anyhow::bail!("pre-flight found {} problem(s); nothing was changed", pre.problems.len());
+            }
+            return Ok(());
+        }
+        let result = rt.block_on(shardline_ops::moves::run(config, shard, to, &options));
+        bar.finish_and_clear();
+        let report = result?;
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&report)?)?;
+        } else {
+            writeln!(out, "{report}")?;
+        }
+    } else if opt.resume {
+        let result = rt.block_on(shardline_ops::moves::resume(config, opt.shard, &options));
+        bar.finish_and_clear();
+        let reports = result?;
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&reports)?)?;
+        } else {
+            for r in reports {
+                writeln!(out, "{r}")?;
+            }
+        }
+    } else {
+        let shard = need_shard()?;
+        bar.finish_and_clear();
+        let report = rt.block_on(shardline_ops::moves::abort(config, shard))?;
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&report)?)?;
+        } else {
+            writeln!(out, "{report}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `moves`: the journal.
+///
+/// # Errors
+///
+/// The catalog unreachable.
+pub fn moves(config: &Config, opt: &MovesOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let list = runtime()?.block_on(shardline_ops::moves::list(config))?;
+    if opt.json {
+        writeln!(out, "{}", serde_json::to_string(&list)?)?;
+    } else if list.is_empty() {
+        writeln!(out, "no moves yet")?;
+    } else {
+        for m in list {
+            writeln!(out, "{m}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `rebalance`.
+///
+/// # Errors
+///
+/// The plan cannot be made; with `--apply`, when any move failed (after all ran).
+pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let rt = runtime()?;
+    let plan = rt.block_on(shardline_ops::rebalance::plan(config, usize::from(opt.max_moves)))?;
+    if opt.plan {
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&plan)?)?;
+        } else {
+            writeln!(out, "{plan}")?;
+        }
+        return Ok(());
+    }
+    let options = MoveOptions::default();
+    let results =
+        rt.block_on(shardline_ops::rebalance::apply(config, &plan, usize::from(opt.parallel), &options));
+    let mut failed = 0;
+    let mut json = Vec::new();
+    for (m, r) in &results {
+        match r {
+            Ok(report) => {
+                if !opt.json {
+                    writeln!(
+                        out,
+                        "shard {:>4} {} -> {}: {} rows, {}, pause {} ms",
+                        m.shard,
+                        m.from,
+                        m.to,
+                        report.rows,
+                        bytes(report.bytes),
+                        report.pause_ms
+                    )?;
+                }
+                json.push(
+                    serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "report": report}),
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                if !opt.json {
+                    writeln!(out, "shard {:>4} {} -> {}: FAILED: {e}", m.shard, m.from, m.to)?;
+                }
+                json.push(
+                    serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "error": e.to_string()}),
+                );
+            }
+        }
+    }
+    if opt.json {
+        writeln!(out, "{}", serde_json::Value::Array(json))?;
+    } else if results.is_empty() {
+        writeln!(out, "balanced: nothing to move")?;
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} of {} move(s) failed", results.len());
+    }
+    Ok(())
+}
+
+/// Runs `gc`.
+///
+/// # Errors
+///
+/// The catalog unreachable, or a statement failing.
+pub fn gc(config: &Config, opt: &GcOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let report = runtime()?.block_on(shardline_ops::moves::gc(config, opt.grace))?;
+    if opt.json {
+        writeln!(out, "{}", serde_json::to_string(&report)?)?;
+    } else {
+        writeln!(out, "{report}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,1305 @@
+//! The move itself: each [`Step`] done, then journaled; resumable from any journaled
+//! step, undoable until the flip.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use shardline_id::Layout;
+use shardline_id::sql::ShardSql;
+use shardline_repo::Catalog;
+use shardline_repo::catalog::{LOCK_KEY, connect};
+use shardline_router::{Config, HostName, LogicalShard, SchemaName};
+use tokio_postgres::Client;
+
+use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck, catalog_err};
+use super::preflight::{self, host_err, quote_literal, redact};
+use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
+use crate::migrations::load_dir;
+use crate::{Error, Result, describe};
+
+/// The marker table on every host a move touches. The source's publication carries
+/// only its own move's row (a row filter); the mover bumps `n` on the source and waits
+/// for it on the target. The apply worker commits in the source's commit order, so once
+/// the target shows a value, it holds everything the source committed before it.
+pub const MARKS_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
+CREATE TABLE IF NOT EXISTS shardline.move_marks (
+    move_id bigint PRIMARY KEY,
+    n       bigint NOT NULL DEFAULT 0,
+    fenced  boolean NOT NULL DEFAULT false
+);
+COMMENT ON TABLE shardline.move_marks IS 'shardline: one row per move in progress, replicated from source to target to measure lag and to know when the target has everything';";
+
+/// What a move reports as it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MoveProgress {
+    /// A step is done.
+    Step {
+        /// The move.
+        id: i64,
+        /// The step.
+        step: Step,
+    },
+    /// The initial copy: bytes on the target against the source's.
+    Copy {
+        /// Bytes of the shard's tables and indexes on the target so far.
+        bytes: i64,
+        /// Bytes on the source.
+        total: i64,
+        /// Tables whose copy is done.
+        tables_done: i64,
+        /// Tables.
+        tables: i64,
+    },
+    /// A change on the source took this long to reach the target.
+    Lag {
+        /// The round trip, in ms.
+        ms: u64,
+    },
+}
+
+/// Receives [`MoveProgress`].
+pub type ProgressFn = Arc<dyn Fn(&MoveProgress) + Send + Sync>;
+
+/// How a move waits, and for how long.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct MoveOptions {
+    /// The fence waits until a change on the source reaches the target within this
+    /// (default 250 ms), so the write pause is short.
+    pub max_lag: Duration,
+    /// How long the copy and catch-up may take (default 6 h).
+    pub copy_timeout: Duration,
+    /// How long the fence waits for the shard's tables' locks, per attempt (default 2 s).
+    pub lock_timeout: Duration,
+    /// Fence attempts before giving up (default 5); writes go on between attempts.
+    pub fence_attempts: u32,
+    /// How long, once fenced, to wait for the target to have everything (default 30 s).
+    /// If it does not, the move is undone and writes resume on the source.
+    pub sync_timeout: Duration,
+    /// Stop, as if the process had died, once this step is journaled: for drills and
+    /// tests of `--resume` and `--abort`.
+    pub stop_after: Option<Step>,
+    /// Progress reports.
+    pub progress: Option<ProgressFn>,
+}
+
+impl Default for MoveOptions {
+    fn default() -> Self {
+        MoveOptions {
+            max_lag: Duration::from_millis(250),
+            copy_timeout: Duration::from_secs(6 * 3600),
+            lock_timeout: Duration::from_secs(2),
+            fence_attempts: 5,
+            sync_timeout: Duration::from_secs(30),
+            stop_after: None,
+            progress: None,
+        }
+    }
+}
+
+impl MoveOptions {
+    /// These options, stopping once `step` is journaled (see
+    /// [`MoveOptions::stop_after`]).
+    #[must_use]
+    pub fn stopping_after(mut self, step: Step) -> Self {
+        self.stop_after = Some(step);
+        self
+    }
+}
+
+impl std::fmt::Debug for MoveOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoveOptions")
+            .field("max_lag", &self.max_lag)
+            .field("copy_timeout", &self.copy_timeout)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("fence_attempts", &self.fence_attempts)
+            .field("sync_timeout", &self.sync_timeout)
+            .field("stop_after", &self.stop_after)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// What a finished move did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct MoveReport {
+    /// The move's ID in the journal.
+    pub id: i64,
+    /// The shard.
+    pub shard: u16,
+    /// Its schema.
+    pub schema: String,
+    /// Where it was.
+    pub source: String,
+    /// Where it is now.
+    pub target: String,
+    /// Rows moved (counted at verification).
+    pub rows: i64,
+    /// Bytes of its tables and indexes on the source.
+    pub bytes: i64,
+    /// The initial copy's duration, ms.
+    pub copy_ms: u64,
+    /// How long the shard's writes were stopped, ms (fence to flip).
+    pub pause_ms: u64,
+    /// Per-table verification.
+    pub tables: Vec<TableCheck>,
+    /// What is left for `shardline gc` (a host was down at cleanup).
+    pub cleanup_pending: Vec<String>,
+}
+
+impl MoveReport {
+    /// Copy throughput, bytes per second.
+    pub fn bytes_per_second(&self) -> f64 {
+        per_second(self.bytes, self.copy_ms)
+    }
+
+    /// Copy throughput, rows per second.
+    pub fn rows_per_second(&self) -> f64 {
+        per_second(self.rows, self.copy_ms)
+    }
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn per_second(n: i64, ms: u64) -> f64 {
+    n as f64 * 1000.0 / ms.max(1) as f64
+}
+
+impl std::fmt::Display for MoveReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "moved shard {} ({}) {} -> {} (move {})\n  rows: {}\n  bytes: {}\n  copy: {} ms ({:.0} rows/s, {:.1} MB/s)\n  write pause: {} ms",
+            self.shard,
+            self.schema,
+            self.source,
+            self.target,
+            self.id,
+            self.rows,
+            self.bytes,
+            self.copy_ms,
+            self.rows_per_second(),
+            self.bytes_per_second() / 1e6,
+            self.pause_ms
+        )?;
+        for t in &self.tables {
+            write!(f, "\n  verified {}: {} rows", t.table, t.target_rows)?;
+        }
+        for p in &self.cleanup_pending {
+            write!(f, "\n  left for `shardline gc`: {p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What `--abort` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct AbortReport {
+    /// The move.
+    pub id: i64,
+    /// The shard, back on its source (it never left the map).
+    pub shard: u16,
+    /// The source host.
+    pub source: String,
+    /// Whether the source's schema had to be unfenced (renamed back).
+    pub unfenced: bool,
+    /// What is left for `shardline gc`.
+    pub cleanup_pending: Vec<String>,
+}
+
+impl std::fmt::Display for AbortReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "move {} undone: shard {} stays on {}", self.id, self.shard, self.source)?;
+        if self.unfenced {
+            write!(f, " (writes resumed)")?;
+        }
+        for p in &self.cleanup_pending {
+            write!(f, "\n  left for `shardline gc`: {p}")?;
+        }
+        Ok(())
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A new name for move `id`'s publication, subscription and slot.
+fn replication_name(id: i64) -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_ms());
+    h.write_u32(std::process::id());
+    format!("shardline_move_{id}_{:08x}", h.finish() & 0xffff_ffff)
+}
+
+/// The name the source's schema gets at the fence: `<schema>_moved_<id>`, or
+/// `shardline_moved_<id>` where that would pass Postgres's 63 bytes.
+pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
+    let name = format!("{}_moved_{id}", schema.as_str());
+    if name.len() <= 63 { name } else { format!("shardline_moved_{id}") }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+async fn host_client(config: &Config, name: &HostName) -> Result<Client> {
+    let h = config
+        .hosts
+        .iter()
+        .find(|h| h.name == *name)
+        .ok_or_else(|| Error::HostMissing { host: name.to_string(), shards: 0 })?;
+    Ok(connect(&h.url, &format!("host {name}")).await?)
+}
+
+fn on(host: &HostName, what: impl Into<String>) -> impl Fn(tokio_postgres::Error) -> Error {
+    let (host, what) = (host.clone(), what.into());
+    move |e| host_err(&host, &what, &e)
+}
+
+/// Whether a failure is a lock that could not be had in time, or a deadlock.
+fn is_lock_conflict(e: &Error) -> bool {
+    matches!(e.sqlstate(), Some("55P03" | "40P01"))
+}
+
+/// Takes, for the catalog session, the cluster lock shared (so `init` and `migrate`
+/// wait for moves, and moves for them) and the move's own lock (one process per move).
+async fn lock_move(catalog: &Catalog, id: i64) -> Result<()> {
+    let row = catalog
+        .client()
+        .query_one(
+            "SELECT pg_try_advisory_lock_shared($1), pg_try_advisory_lock(hashtextextended('shardline move ' || $2::bigint, 0))",
+            &[&LOCK_KEY, &id],
+        )
+        .await
+        .map_err(catalog_err("take the move's lock"))?;
+    let (cluster, this): (bool, bool) = (row.get(0), row.get(1));
+    if !cluster {
+        return Err(Error::Busy);
+    }
+    if !this {
+        return Err(Error::MoveBusy { id });
+    }
+    Ok(())
+}
+
+struct Mover<'a> {
+    config: &'a Config,
+    options: &'a MoveOptions,
+    catalog: Catalog,
+    id: i64,
+    shard: LogicalShard,
+    schema: SchemaName,
+    moved: String,
+    source: HostName,
+    target: HostName,
+    step: Step,
+    detail: Detail,
+    layout: Layout,
+    src: Option<Client>,
+    dst: Option<Client>,
+    fence_started: Option<Instant>,
+}
+
+impl<'a> Mover<'a> {
+    async fn load(
+        config: &'a Config,
+        options: &'a MoveOptions,
+        catalog: Catalog,
+        layout: Layout,
+        record: MoveRecord,
+    ) -> Result<Mover<'a>> {
+        let shard = LogicalShard::new(i64::from(record.shard), config.logical_shards)?;
+        let schema = config.schema_prefix.schema(shard);
+        Ok(Mover {
+            config,
+            options,
+            catalog,
+            id: record.id,
+            shard,
+            moved: moved_name(&schema, record.id),
+            schema,
+            source: HostName::new(&record.source)?,
+            target: HostName::new(&record.target)?,
+            step: record.step,
+            detail: record.detail,
+            layout,
+            src: None,
+            dst: None,
+            fence_started: None,
+        })
+    }
+
+    fn name(&self) -> String {
+        self.detail.name.clone()
+    }
+
+    fn report(&self, progress: MoveProgress) {
+        if let Some(p) = &self.options.progress {
+            p(&progress);
+        }
+    }
+
+    async fn src(&mut self) -> Result<&Client> {
+        if self.src.as_ref().is_none_or(Client::is_closed) {
+            self.src = Some(host_client(self.config, &self.source).await?);
+        }
+        self.src.as_ref().ok_or(Error::Busy)
+    }
+
+    async fn dst(&mut self) -> Result<&Client> {
+        if self.dst.as_ref().is_none_or(Client::is_closed) {
+            self.dst = Some(host_client(self.config, &self.target).await?);
+        }
+        self.dst.as_ref().ok_or(Error::Busy)
+    }
+
+    /// Writes the step done (and the detail) to the journal.
+    async fn journal(&mut self, step: Step) -> Result<()> {
+        let detail = serde_json::to_string(&self.detail)
+            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        let n = self
+            .catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET step = $2, detail = $3::text::jsonb, error = NULL, updated_at = now()
+                  WHERE id = $1 AND state = 'running'",
+                &[&self.id, &step.as_str(), &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        if n != 1 {
+            return Err(Error::Journal {
+                id: self.id,
+                message: "it is no longer running (aborted by another shardline?)".into(),
+            });
+        }
+        self.step = step;
+        tracing::info!(id = self.id, shard = self.shard.get(), %step, "move step done");
+        self.report(MoveProgress::Step { id: self.id, step });
+        Ok(())
+    }
+
+    /// Runs the steps after the journaled one, through the end.
+    async fn drive(&mut self) -> Result<MoveReport> {
+        while self.step < Step::Cleaned {
+            if self.options.stop_after == Some(self.step) {
+                return Err(Error::Interrupted { id: self.id, step: self.step });
+            }
+            match self.step {
+                Step::Started => self.prepare().await?,
+                Step::Prepared => self.subscribe().await?,
+                Step::Copying => self.catch_up().await?,
+                Step::CaughtUp => self.fence().await?,
+                Step::Fenced => self.sync().await?,
+                Step::Synced => self.carry_sequence().await?,
+                Step::SequenceCarried => self.verify().await?,
+                Step::Verified => self.flip().await?,
+                Step::Flipped | Step::Cleaned => self.clean().await?,
+            }
+        }
+        Ok(MoveReport {
+            id: self.id,
+            shard: self.shard.get(),
+            schema: self.schema.to_string(),
+            source: self.source.to_string(),
+            target: self.target.to_string(),
+            rows: self.detail.rows,
+            bytes: self.detail.bytes,
+            copy_ms: self.detail.copy_ms.unwrap_or(0),
+            pause_ms: self.detail.pause_ms.unwrap_or(0),
+            tables: self.detail.tables.clone(),
+            cleanup_pending: self.detail.cleanup_pending.clone(),
+        })
+    }
+
+    /// Builds the schema on the target; publishes it on the source.
+    async fn prepare(&mut self) -> Result<()> {
+        let migrations = load_dir(&self.config.migrations)?;
+        let map = self.catalog.map().await?;
+        let (schema, target, id, name) = (self.schema.clone(), self.target.clone(), self.id, self.name());
+        let layout = self.layout;
+        let shard = self.shard;
+        let prefix = self.config.schema_prefix.clone();
+        let lock_timeout = self.options.lock_timeout;
+        let dst = self.dst().await?;
+        dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
+            .await
+            .map_err(on(&target, "create the ledger"))?;
+        let exists: bool = dst
+            .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema.as_str()])
+            .await
+            .map_err(on(&target, "look for the schema"))?
+            .get(0);
+        if !exists {
+            // One transaction: the schema, its minter, every migration, the ledger.
+            let work = ShardWork {
+                shard,
+                schema: schema.clone(),
+                create_schema: true,
+                minter: Some(ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.install()),
+                migrations: (0..migrations.len()).collect(),
+            };
+            let inputs = Inputs { map: &map, prefix: &prefix, layout, migrations: &migrations, lock_timeout };
+            converge::apply_shard(dst, &target, &work, &inputs).await?;
+        }
+        let source = self.source.clone();
+        let src = self.src().await?;
+        src.batch_execute(MARKS_SQL).await.map_err(on(&source, "create the marker table"))?;
+        src.execute("INSERT INTO shardline.move_marks (move_id) VALUES ($1) ON CONFLICT DO NOTHING", &[&id])
+            .await
+            .map_err(on(&source, "write the move's marker"))?;
+        let published: bool = src
+            .query_one("SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1)", &[&name])
+            .await
+            .map_err(on(&source, "look for the publication"))?
+            .get(0);
+        if !published {
+            src.batch_execute(&format!(
+                "CREATE PUBLICATION {name} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {id})",
+                schema.quoted()
+            ))
+            .await
+            .map_err(on(&source, "create the publication"))?;
+        }
+        self.journal(Step::Prepared).await
+    }
+
+    /// Subscribes the target to the source, disabled; journals the subscription's OID
+    /// (it names the table-sync slots) before enabling it in the next step.
+    async fn subscribe(&mut self) -> Result<()> {
+        let name = self.name();
+        let target = self.target.clone();
+        let peer = self
+            .config
+            .hosts
+            .iter()
+            .find(|h| h.name == self.source)
+            .map(|h| h.peer_url.expose().to_owned())
+            .ok_or_else(|| Error::HostMissing { host: self.source.to_string(), shards: 0 })?;
+        let dst = self.dst().await?;
+        let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
+        let mut oid =
+            dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
+        if oid.is_none() {
+            let create = format!(
+                "CREATE SUBSCRIPTION {name} CONNECTION {} PUBLICATION {name} WITH (enabled = false)",
+                quote_literal(&peer)
+            );
+            if let Err(e) = dst.batch_execute(&create).await {
+                let (sqlstate, message) = describe(&e);
+                return Err(Error::Host {
+                    host: target.to_string(),
+                    what: "subscribe to the source".into(),
+                    sqlstate,
+                    message: redact(&message, &peer),
+                });
+            }
+            oid = dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
+        }
+        let oid: i64 = oid.map(|r| r.get(0)).ok_or_else(|| Error::Journal {
+            id: self.id,
+            message: format!("the subscription {name} vanished on {target}"),
+        })?;
+        self.detail.subscription_oid = u32::try_from(oid).ok();
+        self.journal(Step::Copying).await
+    }
+
+    /// Enables the subscription, waits for every table's copy, then for the lag to fall
+    /// under `max_lag`.
+    async fn catch_up(&mut self) -> Result<()> {
+        let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
+        let oid = self.detail.subscription_oid.map(i64::from);
+        let started = Instant::now();
+        let deadline = started + self.options.copy_timeout;
+        let schema = self.schema.clone();
+        let total = self.detail.bytes;
+        self.dst()
+            .await?
+            .batch_execute(&format!("ALTER SUBSCRIPTION {name} ENABLE"))
+            .await
+            .map_err(on(&target, "enable the subscription"))?;
+        loop {
+            let dst = self.dst().await?;
+            let row = dst
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE r.srsubstate = 'r'), count(*),
+                            (SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
+                               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                              WHERE n.nspname = $2 AND c.relkind = 'r')
+                       FROM pg_subscription_rel r WHERE r.srsubid = $1::bigint::oid",
+                    &[&oid, &schema.as_str()],
+                )
+                .await
+                .map_err(on(&target, "read the copy's progress"))?;
+            let (ready, tables, bytes): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+            self.report(MoveProgress::Copy { bytes, total, tables_done: ready, tables });
+            if tables > 0 && ready == tables {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    host: target.to_string(),
+                    what: format!("the initial copy ({ready} of {tables} tables done)"),
+                    after: self.options.copy_timeout,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.detail.copy_ms = Some(ms(started.elapsed()));
+        loop {
+            let round = Instant::now();
+            let n: i64 = self
+                .src()
+                .await?
+                .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
+                .await
+                .map_err(on(&source, "write the lag marker"))?
+                .get(0);
+            self.wait_mark(n, deadline, "catch up").await?;
+            let lag = ms(round.elapsed());
+            self.report(MoveProgress::Lag { ms: lag });
+            if round.elapsed() <= self.options.max_lag {
+                self.detail.lag_ms = Some(lag);
+                break;
+            }
+        }
+        self.journal(Step::CaughtUp).await
+    }
+
+    /// Waits until the target's marker reaches `n`.
+    async fn wait_mark(&mut self, n: i64, deadline: Instant, what: &str) -> Result<()> {
+        let (target, id) = (self.target.clone(), self.id);
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(500);
+        loop {
+            let seen: Option<i64> = self
+                .dst()
+                .await?
+                .query_opt("SELECT n FROM shardline.move_marks WHERE move_id = $1", &[&id])
+                .await
+                .map_err(on(&target, "read the marker"))?
+                .map(|r| r.get(0));
+            if seen.is_some_and(|s| s >= n) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now > deadline {
+                return Err(Error::Timeout {
+                    host: target.to_string(),
+                    what: format!("{what}: the source's change {n} to reach the target (it has {seen:?})"),
+                    after: now - started,
+                });
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops writes on the source, in one transaction: lock the shard's tables
+    /// (waiting for writes in flight), rename its schema (every later statement, also a
+    /// prepared one from a router with an old map, fails with 42P01/3F000 and the router
+    /// reloads the map), move the ledger rows along, bump the marker.
+    async fn fence(&mut self) -> Result<()> {
+        let (source, id) = (self.source.clone(), self.id);
+        let (schema, moved) = (self.schema.clone(), self.moved.clone());
+        let attempts = self.options.fence_attempts.max(1);
+        let lock_ms = self.options.lock_timeout.as_millis();
+        self.fence_started = None;
+        let src = self.src().await?;
+        let row = src
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                        EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
+                &[&schema.as_str(), &moved],
+            )
+            .await
+            .map_err(on(&source, "look for the schema"))?;
+        let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
+        let mark = if !live && fenced {
+            // Fenced before an interruption, and not journaled: read the fence's mark.
+            src.query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+                .await
+                .map_err(on(&source, "read the fence marker"))?
+                .get(0)
+        } else if live {
+            let tables: Vec<String> = src
+                .query(
+                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
+                       JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
+                    &[&schema.as_str()],
+                )
+                .await
+                .map_err(on(&source, "list the shard's tables"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut attempt = 1;
+            loop {
+                let started = Instant::now();
+                self.detail.fenced_at_ms = Some(now_ms());
+                let src = self.src().await?;
+                match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms).await {
+                    Ok(n) => {
+                        self.fence_started = Some(started);
+                        break n;
+                    }
+                    Err(e) if is_lock_conflict(&e) && attempt < attempts => {
+                        tracing::warn!(id, attempt, error = %e, "fence: the shard's tables are busy; trying again");
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        } else {
+            return Err(Error::Journal {
+                id,
+                message: format!(
+                    "neither {schema} nor {moved} is on {source}; the shard's data is not where the journal says"
+                ),
+            });
+        };
+        self.detail.fence_mark = Some(mark);
+        self.journal(Step::Fenced).await
+    }
+
+    /// Waits for the fence's marker on the target.
+    async fn sync(&mut self) -> Result<()> {
+        let mark = match self.detail.fence_mark {
+            Some(m) => m,
+            None => {
+                let (source, id) = (self.source.clone(), self.id);
+                self.src()
+                    .await?
+                    .query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+                    .await
+                    .map_err(on(&source, "read the fence marker"))?
+                    .get(0)
+            }
+        };
+        let deadline = Instant::now() + self.options.sync_timeout;
+        self.wait_mark(mark, deadline, "after the fence").await?;
+        self.journal(Step::Synced).await
+    }
+
+    /// Sets the target's sequence above the source's last value.
+    async fn carry_sequence(&mut self) -> Result<()> {
+        let (source, target) = (self.source.clone(), self.target.clone());
+        let moved_seq = format!("{}.shardline_id_seq", quote_ident(&self.moved));
+        let seq = format!("{}.shardline_id_seq", self.schema.quoted());
+        let last: i64 = self
+            .src()
+            .await?
+            .query_one(&format!("SELECT last_value FROM {moved_seq}"), &[])
+            .await
+            .map_err(on(&source, "read the ID sequence"))?
+            .get(0);
+        self.dst()
+            .await?
+            .query_one(
+                &format!(
+                    "SELECT setval('{seq}'::regclass, greatest($1, (SELECT last_value FROM {seq})), true)"
+                ),
+                &[&last],
+            )
+            .await
+            .map_err(on(&target, "carry the ID sequence"))?;
+        self.detail.sequence = Some(last);
+        self.journal(Step::SequenceCarried).await
+    }
+
+    /// Row counts and checksums, table by table, both sides at once. A mismatch lists
+    /// the differing keys and stops the move (the caller undoes it).
+    async fn verify(&mut self) -> Result<()> {
+        let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
+        let (schema, moved) = (self.schema.as_str().to_owned(), self.moved.clone());
+        self.src().await?;
+        self.dst().await?;
+        let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+            return Err(Error::Busy);
+        };
+        let (src_tables, dst_tables) =
+            futures::try_join!(tables(src, &source, &moved), tables(dst, &target, &schema))?;
+        if src_tables.iter().map(|t| &t.0).ne(dst_tables.iter().map(|t| &t.0)) {
+            return Err(Error::Verify {
+                id,
+                shard: self.shard.get(),
+                differences: vec![format!(
+                    "the tables differ: [{}] on {source}, [{}] on {target}",
+                    src_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", "),
+                    dst_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", ")
+                )],
+            });
+        }
+        let mut checks = Vec::new();
+        let mut differences = Vec::new();
+        let mut rows = 0;
+        for (table, key) in &src_tables {
+            let (a, b) = futures::try_join!(
+                checksum(src, &source, &moved, table),
+                checksum(dst, &target, &schema, table)
+            )?;
+            let matches = a == b;
+            rows += b.0;
+            checks.push(TableCheck { table: table.clone(), source_rows: a.0, target_rows: b.0, matches });
+            if !matches {
+                let (a, b) = futures::try_join!(
+                    keys(src, &source, &moved, table, key),
+                    keys(dst, &target, &schema, table, key)
+                )?;
+                let mut diff: Vec<String> = a
+                    .iter()
+                    .filter(|(k, h)| b.get(*k) != Some(h))
+                    .map(|(k, _)| k.clone())
+                    .chain(b.keys().filter(|k| !a.contains_key(*k)).cloned())
+                    .collect();
+                diff.sort();
+                diff.dedup();
+                let n = diff.len();
+                diff.truncate(20);
+                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", diff.join(", ")));
+            }
+        }
+        self.detail.tables = checks;
+        if !differences.is_empty() {
+            self.detail.differences.clone_from(&differences);
+            return Err(Error::Verify { id, shard: self.shard.get(), differences });
+        }
+        self.detail.rows = rows;
+        self.journal(Step::Verified).await
+    }
+
+    /// Points the catalog's map at the target, in the same transaction as the journal.
+    async fn flip(&mut self) -> Result<()> {
+        let pause = match self.fence_started {
+            Some(t) => ms(t.elapsed()),
+            None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
+        };
+        self.detail.pause_ms = Some(pause);
+        let detail = serde_json::to_string(&self.detail)
+            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        let c = self.catalog.client();
+        let shard = i32::from(self.shard.get());
+        let result = async {
+            c.batch_execute("BEGIN").await.map_err(catalog_err("begin the flip"))?;
+            let n = c
+                .execute(
+                    "UPDATE shardline.shards SET host = $2, updated_at = now() WHERE shard = $1 AND host IN ($2, $3)",
+                    &[&shard, &self.target.as_str(), &self.source.as_str()],
+                )
+                .await
+                .map_err(catalog_err("flip the map"))?;
+            let j = c
+                .execute(
+                    "UPDATE shardline.moves SET step = 'flipped', detail = $2::text::jsonb, error = NULL, updated_at = now()
+                      WHERE id = $1 AND state = 'running'",
+                    &[&self.id, &detail],
+                )
+                .await
+                .map_err(catalog_err("write the journal"))?;
+            if n != 1 || j != 1 {
+                return Err(Error::Journal {
+                    id: self.id,
+                    message: "the map no longer places the shard on the source, or the move is no longer running".into(),
+                });
+            }
+            c.batch_execute("COMMIT").await.map_err(catalog_err("commit the flip"))
+        }
+        .await;
+        if let Err(e) = result {
+            let _ = c.batch_execute("ROLLBACK").await;
+            return Err(e);
+        }
+        self.step = Step::Flipped;
+        tracing::info!(id = self.id, shard = shard, pause_ms = pause, "move flipped");
+        self.report(MoveProgress::Step { id: self.id, step: Step::Flipped });
+        Ok(())
+    }
+
+    /// Drops the subscription (and with it the slot), the publication and the markers.
+    /// A host that is down leaves its part to `shardline gc`, named in the journal.
+    async fn clean(&mut self) -> Result<()> {
+        let mut pending = Vec::new();
+        if let Err(e) = self.clean_target(false).await {
+            pending.push(format!("{}: subscription {} ({e})", self.target, self.name()));
+        }
+        if let Err(e) = self.clean_source().await {
+            pending.push(format!("{}: publication and slots of {} ({e})", self.source, self.name()));
+        }
+        self.detail.cleanup_pending = pending;
+        let detail = serde_json::to_string(&self.detail)
+            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        self.catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET step = 'cleaned', state = 'done', detail = $2::text::jsonb, updated_at = now()
+                  WHERE id = $1 AND state = 'running'",
+                &[&self.id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        self.step = Step::Cleaned;
+        self.report(MoveProgress::Step { id: self.id, step: Step::Cleaned });
+        Ok(())
+    }
+
+    /// On the target: the subscription (detached from its slot if the source is down),
+    /// the marker; with `drop_schema`, the schema and its ledger rows too.
+    async fn clean_target(&mut self, drop_schema: bool) -> Result<()> {
+        let (name, target, id, schema) = (self.name(), self.target.clone(), self.id, self.schema.clone());
+        let dst = self.dst().await?;
+        drop_subscription(dst, &target, &name).await?;
+        dst.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+            .await
+            .or_else(|e| {
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                    Ok(0)
+                } else {
+                    Err(e)
+                }
+            })
+            .map_err(on(&target, "delete the marker"))?;
+        if drop_schema {
+            dst.batch_execute(&format!(
+                "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+                schema.quoted(),
+                quote_literal(schema.as_str())
+            ))
+            .await
+            .map_err(on(&target, "drop the copy"))?;
+        }
+        Ok(())
+    }
+
+    /// On the source: the publication, the slots, the marker.
+    async fn clean_source(&mut self) -> Result<()> {
+        let (name, source, id) = (self.name(), self.source.clone(), self.id);
+        let oid = self.detail.subscription_oid;
+        let src = self.src().await?;
+        drop_source_side(src, &source, &name, oid, id).await
+    }
+}
+
+async fn fence_once(
+    src: &Client,
+    source: &HostName,
+    tables: &[String],
+    schema: &SchemaName,
+    moved: &str,
+    id: i64,
+    lock_ms: u128,
+) -> Result<i64> {
+    let fail = on(source, "fence the shard");
+    let result = async {
+        src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'")).await.map_err(&fail)?;
+        if !tables.is_empty() {
+            src.batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", tables.join(", ")))
+                .await
+                .map_err(&fail)?;
+        }
+        src.batch_execute(&format!(
+            "ALTER SCHEMA {} RENAME TO {};
+             UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {}",
+            schema.quoted(),
+            quote_ident(moved),
+            quote_literal(moved),
+            quote_literal(schema.as_str())
+        ))
+        .await
+        .map_err(&fail)?;
+        let n: i64 = src
+            .query_one(
+                "UPDATE shardline.move_marks SET n = n + 1, fenced = true WHERE move_id = $1 RETURNING n",
+                &[&id],
+            )
+            .await
+            .map_err(&fail)?
+            .get(0);
+        src.batch_execute("COMMIT").await.map_err(&fail)?;
+        Ok(n)
+    };
+    match result.await {
+        Ok(n) => Ok(n),
+        Err(e) => {
+            let _ = src.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
+/// The shard's tables in `schema`, with their primary key (or all columns) as an SQL
+/// row expression.
+async fn tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<(String, String)>> {
+    let rows = c
+        .query(
+            "SELECT c.relname::text,
+                    coalesce((SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
+                                FROM pg_index i
+                                CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                               WHERE i.indrelid = c.oid AND i.indisprimary), '*')
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+            &[&schema],
+        )
+        .await
+        .map_err(on(host, "list the tables"))?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Result<(i64, String)> {
+    let row = c
+        .query_one(
+            &format!(
+                "SELECT count(*), coalesce(sum(hashtextextended(t::text, 0)::numeric), 0)::text FROM {}.{} AS t",
+                quote_ident(schema),
+                quote_ident(table)
+            ),
+            &[],
+        )
+        .await
+        .map_err(on(host, format!("checksum {schema}.{table}")))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+async fn keys(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    table: &str,
+    key: &str,
+) -> Result<HashMap<String, i64>> {
+    let key = if key == "*" { "t.*".to_owned() } else { key.to_owned() };
+    let rows = c
+        .query(
+            &format!(
+                "SELECT (ROW({key}))::text, hashtextextended(t::text, 0) FROM {}.{} AS t",
+                quote_ident(schema),
+                quote_ident(table)
+            ),
+            &[],
+        )
+        .await
+        .map_err(on(host, format!("list the keys of {schema}.{table}")))?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// Drops subscription `name` on `host`. If the source cannot be reached to drop its
+/// slot, the subscription is detached from the slot first (the slot is then the
+/// source's cleanup).
+pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -> Result<()> {
+    let exists: bool = c
+        .query_one("SELECT EXISTS (SELECT FROM pg_subscription WHERE subname = $1)", &[&name])
+        .await
+        .map_err(on(host, "look for the subscription"))?
+        .get(0);
+    if !exists {
+        return Ok(());
+    }
+    if c.batch_execute(&format!("DROP SUBSCRIPTION {name}")).await.is_ok() {
+        return Ok(());
+    }
+    c.batch_execute(&format!(
+        "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE); DROP SUBSCRIPTION {name}"
+    ))
+    .await
+    .map_err(on(host, "drop the subscription"))
+}
+
+/// Drops, on the source, publication and slot `name`, the table-sync slots of
+/// subscription `oid`, and move `id`'s marker. A slot still in use is released first
+/// (its WAL sender ended).
+pub(crate) async fn drop_source_side(
+    c: &Client,
+    host: &HostName,
+    name: &str,
+    oid: Option<u32>,
+    id: i64,
+) -> Result<()> {
+    c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+        .await
+        .map_err(on(host, "drop the publication"))?;
+    let sync = oid.map(|o| format!("pg\\_{o}\\_sync\\_%"));
+    for attempt in 0..20 {
+        let left: i64 = c
+            .query_one(
+                "WITH s AS (SELECT slot_name, active_pid FROM pg_replication_slots
+                             WHERE slot_name = $1 OR ($2::text IS NOT NULL AND slot_name LIKE $2)),
+                      t AS (SELECT pg_terminate_backend(active_pid) FROM s WHERE active_pid IS NOT NULL),
+                      d AS (SELECT pg_drop_replication_slot(slot_name) FROM s WHERE active_pid IS NULL)
+                 SELECT (SELECT count(*) FROM t) + (SELECT count(*) FROM d) - (SELECT count(*) FROM s WHERE active_pid IS NULL)",
+                &[&name, &sync],
+            )
+            .await
+            .map_err(on(host, "drop the replication slots"))?
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        if attempt == 19 {
+            return Err(Error::Host {
+                host: host.to_string(),
+                what: "drop the replication slots".into(),
+                sqlstate: None,
+                message: format!("{left} slot(s) of {name} stay in use"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+        .await
+        .or_else(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) { Ok(0) } else { Err(e) }
+        })
+        .map_err(on(host, "delete the marker"))?;
+    Ok(())
+}
+
+/// `shardline move SHARD --to HOST`: pre-flight, then every step to the end.
+///
+/// A failure before the fence leaves the move journaled where it stopped (writes go on
+/// on the source); `--resume` or `--abort` then. A failure while the shard is fenced
+/// (including a failed verification) undoes the move at once, so writes resume on the
+/// source; if even that fails, the move stays journaled for `--abort`.
+///
+/// # Errors
+///
+/// [`Error::Preflight`] with every problem (nothing changed); [`Error::Busy`] while an
+/// `init` or `migrate` runs; a step's failure, naming the host and SQLSTATE;
+/// [`Error::Verify`] with the differing keys; [`Error::Interrupted`] when
+/// `options.stop_after` asked for it.
+pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOptions) -> Result<MoveReport> {
+    let check = preflight::preflight(config, shard, target).await?;
+    if !check.is_ok() {
+        return Err(Error::Preflight(Box::new(check)));
+    }
+    let (catalog, info) = Catalog::open(config).await?;
+    let detail = Detail {
+        schema: check.schema.to_string(),
+        rows: check.rows_estimate,
+        bytes: check.bytes,
+        ..Detail::default()
+    };
+    let row = catalog
+        .client()
+        .query_one(
+            "INSERT INTO shardline.moves (shard, source, target, step, state, detail)
+             VALUES ($1, $2, $3, 'started', 'running', $4::text::jsonb) RETURNING id",
+            &[
+                &i32::from(check.shard.get()),
+                &check.source.as_str(),
+                &check.target.as_str(),
+                &serde_json::to_string(&detail).unwrap_or_else(|_| "{}".into()),
+            ],
+        )
+        .await
+        .map_err(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+                Error::MoveRunning { shard }
+            } else {
+                catalog_err("journal the move")(e)
+            }
+        })?;
+    let id: i64 = row.get(0);
+    let mut record = journal::by_id(catalog.client(), id).await?;
+    record.detail.moved_schema = moved_name(&check.schema, id);
+    record.detail.name = replication_name(id);
+    lock_move(&catalog, id).await?;
+    catalog
+        .client()
+        .execute(
+            "UPDATE shardline.moves SET detail = $2::text::jsonb WHERE id = $1",
+            &[&id, &serde_json::to_string(&record.detail).unwrap_or_else(|_| "{}".into())],
+        )
+        .await
+        .map_err(catalog_err("journal the move"))?;
+    let mover = Mover::load(config, options, catalog, info.layout, record).await?;
+    mover.report(MoveProgress::Step { id, step: Step::Started });
+    drive(mover).await
+}
+
+async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
+    match mover.drive().await {
+        Ok(r) => Ok(r),
+        Err(e @ Error::Interrupted { .. }) => Err(e),
+        Err(e) => {
+            let fenced =
+                mover.step.pauses_writes() || (mover.step == Step::CaughtUp && mover.fence_started.is_some());
+            let verify = matches!(e, Error::Verify { .. });
+            if fenced || verify {
+                tracing::warn!(id = mover.id, error = %e, "the move failed while the shard was fenced; undoing it");
+                if let Err(undo) = undo(&mut mover, &e.to_string()).await {
+                    tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
+                    record_error(&mover, &format!("{e}; undoing it failed too: {undo}")).await;
+                    return Err(e);
+                }
+            } else {
+                record_error(&mover, &e.to_string()).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn record_error(mover: &Mover<'_>, error: &str) {
+    let _ = mover
+        .catalog
+        .client()
+        .execute(
+            "UPDATE shardline.moves SET error = $2, updated_at = now() WHERE id = $1",
+            &[&mover.id, &error],
+        )
+        .await;
+}
+
+/// Undoes a move that has not flipped: the target's copy and subscription dropped (or
+/// left to `gc`, named, if the target is down), the source unfenced, its publication
+/// and slots dropped. The source must be reachable.
+async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
+    if mover.step >= Step::Flipped {
+        return Err(Error::Flipped { id: mover.id, shard: mover.shard.get() });
+    }
+    // The map must still place the shard on the source: only then is the target's
+    // copy nobody's.
+    let map = mover.catalog.map().await?;
+    if *map.host_of(mover.shard) != mover.source {
+        return Err(Error::Journal {
+            id: mover.id,
+            message: format!(
+                "the map places shard {} on {}, not on the source",
+                mover.shard,
+                map.host_of(mover.shard)
+            ),
+        });
+    }
+    let mut pending = Vec::new();
+    let mut target_left = false;
+    if let Err(e) = mover.clean_target(true).await {
+        pending.push(format!(
+            "{}: subscription {} and schema {} ({e})",
+            mover.target,
+            mover.name(),
+            mover.schema
+        ));
+        target_left = true;
+    }
+    let (source, schema, moved) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone());
+    let src = mover.src().await?;
+    let row = src
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                    EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
+            &[&schema.as_str(), &moved],
+        )
+        .await
+        .map_err(on(&source, "look for the schema"))?;
+    let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
+    let unfenced = !live && fenced;
+    if unfenced {
+        src.batch_execute(&format!(
+            "BEGIN;
+             ALTER SCHEMA {} RENAME TO {};
+             UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {};
+             COMMIT",
+            quote_ident(&moved),
+            schema.quoted(),
+            quote_literal(schema.as_str()),
+            quote_literal(&moved)
+        ))
+        .await
+        .map_err(on(&source, "unfence the shard"))?;
+    } else if !live {
+        return Err(Error::Journal {
+            id: mover.id,
+            message: format!("neither {schema} nor {moved} is on {source}"),
+        });
+    }
+    mover.clean_source().await?;
+    mover.detail.cleanup_pending = pending.clone();
+    mover.detail.target_schema_left = target_left;
+    let detail = serde_json::to_string(&mover.detail)
+        .map_err(|e| Error::Journal { id: mover.id, message: e.to_string() })?;
+    mover
+        .catalog
+        .client()
+        .execute(
+            "UPDATE shardline.moves SET state = 'rolled_back', error = $2, detail = $3::text::jsonb, updated_at = now()
+              WHERE id = $1 AND state = 'running'",
+            &[&mover.id, &reason, &detail],
+        )
+        .await
+        .map_err(catalog_err("write the journal"))?;
+    Ok(AbortReport {
+        id: mover.id,
+        shard: mover.shard.get(),
+        source: source.to_string(),
+        unfenced,
+        cleanup_pending: pending,
+    })
+}
+
+/// `shardline move --resume [SHARD]`: finishes the running moves (of one shard, or all),
+/// each from its last journaled step.
+///
+/// # Errors
+///
+/// [`Error::NoMove`] when there is none; [`Error::MoveBusy`] when another process works
+/// on it; a step's failure, as [`run`].
+pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) -> Result<Vec<MoveReport>> {
+    let (catalog, info) = Catalog::open(config).await?;
+    let records = journal::running(catalog.client(), shard).await?;
+    if records.is_empty() {
+        return Err(Error::NoMove { shard });
+    }
+    let mut out = Vec::new();
+    for record in records {
+        let (catalog, _) = Catalog::open(config).await?;
+        lock_move(&catalog, record.id).await?;
+        // Read again under the lock: another process may have moved it on.
+        let record = journal::by_id(catalog.client(), record.id).await?;
+        if record.state != State::Running {
+            continue;
+        }
+        let mover = Mover::load(config, options, catalog, info.layout, record).await?;
+        out.push(drive(mover).await?);
+    }
+    Ok(out)
+}
+
+/// `shardline move --abort SHARD`: undoes the shard's running move. Refused once the
+/// map has flipped (then `--resume` finishes it).
+///
+/// # Errors
+///
+/// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable
+/// (the move stays journaled; abort again when it is back).
+pub async fn abort(config: &Config, shard: u16) -> Result<AbortReport> {
+    let (catalog, info) = Catalog::open(config).await?;
+    let record = journal::running(catalog.client(), Some(shard))
+        .await?
+        .into_iter()
+        .next()
+        .ok_or(Error::NoMove { shard: Some(shard) })?;
+    lock_move(&catalog, record.id).await?;
+    let record = journal::by_id(catalog.client(), record.id).await?;
+    if record.state != State::Running {
+        return Err(Error::NoMove { shard: Some(shard) });
+    }
+    let options = MoveOptions::default();
+    let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
+    undo(&mut mover, "aborted by the operator").await
+}

@@ -1,0 +1,255 @@
+//! `shardline gc`: what finished moves leave behind, dropped once it is safe.
+//!
+//! - The source's old schema (`<schema>_moved_<id>`) of a done move, once its grace
+//!   period has passed (it is what an operator would copy back from by hand).
+//! - Publications, subscriptions and replication slots named `shardline_move_<id>`
+//!   (and the table-sync slots of their subscriptions) that no running move owns.
+//! - The target's copy of a rolled-back move that could not be dropped then (the
+//!   target was down), if the map does not place the shard there.
+//! - Marker rows of moves no longer running.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Serialize;
+use shardline_repo::Catalog;
+use shardline_router::{Config, HostName, LogicalShard};
+use tokio_postgres::Client;
+
+use super::engine::{drop_source_side, drop_subscription};
+use super::journal::{self, MoveRecord, State, catalog_err};
+use super::preflight::{host_err, quote_literal};
+use crate::Result;
+
+/// What `gc` dropped, and what it could not reach.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct GcReport {
+    /// Each thing dropped, as `host: what`.
+    pub dropped: Vec<String>,
+    /// Old schemas kept because their grace period has not passed.
+    pub kept: Vec<String>,
+    /// Hosts that could not be reached (their leftovers stay for the next run).
+    pub unreachable: Vec<String>,
+}
+
+impl std::fmt::Display for GcReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut lines: Vec<String> = self.dropped.iter().map(|d| format!("dropped {d}")).collect();
+        lines.extend(self.kept.iter().map(|k| format!("kept {k} (grace period)")));
+        lines.extend(
+            self.unreachable.iter().map(|u| format!("unreachable {u}: its leftovers stay for the next run")),
+        );
+        if self.dropped.is_empty() {
+            lines.insert(0, "nothing to drop".to_owned());
+        }
+        f.write_str(&lines.join("\n"))
+    }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Drops what moves left behind (see the module docs); old source schemas only after
+/// `grace` since their move finished.
+///
+/// # Errors
+///
+/// The catalog unreachable; a statement failing on a reachable host. An unreachable
+/// host is reported, not an error.
+pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let moves = journal::all(catalog.client()).await?;
+    let map = catalog.map().await?;
+    let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
+    let old: Vec<i64> = catalog
+        .client()
+        .query(
+            "SELECT id FROM shardline.moves WHERE state = 'done' AND updated_at <= now() - make_interval(secs => $1::bigint)",
+            &[&grace_s],
+        )
+        .await
+        .map_err(catalog_err("read the moves"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let by_id: HashMap<i64, &MoveRecord> = moves.iter().map(|m| (m.id, m)).collect();
+    let mut report = GcReport::default();
+    for host in &config.hosts {
+        let c = match shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await {
+            Ok(c) => c,
+            Err(e) => {
+                report.unreachable.push(format!("{} ({e})", host.name));
+                continue;
+            }
+        };
+        gc_host(&c, &host.name, &moves, &by_id, &old, &map, config, &mut report).await?;
+    }
+    // Journal what is gone, so `moves` shows it.
+    for m in &moves {
+        let dropped_source = report
+            .dropped
+            .iter()
+            .any(|d| d.starts_with(&format!("{}: schema {}", m.source, m.detail.moved_schema)));
+        let dropped_target = m.detail.target_schema_left
+            && report
+                .dropped
+                .iter()
+                .any(|d| d.starts_with(&format!("{}: schema {} ", m.target, m.detail.schema)));
+        if dropped_source || dropped_target {
+            catalog
+                .client()
+                .execute(
+                    "UPDATE shardline.moves SET detail = detail || jsonb_build_object(
+                         'source_dropped', (detail->>'source_dropped')::boolean IS TRUE OR $2,
+                         'target_schema_left', (detail->>'target_schema_left')::boolean IS TRUE AND NOT $3,
+                         'cleanup_pending', CASE WHEN $3 THEN '[]'::jsonb ELSE detail->'cleanup_pending' END)
+                      WHERE id = $1",
+                    &[&m.id, &dropped_source, &dropped_target],
+                )
+                .await
+                .map_err(catalog_err("write the journal"))?;
+        }
+    }
+    Ok(report)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn gc_host(
+    c: &Client,
+    host: &HostName,
+    moves: &[MoveRecord],
+    by_id: &HashMap<i64, &MoveRecord>,
+    old: &[i64],
+    map: &shardline_router::ShardMap,
+    config: &Config,
+    report: &mut GcReport,
+) -> Result<()> {
+    let fail = |what: &'static str| move |e: tokio_postgres::Error| host_err(host, what, &e);
+    let live = |id: i64| by_id.get(&id).is_some_and(|m| m.state == State::Running);
+    // Names of this cluster's moves that are over; names the journal does not hold
+    // belong to another cluster sharing the server, and are left alone.
+    let over: HashMap<&str, &MoveRecord> = moves
+        .iter()
+        .filter(|m| m.state != State::Running && !m.detail.name.is_empty())
+        .map(|m| (m.detail.name.as_str(), m))
+        .collect();
+
+    // Subscriptions first: dropping one drops its slot on the source.
+    let subs: Vec<String> = c
+        .query("SELECT subname::text FROM pg_subscription WHERE subname LIKE 'shardline\\_move\\_%'", &[])
+        .await
+        .map_err(fail("list subscriptions"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for s in subs {
+        if over.contains_key(s.as_str()) {
+            drop_subscription(c, host, &s).await?;
+            report.dropped.push(format!("{host}: subscription {s}"));
+        }
+    }
+    // Publications, slots and markers of moves whose source is this host.
+    let pubs: Vec<String> = c
+        .query(
+            "SELECT pubname::text FROM pg_publication WHERE pubname LIKE 'shardline\\_move\\_%'
+             UNION SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE 'shardline\\_move\\_%'",
+            &[],
+        )
+        .await
+        .map_err(fail("list publications and slots"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for m in moves.iter().filter(|m| m.state != State::Running && m.source == host.as_str()) {
+        let name = m.detail.name.clone();
+        if name.is_empty() {
+            continue;
+        }
+        let sync: i64 = match m.detail.subscription_oid {
+            Some(oid) => c
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE $1",
+                    &[&format!("pg\\_{oid}\\_sync\\_%")],
+                )
+                .await
+                .map_err(fail("list slots"))?
+                .get(0),
+            None => 0,
+        };
+        if pubs.contains(&name) || sync > 0 {
+            drop_source_side(c, host, &name, m.detail.subscription_oid, m.id).await?;
+            report.dropped.push(format!("{host}: publication/slots {name}"));
+        }
+    }
+    // Markers.
+    let marks = c
+        .query("SELECT move_id FROM shardline.move_marks", &[])
+        .await
+        .or_else(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                Ok(Vec::new())
+            } else {
+                Err(e)
+            }
+        })
+        .map_err(fail("read the markers"))?;
+    for r in marks {
+        let id: i64 = r.get(0);
+        if !live(id) {
+            c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+                .await
+                .map_err(fail("delete a marker"))?;
+        }
+    }
+    // Old source schemas of done moves, after their grace period.
+    for m in moves.iter().filter(|m| m.state == State::Done && m.source == host.as_str()) {
+        let moved = &m.detail.moved_schema;
+        if moved.is_empty() {
+            continue;
+        }
+        let exists: bool = c
+            .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[moved])
+            .await
+            .map_err(fail("look for a schema"))?
+            .get(0);
+        if !exists {
+            continue;
+        }
+        if !old.contains(&m.id) {
+            report.kept.push(format!("{host}: schema {moved}"));
+            continue;
+        }
+        c.batch_execute(&format!(
+            "BEGIN; DROP SCHEMA {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+            quote_ident(moved),
+            quote_literal(moved)
+        ))
+        .await
+        .map_err(fail("drop an old schema"))?;
+        report.dropped.push(format!("{host}: schema {moved} (move {})", m.id));
+    }
+    // The target's copy of a rolled-back move, left because the target was down.
+    for m in moves
+        .iter()
+        .filter(|m| m.state == State::RolledBack && m.target == host.as_str() && m.detail.target_schema_left)
+    {
+        let Ok(shard) = LogicalShard::new(i64::from(m.shard), map.count()) else { continue };
+        let someone_else =
+            moves.iter().any(|o| o.state == State::Running && o.shard == m.shard && o.target == m.target);
+        if map.host_of(shard) == host || someone_else {
+            continue;
+        }
+        let schema = config.schema_prefix.schema(shard);
+        c.batch_execute(&format!(
+            "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+            schema.quoted(),
+            quote_literal(schema.as_str())
+        ))
+        .await
+        .map_err(fail("drop a rolled-back copy"))?;
+        report.dropped.push(format!("{host}: schema {schema} (copy of rolled-back move {})", m.id));
+    }
+    Ok(())
+}

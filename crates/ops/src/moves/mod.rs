@@ -1,0 +1,36 @@
+//! Moving a logical shard between hosts, online, with Postgres's logical replication.
+//!
+//! A move goes through the [`Step`]s in order, and journals each in the catalog
+//! (`shardline.moves`) once it is done, so that a move interrupted anywhere (the mover
+//! killed, a host down) is finished by [`resume`] or undone by [`abort`]:
+//!
+//! 1. [`preflight()`]: everything checked, every problem listed, nothing changed;
+//! 2. prepare: the schema built on the target from the same migrations, a publication
+//!    of the schema on the source;
+//! 3. copy: the target subscribes (the initial copy, then streaming);
+//! 4. catch up: until a change on the source reaches the target within `max_lag`;
+//! 5. fence: in one transaction on the source, the shard's tables locked and its
+//!    schema renamed, so no write lands there again, also from a router with an old
+//!    map (it gets 42P01/3F000 and waits for the new map);
+//! 6. sync: a marker written by the fence reaches the target, so the target has
+//!    everything the source committed;
+//! 7. the ID sequence carried above the source's last value;
+//! 8. verify: row counts and checksums per table; a mismatch lists the differing keys
+//!    and undoes the move;
+//! 9. flip: the catalog's map points at the target (routers are notified);
+//! 10. clean: subscription, publication, slots dropped. The source's old schema stays,
+//!     renamed, until [`gc()`] after a grace period.
+//!
+//! Only the moving shard's writes pause, from step 5 to step 9.
+
+pub mod engine;
+pub mod gc;
+pub mod journal;
+pub mod preflight;
+
+pub use engine::{
+    AbortReport, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn, abort, resume, run,
+};
+pub use gc::{GcReport, gc};
+pub use journal::{Detail, MoveRecord, State, Step, TableCheck, list};
+pub use preflight::{Preflight, Problem, preflight};

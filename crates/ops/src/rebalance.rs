@@ -1,0 +1,238 @@
+//! `shardline rebalance`: even out the shards over the hosts by bytes, new empty hosts
+//! included, a bounded number of moves at a time.
+//!
+//! The plan is greedy: while a move makes the gap between the heaviest and the lightest
+//! host smaller, move from the heaviest to the lightest the shard that leaves the two
+//! closest. Shards of equal size (a young cluster) spread by count.
+
+use std::collections::BTreeMap;
+
+use futures::StreamExt as _;
+use serde::Serialize;
+use shardline_repo::Catalog;
+use shardline_router::{Config, HostName, LogicalShard};
+
+use crate::moves::preflight::host_err;
+use crate::moves::{MoveOptions, MoveReport};
+use crate::{Error, Result};
+
+/// One planned move.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct PlannedMove {
+    /// The shard.
+    pub shard: u16,
+    /// From.
+    pub from: String,
+    /// To.
+    pub to: String,
+    /// Its bytes.
+    pub bytes: i64,
+}
+
+/// One host before and after the plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct HostLoad {
+    /// The host.
+    pub host: String,
+    /// Shards now.
+    pub shards_before: usize,
+    /// Bytes now.
+    pub bytes_before: i64,
+    /// Shards after the plan.
+    pub shards_after: usize,
+    /// Bytes after the plan.
+    pub bytes_after: i64,
+}
+
+/// A rebalancing plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Plan {
+    /// The moves, in the order they would run.
+    pub moves: Vec<PlannedMove>,
+    /// Every host, before and after.
+    pub hosts: Vec<HostLoad>,
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{:<16} {:>7} {:>14}   {:>7} {:>14}", "host", "shards", "bytes", "after", "bytes after")?;
+        for h in &self.hosts {
+            writeln!(
+                f,
+                "{:<16} {:>7} {:>14}   {:>7} {:>14}",
+                h.host, h.shards_before, h.bytes_before, h.shards_after, h.bytes_after
+            )?;
+        }
+        if self.moves.is_empty() {
+            write!(f, "balanced: no move would make it more even")
+        } else {
+            write!(f, "{} move(s):", self.moves.len())?;
+            for m in &self.moves {
+                write!(f, "\n  shard {:>4}  {} -> {}  ({} bytes)", m.shard, m.from, m.to, m.bytes)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Plans at most `max_moves` moves from the hosts' current sizes. Changes nothing.
+///
+/// # Errors
+///
+/// The catalog or a host unreachable (sizes are needed from every host).
+pub async fn plan(config: &Config, max_moves: usize) -> Result<Plan> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let map = catalog.map().await?;
+    let mut sizes: BTreeMap<HostName, Vec<(LogicalShard, i64)>> = BTreeMap::new();
+    for host in map.hosts() {
+        let shards: Vec<LogicalShard> = map.shards_of(host).collect();
+        let mut these = Vec::new();
+        if !shards.is_empty() {
+            let h = config
+                .host(host)
+                .ok_or_else(|| Error::HostMissing { host: host.to_string(), shards: shards.len() })?;
+            let c = shardline_repo::catalog::connect(&h.url, &format!("host {host}")).await?;
+            let schemas: Vec<String> =
+                shards.iter().map(|s| config.schema_prefix.schema(*s).as_str().to_owned()).collect();
+            let rows = c
+                .query(
+                    "SELECT s.name, coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint
+                       FROM unnest($1::text[]) AS s(name)
+                       LEFT JOIN pg_namespace n ON n.nspname = s.name
+                       LEFT JOIN pg_class c ON c.relnamespace = n.oid
+                      GROUP BY s.name",
+                    &[&schemas],
+                )
+                .await
+                .map_err(|e| host_err(host, "measure the shards", &e))?;
+            let bytes: BTreeMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+            for (s, name) in shards.iter().zip(&schemas) {
+                these.push((*s, bytes.get(name).copied().unwrap_or(0)));
+            }
+        }
+        sizes.insert(host.clone(), these);
+    }
+    Ok(plan_from(&sizes, max_moves))
+}
+
+/// Each host's shards with their bytes, and the host's total.
+type Loads<'a> = BTreeMap<&'a HostName, (Vec<(LogicalShard, i64)>, i64)>;
+
+/// The greedy plan over given sizes (pure; see the module docs).
+pub fn plan_from(sizes: &BTreeMap<HostName, Vec<(LogicalShard, i64)>>, max_moves: usize) -> Plan {
+    let mut load: Loads<'_> =
+        sizes.iter().map(|(h, s)| (h, (s.clone(), s.iter().map(|x| x.1).sum()))).collect();
+    let mut moves = Vec::new();
+    while moves.len() < max_moves && load.len() > 1 {
+        let heavy =
+            load.iter().max_by_key(|(h, (s, b))| (*b, s.len(), std::cmp::Reverse(**h))).map(|(h, _)| *h);
+        let light = load.iter().min_by_key(|(h, (s, b))| (*b, s.len(), **h)).map(|(h, _)| *h);
+        let (Some(heavy), Some(light)) = (heavy, light) else { break };
+        if heavy == light {
+            break;
+        }
+        let (hb, lb) = (load[heavy].1, load[light].1);
+        let (hn, ln) = (load[heavy].0.len(), load[light].0.len());
+        let gap = hb - lb;
+        // The shard that leaves the pair closest; only if the gap shrinks (or, all
+        // sizes equal, the count gap does).
+        let best = load[heavy].0.iter().enumerate().min_by_key(|(_, (s, b))| ((gap - 2 * b).abs(), s.get()));
+        let Some((i, &(shard, bytes))) = best else { break };
+        let better_bytes = (gap - 2 * bytes).abs() < gap;
+        let better_count = bytes == 0 && gap == 0 && hn > ln + 1;
+        if !(better_bytes || better_count) {
+            break;
+        }
+        if let Some(entry) = load.get_mut(heavy) {
+            entry.0.remove(i);
+            entry.1 -= bytes;
+        }
+        if let Some(entry) = load.get_mut(light) {
+            entry.0.push((shard, bytes));
+            entry.1 += bytes;
+        }
+        moves.push(PlannedMove { shard: shard.get(), from: heavy.to_string(), to: light.to_string(), bytes });
+    }
+    let hosts = sizes
+        .iter()
+        .map(|(h, s)| HostLoad {
+            host: h.to_string(),
+            shards_before: s.len(),
+            bytes_before: s.iter().map(|x| x.1).sum(),
+            shards_after: load.get(h).map_or(0, |l| l.0.len()),
+            bytes_after: load.get(h).map_or(0, |l| l.1),
+        })
+        .collect();
+    Plan { moves, hosts }
+}
+
+/// Runs a plan's moves, `parallel` at a time (at least 1). Each move is independent:
+/// one failing does not stop the others; each result is returned in plan order.
+pub async fn apply(
+    config: &Config,
+    plan: &Plan,
+    parallel: usize,
+    options: &MoveOptions,
+) -> Vec<(PlannedMove, Result<MoveReport>)> {
+    futures::stream::iter(plan.moves.iter().cloned())
+        .map(|m| async move {
+            let r = crate::moves::run(config, m.shard, &m.to, options).await;
+            (m, r)
+        })
+        .buffered(parallel.max(1))
+        .collect()
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_router::ShardCount;
+
+    fn shards(count: &ShardCount, list: &[(i64, i64)]) -> Vec<(LogicalShard, i64)> {
+        list.iter().filter_map(|&(s, b)| LogicalShard::new(s, *count).ok().map(|s| (s, b))).collect()
+    }
+
+    #[test]
+    fn a_new_empty_host_receives_shards_until_even() {
+        let count = ShardCount::new(12).unwrap_or_else(|_| unreachable!());
+        let mut sizes = BTreeMap::new();
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        sizes.insert(h("a"), shards(&count, &[(0, 100), (1, 100), (2, 100), (3, 100), (4, 100), (5, 100)]));
+        sizes.insert(h("b"), shards(&count, &[(6, 100), (7, 100), (8, 100), (9, 100), (10, 100), (11, 100)]));
+        sizes.insert(h("c"), Vec::new());
+        let plan = plan_from(&sizes, 10);
+        assert_eq!(plan.moves.len(), 4, "{plan}");
+        assert!(plan.hosts.iter().all(|l| l.bytes_after == 400), "{plan}");
+        assert!(plan.moves.iter().all(|m| m.to == "c"));
+        // A bound is a bound.
+        assert_eq!(plan_from(&sizes, 1).moves.len(), 1);
+    }
+
+    #[test]
+    fn a_heavy_shard_is_not_bounced_between_hosts() {
+        let count = ShardCount::new(4).unwrap_or_else(|_| unreachable!());
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        let mut sizes = BTreeMap::new();
+        sizes.insert(h("a"), shards(&count, &[(0, 1000)]));
+        sizes.insert(h("b"), shards(&count, &[(1, 10), (2, 10), (3, 10)]));
+        let plan = plan_from(&sizes, 10);
+        assert!(plan.moves.is_empty(), "{plan}");
+    }
+
+    #[test]
+    fn uneven_bytes_move_the_shard_that_fits_the_gap() {
+        let count = ShardCount::new(6).unwrap_or_else(|_| unreachable!());
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        let mut sizes = BTreeMap::new();
+        sizes.insert(h("a"), shards(&count, &[(0, 500), (1, 300), (2, 50)]));
+        sizes.insert(h("b"), shards(&count, &[(3, 100), (4, 100), (5, 50)]));
+        let plan = plan_from(&sizes, 10);
+        // Gap 600: moving shard 1 (300) leaves 550 against 550.
+        assert_eq!(plan.moves.first().map(|m| m.shard), Some(1), "{plan}");
+        assert!(plan.hosts.iter().all(|l| l.bytes_after == 550), "{plan}");
+    }
+}
