@@ -27,7 +27,7 @@ fn examples() -> PathBuf {
 pub(crate) struct Fixture {
     db: String,
     dir: PathBuf,
-    hosts: usize,
+    pub(crate) hosts: usize,
 }
 
 impl Fixture {
@@ -50,7 +50,7 @@ impl Fixture {
     }
 
     /// Writes the config, letting `url` change host `i`'s URL.
-    fn write_config(
+    pub(crate) fn write_config(
         &self,
         ctx: &TestContext,
         url: impl Fn(usize, String) -> String,

@@ -56,6 +56,7 @@ fn main() {
             moves::writes_go_on_during_a_move_and_none_is_lost,
             moves::a_move_stopped_after_any_step_is_resumed_or_undone,
             moves::a_failed_verification_names_the_keys_and_does_not_flip,
+            moves::rebalance_spreads_shards_onto_a_new_host,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

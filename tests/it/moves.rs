@@ -515,3 +515,47 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([43, 40, 40]));
     Ok(())
 }
+
+pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -> TestResult {
+    let mut f = Fixture::new(&ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    for shard in 0..8 {
+        seed(&cluster, shard, 8, 1).await?;
+    }
+    // A third, empty host joins; the plan fills it from both others, changing nothing.
+    f.hosts = 3;
+    f.write_config(&ctx, |_, u| u, 8)?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let plan = shardline_ops::rebalance::plan(&config, 8).await?;
+    assert!((2..=3).contains(&plan.moves.len()), "{plan}");
+    assert!(plan.moves.iter().all(|m| m.to == "pg3"), "{plan}");
+    assert!(plan.moves.iter().any(|m| m.from == "pg1") && plan.moves.iter().any(|m| m.from == "pg2"), "{plan}");
+    let said = cli(&f, &["rebalance", "--plan"]).await?;
+    assert!(said.contains(&format!("{} move(s):", plan.moves.len())), "{said}");
+    assert!(moves::list(&config).await?.is_empty(), "a plan changes nothing");
+    // A bound is a bound.
+    let one: serde_json::Value = serde_json::from_str(&cli(&f, &["rebalance", "--plan", "--max-moves", "1", "--json"]).await?)?;
+    assert_eq!(one["moves"].as_array().map(Vec::len), Some(1));
+
+    let said = cli(&f, &["rebalance", "--apply", "--parallel", "2"]).await?;
+    assert_eq!(said.lines().filter(|l| l.contains("-> pg3: 60 rows")).count(), plan.moves.len(), "{said}");
+    let map: serde_json::Value = serde_json::from_str(&cli(&f, &["map", "--json"]).await?)?;
+    let shards: Vec<i64> = (0..3).filter_map(|h| map["hosts"][h]["shards"].as_i64()).collect();
+    assert_eq!(shards.iter().sum::<i64>(), 8);
+    assert!(shards.iter().all(|&n| (2..=3).contains(&n)), "{map}");
+    // Every row is still where the (new) map says. (Applications need the new host in
+    // their config before shards move onto it: the old handle refuses the new map.)
+    assert!(cluster.refresh().await.is_err());
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    for shard in 0..8u16 {
+        let route = cluster.route(shardline_router::LogicalShard::new(i64::from(shard), config.logical_shards)?);
+        let h = host_index(route.host.as_str());
+        assert_eq!(counts(&f, &ctx, h, route.schema.as_str()).await?, Some([20, 20, 20]), "shard {shard}");
+    }
+    // Balanced now: nothing more to do.
+    let again = shardline_ops::rebalance::plan(&config, 8).await?;
+    assert!(again.moves.len() <= 1, "{again}");
+    Ok(())
+}
