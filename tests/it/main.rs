@@ -57,6 +57,7 @@ fn main() {
             moves::a_move_stopped_after_any_step_is_resumed_or_undone,
             moves::a_failed_verification_names_the_keys_and_does_not_flip,
             moves::rebalance_spreads_shards_onto_a_new_host,
+            moves::a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

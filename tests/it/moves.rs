@@ -531,12 +531,16 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     let plan = shardline_ops::rebalance::plan(&config, 8).await?;
     assert!((2..=3).contains(&plan.moves.len()), "{plan}");
     assert!(plan.moves.iter().all(|m| m.to == "pg3"), "{plan}");
-    assert!(plan.moves.iter().any(|m| m.from == "pg1") && plan.moves.iter().any(|m| m.from == "pg2"), "{plan}");
+    assert!(
+        plan.moves.iter().any(|m| m.from == "pg1") && plan.moves.iter().any(|m| m.from == "pg2"),
+        "{plan}"
+    );
     let said = cli(&f, &["rebalance", "--plan"]).await?;
     assert!(said.contains(&format!("{} move(s):", plan.moves.len())), "{said}");
     assert!(moves::list(&config).await?.is_empty(), "a plan changes nothing");
     // A bound is a bound.
-    let one: serde_json::Value = serde_json::from_str(&cli(&f, &["rebalance", "--plan", "--max-moves", "1", "--json"]).await?)?;
+    let one: serde_json::Value =
+        serde_json::from_str(&cli(&f, &["rebalance", "--plan", "--max-moves", "1", "--json"]).await?)?;
     assert_eq!(one["moves"].as_array().map(Vec::len), Some(1));
 
     let said = cli(&f, &["rebalance", "--apply", "--parallel", "2"]).await?;
@@ -550,12 +554,77 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     assert!(cluster.refresh().await.is_err());
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     for shard in 0..8u16 {
-        let route = cluster.route(shardline_router::LogicalShard::new(i64::from(shard), config.logical_shards)?);
+        let route =
+            cluster.route(shardline_router::LogicalShard::new(i64::from(shard), config.logical_shards)?);
         let h = host_index(route.host.as_str());
         assert_eq!(counts(&f, &ctx, h, route.schema.as_str()).await?, Some([20, 20, 20]), "shard {shard}");
     }
     // Balanced now: nothing more to do.
     let again = shardline_ops::rebalance::plan(&config, 8).await?;
     assert!(again.moves.len() <= 1, "{again}");
+    Ok(())
+}
+
+pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = Arc::new(f.config()?);
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 5).await?;
+    let mut expected = [100, 100, 100];
+    let mut on = "pg1";
+    let mut steps_hit = HashSet::new();
+    let catalog = f.client(&ctx, 0).await?;
+    for (i, after) in Step::ALL[..9].iter().copied().enumerate() {
+        let other = if on == "pg1" { "pg2" } else { "pg1" };
+        // The mover dies (its task dropped mid-await: every connection closes, as when
+        // the process is killed) just after it journals `after`, inside the next step.
+        let c = config.clone();
+        let mover = tokio::spawn(async move { moves::run(&c, 0, other, &MoveOptions::default()).await });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !mover.is_finished() && Instant::now() < deadline {
+            let step: Option<String> = catalog
+                .query_opt(
+                    "SELECT step FROM shardline.moves WHERE state = 'running' ORDER BY id DESC LIMIT 1",
+                    &[],
+                )
+                .await?
+                .map(|r| r.get(0));
+            if step.and_then(|s| Step::parse(&s)).is_some_and(|s| s >= after) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        tokio::time::sleep(Duration::from_micros(u64::try_from(i)? * 300)).await;
+        mover.abort();
+        let finished = matches!(mover.await, Ok(Ok(_)));
+        let journal = moves::list(&config).await?;
+        let last = journal.last().ok_or("a move")?;
+        if !finished && last.state == State::Running {
+            steps_hit.insert(last.step);
+            // Odd kills are undone (when still possible), even ones resumed.
+            if i % 2 == 1 && last.step < Step::Flipped {
+                moves::abort(&config, 0).await?;
+                assert_eq!(counts(&f, &ctx, host_index(other), "shard_0000").await?, None, "kill {i}");
+            } else {
+                moves::resume(&config, Some(0), &MoveOptions::default()).await?;
+                on = other;
+            }
+        } else if last.state == State::Done {
+            on = other;
+        }
+        // One writable copy, where the map says, with every row; nothing left over.
+        let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+        assert_eq!(fresh.route_user(0).host.as_str(), on, "kill {i} after {after}");
+        assert_eq!(counts(&f, &ctx, host_index(on), "shard_0000").await?, Some(expected), "kill {i}");
+        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "kill {i}");
+        fresh.repo::<Photo>()?.insert(&photo(0, 5000 + i)).await?;
+        expected[0] += 1;
+    }
+    eprintln!("      killed at steps {:?}", {
+        let mut v: Vec<_> = steps_hit.into_iter().collect();
+        v.sort();
+        v
+    });
     Ok(())
 }

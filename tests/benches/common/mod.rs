@@ -17,7 +17,12 @@ pub(crate) fn config(cluster: &Cluster, db: &str, shards: u16, dir: &Path) -> Re
         cluster.hosts()[0].url(db)
     );
     for (i, h) in cluster.hosts().iter().enumerate() {
-        text.push_str(&format!("[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\n", i + 1, h.url(db)));
+        text.push_str(&format!(
+            "[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+            i + 1,
+            h.url(db),
+            h.peer_url(db)
+        ));
     }
     Ok(Config::from_toml(&text, "bench.toml", dir, &|_| None)?)
 }

@@ -251,6 +251,11 @@ pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
     if name.len() <= 63 { name } else { format!("shardline_moved_{id}") }
 }
 
+/// The secondary indexes of a schema: those no constraint owns.
+const SECONDARY_INDEXES: &str = "SELECT c.relname::text FROM pg_index i
+   JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE n.nspname = $1 AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)";
+
 fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
@@ -454,6 +459,18 @@ impl<'a> Mover<'a> {
             };
             let inputs = Inputs { map: &map, prefix: &prefix, layout, migrations: &migrations, lock_timeout };
             converge::apply_shard(dst, &target, &work, &inputs).await?;
+            // The copy is faster into bare tables: secondary indexes (those no constraint
+            // owns) are built once the copy is done (see `catch_up`).
+            let drops: Vec<String> = dst
+                .query(SECONDARY_INDEXES, &[&schema.as_str()])
+                .await
+                .map_err(on(&target, "list the indexes"))?
+                .iter()
+                .map(|r| format!("DROP INDEX {}.{};", schema.quoted(), quote_ident(r.get(0))))
+                .collect();
+            if !drops.is_empty() {
+                dst.batch_execute(&drops.concat()).await.map_err(on(&target, "defer the indexes"))?;
+            }
         }
         let source = self.source.clone();
         let src = self.src().await?;
@@ -489,13 +506,28 @@ impl<'a> Mover<'a> {
             .find(|h| h.name == self.source)
             .map(|h| h.peer_url.expose().to_owned())
             .ok_or_else(|| Error::HostMissing { host: self.source.to_string(), shards: 0 })?;
+        // The slot first, made on the source by a session that holds no transaction
+        // ID. Left to CREATE SUBSCRIPTION, it would be made while the target's DDL
+        // transaction waits; two moves in opposite directions would then each wait for
+        // the other's transaction to end (a slot waits for every running one).
+        let source = self.source.clone();
+        self.src()
+            .await?
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+                  WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+                &[&name],
+            )
+            .await
+            .map_err(on(&source, "create the replication slot"))?;
         let dst = self.dst().await?;
         let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
         let mut oid =
             dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
         if oid.is_none() {
             let create = format!(
-                "CREATE SUBSCRIPTION {name} CONNECTION {} PUBLICATION {name} WITH (enabled = false)",
+                "CREATE SUBSCRIPTION {name} CONNECTION {} PUBLICATION {name}
+                   WITH (enabled = false, create_slot = false, slot_name = '{name}')",
                 quote_literal(&peer)
             );
             if let Err(e) = dst.batch_execute(&create).await {
@@ -558,6 +590,7 @@ impl<'a> Mover<'a> {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        self.build_indexes().await?;
         self.detail.copy_ms = Some(ms(started.elapsed()));
         loop {
             let round = Instant::now();
@@ -577,6 +610,43 @@ impl<'a> Mover<'a> {
             }
         }
         self.journal(Step::CaughtUp).await
+    }
+
+    /// Builds on the target every secondary index the source's schema has and the
+    /// target lacks (deferred during the copy), from the source's own definitions.
+    async fn build_indexes(&mut self) -> Result<()> {
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        let wanted: Vec<(String, String)> = self
+            .src()
+            .await?
+            .query(
+                "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
+                   JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 ORDER BY 1",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "read the index definitions"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let dst = self.dst().await?;
+        let have: Vec<String> = dst
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'i'",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&target, "list the indexes"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (name, def) in wanted.iter().filter(|(n, _)| !have.contains(n)) {
+            tracing::debug!(index = %name, "building a deferred index");
+            dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")))?;
+        }
+        Ok(())
     }
 
     /// Waits until the target's marker reaches `n`.
@@ -604,7 +674,7 @@ impl<'a> Mover<'a> {
                 });
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(20));
+            pause = (pause * 2).min(Duration::from_millis(4));
         }
     }
 
@@ -742,6 +812,19 @@ impl<'a> Mover<'a> {
                     "the tables differ: [{}] on {source}, [{}] on {target}",
                     src_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", "),
                     dst_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", ")
+                )],
+            });
+        }
+        let (src_idx, dst_idx) =
+            futures::try_join!(indexes(src, &source, &moved), indexes(dst, &target, &schema))?;
+        if src_idx != dst_idx {
+            return Err(Error::Verify {
+                id,
+                shard: self.shard.get(),
+                differences: vec![format!(
+                    "the indexes differ: [{}] on {source}, [{}] on {target}",
+                    src_idx.join(", "),
+                    dst_idx.join(", ")
                 )],
             });
         }
@@ -961,11 +1044,23 @@ async fn tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<(String
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String>> {
+    let rows = c
+        .query(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind = 'i' ORDER BY 1",
+            &[&schema],
+        )
+        .await
+        .map_err(on(host, "list the indexes"))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Result<(i64, String)> {
     let row = c
         .query_one(
             &format!(
-                "SELECT count(*), coalesce(sum(hashtextextended(t::text, 0)::numeric), 0)::text FROM {}.{} AS t",
+                "SELECT count(*), coalesce(bit_xor(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -987,7 +1082,7 @@ async fn keys(
     let rows = c
         .query(
             &format!(
-                "SELECT (ROW({key}))::text, hashtextextended(t::text, 0) FROM {}.{} AS t",
+                "SELECT (ROW({key}))::text, hash_record_extended(t, 0) FROM {}.{} AS t",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -1088,22 +1183,33 @@ pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOption
         return Err(Error::Preflight(Box::new(check)));
     }
     let (catalog, info) = Catalog::open(config).await?;
+    // The ID first, so the journal's first row already names everything the move
+    // will make (a mover killed right after it leaves nothing unnamed).
+    let id: i64 = catalog
+        .client()
+        .query_one("SELECT nextval(pg_get_serial_sequence('shardline.moves', 'id'))", &[])
+        .await
+        .map_err(catalog_err("number the move"))?
+        .get(0);
     let detail = Detail {
         schema: check.schema.to_string(),
+        moved_schema: moved_name(&check.schema, id),
+        name: replication_name(id),
         rows: check.rows_estimate,
         bytes: check.bytes,
         ..Detail::default()
     };
-    let row = catalog
+    catalog
         .client()
-        .query_one(
-            "INSERT INTO shardline.moves (shard, source, target, step, state, detail)
-             VALUES ($1, $2, $3, 'started', 'running', $4::text::jsonb) RETURNING id",
+        .execute(
+            "INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
+             VALUES ($1, $2, $3, $4, 'started', 'running', $5::text::jsonb)",
             &[
+                &id,
                 &i32::from(check.shard.get()),
                 &check.source.as_str(),
                 &check.target.as_str(),
-                &serde_json::to_string(&detail).unwrap_or_else(|_| "{}".into()),
+                &serde_json::to_string(&detail).map_err(|e| Error::Journal { id, message: e.to_string() })?,
             ],
         )
         .await
@@ -1114,19 +1220,8 @@ pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOption
                 catalog_err("journal the move")(e)
             }
         })?;
-    let id: i64 = row.get(0);
-    let mut record = journal::by_id(catalog.client(), id).await?;
-    record.detail.moved_schema = moved_name(&check.schema, id);
-    record.detail.name = replication_name(id);
     lock_move(&catalog, id).await?;
-    catalog
-        .client()
-        .execute(
-            "UPDATE shardline.moves SET detail = $2::text::jsonb WHERE id = $1",
-            &[&id, &serde_json::to_string(&record.detail).unwrap_or_else(|_| "{}".into())],
-        )
-        .await
-        .map_err(catalog_err("journal the move"))?;
+    let record = journal::by_id(catalog.client(), id).await?;
     let mover = Mover::load(config, options, catalog, info.layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
