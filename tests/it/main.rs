@@ -58,6 +58,7 @@ fn main() {
             moves::a_failed_verification_names_the_keys_and_does_not_flip,
             moves::rebalance_spreads_shards_onto_a_new_host,
             moves::a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo,
+            moves::the_demo_runs_to_its_summary,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -628,3 +628,48 @@ pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx:
     });
     Ok(())
 }
+
+pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResult {
+    // Its own cluster, on the backend the tests use; small sizes.
+    let argv = [
+        "shardline",
+        "demo",
+        "--hosts",
+        "2",
+        "--shards",
+        "32",
+        "--users",
+        "40",
+        "--seconds",
+        "2",
+        "--rebalance",
+        "1",
+    ];
+    let (out, result) = tokio::task::spawn_blocking(move || {
+        let opt = <shardline::Opt as clap::Parser>::try_parse_from(argv).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        let r = shardline::run(opt, &mut out).map_err(|e| format!("{e:#}"));
+        Ok::<_, String>((String::from_utf8_lossy(&out).into_owned(), r))
+    })
+    .await??;
+    result?;
+    for part in
+        ["init: 32 logical shards over 2 hosts", "== operations", "== moves ==", "== hosts ==", "== an ID =="]
+    {
+        assert!(out.contains(part), "{part:?} in:\n{out}");
+    }
+    // Every operation ran, none failed; two moves (the hot shard, one onto pg3).
+    let ops: Vec<&str> =
+        out.lines().skip_while(|l| !l.starts_with("== operations")).skip(2).take(6).collect();
+    assert_eq!(ops.len(), 6, "{out}");
+    for line in ops {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cols.last(), Some(&"0"), "no errors: {line}");
+    }
+    let moves: Vec<&str> =
+        out.lines().filter(|l| l.starts_with("shard ") && l.contains("write pause")).collect();
+    assert_eq!(moves.len(), 2, "{out}");
+    assert!(out.lines().any(|l| l.starts_with("pg3 ") && !l.contains(" 0 ")), "pg3 holds a shard:\n{out}");
+    assert!(out.trim_end().ends_with("s") && out.contains("removing the cluster"), "{out}");
+    Ok(())
+}

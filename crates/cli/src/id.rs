@@ -83,7 +83,7 @@ fn layout(epoch_ms: i64) -> Result<Layout, UsageError> {
         .map_err(|e| UsageError(format!("invalid value {epoch_ms} for --epoch-ms: {e}")))
 }
 
-fn utc(unix_ms: i64) -> String {
+pub(crate) fn utc(unix_ms: i64) -> String {
     u64::try_from(unix_ms).map_or_else(
         |_| format!("{unix_ms} ms"),
         |ms| humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string(),

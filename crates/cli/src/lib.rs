@@ -7,6 +7,7 @@
 //! - [`cluster`]: `init`, `migrate`, `map`, `locate`, `status`, which work on the
 //!   cluster a config file describes.
 //! - [`moves`]: `move`, `moves`, `rebalance`, `gc`.
+//! - [`demo`]: `demo`, the whole product on a cluster of its own.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -14,6 +15,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 pub mod cluster;
+pub mod demo;
 pub mod id;
 pub mod moves;
 
@@ -38,6 +40,9 @@ pub struct Opt {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Start a cluster of real Postgres hosts, run a workload through shardline, move a
+    /// busy shard and rebalance onto a new host while it runs, print a summary, remove it.
+    Demo(demo::DemoOpt),
     /// Decode, encode and explain 64-bit shard IDs (no database needed).
     Id(id::IdOpt),
     /// Create the catalog, place the shards, create every shard schema with its ID
@@ -79,6 +84,7 @@ pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
     let config = || cluster::load_config(&config);
     match command {
         Command::Id(o) => id::run(o, out),
+        Command::Demo(o) => demo::demo(&o, out),
         Command::Init(o) => cluster::apply(&config()?, &o, true, out),
         Command::Migrate(o) => cluster::apply(&config()?, &o, false, out),
         Command::Map(o) => cluster::map(&config()?, &o, out),

@@ -615,12 +615,30 @@ impl<E: Entity> Repo<E> {
     /// window's ID range, one query per host in parallel (at most
     /// [`crate::ClusterOptions::fan_out`] at once, each within the host timeout), merged
     /// by ID. A host that fails or times out does not fail the call: its shards are
-    /// listed in [`FanOut::missing`], never silently left out.
+    /// listed in [`FanOut::missing`], never silently left out. A host that finds one of
+    /// its shards fenced by a move is asked again once the move flips (or ends).
     ///
     /// # Errors
     ///
     /// [`Error::Id`] when the window is outside the ID layout.
     pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
+        let (out, moved) = self.created_between_once(from, to, limit).await?;
+        // A host that found one of its shards fenced by a move: wait for the flip (as a
+        // single statement would), then ask every host once more.
+        if !moved.is_empty() && self.cluster.wait_for_move(&moved).await? {
+            return Ok(self.created_between_once(from, to, limit).await?.0);
+        }
+        Ok(out)
+    }
+
+    /// One fan-out, with the shards of the hosts that failed because a shard's schema
+    /// was gone (moved or fenced).
+    async fn created_between_once(
+        &self,
+        from: SystemTime,
+        to: SystemTime,
+        limit: usize,
+    ) -> Result<(FanOut<E>, Vec<(LogicalShard, HostName)>)> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
         let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
@@ -655,12 +673,19 @@ impl<E: Entity> Repo<E> {
             .collect::<Vec<_>>()
             .await;
         let mut missing = Vec::new();
+        let mut moved = Vec::new();
         let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
         for (host, shards, result) in results {
             match result {
                 Ok(rows) => lists.push(rows.into_iter()),
                 Err(e) => {
-                    tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                    if let Error::Host { source: Some(ref pg), .. } = e
+                        && is_moved(pg)
+                    {
+                        moved.extend(shards.iter().map(|s| (*s, host.clone())));
+                    } else {
+                        tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                    }
                     missing.push(Missing {
                         host: host.to_string(),
                         shards: shards.iter().map(|s| s.get()).collect(),
@@ -669,7 +694,7 @@ impl<E: Entity> Repo<E> {
                 }
             }
         }
-        Ok(FanOut { rows: merge_newest_first(lists, limit), missing })
+        Ok((FanOut { rows: merge_newest_first(lists, limit), missing }, moved))
     }
 }
 

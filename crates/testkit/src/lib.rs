@@ -79,6 +79,9 @@ pub fn server_settings() -> &'static [(&'static str, &'static str)] {
         ("max_logical_replication_workers", "16"),
         ("max_worker_processes", "32"),
         ("max_connections", "300"),
+        // The logical-replication launcher starts at most one apply worker per this
+        // interval (default 5 s), which throttles moves onto one host back to back.
+        ("wal_retrieve_retry_interval", "200ms"),
         ("log_min_messages", "warning"),
     ]
 }

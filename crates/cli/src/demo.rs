@@ -1,0 +1,501 @@
+//! `shardline demo`: the whole product in one command, on a cluster of its own.
+//!
+//! It starts real Postgres hosts with the test kit (containers where Docker works, local
+//! processes otherwise), runs `init` with the example application's migrations, drives a
+//! workload through the repository API (photos, likes, comments, reads by ID, pages, a
+//! time-window fan-out), moves the busiest shard to another host while the workload
+//! runs, adds a host and rebalances onto it, and prints a summary. Everything is removed
+//! at the end, also on Ctrl-C; `--keep` keeps it running until Ctrl-C instead, with a
+//! config file for every other command.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context as _;
+use clap::Args;
+use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
+use shardline_ops::moves::{MoveOptions, MoveReport};
+use shardline_repo::{Cluster, ClusterOptions, Id};
+use shardline_router::Config;
+use shardline_testkit::BackendKind;
+
+use crate::UsageError;
+use crate::cluster::runtime;
+use crate::id::utc;
+
+/// Options of `demo`.
+#[derive(Debug, Args)]
+pub struct DemoOpt {
+    /// Hosts to start with (one more joins for the rebalance).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(2..=8))]
+    pub hosts: u16,
+    /// Logical shards.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u16).range(8..=8192))]
+    pub shards: u16,
+    /// Users posting, liking and commenting.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(10..=10_000_000))]
+    pub users: u32,
+    /// How long the workload runs.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub seconds: u64,
+    /// Shards to move onto the new host in the rebalance.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub rebalance: u16,
+    /// The test-kit backend: docker or local (default: docker where an engine answers).
+    #[arg(long, value_parser = ["docker", "local"])]
+    pub backend: Option<String>,
+    /// Keep the cluster running after the summary, with a config file for every other
+    /// command, until Ctrl-C.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// The example application's migrations, built into the binary so the demo runs from
+/// anywhere.
+const MIGRATIONS: [(&str, &str); 4] = [
+    ("0001_photos.sql", include_str!("../../../migrations/0001_photos.sql")),
+    ("0002_likes.sql", include_str!("../../../migrations/0002_likes.sql")),
+    ("0003_comments.sql", include_str!("../../../migrations/0003_comments.sql")),
+    ("0004_likes_by_id.sql", include_str!("../../../migrations/0004_likes_by_id.sql")),
+];
+
+const DB: &str = "shardline_demo";
+
+/// The kinds of operation the workload runs.
+const OPS: [&str; 6] = ["post photo", "like", "comment", "get by ID", "user's page", "time window"];
+
+/// What the workload measured, per operation kind.
+#[derive(Debug, Default)]
+struct Stats {
+    latencies: [Vec<Duration>; 6],
+    errors: [u64; 6],
+    first_error: Option<String>,
+}
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort_unstable();
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+/// A small xorshift generator: the workload needs spread, not cryptography.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+fn config_text(kit: &shardline_testkit::Cluster, hosts: usize, shards: u16, dir: &Path) -> String {
+    let mut text = format!(
+        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = \"{}\"\n\n[catalog]\nurl = \"{}\"\n",
+        dir.join("migrations").display(),
+        kit.hosts()[0].url(DB)
+    );
+    for (i, h) in kit.hosts().iter().take(hosts).enumerate() {
+        text.push_str(&format!(
+            "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+            i + 1,
+            h.url(DB),
+            h.peer_url(DB)
+        ));
+    }
+    text
+}
+
+fn load(path: &Path, text: &str) -> anyhow::Result<Config> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(crate::cluster::load_config(path)?)
+}
+
+/// Runs `demo`.
+///
+/// # Errors
+///
+/// When the cluster cannot start (no Docker and no local Postgres: the message says what
+/// to install) or a step fails.
+pub fn demo(opt: &DemoOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    let backend = match opt.backend.as_deref() {
+        Some("docker") => Some(BackendKind::Docker),
+        Some("local") => Some(BackendKind::Local),
+        Some(other) => return Err(UsageError(format!("unknown backend {other:?}")).into()),
+        None => BackendKind::from_env()?,
+    };
+    let rt = runtime()?;
+    rt.block_on(async {
+        let started = Instant::now();
+        let hosts = usize::from(opt.hosts);
+        writeln!(out, "starting {} Postgres 15 hosts and a catalog...", hosts + 1)?;
+        out.flush()?;
+        let kit = shardline_testkit::Cluster::start_on(backend, hosts + 1).await?;
+        writeln!(
+            out,
+            "  {} hosts up in {:.1} s ({} backend)",
+            hosts + 1,
+            kit.startup_time().as_secs_f64(),
+            kit.backend()
+        )?;
+        let dir = std::env::temp_dir().join(format!("shardline-demo-{}", std::process::id()));
+        let result = tokio::select! {
+            r = run(opt, &kit, &dir, out) => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted (Ctrl-C)")),
+        };
+        if result.is_ok() && opt.keep {
+            writeln!(out, "\nthe cluster keeps running until Ctrl-C. Try, in another terminal:")?;
+            let path = dir.join("shardline.toml");
+            for cmd in [
+                "map",
+                "status",
+                "moves",
+                "locate --user 42",
+                "rebalance --plan",
+                "move 7 --to pg1 --dry-run",
+            ] {
+                writeln!(out, "  shardline --config {} {cmd}", path.display())?;
+            }
+            writeln!(out, "hosts (the demo's throwaway credentials):")?;
+            for (i, h) in kit.hosts().iter().enumerate() {
+                writeln!(out, "  pg{}  {}", i + 1, h.url(DB))?;
+            }
+            out.flush()?;
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        writeln!(out, "removing the cluster...")?;
+        kit.shutdown().await?;
+        let _ = std::fs::remove_dir_all(&dir);
+        writeln!(out, "done in {:.1} s", started.elapsed().as_secs_f64())?;
+        result
+    })
+}
+
+async fn run(
+    opt: &DemoOpt,
+    kit: &shardline_testkit::Cluster,
+    dir: &Path,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let hosts = usize::from(opt.hosts);
+    kit.create_database(DB).await?;
+    std::fs::create_dir_all(dir.join("migrations"))?;
+    for (name, sql) in MIGRATIONS {
+        std::fs::write(dir.join("migrations").join(name), sql)?;
+    }
+    let path: PathBuf = dir.join("shardline.toml");
+    let config = load(&path, &config_text(kit, hosts, opt.shards, dir))?;
+    let grown_text = config_text(kit, hosts + 1, opt.shards, dir);
+    let grown: Config = Config::from_toml(&grown_text, "shardline.toml", dir, &|v| std::env::var(v).ok())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let t = Instant::now();
+    let report = shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;
+    writeln!(
+        out,
+        "init: {} logical shards over {hosts} hosts, {} migrations each, in {:.1} s",
+        opt.shards,
+        report.migrations,
+        t.elapsed().as_secs_f64()
+    )?;
+
+    // The application's handle knows every host, the one still to join included.
+    let cluster = Cluster::connect(&grown, ClusterOptions::default()).await?;
+    let users = i64::from(opt.users);
+    let hot_user = 42i64;
+    let hot = cluster.route_user(hot_user);
+    writeln!(
+        out,
+        "workload: {} users, 8 workers, {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
+        opt.users, opt.seconds, hot.shard, hot.host
+    )?;
+    out.flush()?;
+    let stats = Arc::new(Mutex::new(Stats::default()));
+    let moves_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let recent: Arc<Mutex<Vec<Photo>>> = Arc::new(Mutex::new(Vec::new()));
+    let deadline = Instant::now() + Duration::from_secs(opt.seconds);
+    let began = SystemTime::now();
+    let workers: Vec<_> = (0..8u64)
+        .map(|w| {
+            let (cluster, stats, recent, done) =
+                (cluster.clone(), stats.clone(), recent.clone(), moves_done.clone());
+            tokio::spawn(async move {
+                worker(w, &cluster, users, hot_user, (deadline, &done), &stats, &recent).await
+            })
+        })
+        .collect();
+
+    // Meanwhile: move the hot shard; then a new host joins and takes a few shards.
+    let mut moves: Vec<MoveReport> = Vec::new();
+    tokio::time::sleep(Duration::from_secs(opt.seconds) / 4).await;
+    let to = format!(
+        "pg{}",
+        (hosts.min(hot.host.as_str().trim_start_matches("pg").parse::<usize>().unwrap_or(1))) % hosts + 1
+    );
+    let moved = shardline_ops::moves::run(&config, hot.shard.get(), &to, &MoveOptions::default()).await?;
+    writeln!(
+        out,
+        "  moved the hot shard {} {} -> {}: {} rows in {} ms of copy, write pause {} ms",
+        moved.shard, moved.source, moved.target, moved.rows, moved.copy_ms, moved.pause_ms
+    )?;
+    out.flush()?;
+    moves.push(moved);
+    let grown = load(&path, &grown_text)?;
+    shardline_ops::init(&grown, &shardline_ops::Options::default(), &|_| {}).await?;
+    let plan = shardline_ops::rebalance::plan(&grown, usize::from(opt.rebalance)).await?;
+    writeln!(out, "  pg{} joined; rebalancing {} shard(s) onto it", hosts + 1, plan.moves.len())?;
+    out.flush()?;
+    for (m, r) in shardline_ops::rebalance::apply(&grown, &plan, 1, &MoveOptions::default()).await {
+        let r = r.with_context(|| format!("moving shard {} to {}", m.shard, m.to))?;
+        writeln!(
+            out,
+            "  moved shard {} {} -> {}: {} rows, write pause {} ms",
+            r.shard, r.source, r.target, r.rows, r.pause_ms
+        )?;
+        moves.push(r);
+    }
+    moves_done.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in workers {
+        w.await.context("a worker panicked")?;
+    }
+    let elapsed = SystemTime::now().duration_since(began).unwrap_or_default();
+
+    summary(out, &grown, &cluster, &stats, &moves, elapsed).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn worker(
+    w: u64,
+    cluster: &Cluster,
+    users: i64,
+    hot_user: i64,
+    (deadline, moves_done): (Instant, &std::sync::atomic::AtomicBool),
+    stats: &Mutex<Stats>,
+    recent: &Mutex<Vec<Photo>>,
+) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (w + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let (Ok(photos), Ok(likes), Ok(comments)) =
+        (cluster.repo::<Photo>(), cluster.repo::<Like>(), cluster.repo::<Comment>())
+    else {
+        return;
+    };
+    let mut local = Stats::default();
+    let mut n = 0u64;
+    // Until the time is up and the moves are done: they all happen under load.
+    while Instant::now() < deadline || !moves_done.load(std::sync::atomic::Ordering::Relaxed) {
+        let user = if rng.next(10) == 0 {
+            hot_user
+        } else {
+            i64::try_from(rng.next(users.unsigned_abs())).unwrap_or(0)
+        };
+        let pick = |rng: &mut Rng| -> Option<Photo> {
+            let r = recent.lock().ok()?;
+            if r.is_empty() {
+                None
+            } else {
+                r.get(usize::try_from(rng.next(r.len() as u64)).unwrap_or(0)).cloned()
+            }
+        };
+        let op = match rng.next(100) {
+            0..40 => 0,
+            40..60 => 1,
+            60..70 => 2,
+            70..90 => 3,
+            90..98 => 4,
+            _ => 5,
+        };
+        let t = Instant::now();
+        let result: Result<(), shardline_repo::Error> = match op {
+            0 => photos.insert(&NewPhoto::numbered(user, n)).await.map(|p| {
+                if let Ok(mut r) = recent.lock() {
+                    if r.len() >= 2000 {
+                        r.swap_remove(usize::try_from(n % 2000).unwrap_or(0));
+                    }
+                    r.push(p);
+                }
+            }),
+            1 => match pick(&mut rng) {
+                Some(p) => likes
+                    .insert(&NewLike { photo_id: p.id, user_id: user })
+                    .await
+                    .map(drop)
+                    .or_else(|e| if e.is_unique_violation() { Ok(()) } else { Err(e) }),
+                None => Ok(()),
+            },
+            2 => match pick(&mut rng) {
+                Some(p) => comments
+                    .insert(&NewComment { photo_id: p.id, user_id: user, body: format!("nice one #{n}") })
+                    .await
+                    .map(drop),
+                None => Ok(()),
+            },
+            3 => match pick(&mut rng) {
+                Some(p) => photos.get(p.id).await.and_then(|got| {
+                    if got.as_ref().map(|g| g.id) == Some(p.id) {
+                        Ok(())
+                    } else {
+                        Err(shardline_repo::Error::Invalid {
+                            what: format!("photo {} not found where its ID says", p.id),
+                        })
+                    }
+                }),
+                None => Ok(()),
+            },
+            4 => photos.page_of_user(user, None, 20).await.map(drop),
+            _ => {
+                let now = SystemTime::now();
+                photos.created_between(now - Duration::from_secs(1), now, 100).await.map(drop)
+            }
+        };
+        match result {
+            Ok(()) => local.latencies[op].push(t.elapsed()),
+            Err(e) => {
+                local.errors[op] += 1;
+                local.first_error.get_or_insert_with(|| format!("{}: {e}", OPS[op]));
+            }
+        }
+        n += 1;
+    }
+    if let Ok(mut s) = stats.lock() {
+        for i in 0..OPS.len() {
+            s.latencies[i].append(&mut local.latencies[i]);
+            s.errors[i] += local.errors[i];
+        }
+        if s.first_error.is_none() {
+            s.first_error = local.first_error;
+        }
+    }
+}
+
+async fn summary(
+    out: &mut dyn Write,
+    config: &Config,
+    cluster: &Cluster,
+    stats: &Mutex<Stats>,
+    moves: &[MoveReport],
+    elapsed: Duration,
+) -> anyhow::Result<()> {
+    let mut stats = std::mem::take(&mut *stats.lock().map_err(|_| anyhow::anyhow!("a worker panicked"))?);
+    writeln!(out, "\n== operations ({:.1} s) ==", elapsed.as_secs_f64())?;
+    writeln!(out, "{:<13} {:>8} {:>9} {:>10} {:>10} {:>7}", "", "count", "per s", "p50", "p99", "errors")?;
+    let mut total = 0usize;
+    for (i, name) in OPS.iter().enumerate() {
+        let v = &mut stats.latencies[i];
+        total += v.len();
+        #[allow(clippy::cast_precision_loss)]
+        let rate = v.len() as f64 / elapsed.as_secs_f64().max(0.001);
+        writeln!(
+            out,
+            "{name:<13} {:>8} {rate:>9.0} {:>10} {:>10} {:>7}",
+            v.len(),
+            ms(pct(v, 0.5)),
+            ms(pct(v, 0.99)),
+            stats.errors[i]
+        )?;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let all = total as f64 / elapsed.as_secs_f64().max(0.001);
+    writeln!(out, "{:<13} {total:>8} {all:>9.0}", "all")?;
+    if let Some(e) = &stats.first_error {
+        writeln!(out, "first error: {e}")?;
+    }
+
+    writeln!(out, "\n== moves ==")?;
+    for m in moves {
+        writeln!(
+            out,
+            "shard {:>4} {} -> {}: {} rows, {:.1} MB, copy {} ms ({:.0} rows/s), write pause {} ms",
+            m.shard,
+            m.source,
+            m.target,
+            m.rows,
+            m.bytes as f64 / 1e6,
+            m.copy_ms,
+            m.rows_per_second(),
+            m.pause_ms
+        )?;
+    }
+
+    writeln!(out, "\n== hosts ==")?;
+    cluster.refresh().await?;
+    let map = cluster.map();
+    let mut rows: BTreeMap<String, (usize, i64)> = BTreeMap::new();
+    for host in map.hosts() {
+        let shards: Vec<_> = map.shards_of(host).collect();
+        let mut n = 0i64;
+        if let Some(h) = config.host(host) {
+            let c = shardline_repo::catalog::connect(&h.url, &format!("host {host}")).await?;
+            for chunk in shards.chunks(200) {
+                let parts: Vec<String> = chunk
+                    .iter()
+                    .flat_map(|s| {
+                        let q = config.schema_prefix.schema(*s).quoted();
+                        ["photos", "likes", "comments"].map(|t| format!("SELECT count(*) AS n FROM {q}.{t}"))
+                    })
+                    .collect();
+                let sql =
+                    format!("SELECT coalesce(sum(n), 0)::bigint FROM ({}) AS c", parts.join(" UNION ALL "));
+                n += c.query_one(&sql, &[]).await.map(|r| r.get::<_, i64>(0)).unwrap_or(0);
+            }
+        }
+        rows.insert(host.to_string(), (shards.len(), n));
+    }
+    writeln!(out, "{:<6} {:>7} {:>10}", "host", "shards", "rows")?;
+    for (h, (s, n)) in &rows {
+        writeln!(out, "{h:<6} {s:>7} {n:>10}")?;
+    }
+
+    writeln!(out, "\n== an ID ==")?;
+    let photos = cluster.repo::<Photo>()?;
+    let now = SystemTime::now();
+    let sample = photos.created_between(now - Duration::from_secs(60), now, 1).await?;
+    if let Some(p) = sample.rows.first() {
+        let id: Id = p.id;
+        let parts = cluster.layout().decode(id);
+        let route = cluster.route_id(id)?;
+        writeln!(
+            out,
+            "{id} = | {} | shard {} | sequence {} |",
+            utc(parts.unix_ms),
+            parts.shard,
+            parts.sequence
+        )?;
+        writeln!(
+            out,
+            "  so a read of it goes straight to {} on {}, with no lookup (user {}: \"{}\")",
+            route.schema, route.host, p.user_id, p.caption
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_built_in_migrations_are_the_directory() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations");
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        names.sort();
+        let built: Vec<&str> = MIGRATIONS.iter().map(|m| m.0).collect();
+        assert_eq!(names, built, "add the new file to MIGRATIONS in demo.rs");
+        for (name, sql) in MIGRATIONS {
+            assert_eq!(std::fs::read_to_string(dir.join(name)).ok().as_deref(), Some(sql));
+        }
+    }
+}
