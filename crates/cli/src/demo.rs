@@ -214,7 +214,7 @@ async fn run(
     // The application's handle knows every host, the one still to join included.
     let cluster = Cluster::connect(&grown, ClusterOptions::default()).await?;
     let users = i64::from(opt.users);
-    let hot_user = 42i64;
+    let hot_user = 42 * 7919i64;
     let hot = cluster.route_user(hot_user);
     writeln!(
         out,
@@ -295,10 +295,11 @@ async fn worker(
     let mut n = 0u64;
     // Until the time is up and the moves are done: they all happen under load.
     while Instant::now() < deadline || !moves_done.load(std::sync::atomic::Ordering::Relaxed) {
+        // User k is 7919·k: a prime stride, so users spread over every shard.
         let user = if rng.next(10) == 0 {
             hot_user
         } else {
-            i64::try_from(rng.next(users.unsigned_abs())).unwrap_or(0)
+            i64::try_from(rng.next(users.unsigned_abs())).unwrap_or(0).saturating_mul(7919)
         };
         let pick = |rng: &mut Rng| -> Option<Photo> {
             let r = recent.lock().ok()?;
