@@ -8,6 +8,18 @@
 //!   cluster a config file describes.
 //! - [`moves`]: `move`, `moves`, `rebalance`, `gc`.
 //! - [`demo`]: `demo`, the whole product on a cluster of its own.
+//!
+//! # Example
+//!
+//! ```
+//! use clap::Parser as _;
+//!
+//! let opt = shardline::Opt::parse_from(["shardline", "id", "decode", "3236157012031088647"]);
+//! let mut out = Vec::new();
+//! shardline::run(opt, &mut out)?;
+//! assert!(String::from_utf8_lossy(&out).contains("shard 42"));
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;

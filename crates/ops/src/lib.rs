@@ -16,6 +16,21 @@
 //!   verify, flip; resume, abort, gc.
 //! - [`rebalance`]: planning and running moves that even out the hosts.
 //! - [`Error`]: the crate's error type.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn ops(config: &shardline_router::Config) -> Result<(), shardline_ops::Error> {
+//! use shardline_ops::moves::{self, MoveOptions};
+//!
+//! // Create the catalog and every shard schema (idempotent).
+//! shardline_ops::init(config, &shardline_ops::Options::default(), &|_| {}).await?;
+//! // Move shard 5 to pg2, online; the report has the rows, copy time and write pause.
+//! let report = moves::run(config, 5, "pg2", &MoveOptions::default()).await?;
+//! println!("{report}");
+//! # Ok(())
+//! # }
+//! ```
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;

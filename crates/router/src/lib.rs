@@ -17,6 +17,20 @@
 //! - [`map`]: the shard map, even placement, routes.
 //! - [`hash`]: the string-key hash.
 //! - [`config`]: the configuration file.
+//!
+//! # Example
+//!
+//! ```
+//! use shardline_router::{SchemaPrefix, ShardCount};
+//!
+//! let shards = ShardCount::new(2000)?;
+//! let shard = shards.shard_of_user(1_000_003);
+//! assert_eq!(shard.get(), 3);
+//! assert_eq!(SchemaPrefix::new("shard_")?.schema(shard).as_str(), "shard_0003");
+//! // Negative user IDs land in range too.
+//! assert_eq!(shards.shard_of_user(-1).get(), 1999);
+//! # Ok::<(), shardline_router::Error>(())
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod config;

@@ -5,6 +5,24 @@
 //!
 //! The tables are `migrations/0001_photos.sql` to `0004_likes_by_id.sql`; the entities
 //! below are all an application writes to use them.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn photos(config: &shardline_router::Config) -> Result<(), shardline_repo::Error> {
+//! use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
+//! use shardline_repo::{Cluster, ClusterOptions};
+//!
+//! let cluster = Cluster::connect(config, ClusterOptions::default()).await?;
+//! let photo = cluster.repo::<Photo>()?.insert(&NewPhoto::numbered(42, 1)).await?;
+//! // The comment lands in the photo's shard, found from the photo's ID alone.
+//! let c = NewComment { photo_id: photo.id, user_id: 7, body: "nice".into() };
+//! cluster.repo::<Comment>()?.insert(&c).await?;
+//! let page = cluster.repo::<Comment>()?.page_of_parent(photo.id, None, 20).await?;
+//! assert_eq!(page.rows.len(), 1);
+//! # Ok(())
+//! # }
+//! ```
 
 use shardline_repo::{Entity, Id, NewRow};
 
