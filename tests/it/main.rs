@@ -11,6 +11,7 @@ mod faults;
 mod ids;
 mod lifecycle;
 mod moves;
+mod reliability;
 mod replication;
 mod repo;
 
@@ -59,6 +60,8 @@ fn main() {
             moves::rebalance_spreads_shards_onto_a_new_host,
             moves::a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo,
             moves::the_demo_runs_to_its_summary,
+            reliability::an_exhausted_pool_times_out_clearly_and_recovers,
+            reliability::passwords_never_reach_errors_logs_or_json,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,
@@ -69,6 +72,7 @@ fn main() {
             bootstrap::init_interrupted_by_a_killed_host_completes_later,
             repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
             moves::hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned,
+            reliability::with_the_catalog_down_known_routes_work_and_map_changes_are_refused,
         ],
     )
     .run()

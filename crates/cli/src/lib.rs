@@ -120,6 +120,83 @@ mod tests {
     }
 
     #[test]
+    fn every_subcommand_refuses_malformed_arguments_with_usage_and_status_2() {
+        let bad: &[&[&str]] = &[
+            &["init", "--jobs", "0"],
+            &["init", "--lock-timeout", "soon"],
+            &["migrate", "--jobs", "x"],
+            &["map", "--bogus"],
+            &["locate"],
+            &["locate", "--user", "1", "--id", "2"],
+            &["locate", "--user", "one"],
+            &["status", "--timeout", "-1s"],
+            &["move"],
+            &["move", "5"],
+            &["move", "5", "--to", "pg2", "--resume"],
+            &["move", "--dry-run"],
+            &["move", "x", "--to", "pg2"],
+            &["move", "70000", "--to", "pg2"],
+            &["move", "5", "--to", "pg2", "--stop-after", "lunch"],
+            &["move", "5", "--to", "pg2", "--max-lag", "fast"],
+            &["moves", "extra"],
+            &["rebalance"],
+            &["rebalance", "--plan", "--apply"],
+            &["rebalance", "--plan", "--max-moves", "0"],
+            &["rebalance", "--apply", "--parallel", "99"],
+            &["gc", "--grace", "a while"],
+            &["demo", "--hosts", "1"],
+            &["demo", "--backend", "cloud"],
+            &["demo", "--seconds", "0"],
+            &["id"],
+            &["id", "decode", "--epoch-ms", "soon", "1"],
+        ];
+        for args in bad {
+            let argv = std::iter::once("shardline").chain(args.iter().copied());
+            match Opt::try_parse_from(argv) {
+                Ok(opt) => panic!("{args:?} was accepted: {opt:?}"),
+                Err(e) => {
+                    assert_eq!(e.exit_code(), 2, "{args:?}: {e}");
+                    let text = e.render().to_string();
+                    assert!(text.contains("Usage:") || text.contains("try '--help'"), "{args:?}: {text}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mistakes_clap_cannot_see_are_usage_errors_before_any_io() {
+        let dir = std::env::temp_dir().join(format!("shardline-cli-usage-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        // A missing config file is named; nothing is contacted.
+        let missing = dir.join("nope.toml");
+        for args in [&["map"][..], &["move", "--abort"], &["status"], &["gc"]] {
+            let mut argv = vec!["shardline", "--config"];
+            let path = missing.display().to_string();
+            argv.push(&path);
+            argv.extend(args.iter().copied());
+            let opt = Opt::try_parse_from(&argv).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            let err = run(opt, &mut Vec::new()).unwrap_err();
+            assert!(err.downcast_ref::<UsageError>().is_some(), "{args:?}: {err}");
+            assert!(err.to_string().contains("nope.toml"), "{err}");
+        }
+        // A valid config, but no shard where one is needed: refused before connecting.
+        let config = dir.join("shardline.toml");
+        let _ = std::fs::write(
+            &config,
+            "[catalog]\nurl = \"postgres://u@127.0.0.1:1/db\"\n[[hosts]]\nname = \"pg1\"\nurl = \"postgres://u@127.0.0.1:1/db\"\n",
+        );
+        for args in [&["move", "--abort"][..], &["move", "--to", "pg1"]] {
+            let path = config.display().to_string();
+            let argv = [&["shardline", "--config", path.as_str()][..], args].concat();
+            let opt = Opt::try_parse_from(&argv).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            let err = run(opt, &mut Vec::new()).unwrap_err();
+            assert!(err.downcast_ref::<UsageError>().is_some(), "{args:?}: {err}");
+            assert!(err.to_string().contains("which shard?"), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn unknown_arguments_are_refused() {
         let err = Opt::try_parse_from(["shardline", "--no-such-flag"]).unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::UnknownArgument);

@@ -1,0 +1,201 @@
+//! The product as a whole under faults and hostile input: a pool exhausted by a
+//! connection storm, the catalog host down, passwords kept out of every error, log line
+//! and JSON output.
+
+use std::io::Write as _;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use shardline_example_photos::{NewPhoto, Photo};
+use shardline_repo::{Cluster, ClusterOptions};
+use shardline_testkit::harness::{TestContext, TestResult};
+
+use crate::bootstrap::{Fixture, cli_full, options, quiet};
+
+pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let o = ClusterOptions {
+        pool_size: 2,
+        host_timeout: Duration::from_millis(500),
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let p = photos.insert(&NewPhoto::numbered(0, 1)).await?;
+    // A storm: both of pg1's connections held by slow transactions.
+    let shard = cluster.route_user(0).shard;
+    let hogs: Vec<_> = (0..2)
+        .map(|_| {
+            let c = cluster.clone();
+            tokio::spawn(async move {
+                c.transaction(shard, |tx| {
+                    // 1.5 s in all, each statement within the host timeout.
+                    Box::pin(async move {
+                        for _ in 0..5 {
+                            tx.execute("SELECT pg_sleep(0.3)", &[]).await?;
+                        }
+                        Ok::<_, shardline_repo::Error>(())
+                    })
+                })
+                .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let err = photos.get(p.id).await.unwrap_err();
+    let waited = t.elapsed();
+    assert!(err.is_timeout() && err.is_retryable(), "{err}");
+    assert!(err.to_string().starts_with("host pg1: no connection:"), "{err}");
+    assert!(waited < Duration::from_millis(1200), "the caller waited {waited:?}, not the storm's 1.5 s");
+    // Other hosts are untouched by pg1's storm.
+    let other = photos.insert(&NewPhoto::numbered(2, 1)).await?;
+    assert_eq!(cluster.route_id(other.id)?.host.as_str(), "pg2");
+    for h in hogs {
+        h.await??;
+    }
+    // The storm over, the pool serves again.
+    assert_eq!(photos.get(p.id).await?, Some(p));
+    Ok(())
+}
+
+pub(crate) async fn with_the_catalog_down_known_routes_work_and_map_changes_are_refused(
+    ctx: TestContext,
+) -> TestResult {
+    // Shards on pg1 and pg2; the catalog alone on pg3.
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let db = f.config()?.hosts[0].url.expose().rsplit('/').next().unwrap_or_default().to_owned();
+    let text = std::fs::read_to_string(f.path())?;
+    let old = text.lines().find(|l| l.starts_with("url = ")).ok_or("the catalog url")?.to_owned();
+    std::fs::write(f.path(), text.replacen(&old, &format!("url = \"{}\"", ctx.hosts()[2].url(&db)), 1))?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let before = photos.insert(&NewPhoto::numbered(0, 1)).await?;
+
+    ctx.hosts()[2].kill().await?;
+    // Reads and writes on the known map go on.
+    assert_eq!(photos.get(before.id).await?, Some(before.clone()));
+    let during = photos.insert(&NewPhoto::numbered(3, 1)).await?;
+    let many = photos.get_many(&[before.id, during.id]).await?;
+    assert!(many.missing.is_empty());
+    // Map changes and operations that need the catalog are refused, saying why.
+    for args in [&["move", "0", "--to", "pg2"][..], &["migrate"], &["map"], &["moves"]] {
+        let (out, result) = cli_full(&f, args).await;
+        let err = result.unwrap_err();
+        assert!(err.contains("catalog"), "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+    }
+    ctx.hosts()[2].start().await?;
+    // Back: the same handle reloads the map when asked.
+    cluster.refresh().await?;
+    assert_eq!(photos.get(during.id).await?, Some(during));
+    Ok(())
+}
+
+/// Everything `tracing` prints in this process, once installed.
+fn log_capture() -> Arc<Mutex<Vec<u8>>> {
+    static BUF: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    BUF.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let writer = Capture(buf.clone());
+        let subscriber = tracing_subscriber::fmt()
+            // Ours at debug, everyone else's warnings: every line shardline writes.
+            .with_env_filter(
+                "shardline=debug,shardline_repo=debug,shardline_ops=debug,shardline_testkit=debug,warn",
+            )
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        buf
+    })
+    .clone()
+}
+
+#[derive(Clone)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(b);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+pub(crate) async fn passwords_never_reach_errors_logs_or_json(ctx: TestContext) -> TestResult {
+    let logs = log_capture();
+    let secret = "Pa55-w0rd-never-printed";
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    // Every URL (catalog, hosts, peers) carries the password.
+    let text = std::fs::read_to_string(f.path())?;
+    let with_password = text
+        .replace("postgres://postgres@", &format!("postgres://postgres:{secret}@"))
+        .replace("postgresql://postgres@", &format!("postgresql://postgres:{secret}@"));
+    assert!(with_password.matches(secret).count() >= 7, "{with_password}");
+    std::fs::write(f.path(), &with_password)?;
+    let mut said = Vec::new();
+    let (out, r) = cli_full(&f, &["init", "--json"]).await;
+    r.map_err(|e| format!("init: {e}"))?;
+    said.push(out);
+    for args in [
+        &["status", "--json"][..],
+        &["map", "--json"],
+        &["move", "0", "--to", "pg2", "--dry-run", "--json"],
+        &["moves", "--json"],
+        &["move", "0", "--to", "pg2", "--json"],
+        &["gc", "--json", "--grace", "0s"],
+    ] {
+        let (out, r) = cli_full(&f, args).await;
+        said.push(out);
+        if let Err(e) = r {
+            said.push(e);
+        }
+    }
+    // Now make things fail: a host on a dead port, a peer URL that goes nowhere.
+    let broken = with_password
+        .replacen(&format!("{secret}@{}", host_port(&ctx, 2)), &format!("{secret}@127.0.0.1:1"), 1)
+        .replacen("peer_url = \"postgresql://postgres:", "peer_url = \"postgresql://nobody:", 1)
+        .replacen("peer_url = \"postgres://postgres:", "peer_url = \"postgres://nobody:", 1);
+    std::fs::write(f.path(), broken)?;
+    for args in [
+        &["status", "--json"][..],
+        &["init"],
+        &["migrate"],
+        &["move", "2", "--to", "pg1", "--dry-run"],
+        &["move", "3", "--to", "pg3"],
+        &["rebalance", "--plan"],
+    ] {
+        let (out, r) = cli_full(&f, args).await;
+        said.push(out);
+        said.push(r.err().unwrap_or_default());
+    }
+    // Through the library too: errors' Display and Debug.
+    let config = f.config()?;
+    if let Err(e) = Cluster::connect(&config, ClusterOptions::default()).await {
+        said.push(format!("{e} {e:?}"));
+    }
+    if let Err(e) = shardline_ops::status(&config, Duration::from_secs(2)).await {
+        said.push(format!("{e} {e:?}"));
+    }
+    said.push(format!("{config:?}"));
+    let log = String::from_utf8_lossy(&logs.lock().map_err(|_| "log lock")?).into_owned();
+    let all = said.join("\n");
+    assert!(all.contains("127.0.0.1:1") || all.contains("pg3"), "the failures were reported: {all}");
+    assert!(!all.contains(secret), "a password in output or errors:\n{all}");
+    assert!(!log.contains(secret), "a password in the logs");
+    let _ = std::io::stderr().flush();
+    Ok(())
+}
+
+fn host_port(ctx: &TestContext, h: usize) -> String {
+    let url = ctx.hosts()[h].url("x");
+    url.trim_start_matches("postgres://postgres@").split('/').next().unwrap_or_default().to_owned()
+}
