@@ -199,3 +199,79 @@ fn host_port(ctx: &TestContext, h: usize) -> String {
     let url = ctx.hosts()[h].url("x");
     url.trim_start_matches("postgres://postgres@").split('/').next().unwrap_or_default().to_owned()
 }
+
+/// The grants the request path needs, for `role`, in the current database: the shard
+/// schemas' tables, sequences and functions, and reading the catalog. (As documented in
+/// `docs/operations.md`, "Grants".)
+pub(crate) const APP_GRANTS: &str = "
+DO $$
+DECLARE s text;
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), '{role}');
+    FOR s IN SELECT nspname FROM pg_namespace WHERE nspname LIKE 'shard\\_%' LOOP
+        EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', s, '{role}');
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA %I TO %I', s, '{role}');
+        EXECUTE format('GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA %I TO %I', s, '{role}');
+    END LOOP;
+    IF to_regclass('shardline.cluster') IS NOT NULL THEN
+        EXECUTE format('GRANT USAGE ON SCHEMA shardline TO %I', '{role}');
+        EXECUTE format('GRANT SELECT ON shardline.cluster, shardline.hosts, shardline.shards, shardline.moves TO %I', '{role}');
+    END IF;
+END
+$$;";
+
+pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    // A role of this test's own (roles are per server), with the documented grants only.
+    let role = format!("app_{}", std::process::id());
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let exists: bool =
+            c.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
+        if !exists {
+            c.batch_execute(&format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE"))
+                .await?;
+        }
+        c.batch_execute(&APP_GRANTS.replace("{role}", &role)).await?;
+    }
+    let text = std::fs::read_to_string(f.path())?;
+    std::fs::write(f.path(), text.replace("postgres://postgres@", &format!("postgres://{role}@")))?;
+    let config = f.config()?;
+    assert!(config.hosts[0].url.expose().contains(&role));
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let comments = cluster.repo::<shardline_example_photos::Comment>()?;
+    let mut made = Vec::new();
+    for round in 0..3u64 {
+        // Idle long enough for the next insert to take the minter's catch-up path.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        made.extend(
+            photos.insert_many(&(0..8).map(|u| NewPhoto::numbered(u, round)).collect::<Vec<_>>()).await?,
+        );
+    }
+    let c = comments
+        .insert(&shardline_example_photos::NewComment { photo_id: made[0].id, user_id: 9, body: "ok".into() })
+        .await?;
+    assert_eq!(photos.get(made[0].id).await?, Some(made[0].clone()));
+    let ids: Vec<_> = made.iter().map(|p| p.id).collect();
+    assert!(photos.get_many(&ids).await?.missing.is_empty());
+    assert_eq!(photos.page_of_user(0, None, 10).await?.rows.len(), 3);
+    let now = std::time::SystemTime::now();
+    let window = photos.created_between(now - Duration::from_secs(60), now, 100).await?;
+    assert_eq!((window.rows.len(), window.missing.len()), (24, 0));
+    comments.delete(c.id).await?;
+    let shard = cluster.route_user(0).shard;
+    cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                tx.execute("UPDATE photos SET caption = 'edited' WHERE user_id = 0", &[]).await
+            })
+        })
+        .await?;
+    // And it cannot do what it was not granted: no DDL on a shard.
+    let pg = shardline_repo::catalog::connect(&config.hosts[0].url, "host pg1").await?;
+    let err = pg.batch_execute("DROP TABLE shard_0000.comments").await.unwrap_err();
+    assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
+    Ok(())
+}
