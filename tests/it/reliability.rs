@@ -275,3 +275,59 @@ pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> Tes
     assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
     Ok(())
 }
+
+pub(crate) async fn sql_injection_finds_no_way_in(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let text = std::fs::read_to_string(f.path())?;
+    // Through the config: a schema prefix, a host name, a table-like migrations path.
+    for (what, bad) in [
+        (
+            "schema_prefix",
+            text.replacen(
+                "logical_shards = 4",
+                "logical_shards = 4\nschema_prefix = \"s\\\"; DROP SCHEMA shardline CASCADE; --\"",
+                1,
+            ),
+        ),
+        (
+            "schema_prefix",
+            text.replacen("logical_shards = 4", "logical_shards = 4\nschema_prefix = \"shard_ö_\"", 1),
+        ),
+        (
+            "schema_prefix",
+            text.replacen(
+                "logical_shards = 4",
+                &format!("logical_shards = 4\nschema_prefix = \"{}\"", "a".repeat(60)),
+                1,
+            ),
+        ),
+        ("name", text.replacen("name = \"pg1\"", "name = \"pg1'; DROP TABLE x; --\"", 1)),
+        ("name", text.replacen("name = \"pg1\"", "name = \"pg 1\"", 1)),
+    ] {
+        std::fs::write(f.path(), &bad)?;
+        let (out, r) = cli_full(&f, &["init"]).await;
+        let err = r.unwrap_err();
+        assert!(err.contains(what) && out.is_empty(), "{what}: {err}");
+    }
+    std::fs::write(f.path(), &text)?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    // Through values: stored as given, never run.
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let evil = "'); DROP TABLE photos; --\"; SELECT pg_sleep(10); $$ \\ \u{0}x";
+    let evil = evil.replace('\u{0}', ""); // Postgres text cannot hold NUL; the driver refuses it
+    let p = photos.insert(&NewPhoto { user_id: 1, url: evil.clone(), caption: evil.clone() }).await?;
+    assert_eq!(photos.get(p.id).await?.map(|g| (g.url, g.caption)), Some((evil.clone(), evil)));
+    // A NUL byte is refused with an error, not truncated or run.
+    let nul = photos.insert(&NewPhoto { user_id: 1, url: "a\u{0}b".into(), caption: String::new() }).await;
+    assert!(nul.is_err());
+    // Through the CLI's arguments: a user or ID that is not a number never reaches SQL.
+    for args in [&["locate", "--user", "1; DROP TABLE photos"][..], &["locate", "--id", "1 OR 1=1"]] {
+        let (_, r) = cli_full(&f, args).await;
+        assert!(r.is_err(), "{args:?}");
+    }
+    let n: i64 =
+        f.client(&ctx, 0).await?.query_one("SELECT count(*) FROM shard_0001.photos", &[]).await?.get(0);
+    assert_eq!(n, 1, "the table is there, with the one row");
+    Ok(())
+}
