@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use shardline_example_photos::{NewPhoto, Photo};
+use shardline_ops::moves::MoveOptions;
 use shardline_repo::{Cluster, ClusterOptions};
 use shardline_testkit::harness::{TestContext, TestResult};
 
@@ -330,4 +331,124 @@ pub(crate) async fn sql_injection_finds_no_way_in(ctx: TestContext) -> TestResul
         f.client(&ctx, 0).await?.query_one("SELECT count(*) FROM shard_0001.photos", &[]).await?.get(0);
     assert_eq!(n, 1, "the table is there, with the one row");
     Ok(())
+}
+
+/// pg3 accepts TLS only, with a certificate from a CA the test makes; the catalog and
+/// pg3's shards live there. Everything works over verified TLS, moves included, and each
+/// way of getting TLS wrong is refused with an error that says so.
+pub(crate) async fn tls_only_hosts_work_verified_and_bad_certificates_are_refused(
+    ctx: TestContext,
+) -> TestResult {
+    use shardline_repo::catalog::connect;
+    use shardline_router::config::DbUrl;
+    use shardline_testkit::tls::TestCa;
+
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    let pg3 = &ctx.hosts()[2];
+    let admin_host = pg3.endpoint().host.clone();
+    // Another name for the same address, absent from the certificate.
+    let other_name = match admin_host.as_str() {
+        "127.0.0.1" => "localhost",
+        "localhost" => "127.0.0.1",
+        other => return Err(format!("the test needs pg3 on loopback, not {other}").into()),
+    };
+    let ca = TestCa::new("shardline test CA")?;
+    let cert = ca.issue(&[admin_host.as_str(), pg3.peer_endpoint().host.as_str()])?;
+    let dir = f.path().with_file_name("tls");
+    std::fs::create_dir_all(&dir)?;
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, ca.pem())?;
+    let stranger = dir.join("stranger.pem");
+    std::fs::write(&stranger, TestCa::new("somebody else's CA")?.pem())?;
+
+    let verify_full = |root: &std::path::Path| format!("sslmode=verify-full&sslrootcert={}", root.display());
+    let db = f.config()?.hosts[0].url.expose().rsplit('/').next().unwrap_or_default().to_owned();
+    let pg3_url = |params: &str| format!("{}?{params}", pg3.url(&db));
+    // The catalog and pg3 over verified TLS; pg3's peers reach it with libpq's `require`.
+    let write = |root: &std::path::Path| -> TestResult {
+        f.write_config(&ctx, |i, url| if i == 2 { format!("{url}?{}", verify_full(root)) } else { url }, 6)?;
+        let text = std::fs::read_to_string(f.path())?;
+        let catalog = text.lines().find(|l| l.starts_with("url = ")).ok_or("the catalog url")?.to_owned();
+        let peer = pg3.peer_url(&db);
+        let text = text
+            .replacen(&catalog, &format!("url = \"{}\"", pg3_url(&verify_full(root))), 1)
+            .replace(&format!("peer_url = \"{peer}\""), &format!("peer_url = \"{peer}?sslmode=require\""));
+        std::fs::write(f.path(), text)?;
+        Ok(())
+    };
+    write(&ca_file)?;
+
+    let tls_only = pg3.require_tls(&cert).await?;
+    // Whatever happens (a failed assertion included), pg3 is put back for the next test.
+    let outcome = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(async {
+        let config = f.config()?;
+        shardline_ops::init(&config, &options(1), &quiet).await?;
+        let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+        let photos = cluster.repo::<Photo>()?;
+        let mut saved = Vec::new();
+        for user in 0..6 {
+            saved.push(photos.insert(&NewPhoto::numbered(user, 1)).await?);
+        }
+        assert!(saved.iter().any(|p| cluster.route_id(p.id).is_ok_and(|r| r.host.as_str() == "pg3")));
+        // The pool's sessions on pg3, and the catalog's, are encrypted.
+        let encrypted = "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()";
+        let pool = cluster.client(&shardline_router::HostName::new("pg3")?).await?;
+        assert!(pool.query_one(encrypted, &[]).await?.get::<_, bool>(0), "pg3's pool is encrypted");
+        let catalog = connect(&config.catalog, "catalog").await?;
+        assert!(catalog.query_one(encrypted, &[]).await?.get::<_, bool>(0), "the catalog is encrypted");
+        // Moves off and onto the TLS-only host: replication crosses TLS too.
+        let off = shardline_ops::moves::run(&config, 4, "pg2", &MoveOptions::default()).await?;
+        let onto = shardline_ops::moves::run(&config, 0, "pg3", &MoveOptions::default()).await?;
+        assert_eq!((off.rows > 0, onto.rows > 0), (true, true), "{off:?} {onto:?}");
+        cluster.refresh().await?;
+        for p in &saved {
+            assert_eq!(photos.get(p.id).await?.as_ref(), Some(p));
+        }
+        assert_eq!(cluster.route_user(0).host.as_str(), "pg3");
+
+        // Without TLS: refused by the server, saying so.
+        let plain = connect(&DbUrl::new(pg3_url("sslmode=disable")), "host pg3").await.unwrap_err();
+        assert!(plain.to_string().contains("no encryption"), "{plain}");
+        // `require` without a CA encrypts without checking, as libpq does.
+        let unchecked = connect(&DbUrl::new(pg3_url("sslmode=require")), "host pg3").await?;
+        assert!(unchecked.query_one(encrypted, &[]).await?.get::<_, bool>(0));
+        // A certificate from a CA we do not trust.
+        let untrusted = connect(&DbUrl::new(pg3_url(&verify_full(&stranger))), "host pg3").await.unwrap_err();
+        let text = untrusted.to_string();
+        assert!(matches!(untrusted, shardline_repo::Error::Tls { .. }), "{text}");
+        assert!(text.starts_with("host pg3: TLS: the server's certificate was refused:"), "{text}");
+        assert!(text.contains("UnknownIssuer"), "{text}");
+        assert!(!untrusted.is_retryable(), "a refused certificate is not worth retrying: {text}");
+        // The right CA but a name the certificate does not hold: `verify-full` refuses,
+        // `verify-ca` (the chain only) accepts.
+        let by_other_name = |params: String| {
+            DbUrl::new(pg3_url(&params).replacen(&format!("@{admin_host}:"), &format!("@{other_name}:"), 1))
+        };
+        let wrong_name = connect(&by_other_name(verify_full(&ca_file)), "host pg3").await.unwrap_err();
+        assert!(
+            wrong_name.to_string().contains(&format!("not valid for name {other_name:?}")),
+            "{wrong_name}"
+        );
+        let chain_only = by_other_name(format!("sslmode=verify-ca&sslrootcert={}", ca_file.display()));
+        connect(&chain_only, "host pg3").await?;
+        // TLS demanded of a host that does not offer it.
+        let pg2 = &ctx.hosts()[1];
+        let no_tls =
+            connect(&DbUrl::new(format!("{}?sslmode=require", pg2.url(&db))), "host pg2").await.unwrap_err();
+        assert!(no_tls.to_string().contains("server does not support TLS"), "{no_tls}");
+
+        // A whole cluster configured with the wrong CA: the request path says why.
+        write(&stranger)?;
+        let err = Cluster::connect(&f.config()?, ClusterOptions::default()).await.unwrap_err();
+        assert!(err.to_string().starts_with("catalog: TLS: the server's certificate was refused"), "{err}");
+        let (out, result) = cli_full(&f, &["map"]).await;
+        let said = result.unwrap_err();
+        assert!(said.contains("catalog: TLS: the server's certificate was refused"), "{said}");
+        assert!(out.is_empty(), "{out}");
+        write(&ca_file)?;
+        TestResult::Ok(())
+    }))
+    .await;
+    tls_only.restore().await?;
+    outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }

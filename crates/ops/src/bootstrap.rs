@@ -182,7 +182,7 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
         match r {
             Ok(clients) => ok.push((name, clients)),
             Err(shardline_repo::Error::Connect { source, .. }) => {
-                down.push((name.to_string(), source.to_string()))
+                down.push((name.to_string(), shardline_repo::error_chain(&source)))
             }
             Err(e) => down.push((name.to_string(), e.to_string())),
         }

@@ -249,7 +249,7 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> (Option<String>, String) {
             }
             (Some(db.code().code().to_owned()), m)
         }
-        None => (e.code().map(|c| c.code().to_owned()), e.to_string()),
+        None => (e.code().map(|c| c.code().to_owned()), shardline_repo::error_chain(e)),
     }
 }
 

@@ -6,13 +6,12 @@
 //! `shardline.cluster.map_version` and sends `NOTIFY shardline_map, '<version>'`, by
 //! trigger, so even a change made by hand in `psql` reaches the routers.
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use shardline_id::Layout;
 use shardline_router::config::DbUrl;
 use shardline_router::{Config, HostName, SchemaPrefix, ShardCount, ShardMap};
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::{Error, Result};
 
@@ -164,10 +163,9 @@ impl ClusterInfo {
 /// [`Error::BadUrl`] when the URL does not parse; [`Error::Connect`] when the server
 /// cannot be reached or refuses.
 pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
-    let (client, connection) = pg_config(url, target)?
-        .connect(NoTls)
-        .await
-        .map_err(|source| Error::Connect { target: target.to_owned(), source })?;
+    let (config, tls) = crate::tls::prepare(url, target)?;
+    let (client, connection) =
+        with_defaults(config).connect(tls).await.map_err(|source| connect_error(target, source))?;
     let target = target.to_owned();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
@@ -185,15 +183,51 @@ pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
 ///
 /// [`Error::BadUrl`] naming `target` (never the URL) when the URL does not parse.
 pub fn pg_config(url: &DbUrl, target: &str) -> Result<tokio_postgres::Config> {
-    let mut config = tokio_postgres::Config::from_str(url.expose())
-        .map_err(|e| Error::BadUrl { target: target.to_owned(), message: e.to_string() })?;
+    crate::tls::prepare(url, target).map(|(config, _)| with_defaults(config))
+}
+
+/// The TLS connector `url`'s `sslmode` and `sslrootcert` call for (rustls), with the
+/// driver's configuration as [`pg_config`] gives it.
+///
+/// # Errors
+///
+/// As [`pg_config`]; [`Error::Tls`] when the trusted certificates cannot be read.
+pub fn pg_config_tls(
+    url: &DbUrl,
+    target: &str,
+) -> Result<(tokio_postgres::Config, tokio_postgres_rustls::MakeRustlsConnect)> {
+    crate::tls::prepare(url, target).map(|(config, tls)| (with_defaults(config), tls))
+}
+
+/// The error for a failed connection: [`Error::Tls`] when the server's certificate was
+/// refused, [`Error::Connect`] otherwise.
+pub(crate) fn connect_error(target: &str, source: tokio_postgres::Error) -> Error {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(&source);
+    while let Some(e) = cause {
+        let tls = e.downcast_ref::<rustls::Error>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(tls) = tls {
+            return Error::Tls {
+                target: target.to_owned(),
+                message: format!("the server's certificate was refused: {tls}"),
+            };
+        }
+        cause = e.source();
+    }
+    Error::Connect { target: target.to_owned(), source }
+}
+
+fn with_defaults(mut config: tokio_postgres::Config) -> tokio_postgres::Config {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
     }
     if config.get_application_name().is_none() {
         config.application_name("shardline");
     }
-    Ok(config)
+    config
 }
 
 /// A connection to the catalog.
@@ -331,10 +365,9 @@ impl MapListener {
     /// As [`connect`]; [`Error::Catalog`] when `LISTEN` fails.
     pub async fn start(url: &DbUrl) -> Result<MapListener> {
         use futures::StreamExt as _;
-        let (client, mut connection) = pg_config(url, "catalog")?
-            .connect(NoTls)
-            .await
-            .map_err(|source| Error::Connect { target: "catalog".into(), source })?;
+        let (config, tls) = pg_config_tls(url, "catalog")?;
+        let (client, mut connection) =
+            config.connect(tls).await.map_err(|source| connect_error("catalog", source))?;
         let (tx, versions) = tokio::sync::mpsc::unbounded_channel();
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         tokio::spawn(async move {

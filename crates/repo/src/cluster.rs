@@ -14,7 +14,6 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, R
 use shardline_id::{Id, Layout};
 use shardline_router::{Config, HostName, LogicalShard, Route, SchemaPrefix, ShardMap};
 use tokio::sync::Mutex;
-use tokio_postgres::NoTls;
 
 use crate::catalog::{self, Catalog, MapListener};
 use crate::{Error, Result};
@@ -95,10 +94,10 @@ impl Cluster {
         let mut pools = HashMap::new();
         for h in &config.hosts {
             let target = format!("host {}", h.name);
-            let mut pg = catalog::pg_config(&h.url, &target)?;
+            let (mut pg, tls) = catalog::pg_config_tls(&h.url, &target)?;
             pg.connect_timeout(options.connect_timeout);
             let manager =
-                Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+                Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
             let pool = Pool::builder(manager)
                 .max_size(options.pool_size.max(1))
                 .runtime(Runtime::Tokio1)
@@ -199,7 +198,18 @@ impl Cluster {
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
         let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.to_string() })?;
-        pool.get().await.map_err(|e| Error::Pool { host: host.to_string(), message: e.to_string() })
+        pool.get().await.map_err(|e| {
+            let message = e.to_string();
+            match e {
+                deadpool_postgres::PoolError::Backend(source) => {
+                    match catalog::connect_error(&format!("host {host}"), source) {
+                        tls @ Error::Tls { .. } => tls,
+                        _ => Error::Pool { host: host.to_string(), message },
+                    }
+                }
+                _ => Error::Pool { host: host.to_string(), message },
+            }
+        })
     }
 }
 

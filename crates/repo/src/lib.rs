@@ -49,6 +49,7 @@ pub mod entity;
 pub mod ids;
 pub mod repository;
 pub mod shard;
+mod tls;
 
 pub use catalog::{Catalog, ClusterInfo};
 pub use cluster::{Cluster, ClusterOptions};
@@ -97,8 +98,18 @@ pub enum Error {
         /// The driver's complaint.
         message: String,
     },
+    /// TLS could not be set up: the trusted certificates named by `sslrootcert` cannot be
+    /// read, or the server's certificate was refused. Not retryable: the configuration
+    /// or the server's certificate must change.
+    #[error("{target}: TLS: {message}")]
+    Tls {
+        /// What was being reached: `catalog` or `host pg1`.
+        target: String,
+        /// What is wrong, naming the file or the certificate problem.
+        message: String,
+    },
     /// A server that cannot be reached or refuses the connection.
-    #[error("{target} is unreachable: {source}")]
+    #[error("{target} is unreachable: {}", error_chain(source))]
     Connect {
         /// What was being reached: `catalog` or `host pg1`.
         target: String,
@@ -107,7 +118,7 @@ pub enum Error {
         source: tokio_postgres::Error,
     },
     /// A statement on the catalog failed.
-    #[error("catalog: {what} failed (SQLSTATE {}): {source}", sqlstate.as_deref().unwrap_or("none"))]
+    #[error("catalog: {what} failed (SQLSTATE {}): {}", sqlstate.as_deref().unwrap_or("none"), error_chain(source))]
     Catalog {
         /// What was being done.
         what: &'static str,
@@ -289,6 +300,23 @@ impl Error {
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error and its causes on one line, `: `-separated. The driver's errors say only
+/// their kind ("db error", "error performing TLS handshake"); the reason is in the
+/// causes.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
 
 const _: () = {
     const fn assert_send_sync<T: Send + Sync + 'static>() {}

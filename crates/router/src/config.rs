@@ -17,6 +17,10 @@
 //! # peer_url = "..."               # how other hosts reach this one (moves); default: url
 //! ```
 //!
+//! TLS is asked for in the URL, as with libpq: `?sslmode=verify-full&sslrootcert=ca.pem`
+//! (see [`crate::tls`]). A `peer_url` is handed to PostgreSQL as it is, so its
+//! `sslrootcert` is a path on the host that connects.
+//!
 //! Unknown keys are refused. Every error names the file, the line and the key. Secrets
 //! need not sit in the file: `*_env` keys take a whole URL from the environment, and
 //! `${VAR}` inside a URL is replaced from it. URLs print with their password redacted.
@@ -80,6 +84,16 @@ impl DbUrl {
     /// The URL with any password replaced by `***`.
     pub fn redacted(&self) -> String {
         redact(&self.0)
+    }
+
+    /// What the URL asks of TLS (`sslmode`, `sslrootcert`), and the URL without those
+    /// keys for the driver. See [`crate::tls`].
+    ///
+    /// # Errors
+    ///
+    /// A message naming the key that is wrong (never the URL).
+    pub fn tls(&self) -> std::result::Result<crate::tls::TlsParams, String> {
+        crate::tls::parse(&self.0)
     }
 }
 
@@ -290,8 +304,11 @@ impl Config {
             Some(c) => {
                 let at = c.span().start;
                 let c = c.into_inner();
-                src.url(at, "catalog.url", c.url, c.url_env)?
-                    .ok_or_else(|| src.err(at, "catalog", "needs url or url_env"))?
+                let url = src
+                    .url(at, "catalog.url", c.url, c.url_env)?
+                    .ok_or_else(|| src.err(at, "catalog", "needs url or url_env"))?;
+                url.tls().map_err(|m| src.err(at, "catalog.url", m))?;
+                url
             }
         };
         let Some(raw_hosts) = raw.hosts else {
@@ -318,6 +335,7 @@ impl Config {
             let url = src
                 .url(at, &key("url"), h.url, h.url_env)?
                 .ok_or_else(|| src.err(at, &key("url"), "missing: give url or url_env"))?;
+            url.tls().map_err(|m| src.err(at, &key("url"), m))?;
             let peer_url =
                 src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)?.unwrap_or_else(|| url.clone());
             hosts.push(HostConfig { name: host_name, url, peer_url });
@@ -438,6 +456,29 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             let err = load(&text).unwrap_err().to_string();
             assert!(err.contains(message), "{extra:?}: {err}");
         }
+    }
+
+    #[test]
+    fn tls_mistakes_name_their_line_and_key() {
+        for (text, message) in [
+            (
+                "[catalog]\nurl = \"postgres://c/db?sslmode=verify-full\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:1: catalog.url: sslmode=verify-full needs sslrootcert",
+            ),
+            (
+                "[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db?sslmode=on\"\n",
+                "shardline.toml:3: hosts[0].url: sslmode=\"on\" is not one of",
+            ),
+        ] {
+            let err = load(text).unwrap_err().to_string();
+            assert!(err.contains(message), "{text:?}: {err}");
+            assert!(!err.contains("postgres://"), "the URL stays out of the error: {err}");
+        }
+        let ok = load(
+            "[catalog]\nurl = \"postgres://c/db?sslmode=verify-full&sslrootcert=/ca.pem\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db?sslmode=require\"\n",
+        )
+        .unwrap();
+        assert_eq!(ok.catalog.tls().unwrap().mode, crate::tls::SslMode::VerifyFull);
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub mod hash;
 pub mod map;
 pub mod shard;
 
+pub mod tls;
+
 pub use config::Config;
 pub use map::{Route, ShardMap};
 pub use shard::{HostName, LogicalShard, SchemaName, SchemaPrefix, ShardCount};

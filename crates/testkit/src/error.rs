@@ -134,6 +134,12 @@ pub enum Error {
         after: Duration,
     },
 
+    /// A test certificate could not be made.
+    #[error("making a test certificate: {message}")]
+    Certificate {
+        /// What rcgen said.
+        message: String,
+    },
     /// A name given to the kit cannot be used as a database name.
     #[error("{name:?} cannot name a test database: {reason}")]
     BadName {

@@ -26,6 +26,8 @@
 //! - [`cluster`]: [`Cluster`], starting, healing and removing a set of hosts.
 //! - [`host`]: [`Host`], its URLs and fault handles; the [`HostControl`] trait.
 //! - [`backend`]: choosing a backend; the [`Backend`] trait.
+//! - [`tls`]: certificates made on the spot; [`Host::require_tls`] makes a host
+//!   TLS-only.
 //! - [`harness`]: a test `main` with one runtime and one cluster per test binary,
 //!   a database per test, and exclusive tests for the ones that fault hosts.
 //!
@@ -54,6 +56,7 @@ mod error;
 pub mod harness;
 pub mod host;
 mod local;
+pub mod tls;
 
 pub use backend::{Backend, BackendKind};
 pub use cluster::Cluster;

@@ -258,6 +258,10 @@ impl LocalHost {
         for (key, value) in server_settings() {
             cmd.arg("-c").arg(format!("{key}={value}"));
         }
+        // The server's own libpq (subscriptions) looks for client certificates under
+        // $HOME/.postgresql; as root, HOME would be /root, which the server's user cannot
+        // read, and a TLS subscription would fail on it.
+        cmd.env("HOME", &self.dir);
         cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
         if let Some((uid, gid)) = self.user {
             cmd.uid(uid).gid(gid);

@@ -1,0 +1,236 @@
+//! TLS for every connection shardline opens (host pools, the catalog, the map listener,
+//! the operations' sessions): rustls with the `ring` provider, doing what the URL's
+//! `sslmode` says, as libpq does (see [`shardline_router::tls`]).
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use shardline_router::config::DbUrl;
+use shardline_router::tls::{RootCert, SslMode, TlsParams};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::{Error, Result};
+
+/// The driver's configuration for `url` and the TLS connector its `sslmode` calls for.
+///
+/// # Errors
+///
+/// [`Error::BadUrl`] when the URL does not parse; [`Error::Tls`] when the trusted
+/// certificates cannot be read. Both name `target`, never the URL.
+pub(crate) fn prepare(url: &DbUrl, target: &str) -> Result<(tokio_postgres::Config, MakeRustlsConnect)> {
+    let params = url.tls().map_err(|message| Error::BadUrl { target: target.to_owned(), message })?;
+    let mut config = tokio_postgres::Config::from_str(&params.driver_url)
+        .map_err(|e| Error::BadUrl { target: target.to_owned(), message: e.to_string() })?;
+    config.ssl_mode(match params.mode {
+        SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+        SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        _ => tokio_postgres::config::SslMode::Require,
+    });
+    let connector = MakeRustlsConnect::new(client_config(&params, target)?);
+    Ok((config, connector))
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn client_config(params: &TlsParams, target: &str) -> Result<ClientConfig> {
+    let provider = provider();
+    let tls_err = |message: String| Error::Tls { target: target.to_owned(), message };
+    let builder = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| tls_err(e.to_string()))?;
+    let verifier: Arc<dyn ServerCertVerifier> = match (&params.root_cert, params.verifies_chain()) {
+        (Some(root), true) => {
+            let roots = Arc::new(roots(root).map_err(tls_err)?);
+            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+                .build()
+                .map_err(|e| tls_err(e.to_string()))?;
+            if params.mode == SslMode::VerifyFull { webpki } else { Arc::new(ChainOnly(webpki)) }
+        }
+        _ => Arc::new(Unverified(provider.signature_verification_algorithms)),
+    };
+    Ok(builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth())
+}
+
+fn roots(root: &RootCert) -> std::result::Result<RootCertStore, String> {
+    let mut store = RootCertStore::empty();
+    match root {
+        RootCert::File(path) => {
+            let certs = read_pem(path)?;
+            let (_, refused) = store.add_parsable_certificates(certs);
+            if store.is_empty() {
+                return Err(format!(
+                    "sslrootcert {}: no usable certificate ({refused} refused)",
+                    path.display()
+                ));
+            }
+        }
+        RootCert::System => {
+            let found = rustls_native_certs::load_native_certs();
+            store.add_parsable_certificates(found.certs);
+            if store.is_empty() {
+                let why = found.errors.first().map(|e| format!(": {e}")).unwrap_or_default();
+                return Err(format!("sslrootcert=system: the system has no trusted certificate{why}"));
+            }
+        }
+        _ => return Err("this kind of sslrootcert is not supported".into()),
+    }
+    Ok(store)
+}
+
+fn read_pem(path: &Path) -> std::result::Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("sslrootcert {}: no PEM certificate in the file", path.display()));
+    }
+    Ok(certs)
+}
+
+/// `sslmode=verify-ca`: the chain must lead to a trusted root; the name is not checked.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// `sslmode=prefer` and `require` without `sslrootcert`: encrypted, and the handshake's
+/// signatures are checked, but the certificate is trusted as libpq trusts it: blindly.
+struct Unverified(WebPkiSupportedAlgorithms);
+
+impl fmt::Debug for Unverified {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Unverified")
+    }
+}
+
+impl ServerCertVerifier for Unverified {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prepared(url: &str) -> Result<tokio_postgres::Config> {
+        prepare(&DbUrl::new(url.to_owned()), "host pg9").map(|(c, _)| c)
+    }
+
+    #[test]
+    fn modes_reach_the_driver() {
+        use tokio_postgres::config::SslMode as Driver;
+        for (url, mode) in [
+            ("postgres://u:pw@h/db", Driver::Prefer),
+            ("postgres://u:pw@h/db?sslmode=disable", Driver::Disable),
+            ("postgres://u:pw@h/db?sslmode=require", Driver::Require),
+            ("host=h user=u sslmode=prefer", Driver::Prefer),
+        ] {
+            assert_eq!(prepared(url).unwrap().get_ssl_mode(), mode, "{url}");
+        }
+    }
+
+    #[test]
+    fn unreadable_roots_are_named_and_the_url_is_not() {
+        let dir = std::env::temp_dir().join(format!("shardline-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let garbage = dir.join("garbage.pem");
+        std::fs::write(&garbage, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
+        for (root, wanted) in [
+            (dir.join("missing.pem"), "missing.pem: "),
+            (empty.clone(), "no PEM certificate in the file"),
+            (garbage.clone(), "no usable certificate (1 refused)"),
+        ] {
+            let url = format!("postgres://u:hunter2@h/db?sslmode=verify-full&sslrootcert={}", root.display());
+            let err = prepared(&url).unwrap_err();
+            let text = err.to_string();
+            assert!(matches!(err, Error::Tls { .. }), "{text}");
+            assert!(text.starts_with("host pg9: TLS: "), "{text}");
+            assert!(text.contains(wanted), "{text}");
+            assert!(!text.contains("hunter2"), "{text}");
+        }
+        let err = prepared("postgres://u:hunter2@h/db?sslmode=verify-ca").unwrap_err().to_string();
+        assert!(err.contains("needs sslrootcert") && !err.contains("hunter2"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
