@@ -558,25 +558,15 @@ pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestCon
     Ok(())
 }
 
-pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 300).await?;
-    let config = f.config()?;
-    let done_on_pg2 = Mutex::new(0usize);
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let tx = Mutex::new(Some(tx));
-    let progress = |p: Progress| {
-        if let Progress::ShardDone { host, .. } = p
-            && host.as_str() == "pg2"
-            && let Ok(mut n) = done_on_pg2.lock()
-        {
-            *n += 1;
-            if *n == 5
-                && let Some(tx) = tx.lock().ok().and_then(|mut t| t.take())
-            {
-                let _ = tx.send(());
-            }
-        }
-    };
+/// Runs `work` (whose progress goes to `switch.see`) and kills pg2 once `after` of its
+/// shards are done; returns `work`'s result and how many of pg2's shards were done.
+async fn kill_pg2_during<T>(
+    ctx: &TestContext,
+    switch: &KillSwitch,
+    after: usize,
+    work: impl std::future::Future<Output = T>,
+) -> Result<(T, usize), BoxError> {
+    let rx = switch.arm(after)?;
     let pg2 = &ctx.hosts()[1];
     let killer = async {
         if rx.await.is_ok() {
@@ -584,12 +574,74 @@ pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestC
         }
         Ok::<_, BoxError>(())
     };
-    let one_job = options(1);
-    let (result, killed) = tokio::join!(shardline_ops::init(&config, &one_job, &progress), killer);
+    let (result, killed) = tokio::join!(work, killer);
     killed?;
+    Ok((result, switch.done()))
+}
+
+/// A progress callback that fires once pg2 has finished `after` shards.
+#[derive(Default)]
+struct KillSwitch {
+    done_on_pg2: Mutex<usize>,
+    after: Mutex<usize>,
+    tx: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+}
+
+impl KillSwitch {
+    fn arm(&self, after: usize) -> Result<tokio::sync::oneshot::Receiver<()>, BoxError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *self.tx.lock().map_err(|_| "poisoned")? = Some(tx);
+        *self.after.lock().map_err(|_| "poisoned")? = after;
+        *self.done_on_pg2.lock().map_err(|_| "poisoned")? = 0;
+        Ok(rx)
+    }
+
+    fn done(&self) -> usize {
+        self.done_on_pg2.lock().map(|n| *n).unwrap_or_default()
+    }
+
+    fn see(&self, p: Progress) {
+        if let Progress::ShardDone { host, .. } = p
+            && host.as_str() == "pg2"
+            && let Ok(mut n) = self.done_on_pg2.lock()
+        {
+            *n += 1;
+            if Some(*n) == self.after.lock().ok().map(|a| *a)
+                && let Some(tx) = self.tx.lock().ok().and_then(|mut t| t.take())
+            {
+                let _ = tx.send(());
+            }
+        }
+    }
+}
+
+/// Every shard schema on every host has exactly one of the ledgers in `whole`; returns
+/// how many shard schemas there are in all.
+async fn each_shard_whole(f: &Fixture, ctx: &TestContext, whole: &[Vec<String>]) -> Result<usize, BoxError> {
+    let mut present_in_all = 0;
+    for h in 0..3 {
+        let c = f.client(ctx, h).await?;
+        let present = schemas(&c).await?;
+        let l = ledger(&c).await?;
+        for s in &present {
+            let applied = l.get(s).cloned().unwrap_or_default();
+            assert!(whole.contains(&applied), "{s} on pg{} is half done: {applied:?}", h + 1);
+        }
+        assert_eq!(l.len(), present.len());
+        present_in_all += present.len();
+    }
+    Ok(present_in_all)
+}
+
+pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 300).await?;
+    let config = f.config()?;
+    let switch = KillSwitch::default();
+    let see = |p| switch.see(p);
+    let (result, interrupted_at) =
+        kill_pg2_during(&ctx, &switch, 5, shardline_ops::init(&config, &options(1), &see)).await?;
     let err = result.expect_err("init should fail when a host dies under it");
     assert!(err.to_string().contains("pg2"), "the error should name pg2: {err}");
-    let interrupted_at = done_on_pg2.lock().map(|n| *n).unwrap_or_default();
     assert!(interrupted_at < 100, "pg2 finished before it was killed ({interrupted_at} shards)");
 
     // While pg2 is down, a re-run refuses and changes nothing.
@@ -600,18 +652,8 @@ pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestC
     );
 
     // After the crash, each shard is whole or absent, on every host.
-    pg2.start().await?;
-    let mut survived = 0;
-    for h in 0..3 {
-        let c = f.client(&ctx, h).await?;
-        let present = schemas(&c).await?;
-        let l = ledger(&c).await?;
-        for s in &present {
-            assert_eq!(l.get(s), Some(&all_migrations()), "{s} on pg{} survived the crash half done", h + 1);
-        }
-        assert_eq!(l.len(), present.len());
-        survived += present.len();
-    }
+    ctx.hosts()[1].start().await?;
+    let survived = each_shard_whole(&f, &ctx, &[all_migrations()]).await?;
     assert!(survived < 300, "every shard was done before the kill");
     let report: Report = shardline_ops::init(&config, &options(2), &quiet).await?;
     assert!(!report.catalog_created && report.shards_placed == 0, "{report:?}");
@@ -632,5 +674,56 @@ pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestC
         .get(0);
     assert_eq!(ready, 300);
     assert!(!shardline_ops::init(&config, &options(2), &quiet).await?.changed());
+    Ok(())
+}
+
+pub(crate) async fn migrate_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 150).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(2), &quiet).await?;
+    f.migration(
+        "0005_photo_tags.sql",
+        "ALTER TABLE photos ADD COLUMN tags text[] NOT NULL DEFAULT '{}';\nSELECT pg_sleep(0.01);\n",
+    )?;
+    let before = all_migrations();
+    let mut after = before.clone();
+    after.insert(4, "0005_photo_tags.sql".to_owned());
+
+    let switch = KillSwitch::default();
+    let see = |p| switch.see(p);
+    let (result, interrupted_at) =
+        kill_pg2_during(&ctx, &switch, 5, shardline_ops::migrate(&config, &options(1), &see)).await?;
+    let err = result.expect_err("migrate should fail when a host dies under it");
+    assert!(err.to_string().contains("pg2"), "the error should name pg2: {err}");
+    assert!(interrupted_at < 50, "pg2 finished before it was killed ({interrupted_at} shards)");
+    // While pg2 is down, a re-run refuses before changing anything.
+    let err = shardline_ops::migrate(&config, &options(1), &quiet).await.unwrap_err();
+    assert!(matches!(&err, OpsError::Unreachable { hosts } if hosts[0].0 == "pg2"), "{err:?}");
+
+    // After the crash every shard has the new migration whole (column and ledger row) or
+    // not at all; none is lost.
+    ctx.hosts()[1].start().await?;
+    assert_eq!(each_shard_whole(&f, &ctx, &[before.clone(), after.clone()]).await?, 150);
+    let c = f.client(&ctx, 1).await?;
+    let with_column: i64 = c
+        .query_one(
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'photos' AND column_name = 'tags'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let with_ledger = ledger(&c).await?.values().filter(|l| **l == after).count();
+    assert_eq!(usize::try_from(with_column)?, with_ledger, "a column without its ledger row, or the reverse");
+    assert!((5..50).contains(&with_ledger), "{with_ledger} of pg2's shards migrated before the kill");
+
+    let mut pending = 0;
+    for h in 0..3 {
+        pending += ledger(&f.client(&ctx, h).await?).await?.values().filter(|l| **l != after).count();
+    }
+    assert!(pending >= 50 - with_ledger, "pg2's unmigrated shards are pending");
+    let report = shardline_ops::migrate(&config, &options(2), &quiet).await?;
+    assert_eq!(report.migrations_applied, pending, "{report:?}");
+    assert_eq!(each_shard_whole(&f, &ctx, &[after.clone()]).await?, 150);
+    assert!(!shardline_ops::migrate(&config, &options(2), &quiet).await?.changed());
     Ok(())
 }

@@ -72,10 +72,12 @@ fn main() {
             faults::restart_keeps_the_url_and_the_data,
             faults::handles_refuse_what_makes_no_sense,
             bootstrap::init_interrupted_by_a_killed_host_completes_later,
+            bootstrap::migrate_interrupted_by_a_killed_host_completes_later,
             repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
             moves::hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned,
             reliability::with_the_catalog_down_known_routes_work_and_map_changes_are_refused,
             reliability::tls_only_hosts_work_verified_and_bad_certificates_are_refused,
+            reliability::a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write,
         ],
     )
     .run()

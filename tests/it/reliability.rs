@@ -452,3 +452,262 @@ pub(crate) async fn tls_only_hosts_work_verified_and_bad_certificates_are_refuse
     tls_only.restore().await?;
     outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
+
+/// How one write of the load ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    /// Acknowledged with this ID.
+    Written(shardline_id::Id),
+    /// Failed with an error that says the write may have been applied.
+    Unknown(String),
+    /// Failed, every time, with errors that say it was not applied.
+    NotWritten(String),
+}
+
+/// One write of the load: its caption, how long it took, when it started, how it ended.
+type Attempt = (String, Duration, Instant, Outcome);
+
+/// One writer per user, inserting photos captioned `{tag}-{user}-{n}` until `stop`.
+/// A failure that says the write was not applied is retried with the same caption (a
+/// false "not applied" would show as a caption written twice); one whose outcome is
+/// unknown is not.
+fn write_load(
+    photos: &shardline_repo::Repo<Photo>,
+    users: &[i64],
+    tag: &'static str,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<Attempt>>> {
+    users
+        .iter()
+        .map(|&user| {
+            let photos = photos.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut log = Vec::new();
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    n += 1;
+                    let caption = format!("{tag}-{user}-{n}");
+                    let new = NewPhoto { user_id: user, url: "https://cdn.example/x.jpg".into(), caption };
+                    let started = Instant::now();
+                    let mut tries = 0;
+                    let outcome = loop {
+                        tries += 1;
+                        let t = Instant::now();
+                        match photos.insert(&new).await {
+                            Ok(p) => break Outcome::Written(p.id),
+                            Err(e) if e.outcome_unknown() => break Outcome::Unknown(e.to_string()),
+                            Err(e) if tries < 40 && e.is_retryable() => {
+                                log.push((
+                                    format!("{} (try {tries})", new.caption),
+                                    t.elapsed(),
+                                    t,
+                                    Outcome::NotWritten(e.to_string()),
+                                ));
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            Err(e) => break Outcome::NotWritten(e.to_string()),
+                        }
+                    };
+                    log.push((new.caption.clone(), started.elapsed(), started, outcome));
+                }
+                log
+            })
+        })
+        .collect()
+}
+
+/// Every row of `users`, by caption.
+async fn rows_by_caption(
+    photos: &shardline_repo::Repo<Photo>,
+    users: &[i64],
+) -> Result<std::collections::HashMap<String, Vec<Photo>>, crate::bootstrap::BoxError> {
+    let mut out: std::collections::HashMap<String, Vec<Photo>> = std::collections::HashMap::new();
+    for &user in users {
+        let mut before = None;
+        loop {
+            let page = photos.page_of_user(user, before, 500).await?;
+            for p in page.rows {
+                out.entry(p.caption.clone()).or_default().push(p);
+            }
+            match page.next {
+                Some(next) => before = Some(next),
+                None => break,
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What the load's log and the rows must agree on: every acknowledged write is there
+/// once with its ID, nothing said "not applied" is there, nothing is there twice.
+/// Returns (written, unknown and found, unknown and absent, not written).
+fn check_writes(
+    log: &[Attempt],
+    rows: &std::collections::HashMap<String, Vec<Photo>>,
+) -> (usize, usize, usize, usize) {
+    let mut counts = (0, 0, 0, 0);
+    for (caption, _, _, outcome) in log.iter().filter(|(c, ..)| !c.contains(" (try ")) {
+        let found = rows.get(caption).map_or(&[][..], Vec::as_slice);
+        assert!(found.len() <= 1, "{caption} was written {} times", found.len());
+        match outcome {
+            Outcome::Written(id) => {
+                assert_eq!(found.first().map(|p| p.id), Some(*id), "acknowledged {caption} is lost");
+                counts.0 += 1;
+            }
+            Outcome::Unknown(_) if found.is_empty() => counts.2 += 1,
+            Outcome::Unknown(_) => counts.1 += 1,
+            Outcome::NotWritten(e) => {
+                assert!(
+                    found.is_empty(),
+                    "{caption} failed with \"{e}\", said to be not applied, yet it is there"
+                );
+                counts.3 += 1;
+            }
+        }
+    }
+    counts
+}
+
+pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write(
+    ctx: TestContext,
+) -> TestResult {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let timeout = Duration::from_secs(1);
+    let o = ClusterOptions {
+        pool_size: 4,
+        host_timeout: timeout,
+        connect_timeout: timeout,
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::connect(&config, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let mut users: Vec<i64> = Vec::new();
+    for host in ["pg1", "pg2", "pg3"] {
+        users.extend((0..600).filter(|u| cluster.route_user(*u).host.as_str() == host).take(2));
+    }
+    let on_pg2 = |caption: &str| {
+        users.iter().skip(2).take(2).any(|u| caption.split('-').nth(1) == Some(&u.to_string()))
+    };
+    // Whoever waits, waits at most the host timeout (plus the pool's own wait, and slack
+    // for two busy cores).
+    let limit = timeout * 2 + Duration::from_millis(1500);
+    let pg2 = &ctx.hosts()[1];
+
+    // Killed: a crash under a write load, then a restart.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = write_load(&photos, &users, "kill", stop.clone());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    pg2.kill().await?;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    pg2.start().await?;
+    let back = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut log = Vec::new();
+    for w in writers {
+        log.extend(w.await?);
+    }
+    for (caption, took, _, outcome) in &log {
+        if !matches!(outcome, Outcome::Written(_)) {
+            assert!(on_pg2(caption), "{caption} is not on pg2 yet failed: {outcome:?}");
+            assert!(*took < limit, "{caption} waited {took:?}");
+            let (Outcome::Unknown(e) | Outcome::NotWritten(e)) = outcome else { continue };
+            assert!(e.contains("pg2"), "the error names the host: {e}");
+        }
+    }
+    assert!(
+        log.iter().any(|(c, .., o)| on_pg2(c) && !matches!(o, Outcome::Written(_))),
+        "the kill hit no write"
+    );
+    assert!(
+        log.iter().any(|(c, _, at, o)| on_pg2(c) && *at > back && matches!(o, Outcome::Written(_))),
+        "the same handle writes to pg2 again after its restart"
+    );
+    assert!(
+        log.iter().any(|(c, ..)| c.contains(" (try ")),
+        "no write failed as not applied and was retried with the same caption"
+    );
+    let rows = rows_by_caption(&photos, &users).await?;
+    let killed = check_writes(&log, &rows);
+    assert!(killed.0 > 0);
+
+    // Hung: pg2 paused for longer than the timeout, under the same load, while single
+    // reads, a get-many, a batch insert and a page are asked of it.
+    let on1 = photos.insert(&NewPhoto::numbered(users[0], 1)).await?;
+    let on2 = photos.insert(&NewPhoto::numbered(users[2], 1)).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = write_load(&photos, &users, "pause", stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pg2.pause().await?;
+    let timed = |what: &'static str| {
+        move |(took, result): (Duration, Result<String, shardline_repo::Error>)| -> Result<(), String> {
+            let e = match result {
+                Ok(v) => return Err(format!("{what} succeeded on a hung host: {v}")),
+                Err(e) => e,
+            };
+            if !(e.is_timeout() && e.is_retryable() && e.to_string().contains("pg2")) {
+                return Err(format!("{what}: {e}"));
+            }
+            if took >= limit {
+                return Err(format!("{what} waited {took:?}"));
+            }
+            Ok(())
+        }
+    };
+    async fn time<T: std::fmt::Debug>(
+        f: impl std::future::Future<Output = Result<T, shardline_repo::Error>>,
+    ) -> (Duration, Result<String, shardline_repo::Error>) {
+        let t = Instant::now();
+        let r = f.await.map(|v| format!("{v:?}"));
+        (t.elapsed(), r)
+    }
+    timed("get")(time(photos.get(on2.id)).await)?;
+    timed("get_many")(time(photos.get_many(&[on1.id, on2.id])).await)?;
+    timed("page")(time(photos.page_of_user(users[2], None, 10)).await)?;
+    let batch = [
+        NewPhoto { user_id: users[0], url: "u".into(), caption: "batch-pg1".into() },
+        NewPhoto { user_id: users[2], url: "u".into(), caption: "batch-pg2".into() },
+    ];
+    timed("insert_many")(time(photos.insert_many(&batch)).await)?;
+    // pg1 answers all along.
+    let t = Instant::now();
+    assert_eq!(photos.get(on1.id).await?.as_ref(), Some(&on1));
+    assert!(t.elapsed() < timeout, "pg1 waited {:?} on pg2's hang", t.elapsed());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    pg2.resume().await?;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut log = Vec::new();
+    for w in writers {
+        log.extend(w.await?);
+    }
+    for (caption, took, _, outcome) in &log {
+        if !matches!(outcome, Outcome::Written(_)) {
+            assert!(on_pg2(caption), "{caption} is not on pg2 yet failed: {outcome:?}");
+            assert!(*took < limit, "{caption} waited {took:?}");
+        }
+    }
+    assert!(
+        log.iter().any(|(c, .., o)| on_pg2(c) && matches!(o, Outcome::Unknown(_))),
+        "the pause hit no write"
+    );
+    // Once it answers again, the same handle reads everything back.
+    assert_eq!(photos.get(on2.id).await?.as_ref(), Some(&on2));
+    let many = photos.get_many(&[on1.id, on2.id]).await?;
+    assert!(many.missing.is_empty());
+    let rows = rows_by_caption(&photos, &users).await?;
+    let paused = check_writes(&log, &rows);
+    assert!(paused.0 > 0);
+    // The batch: pg1's part is its own statement and committed; pg2's is unknown.
+    assert_eq!(rows.get("batch-pg1").map(Vec::len), Some(1));
+    assert!(rows.get("batch-pg2").map_or(0, Vec::len) <= 1);
+    eprintln!(
+        "    writes (acknowledged, unknown and there, unknown and absent, not applied): \
+         pg2 killed {killed:?}, pg2 hung {paused:?}"
+    );
+    Ok(())
+}

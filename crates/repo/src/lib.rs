@@ -138,7 +138,7 @@ pub enum Error {
         reason: String,
     },
     /// A statement on a host failed.
-    #[error("host {host}{}: {what} failed (SQLSTATE {}): {}", shard.map(|s| format!(", shard {s}")).unwrap_or_default(), sqlstate.as_deref().unwrap_or("none"), source.as_ref().map_or_else(|| "no detail".to_owned(), |e| e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_owned())))]
+    #[error("host {host}{}: {what} failed (SQLSTATE {}): {}", shard.map(|s| format!(", shard {s}")).unwrap_or_default(), sqlstate.as_deref().unwrap_or("none"), source.as_ref().map_or_else(|| "no detail".to_owned(), |e| e.as_db_error().map_or_else(|| error_chain(e), |d| d.message().to_owned())))]
     Host {
         /// The host.
         host: String,
@@ -153,7 +153,7 @@ pub enum Error {
         source: Option<tokio_postgres::Error>,
     },
     /// A host did not answer within the host timeout.
-    #[error("host {host} did not answer within {after:?}")]
+    #[error("host {host} did not answer within {after:?} (a write may or may not have been applied)")]
     Timeout {
         /// The host.
         host: String,
@@ -280,9 +280,29 @@ impl Error {
             || matches!(self, Error::Pool { message, .. } if message.contains("Timeout"))
     }
 
+    /// Whether a write that failed with this error may nonetheless have been applied:
+    /// its statement reached, or may have reached, the server, and no verdict came back
+    /// (a timeout, a connection lost mid-statement, a server shutting down, a row that
+    /// was written but could not be decoded). Read back before retrying a write that is
+    /// not idempotent.
+    ///
+    /// When this is `false` the write was not applied: nothing was sent (no connection,
+    /// a bad URL or argument, a routing error), or the server refused the statement with
+    /// an error that rolled it back.
+    pub fn outcome_unknown(&self) -> bool {
+        match self {
+            Error::Timeout { .. } | Error::Decode { .. } | Error::Empty { .. } => true,
+            Error::Host { sqlstate: None, .. }
+            | Error::Db { sqlstate: None, .. }
+            | Error::Catalog { sqlstate: None, .. } => true,
+            _ => matches!(self.sqlstate(), Some(s) if s.starts_with("57P") || s.starts_with("08")),
+        }
+    }
+
     /// Whether running the same work again may succeed: a lost or refused connection,
     /// a timeout, a serialization failure or deadlock, a server shutting down. Only
-    /// retry work that did not commit (or is idempotent).
+    /// retry work that did not commit (or is idempotent): see
+    /// [`Error::outcome_unknown`].
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. } | Error::Pool { .. } | Error::Connect { .. } => true,
