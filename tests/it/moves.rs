@@ -673,3 +673,120 @@ pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResul
     assert!(out.trim_end().ends_with("s") && out.contains("removing the cluster"), "{out}");
     Ok(())
 }
+
+/// Every (step × host) point of a move: stopped after each of the 9 steps, the source or
+/// the target is killed. Recovery is tried while it is down (abort before the flip on
+/// some steps, resume at the others and after the flip); it either succeeds or fails
+/// naming the dead host, leaving the move running (or undone at once, when it failed
+/// while the shard was fenced and the source could take its writes back). Once the host
+/// is back, the same action finishes a running move. Then, every time: the map and the data agree on one writable copy
+/// holding every row, and `gc` leaves nothing behind.
+pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 bounces between pg2 and pg3; the catalog on pg1 stays up.
+    seed(&cluster, 2, 6, 2).await?;
+    let mut expected = [40, 40, 40];
+    let mut on = "pg2";
+    let mut failed_while_down = 0;
+    let mut undone_count = 0;
+    let mut n = 0;
+    for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
+        for victim_is_source in [true, false] {
+            n += 1;
+            let other = if on == "pg2" { "pg3" } else { "pg2" };
+            let victim = if victim_is_source { on } else { other };
+            let case = format!(
+                "stopped after {}, {victim} ({}) killed",
+                step.as_str(),
+                if victim_is_source { "source" } else { "target" }
+            );
+            moves::run(&config, 2, other, &MoveOptions::default().stopping_after(step)).await.unwrap_err();
+            let host = &ctx.hosts()[host_index(victim)];
+            host.kill().await?;
+            // Each host dies before an abort at some steps and before a resume at others.
+            let abort = step < Step::Flipped && (i + usize::from(victim_is_source)) % 2 == 0;
+            let recover = || async {
+                if abort {
+                    moves::abort(&config, 2).await.map(|_| ())
+                } else {
+                    moves::resume(&config, Some(2), &MoveOptions::default()).await.map(|_| ())
+                }
+            };
+            let latest = || async {
+                let all = moves::list(&config).await?;
+                all.into_iter().max_by_key(|m| m.id).map(|m| m.state).ok_or_else(|| BoxError::from("no move"))
+            };
+            if let Err(e) = recover().await {
+                failed_while_down += 1;
+                assert!(e.to_string().contains(victim), "{case}: the error names {victim}: {e}");
+                // Still running, or undone at once because it failed while the shard
+                // was fenced (the source answered, so its writes could resume).
+                let state = latest().await?;
+                assert!(matches!(state, State::Running | State::RolledBack), "{case}: {state:?}");
+            }
+            host.start().await?;
+            if latest().await? == State::Running {
+                recover().await.map_err(|e| format!("{case}: once {victim} is back: {e}"))?;
+            }
+            let undone = match latest().await? {
+                State::Done => false,
+                State::RolledBack => true,
+                other => return Err(format!("{case}: the move ended {other:?}").into()),
+            };
+            assert!(undone || !abort, "{case}: an abort that did not undo");
+            undone_count += usize::from(undone);
+            let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+            let now_on = if undone { on } else { other };
+            let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
+            assert_eq!(
+                cluster.refresh().await.map(|_| cluster.route_user(2).host.to_string())?,
+                now_on,
+                "{case}"
+            );
+            assert_eq!(counts(&f, &ctx, host_index(now_on), "shard_0002").await?, Some(expected), "{case}");
+            assert_eq!(counts(&f, &ctx, host_index(gone), "shard_0002").await?, None, "{case}: {said}");
+            assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{case}: {said}");
+            for h in 1..3 {
+                let old: i64 = f
+                    .client(&ctx, h)
+                    .await?
+                    .query_one("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'shard\\_0002\\_%'", &[])
+                    .await?
+                    .get(0);
+                assert_eq!(old, 0, "{case}: an old copy is left on pg{}: {said}", h + 1);
+            }
+            let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+            fresh.repo::<Photo>()?.insert(&photo(2, 1000 + n)).await.map_err(|e| format!("{case}: {e}"))?;
+            expected[0] += 1;
+            on = now_on;
+        }
+    }
+    // Some recoveries had to wait for the host; the point is they all got there.
+    assert!(failed_while_down > 0);
+    // A mover that dies halfway through an undo (journaled as begun, the target's copy
+    // perhaps gone) leaves a move that must not be resumed: resume refuses and says to
+    // abort, and abort finishes the undo.
+    let other = if on == "pg2" { "pg3" } else { "pg2" };
+    moves::run(&config, 2, other, &MoveOptions::default().stopping_after(Step::Fenced)).await.unwrap_err();
+    f.client(&ctx, 0)
+        .await?
+        .execute(
+            "UPDATE shardline.moves SET detail = jsonb_set(detail, '{undoing}', 'true') WHERE state = 'running'",
+            &[],
+        )
+        .await?;
+    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::Undoing { shard: 2, .. }), "{err}");
+    assert!(err.to_string().contains("shardline move --abort 2"), "{err}");
+    assert!(moves::abort(&config, 2).await?.unfenced);
+    assert_eq!(counts(&f, &ctx, host_index(on), "shard_0002").await?, Some(expected));
+    eprintln!(
+        "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down, \
+         {undone_count} moves ended undone, {} completed",
+        18 - undone_count
+    );
+    Ok(())
+}

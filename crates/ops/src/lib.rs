@@ -143,6 +143,17 @@ pub enum Error {
         /// The shard.
         shard: u16,
     },
+    /// An undo of the move began and did not finish (a host died under it): the
+    /// target's copy may be gone, so the move cannot go on; `--abort` finishes the undo.
+    #[error(
+        "move {id} of shard {shard} was being undone when it stopped, so it cannot be resumed; finish undoing it with `shardline move --abort {shard}`"
+    )]
+    Undoing {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: u16,
+    },
     /// Verification found differences; the move was undone (the shard stays on the
     /// source).
     #[error("move {id} of shard {shard}: the copy differs from the source, so the map was not flipped:\n{}", .differences.iter().map(|d| format!("  - {d}")).collect::<Vec<_>>().join("\n"))]

@@ -19,6 +19,9 @@ use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
 use crate::migrations::load_dir;
 use crate::{Error, Result, describe};
 
+/// How often a wait for the source's changes checks that the source still answers.
+const SOURCE_CHECK: Duration = Duration::from_secs(1);
+
 /// The marker table on every host a move touches. The source's publication carries
 /// only its own move's row (a row filter); the mover bumps `n` on the source and waits
 /// for it on the target. The apply worker commits in the source's commit order, so once
@@ -364,6 +367,29 @@ impl<'a> Mover<'a> {
         self.src.as_ref().ok_or(Error::Busy)
     }
 
+    /// Fails, naming the source, when it does not answer: waits for changes it should
+    /// send (the copy, a marker) call this now and then, so a dead source ends the wait
+    /// with an error instead of running out the copy timeout.
+    async fn source_answers(&mut self) -> Result<()> {
+        let source = self.source.clone();
+        let limit = Duration::from_secs(10);
+        let check = async {
+            self.src()
+                .await?
+                .simple_query("SELECT 1")
+                .await
+                .map_err(on(&source, "check that the source answers"))
+        };
+        match tokio::time::timeout(limit, check).await {
+            Ok(r) => r.map(drop),
+            Err(_) => Err(Error::Timeout {
+                host: source.to_string(),
+                what: "check that the source answers".into(),
+                after: limit,
+            }),
+        }
+    }
+
     async fn dst(&mut self) -> Result<&Client> {
         if self.dst.as_ref().is_none_or(Client::is_closed) {
             self.dst = Some(host_client(self.config, &self.target).await?);
@@ -563,7 +589,12 @@ impl<'a> Mover<'a> {
             .batch_execute(&format!("ALTER SUBSCRIPTION {name} ENABLE"))
             .await
             .map_err(on(&target, "enable the subscription"))?;
+        let mut checked = Instant::now();
         loop {
+            if checked.elapsed() > SOURCE_CHECK {
+                self.source_answers().await?;
+                checked = Instant::now();
+            }
             let dst = self.dst().await?;
             let row = dst
                 .query_one(
@@ -654,7 +685,12 @@ impl<'a> Mover<'a> {
         let (target, id) = (self.target.clone(), self.id);
         let started = Instant::now();
         let mut pause = Duration::from_micros(500);
+        let mut checked = Instant::now();
         loop {
+            if checked.elapsed() > SOURCE_CHECK {
+                self.source_answers().await?;
+                checked = Instant::now();
+            }
             let seen: Option<i64> = self
                 .dst()
                 .await?
@@ -1281,6 +1317,41 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
             ),
         });
     }
+    // The source first, read-only: while it cannot be reached nothing is touched, and
+    // the move stays as it was (resumable, or abortable once the source is back).
+    let (source, schema, moved) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone());
+    let row = mover
+        .src()
+        .await?
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                    EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
+            &[&schema.as_str(), &moved],
+        )
+        .await
+        .map_err(on(&source, "look for the schema"))?;
+    let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
+    if !live && !fenced {
+        return Err(Error::Journal {
+            id: mover.id,
+            message: format!("neither {schema} nor {moved} is on {source}"),
+        });
+    }
+    // From here on the move can only be undone: say so before the target's copy goes.
+    if !mover.detail.undoing {
+        mover.detail.undoing = true;
+        let detail = serde_json::to_string(&mover.detail)
+            .map_err(|e| Error::Journal { id: mover.id, message: e.to_string() })?;
+        mover
+            .catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1",
+                &[&mover.id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+    }
     let mut pending = Vec::new();
     let mut target_left = false;
     if let Err(e) = mover.clean_target(true).await {
@@ -1292,17 +1363,7 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
         ));
         target_left = true;
     }
-    let (source, schema, moved) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone());
     let src = mover.src().await?;
-    let row = src
-        .query_one(
-            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
-                    EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
-            &[&schema.as_str(), &moved],
-        )
-        .await
-        .map_err(on(&source, "look for the schema"))?;
-    let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
     let unfenced = !live && fenced;
     if unfenced {
         src.batch_execute(&format!(
@@ -1317,11 +1378,6 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
         ))
         .await
         .map_err(on(&source, "unfence the shard"))?;
-    } else if !live {
-        return Err(Error::Journal {
-            id: mover.id,
-            message: format!("neither {schema} nor {moved} is on {source}"),
-        });
     }
     mover.clean_source().await?;
     mover.detail.cleanup_pending = pending.clone();
@@ -1368,6 +1424,9 @@ pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) 
         let record = journal::by_id(catalog.client(), record.id).await?;
         if record.state != State::Running {
             continue;
+        }
+        if record.detail.undoing {
+            return Err(Error::Undoing { id: record.id, shard: record.shard });
         }
         let mover = Mover::load(config, options, catalog, info.layout, record).await?;
         out.push(drive(mover).await?);

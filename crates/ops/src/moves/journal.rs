@@ -183,6 +183,9 @@ pub struct Detail {
     pub target_schema_left: bool,
     /// `gc` dropped the source's old schema.
     pub source_dropped: bool,
+    /// An undo began (the source answered, and the target's copy may already be
+    /// gone): the move can only be finished by `--abort`, never resumed.
+    pub undoing: bool,
 }
 
 /// One move, as the journal holds it.
