@@ -154,7 +154,9 @@ impl Layout {
 
     /// The largest value a shard's sequence may hold: `(last ms since epoch << sequence_bits) | max sequence`.
     pub const fn max_sequence_value(self) -> i64 {
-        (self.usable_ticks() << self.sequence_bits) - 1
+        // Not `(ticks << sequence_bits) - 1`: with no shard bits and the sign bit in use
+        // that shift reaches 2^63 (found by the fuzzer).
+        ((self.usable_ticks() - 1) << self.sequence_bits) | self.max_sequence() as i64
     }
 
     /// Milliseconds since the epoch for `unix_ms`, checked against the layout's range.
@@ -192,11 +194,14 @@ impl Layout {
         ))
     }
 
-    /// Splits an ID into its parts. Pure arithmetic: it cannot fail.
+    /// Splits an ID into its parts. Pure arithmetic: it cannot fail. (An ID that this
+    /// layout did not mint, read from outside, may decode to a time past the layout's
+    /// range; with an epoch near `i64::MAX` that time saturates rather than overflows, as
+    /// the fuzzer found it could.)
     pub const fn decode(self, id: Id) -> IdParts {
         let raw = id.as_i64();
         IdParts {
-            unix_ms: self.epoch_ms + (raw >> self.timestamp_shift()),
+            unix_ms: self.epoch_ms.saturating_add(raw >> self.timestamp_shift()),
             shard: field(raw, self.shard_shift(), self.max_shard()),
             sequence: field(raw, 0, self.max_sequence()),
         }

@@ -249,6 +249,43 @@ fn rendered_sql_shifts_only_bigints() {
     }
 }
 
+/// Every layout `Layout::new` accepts, at the edges of its range: nothing overflows.
+/// (The fuzzer found `max_sequence_value` overflowing for 64-bit layouts without shard
+/// bits; the property test's ranges never reached them.)
+#[test]
+fn every_accepted_layout_works_at_its_edges() {
+    let mut accepted = 0;
+    for ts in 0..=64u8 {
+        for shard in 0..=64u8 {
+            for seq in 0..=64u8 {
+                for epoch in [0, 1_314_220_021_721, i64::MAX / 2] {
+                    let Ok(l) = Layout::new(ts, shard, seq, epoch) else { continue };
+                    accepted += 1;
+                    let last = l.last_unix_ms();
+                    let top = l.max_sequence_value();
+                    assert!(top >= 0, "{l:?}");
+                    let id = l.id_from_sequence_value(top, l.max_shard()).unwrap();
+                    assert_eq!(
+                        l.decode(id),
+                        IdParts { unix_ms: last, shard: l.max_shard(), sequence: l.max_sequence() }
+                    );
+                    assert_eq!(l.sequence_value_of(id), top, "{l:?}");
+                    assert_eq!(l.compose(last, l.max_shard(), l.max_sequence()).unwrap(), id, "{l:?}");
+                    assert!(
+                        l.compose(last.saturating_add(1), 0, 0).is_err()
+                            || l.exhausted_from_unix_ms().is_none()
+                    );
+                    let _ = (l.sequence_value_at(last), l.min_id_at(epoch), l.max_id_at(last));
+                    // IDs from outside, that this layout never minted, decode without a panic.
+                    let far = Id::from_i64(i64::MAX).unwrap();
+                    let _ = (l.decode(far), l.shard_of(far), l.sequence_value_of(far));
+                }
+            }
+        }
+    }
+    assert!(accepted > 1000, "only {accepted} layouts accepted");
+}
+
 proptest! {
     #[test]
     fn compose_then_decode_is_identity(ms in L.epoch_ms()..=L.last_unix_ms(), shard in 0u32..=8191, seq in 0u32..=1023) {

@@ -106,7 +106,9 @@ impl TlsParams {
 /// A message naming the key: an unknown `sslmode`, `verify-ca`/`verify-full` without
 /// `sslrootcert`, an empty `sslrootcert`, a key given twice, or a quoted value left open.
 pub fn parse(url: &str) -> Result<TlsParams, String> {
-    let is_url = url.contains("://");
+    // The driver's own rule: a URL starts with its scheme; anything else is key=value
+    // pairs (whose values may hold "://", as in `application_name=http://x`).
+    let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
     let (base, pairs) = if is_url {
         match url.split_once('?') {
             Some((base, query)) => (
@@ -191,6 +193,9 @@ fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
             }
             key.push(c);
             chars.next();
+        }
+        if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!("{key:?} is not a connection string key"));
         }
         while chars.peek().is_some_and(|c| c.is_whitespace()) {
             chars.next();
@@ -290,6 +295,16 @@ mod tests {
     }
 
     #[test]
+    fn a_key_value_string_may_hold_a_url_in_a_value() {
+        let p = parse("host=h application_name=http://x sslmode=require").unwrap();
+        assert_eq!(
+            (p.mode, p.driver_url.as_str()),
+            (SslMode::Require, "host='h' application_name='http://x'")
+        );
+        assert_eq!(parse(&p.driver_url).unwrap().driver_url, p.driver_url);
+    }
+
+    #[test]
     fn mistakes_name_the_key() {
         for (url, wanted) in [
             ("postgres://h/db?sslmode=verify_full", "sslmode=\"verify_full\" is not one of"),
@@ -302,6 +317,8 @@ mod tests {
             ("postgres://h/db?sslrootcert=%zz", "bad %-escape"),
             ("host=h sslrootcert='/ca.pem", "not closed"),
             ("host=h sslmode", "has no value"),
+            ("host=h =x", "\"\" is not a connection string key"),
+            ("\npostgresql://=/", "\"postgresql://\" is not a connection string key"),
         ] {
             let err = parse(url).unwrap_err();
             assert!(err.contains(wanted), "{url}: {err}");
