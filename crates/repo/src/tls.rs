@@ -28,7 +28,7 @@ use crate::{Error, Result};
 pub(crate) fn prepare(url: &DbUrl, target: &str) -> Result<(tokio_postgres::Config, MakeRustlsConnect)> {
     let params = url.tls().map_err(|message| Error::BadUrl { target: target.to_owned(), message })?;
     let mut config = tokio_postgres::Config::from_str(&params.driver_url)
-        .map_err(|e| Error::BadUrl { target: target.to_owned(), message: e.to_string() })?;
+        .map_err(|e| Error::BadUrl { target: target.to_owned(), message: crate::error_chain(&e) })?;
     config.ssl_mode(match params.mode {
         SslMode::Disable => tokio_postgres::config::SslMode::Disable,
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -229,6 +229,8 @@ mod tests {
             assert!(text.contains(wanted), "{text}");
             assert!(!text.contains("hunter2"), "{text}");
         }
+        let err = prepared("postgres://u:hunter2@h/db?sslcert=/c.pem").unwrap_err().to_string();
+        assert!(err.contains("unknown option `sslcert`") && !err.contains("hunter2"), "{err}");
         let err = prepared("postgres://u:hunter2@h/db?sslmode=verify-ca").unwrap_err().to_string();
         assert!(err.contains("needs sslrootcert") && !err.contains("hunter2"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
