@@ -517,6 +517,29 @@ fn write_load(
         .collect()
 }
 
+/// Stops the load and returns its log, once every failure in it is checked: a write to
+/// pg2, answered within `limit`, with an error naming pg2.
+async fn stop_load(
+    writers: Vec<tokio::task::JoinHandle<Vec<Attempt>>>,
+    stop: &std::sync::atomic::AtomicBool,
+    on_pg2: &(dyn Fn(&str) -> bool + Sync),
+    limit: Duration,
+) -> Result<Vec<Attempt>, crate::bootstrap::BoxError> {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut log = Vec::new();
+    for w in writers {
+        log.extend(w.await?);
+    }
+    for (caption, took, _, outcome) in &log {
+        if let Outcome::Unknown(e) | Outcome::NotWritten(e) = outcome {
+            assert!(on_pg2(caption), "{caption} is not on pg2 yet failed: {e}");
+            assert!(*took < limit, "{caption} waited {took:?}");
+            assert!(e.contains("pg2"), "the error names the host: {e}");
+        }
+    }
+    Ok(log)
+}
+
 /// Every row of `users`, by caption.
 async fn rows_by_caption(
     photos: &shardline_repo::Repo<Photo>,
@@ -572,7 +595,7 @@ fn check_writes(
 pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write(
     ctx: TestContext,
 ) -> TestResult {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     let f = Fixture::new(&ctx, 3, 6).await?;
     let config = f.config()?;
     shardline_ops::init(&config, &options(1), &quiet).await?;
@@ -606,19 +629,7 @@ pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_
     pg2.start().await?;
     let back = Instant::now();
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut log = Vec::new();
-    for w in writers {
-        log.extend(w.await?);
-    }
-    for (caption, took, _, outcome) in &log {
-        if !matches!(outcome, Outcome::Written(_)) {
-            assert!(on_pg2(caption), "{caption} is not on pg2 yet failed: {outcome:?}");
-            assert!(*took < limit, "{caption} waited {took:?}");
-            let (Outcome::Unknown(e) | Outcome::NotWritten(e)) = outcome else { continue };
-            assert!(e.contains("pg2"), "the error names the host: {e}");
-        }
-    }
+    let log = stop_load(writers, &stop, &on_pg2, limit).await?;
     assert!(
         log.iter().any(|(c, .., o)| on_pg2(c) && !matches!(o, Outcome::Written(_))),
         "the kill hit no write"
@@ -680,17 +691,7 @@ pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_
     tokio::time::sleep(Duration::from_millis(1000)).await;
     pg2.resume().await?;
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut log = Vec::new();
-    for w in writers {
-        log.extend(w.await?);
-    }
-    for (caption, took, _, outcome) in &log {
-        if !matches!(outcome, Outcome::Written(_)) {
-            assert!(on_pg2(caption), "{caption} is not on pg2 yet failed: {outcome:?}");
-            assert!(*took < limit, "{caption} waited {took:?}");
-        }
-    }
+    let log = stop_load(writers, &stop, &on_pg2, limit).await?;
     assert!(
         log.iter().any(|(c, .., o)| on_pg2(c) && matches!(o, Outcome::Unknown(_))),
         "the pause hit no write"

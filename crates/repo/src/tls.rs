@@ -48,16 +48,22 @@ fn client_config(params: &TlsParams, target: &str) -> Result<ClientConfig> {
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| tls_err(e.to_string()))?;
-    let verifier: Arc<dyn ServerCertVerifier> = match (&params.root_cert, params.verifies_chain()) {
-        (Some(root), true) => {
-            let roots = Arc::new(roots(root).map_err(tls_err)?);
-            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
-                .build()
-                .map_err(|e| tls_err(e.to_string()))?;
-            if params.mode == SslMode::VerifyFull { webpki } else { Arc::new(ChainOnly(webpki)) }
-        }
-        _ => Arc::new(Unverified(provider.signature_verification_algorithms)),
+    let chain = match (&params.root_cert, params.verifies_chain()) {
+        (Some(root), true) => Some(
+            WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots(root).map_err(tls_err)?),
+                provider.clone(),
+            )
+            .build()
+            .map_err(|e| tls_err(e.to_string()))?,
+        ),
+        _ => None,
     };
+    let verifier = Arc::new(Verifier {
+        chain,
+        check_name: params.mode == SslMode::VerifyFull,
+        algorithms: provider.signature_verification_algorithms,
+    });
     Ok(builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth())
 }
 
@@ -98,11 +104,27 @@ fn read_pem(path: &Path) -> std::result::Result<Vec<CertificateDer<'static>>, St
     Ok(certs)
 }
 
-/// `sslmode=verify-ca`: the chain must lead to a trusted root; the name is not checked.
-#[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+/// What `sslmode` checks of the server's certificate. The handshake's signatures are
+/// always checked.
+struct Verifier {
+    /// `verify-ca`, `verify-full`, `require` with `sslrootcert`: the chain must lead to
+    /// a trusted root. `None` (`prefer`, `require`): trusted as libpq trusts it, blindly.
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    /// `verify-full`: the certificate must also name the host.
+    check_name: bool,
+    algorithms: WebPkiSupportedAlgorithms,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl fmt::Debug for Verifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Verifier")
+            .field("chain", &self.chain.is_some())
+            .field("check_name", &self.check_name)
+            .finish()
+    }
+}
+
+impl ServerCertVerifier for Verifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -111,10 +133,11 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
+        let Some(chain) = &self.chain else { return Ok(ServerCertVerified::assertion()) };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
             other => other,
         }
     }
@@ -125,7 +148,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -134,56 +157,11 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// `sslmode=prefer` and `require` without `sslrootcert`: encrypted, and the handshake's
-/// signatures are checked, but the certificate is trusted as libpq trusts it: blindly.
-struct Unverified(WebPkiSupportedAlgorithms);
-
-impl fmt::Debug for Unverified {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Unverified")
-    }
-}
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_schemes()
+        self.algorithms.supported_schemes()
     }
 }
 

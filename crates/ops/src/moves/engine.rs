@@ -390,6 +390,23 @@ impl<'a> Mover<'a> {
         }
     }
 
+    /// Whether the source has the shard's schema under its own name (`live`), and under
+    /// the fence's name (`fenced`).
+    async fn source_schemas(&mut self) -> Result<(bool, bool)> {
+        let (source, schema, moved) = (self.source.clone(), self.schema.clone(), self.moved.clone());
+        let row = self
+            .src()
+            .await?
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                        EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
+                &[&schema.as_str(), &moved],
+            )
+            .await
+            .map_err(on(&source, "look for the schema"))?;
+        Ok((row.get(0), row.get(1)))
+    }
+
     async fn dst(&mut self) -> Result<&Client> {
         if self.dst.as_ref().is_none_or(Client::is_closed) {
             self.dst = Some(host_client(self.config, &self.target).await?);
@@ -397,10 +414,15 @@ impl<'a> Mover<'a> {
         self.dst.as_ref().ok_or(Error::Busy)
     }
 
+    /// The detail as the journal keeps it.
+    fn detail_json(&self) -> Result<String> {
+        serde_json::to_string(&self.detail)
+            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })
+    }
+
     /// Writes the step done (and the detail) to the journal.
     async fn journal(&mut self, step: Step) -> Result<()> {
-        let detail = serde_json::to_string(&self.detail)
-            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        let detail = self.detail_json()?;
         let n = self
             .catalog
             .client()
@@ -724,16 +746,8 @@ impl<'a> Mover<'a> {
         let attempts = self.options.fence_attempts.max(1);
         let lock_ms = self.options.lock_timeout.as_millis();
         self.fence_started = None;
+        let (live, fenced) = self.source_schemas().await?;
         let src = self.src().await?;
-        let row = src
-            .query_one(
-                "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
-                        EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
-                &[&schema.as_str(), &moved],
-            )
-            .await
-            .map_err(on(&source, "look for the schema"))?;
-        let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
         let mark = if !live && fenced {
             // Fenced before an interruption, and not journaled: read the fence's mark.
             src.query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
@@ -909,8 +923,7 @@ impl<'a> Mover<'a> {
             None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
         };
         self.detail.pause_ms = Some(pause);
-        let detail = serde_json::to_string(&self.detail)
-            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        let detail = self.detail_json()?;
         let c = self.catalog.client();
         let shard = i32::from(self.shard.get());
         let result = async {
@@ -960,8 +973,7 @@ impl<'a> Mover<'a> {
             pending.push(format!("{}: publication and slots of {} ({e})", self.source, self.name()));
         }
         self.detail.cleanup_pending = pending;
-        let detail = serde_json::to_string(&self.detail)
-            .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })?;
+        let detail = self.detail_json()?;
         self.catalog
             .client()
             .execute(
@@ -1320,17 +1332,7 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
     // The source first, read-only: while it cannot be reached nothing is touched, and
     // the move stays as it was (resumable, or abortable once the source is back).
     let (source, schema, moved) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone());
-    let row = mover
-        .src()
-        .await?
-        .query_one(
-            "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
-                    EXISTS (SELECT FROM pg_namespace WHERE nspname = $2)",
-            &[&schema.as_str(), &moved],
-        )
-        .await
-        .map_err(on(&source, "look for the schema"))?;
-    let (live, fenced): (bool, bool) = (row.get(0), row.get(1));
+    let (live, fenced) = mover.source_schemas().await?;
     if !live && !fenced {
         return Err(Error::Journal {
             id: mover.id,
@@ -1340,8 +1342,7 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
     // From here on the move can only be undone: say so before the target's copy goes.
     if !mover.detail.undoing {
         mover.detail.undoing = true;
-        let detail = serde_json::to_string(&mover.detail)
-            .map_err(|e| Error::Journal { id: mover.id, message: e.to_string() })?;
+        let detail = mover.detail_json()?;
         mover
             .catalog
             .client()
@@ -1382,8 +1383,7 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
     mover.clean_source().await?;
     mover.detail.cleanup_pending = pending.clone();
     mover.detail.target_schema_left = target_left;
-    let detail = serde_json::to_string(&mover.detail)
-        .map_err(|e| Error::Journal { id: mover.id, message: e.to_string() })?;
+    let detail = mover.detail_json()?;
     mover
         .catalog
         .client()
