@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Parser as _;
 use shardline_ops::{Error as OpsError, Options, Progress, Report};
@@ -566,11 +566,26 @@ async fn kill_pg2_during<T>(
     after: usize,
     work: impl std::future::Future<Output = T>,
 ) -> Result<(T, usize), BoxError> {
+    fault_pg2_during(ctx, switch, after, false, work).await
+}
+
+/// As [`kill_pg2_during`], pausing pg2 (a hung host) when `pause`.
+async fn fault_pg2_during<T>(
+    ctx: &TestContext,
+    switch: &KillSwitch,
+    after: usize,
+    pause: bool,
+    work: impl std::future::Future<Output = T>,
+) -> Result<(T, usize), BoxError> {
     let rx = switch.arm(after)?;
     let pg2 = &ctx.hosts()[1];
     let killer = async {
         if rx.await.is_ok() {
-            pg2.kill().await?;
+            if pause {
+                pg2.pause().await?;
+            } else {
+                pg2.kill().await?;
+            }
         }
         Ok::<_, BoxError>(())
     };
@@ -725,5 +740,37 @@ pub(crate) async fn migrate_interrupted_by_a_killed_host_completes_later(ctx: Te
     assert_eq!(report.migrations_applied, pending, "{report:?}");
     assert_eq!(each_shard_whole(&f, &ctx, &[after.clone()]).await?, 150);
     assert!(!shardline_ops::migrate(&config, &options(2), &quiet).await?.changed());
+    Ok(())
+}
+
+pub(crate) async fn migrate_on_a_hung_host_fails_in_time_and_completes_later(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 60).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(2), &quiet).await?;
+    f.migration(
+        "0005_photo_tags.sql",
+        "ALTER TABLE photos ADD COLUMN tags text[] NOT NULL DEFAULT '{}';\nSELECT pg_sleep(0.02);\n",
+    )?;
+    let mut after = all_migrations();
+    after.insert(4, "0005_photo_tags.sql".to_owned());
+    let shard_timeout = Duration::from_secs(2);
+    let hung = Options { jobs_per_host: 1, shard_timeout, ..Options::default() };
+
+    let switch = KillSwitch::default();
+    let see = |p| switch.see(p);
+    let t = Instant::now();
+    let (result, _) =
+        fault_pg2_during(&ctx, &switch, 3, true, shardline_ops::migrate(&config, &hung, &see)).await?;
+    let took = t.elapsed();
+    let err = result.expect_err("migrate should fail when a host hangs under it");
+    assert!(matches!(&err, OpsError::Timeout { host, .. } if host == "pg2"), "{err:?}");
+    assert!(err.to_string().contains("whole or not at all"), "{err}");
+    assert!(took < shard_timeout + Duration::from_secs(5), "migrate took {took:?} with a 2 s shard timeout");
+
+    // Awake again: every shard is whole, and a re-run finishes the rest.
+    ctx.hosts()[1].resume().await?;
+    assert_eq!(each_shard_whole(&f, &ctx, &[all_migrations(), after.clone()]).await?, 60);
+    shardline_ops::migrate(&config, &options(2), &quiet).await?;
+    assert_eq!(each_shard_whole(&f, &ctx, &[after]).await?, 60);
     Ok(())
 }

@@ -73,6 +73,7 @@ fn main() {
             faults::handles_refuse_what_makes_no_sense,
             bootstrap::init_interrupted_by_a_killed_host_completes_later,
             bootstrap::migrate_interrupted_by_a_killed_host_completes_later,
+            bootstrap::migrate_on_a_hung_host_fails_in_time_and_completes_later,
             repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
             moves::hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned,
             moves::every_step_survives_the_source_or_the_target_dying,

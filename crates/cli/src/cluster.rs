@@ -26,6 +26,10 @@ pub struct ApplyOpt {
     /// never stalls a busy table's queries behind it), e.g. `5s`, `500ms`.
     #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub lock_timeout: Duration,
+    /// How long one shard's transaction may take before the run fails naming the host
+    /// and shard (a hung host ends the run instead of holding it), e.g. `30min`, `2h`.
+    #[arg(long, default_value = "30min", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub shard_timeout: Duration,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -101,7 +105,11 @@ fn bar() -> ProgressBar {
 ///
 /// As [`shardline_ops::init`] and [`shardline_ops::migrate`].
 pub fn apply(config: &Config, opt: &ApplyOpt, init: bool, out: &mut dyn Write) -> anyhow::Result<()> {
-    let options = Options { jobs_per_host: usize::from(opt.jobs), lock_timeout: opt.lock_timeout };
+    let options = Options {
+        jobs_per_host: usize::from(opt.jobs),
+        lock_timeout: opt.lock_timeout,
+        shard_timeout: opt.shard_timeout,
+    };
     let bar = bar();
     let progress = |p: Progress| match p {
         Progress::Planned { shards } => bar.set_length(u64::try_from(shards).unwrap_or(u64::MAX)),

@@ -28,11 +28,20 @@ pub struct Options {
     /// How long a migration statement waits for a lock before its shard fails (default
     /// 5 s), so a migration never queues every query of a busy table behind it.
     pub lock_timeout: Duration,
+    /// How long one shard's transaction (and each host's planning) may take before the
+    /// run fails naming the host and shard (default 30 min). A hung host ends the run
+    /// with that error instead of holding it forever; raise it for migrations that
+    /// rewrite big tables.
+    pub shard_timeout: Duration,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { jobs_per_host: 4, lock_timeout: Duration::from_secs(5) }
+        Options {
+            jobs_per_host: 4,
+            lock_timeout: Duration::from_secs(5),
+            shard_timeout: Duration::from_secs(30 * 60),
+        }
     }
 }
 
@@ -385,11 +394,20 @@ async fn run(
         layout: info.layout,
         migrations: &migrations,
         lock_timeout: options.lock_timeout,
+        shard_timeout: options.shard_timeout,
     };
 
     let plans = futures::future::join_all(hosts.iter().map(|(name, clients)| async {
         match clients.first() {
-            Some(c) => converge::plan_host(c, name, &inputs).await,
+            Some(c) => tokio::time::timeout(options.shard_timeout, converge::plan_host(c, name, &inputs))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::Timeout {
+                        host: name.to_string(),
+                        what: "reading what its shards need".into(),
+                        after: options.shard_timeout,
+                    })
+                }),
             None => Ok(HostPlan { host: name.clone(), work: Vec::new(), shards: Vec::new() }),
         }
     }))

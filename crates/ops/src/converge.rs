@@ -79,6 +79,7 @@ pub(crate) struct Inputs<'a> {
     pub(crate) layout: Layout,
     pub(crate) migrations: &'a [Migration],
     pub(crate) lock_timeout: Duration,
+    pub(crate) shard_timeout: Duration,
 }
 
 fn host_err(host: &HostName, what: impl Into<String>, e: &tokio_postgres::Error) -> Error {
@@ -295,7 +296,17 @@ pub(crate) async fn run_host(
     let workers = clients.iter().map(|client| async {
         while !stop.load(Ordering::Relaxed) {
             let Some(w) = next() else { break };
-            if let Err(e) = apply_shard(client, &plan.host, w, inputs).await {
+            let applied =
+                tokio::time::timeout(inputs.shard_timeout, apply_shard(client, &plan.host, w, inputs))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::Timeout {
+                            host: plan.host.to_string(),
+                            what: format!("shard {}'s transaction (whole or not at all)", w.shard),
+                            after: inputs.shard_timeout,
+                        })
+                    });
+            if let Err(e) = applied {
                 stop.store(true, Ordering::Relaxed);
                 return Some(e);
             }

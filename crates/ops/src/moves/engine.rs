@@ -505,7 +505,15 @@ impl<'a> Mover<'a> {
                 minter: Some(ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.install()),
                 migrations: (0..migrations.len()).collect(),
             };
-            let inputs = Inputs { map: &map, prefix: &prefix, layout, migrations: &migrations, lock_timeout };
+            let shard_timeout = crate::Options::default().shard_timeout;
+            let inputs = Inputs {
+                map: &map,
+                prefix: &prefix,
+                layout,
+                migrations: &migrations,
+                lock_timeout,
+                shard_timeout,
+            };
             converge::apply_shard(dst, &target, &work, &inputs).await?;
             // The copy is faster into bare tables: secondary indexes (those no constraint
             // owns) are built once the copy is done (see `catch_up`).
