@@ -124,6 +124,7 @@ mod tests {
         let bad: &[&[&str]] = &[
             &["init", "--jobs", "0"],
             &["init", "--lock-timeout", "soon"],
+            &["migrate", "--shard-timeout", "-1s"],
             &["migrate", "--jobs", "x"],
             &["map", "--bogus"],
             &["locate"],
