@@ -11,6 +11,7 @@ mod faults;
 mod ids;
 mod lifecycle;
 mod moves;
+mod promises;
 mod reliability;
 mod replication;
 mod repo;
@@ -64,6 +65,11 @@ fn main() {
             reliability::passwords_never_reach_errors_logs_or_json,
             reliability::the_request_path_needs_no_superuser,
             reliability::sql_injection_finds_no_way_in,
+            promises::insert_many_is_whole_per_host_and_never_twice_across_a_move,
+            promises::a_partly_applied_batch_names_the_hosts_that_committed,
+            promises::a_transaction_with_a_handled_failure_reports_its_rollback,
+            promises::get_many_answers_every_id_asked_also_twice,
+            promises::errors_are_classified_by_where_they_happened,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -269,7 +269,13 @@ pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> T
         posted.iter().map(|p| new(p, if p.user_id == 5 { "" } else { "second" })).collect();
     let err = comments.insert_many(&batch).await.unwrap_err();
     assert_eq!(err.sqlstate(), Some("23514"), "{err}");
-    assert!(err.to_string().starts_with("host pg2"), "{err}");
+    match &err {
+        Error::InsertMany { committed, source } => {
+            assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()]);
+            assert!(source.to_string().starts_with("host pg2"), "{source}");
+        }
+        other => panic!("expected InsertMany, got {other:?}"),
+    }
     for p in &posted {
         let page = comments.page_of_parent(p.id, None, 10).await?;
         let expected = if (4..8).contains(&p.user_id) { 1 } else { 2 };

@@ -104,7 +104,11 @@ impl Cluster {
                 .wait_timeout(Some(options.host_timeout))
                 .create_timeout(Some(options.connect_timeout))
                 .build()
-                .map_err(|e| Error::Pool { host: h.name.to_string(), message: e.to_string() })?;
+                .map_err(|e| Error::Pool {
+                    host: h.name.to_string(),
+                    message: e.to_string(),
+                    timed_out: false,
+                })?;
             pools.insert(h.name.clone(), pool);
         }
         check_hosts(&map, &pools)?;
@@ -200,20 +204,89 @@ impl Cluster {
         let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.to_string() })?;
         pool.get().await.map_err(|e| {
             let message = e.to_string();
+            let pool_error = |timed_out| Error::Pool { host: host.to_string(), message, timed_out };
             match e {
                 deadpool_postgres::PoolError::Backend(source) => {
                     match catalog::connect_error(&format!("host {host}"), source) {
                         tls @ Error::Tls { .. } => tls,
-                        _ => Error::Pool { host: host.to_string(), message },
+                        _ => pool_error(false),
                     }
                 }
-                _ => Error::Pool { host: host.to_string(), message },
+                deadpool_postgres::PoolError::Timeout(_) => pool_error(true),
+                _ => pool_error(false),
             }
         })
     }
 }
 
+/// A failed attempt of [`Cluster::with_move_retry`]: the error, and the shards to wait
+/// for when it failed because they moved (empty otherwise).
+#[derive(Debug)]
+pub(crate) struct Failed<Er> {
+    pub(crate) error: Er,
+    pub(crate) moved: Vec<LogicalShard>,
+}
+
+impl<Er> Failed<Er> {
+    /// `error`, marked as moved (waiting for `shards`) when `moved` says so.
+    pub(crate) fn new(error: Er, moved: bool, shards: impl IntoIterator<Item = LogicalShard>) -> Self {
+        Failed { error, moved: if moved { shards.into_iter().collect() } else { Vec::new() } }
+    }
+}
+
+impl Failed<Error> {
+    /// `error`; moved when it says its shard's schema was missing.
+    pub(crate) fn of(error: Error, shards: impl IntoIterator<Item = LogicalShard>) -> Self {
+        let moved = error.is_moved();
+        Failed::new(error, moved, shards)
+    }
+}
+
+impl<Er: From<Error>> From<Error> for Failed<Er> {
+    fn from(error: Error) -> Self {
+        Failed { error: error.into(), moved: Vec::new() }
+    }
+}
+
+/// Which run of [`Cluster::with_move_retry`] an attempt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Run {
+    /// The first, with the map as the handle knew it.
+    First,
+    /// The second and last, after the shards' move was waited out and the map reloaded.
+    Last,
+}
+
 impl Cluster {
+    /// The one retry path for a stale map. Runs `attempt` with the map as this handle
+    /// knows it; when it fails because shards were not where the map said (they moved, or
+    /// are fenced for a move), waits for those moves ([`Cluster::wait_for_move`]) and runs
+    /// it once more with the new map. An attempt must be safe to run again after it
+    /// failed that way: a statement (or a transaction) that failed did not commit.
+    pub(crate) async fn with_move_retry<T, Er, Fut>(
+        &self,
+        mut attempt: impl FnMut(Arc<ShardMap>, Run) -> Fut,
+    ) -> Result<T, Er>
+    where
+        Fut: std::future::Future<Output = Result<T, Failed<Er>>>,
+        Er: From<Error>,
+    {
+        let map = self.map();
+        match attempt(Arc::clone(&map), Run::First).await {
+            Ok(value) => Ok(value),
+            Err(Failed { error, moved }) if !moved.is_empty() => {
+                let from: Vec<(LogicalShard, HostName)> =
+                    moved.iter().map(|s| (*s, map.host_of(*s).clone())).collect();
+                if !self.wait_for_move(&from).await? {
+                    return Err(error);
+                }
+                tracing::debug!(shards = ?moved.iter().map(|s| s.get()).collect::<Vec<_>>(), "shards moved; running once more");
+                attempt(self.map(), Run::Last).await.map_err(|f| f.error)
+            }
+            Err(f) => Err(f.error),
+        }
+    }
+
     /// After a statement found a shard's schema missing on `from` (the shard is fenced
     /// for a move, or has moved): reloads the map until the shard is elsewhere, or its
     /// move has ended (an undone move unfences it in place), for at most

@@ -167,6 +167,48 @@ pub enum Error {
         host: String,
         /// The pool's reason (a connect failure or a wait timeout).
         message: String,
+        /// Whether the pool gave up waiting (rather than failing to connect).
+        timed_out: bool,
+    },
+    /// A value could not be sent as a statement's parameter (a Rust type the column's
+    /// type does not accept, or too few or too many values): the statement never reached
+    /// the server, so nothing was applied, and running it again fails the same way.
+    #[error("host {host}: {what}: parameter {parameter} could not be sent as {expected}")]
+    Unsent {
+        /// The host.
+        host: String,
+        /// The logical shard, when the statement was for one.
+        shard: Option<u16>,
+        /// What was being done.
+        what: &'static str,
+        /// The parameter, counted from 1 (0 when the number of values was wrong).
+        parameter: usize,
+        /// The Postgres type the server expects there.
+        expected: String,
+        /// Why the value could not be encoded.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A transaction in one shard ended in `ROLLBACK` although its work returned `Ok`:
+    /// a statement inside it failed and the closure handled that error, which leaves a
+    /// Postgres transaction aborted. Nothing of it was applied.
+    #[error("host {host}, shard {shard}: the transaction was rolled back: a statement inside it failed")]
+    RolledBack {
+        /// The host.
+        host: String,
+        /// The logical shard.
+        shard: u16,
+    },
+    /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
+    /// names the hosts whose rows are in (each host's part is one transaction, so whole);
+    /// `source` is why another host's part failed.
+    #[error("insert many: the rows of {} committed, the rest did not", committed.join(", "))]
+    InsertMany {
+        /// The hosts whose part of the batch committed.
+        committed: Vec<String>,
+        /// The failure of the first host that did not commit.
+        #[source]
+        source: Box<Error>,
     },
     /// The map places shards on a host the config does not name.
     #[error("the shard map places shards on host {host}, which the config does not name")]
@@ -265,6 +307,7 @@ impl Error {
                 sqlstate.as_deref()
             }
             Error::Connect { source, .. } => source.code().map(tokio_postgres::error::SqlState::code),
+            Error::InsertMany { source, .. } => source.sqlstate(),
             _ => None,
         }
     }
@@ -276,8 +319,17 @@ impl Error {
 
     /// A host did not answer in time, or no connection could be had in time.
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Error::Timeout { .. })
-            || matches!(self, Error::Pool { message, .. } if message.contains("Timeout"))
+        match self {
+            Error::Timeout { .. } | Error::Pool { timed_out: true, .. } => true,
+            Error::InsertMany { source, .. } => source.is_timeout(),
+            _ => false,
+        }
+    }
+
+    /// The statement found its shard's schema missing where the map placed it
+    /// (SQLSTATE 3F000 or 42P01): the shard moved, or is fenced for a move.
+    pub(crate) fn is_moved(&self) -> bool {
+        matches!(self, Error::Host { source: Some(e), .. } if repository::is_moved(e))
     }
 
     /// Whether a write that failed with this error may nonetheless have been applied:
@@ -289,9 +341,14 @@ impl Error {
     /// When this is `false` the write was not applied: nothing was sent (no connection,
     /// a bad URL or argument, a routing error), or the server refused the statement with
     /// an error that rolled it back.
+    ///
+    /// An [`Error::InsertMany`] is always `true`: some of its rows were applied.
     pub fn outcome_unknown(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Decode { .. } | Error::Empty { .. } => true,
+            Error::Timeout { .. } | Error::Decode { .. } | Error::Empty { .. } | Error::InsertMany { .. } => {
+                true
+            }
+            Error::Unsent { .. } | Error::RolledBack { .. } | Error::Pool { .. } => false,
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
@@ -306,6 +363,8 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. } | Error::Pool { .. } | Error::Connect { .. } => true,
+            // Running the whole batch again would insert the committed part twice.
+            Error::InsertMany { .. } | Error::Unsent { .. } | Error::RolledBack { .. } => false,
             Error::Host { sqlstate: None, source: Some(e), .. }
             | Error::Db { sqlstate: None, source: e, .. }
             | Error::Catalog { sqlstate: None, source: e, .. } => e.is_closed() || e.as_db_error().is_none(),
@@ -320,6 +379,54 @@ impl Error {
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Runs `work` on `host` within `after`; past it, [`Error::Timeout`] naming the host. The
+/// one place a host's statements are timed.
+pub(crate) async fn within<T>(
+    host: &shardline_router::HostName,
+    after: std::time::Duration,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(after, work).await.map_err(|_| Error::Timeout { host: host.to_string(), after })?
+}
+
+/// The error of a statement that failed on `host`: [`Error::Unsent`] when a parameter
+/// could not be encoded for the type the server expects (found by encoding the values
+/// again, so by what failed, not by the driver's message), else [`Error::Host`].
+pub(crate) fn statement_error(
+    host: &shardline_router::HostName,
+    shard: Option<shardline_router::LogicalShard>,
+    what: &'static str,
+    source: tokio_postgres::Error,
+    types: &[tokio_postgres::types::Type],
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Error {
+    if source.as_db_error().is_none() && !source.is_closed() {
+        let unsent =
+            |parameter: usize, expected: String, source: Box<dyn std::error::Error + Send + Sync>| {
+                Error::Unsent {
+                    host: host.to_string(),
+                    shard: shard.map(|s| s.get()),
+                    what,
+                    parameter,
+                    expected,
+                    source,
+                }
+            };
+        if types.len() != params.len() {
+            let why = format!("the statement takes {} parameters, {} were given", types.len(), params.len());
+            return unsent(0, "a parameter list".to_owned(), why.into());
+        }
+        let mut buf = bytes::BytesMut::new();
+        for (i, (ty, value)) in types.iter().zip(params).enumerate() {
+            buf.clear();
+            if let Err(e) = value.to_sql_checked(ty, &mut buf) {
+                return unsent(i + 1, ty.name().to_owned(), e);
+            }
+        }
+    }
+    Error::host(host, shard, what, source)
+}
 
 /// An error and its causes on one line, `: `-separated. The driver's errors say only
 /// their kind ("db error", "error performing TLS handshake"); the reason is in the

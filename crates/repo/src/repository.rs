@@ -14,14 +14,32 @@ use std::time::SystemTime;
 
 use futures::StreamExt as _;
 use shardline_id::Id;
-use shardline_router::{HostName, LogicalShard, Route, SchemaName};
+use shardline_router::{HostName, LogicalShard, Route, SchemaName, ShardMap};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Failed, Run};
 use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_update};
-use crate::{Error, Result};
+use crate::shard::Pinned;
+use crate::{Error, Result, statement_error, within};
+
+/// A host's rows of a batch: per shard, its route and the input indices.
+type Groups = Vec<(Route, Vec<usize>)>;
+
+/// A host's part of [`Repo::insert_many`] that failed: the hosts that committed their
+/// rows all the same (after a move sent the part to several hosts), and the failure.
+#[derive(Debug)]
+struct PartFailed {
+    committed: Vec<HostName>,
+    error: Error,
+}
+
+impl From<Error> for PartFailed {
+    fn from(error: Error) -> Self {
+        PartFailed { committed: Vec::new(), error }
+    }
+}
 
 /// The SQL of one entity, made once.
 #[derive(Debug)]
@@ -224,8 +242,8 @@ impl Cluster {
 
 impl<E: Entity> Repo<E> {
     /// Runs the statement `sql(schema)` with `params` on the shard's host (prepared
-    /// once per connection), within the host timeout. When the shard's schema is not
-    /// there, reloads the map and runs once more if the shard moved.
+    /// once per connection), within the host timeout, through the cluster's one retry
+    /// path for a stale map ([`Cluster::with_move_retry`]).
     async fn on_shard(
         &self,
         shard: LogicalShard,
@@ -233,23 +251,14 @@ impl<E: Entity> Repo<E> {
         sql: impl Fn(&SchemaName) -> String,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
-        let mut route = self.cluster.route(shard);
-        let mut retried = false;
-        loop {
-            let result = self.attempt(&route, what, &sql(&route.schema), params).await;
-            match result {
-                Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) && !retried => {
-                    retried = true;
-                    if !self.cluster.wait_for_move(&[(shard, route.host.clone())]).await? {
-                        return result;
-                    }
-                    let now = self.cluster.route(shard);
-                    tracing::debug!(shard = shard.get(), from = %route.host, to = %now.host, "shard moved; retrying");
-                    route = now;
-                }
-                other => return other,
-            }
-        }
+        let prefix = self.cluster.prefix();
+        self.cluster
+            .with_move_retry(|map, _| {
+                let route = map.route(shard, prefix);
+                let sql = sql(&route.schema);
+                async move { self.attempt(&route, what, &sql, params).await.map_err(|e| Failed::of(e, [shard])) }
+            })
+            .await
     }
 
     async fn attempt(
@@ -259,22 +268,25 @@ impl<E: Entity> Repo<E> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
-        let timeout = self.cluster.options().host_timeout;
         let work = async {
             let client = self.cluster.client(&route.host).await?;
-            let fail = |e| Error::host(&route.host, Some(route.shard), what, e);
-            let statement = client.prepare_cached(sql).await.map_err(fail)?;
-            client.query(&statement, params).await.map_err(fail)
+            let statement = client
+                .prepare_cached(sql)
+                .await
+                .map_err(|e| Error::host(&route.host, Some(route.shard), what, e))?;
+            client.query(&statement, params).await.map_err(|e| {
+                statement_error(&route.host, Some(route.shard), what, e, statement.params(), params)
+            })
         };
-        tokio::time::timeout(timeout, work)
-            .await
-            .map_err(|_| Error::Timeout { host: route.host.to_string(), after: timeout })?
+        within(&route.host, self.cluster.options().host_timeout, work).await
     }
 
     fn rows(rows: &[Row]) -> Result<Vec<E>> {
-        rows.iter()
-            .map(|r| E::from_row(r).map_err(|source| Error::Decode { table: E::TABLE, source }))
-            .collect()
+        rows.iter().map(Self::row).collect()
+    }
+
+    fn row(row: &Row) -> Result<E> {
+        E::from_row(row).map_err(|source| Error::Decode { table: E::TABLE, source })
     }
 
     /// Inserts a row in its user's shard (the ID minted there) and returns it.
@@ -289,67 +301,138 @@ impl<E: Entity> Repo<E> {
         Self::rows(&rows)?.pop().ok_or(Error::Empty { what: "insert" })
     }
 
-    /// Inserts rows, grouped by host: one statement per host (each shard's rows one
-    /// `INSERT` inside it), all hosts in parallel, so one round trip per host. Returns
-    /// the rows in the order given. Atomic per host, not across hosts. A host's batch is
-    /// split into several pipelined statements only past Postgres's 65,535 bind
-    /// parameters.
+    /// Inserts rows, grouped by host: each host's part is one transaction (each shard's
+    /// rows one `INSERT` inside it, several statements past Postgres's 65,535 bind
+    /// parameters), all hosts in parallel. Returns the rows in the order given.
+    ///
+    /// Atomic per host, whatever the batch's size, not across hosts. A host that finds
+    /// one of its shards moved rolls its part back whole; that part is then inserted
+    /// once more under the new map, so no row is ever inserted twice.
     ///
     /// # Errors
     ///
-    /// The first failure; rows of other hosts may have been inserted.
+    /// When no host committed, the first failure (nothing was applied unless its
+    /// [`Error::outcome_unknown`] says otherwise). When some hosts committed and another
+    /// failed, [`Error::InsertMany`] naming the hosts that committed (its
+    /// `outcome_unknown()` is true: part of the batch is in).
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
         if new.is_empty() {
             return Ok(Vec::new());
         }
-        let map = self.cluster.map();
+        let all: Vec<usize> = (0..new.len()).collect();
+        let by_host = self.group(new, &all, &self.cluster.map())?;
+        let parts = by_host.into_iter().map(|(host, groups)| self.insert_part(host, groups, new));
+        let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
+        let mut committed: Vec<HostName> = Vec::new();
+        let mut failure = None;
+        for part in futures::future::join_all(parts).await {
+            match part {
+                Ok((hosts, rows)) => {
+                    committed.extend(hosts);
+                    for (i, row) in rows {
+                        out[i] = Some(row);
+                    }
+                }
+                Err(PartFailed { committed: hosts, error }) => {
+                    committed.extend(hosts);
+                    failure.get_or_insert(error);
+                }
+            }
+        }
+        if let Some(error) = failure {
+            committed.sort();
+            committed.dedup();
+            return Err(if committed.is_empty() {
+                error
+            } else {
+                Error::InsertMany {
+                    committed: committed.iter().map(ToString::to_string).collect(),
+                    source: Box::new(error),
+                }
+            });
+        }
+        out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect()
+    }
+
+    /// The rows `idx` of `new`, grouped by host under `map`, each host's by shard in
+    /// shard order.
+    fn group<N: NewRow<Entity = E>>(
+        &self,
+        new: &[N],
+        idx: &[usize],
+        map: &ShardMap,
+    ) -> Result<HashMap<HostName, Groups>> {
         let prefix = self.cluster.prefix();
         let mut by_host: HashMap<HostName, BTreeMap<u16, (Route, Vec<usize>)>> = HashMap::new();
-        for (i, n) in new.iter().enumerate() {
-            let route = match n.shard_key() {
+        for &i in idx {
+            let route = match new[i].shard_key() {
                 ShardKey::User(u) => map.route_user(u, prefix),
                 ShardKey::Parent(id) => map.route_id(id, self.cluster.layout(), prefix)?,
             };
             let entry = by_host.entry(route.host.clone()).or_default();
             entry.entry(route.shard.get()).or_insert_with(|| (route, Vec::new())).1.push(i);
         }
-        let hosts = by_host.into_iter().map(|(host, groups)| async move {
-            let groups: Vec<(Route, Vec<usize>)> = groups.into_values().collect();
-            match self.insert_on_host::<N>(&host, &groups, new).await {
-                Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) => {
-                    // A stale map: shard by shard, through the path that reloads it.
-                    let mut out = Vec::new();
-                    for (route, idx) in &groups {
-                        let values: Vec<&(dyn ToSql + Sync)> =
-                            idx.iter().flat_map(|&i| new[i].values()).collect();
-                        let sql = |s: &SchemaName| self.sql.insert(s, N::COLUMNS, idx.len());
-                        let rows = self.on_shard(route.shard, "insert many", sql, &values).await?;
-                        out.push((idx.clone(), Self::rows(&rows)?));
-                    }
-                    Ok(out)
-                }
-                other => other,
-            }
-        });
-        let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
-        for host in futures::future::join_all(hosts).await {
-            for (idx, rows) in host? {
-                for (&i, row) in idx.iter().zip(rows) {
-                    out[i] = Some(row);
-                }
-            }
-        }
-        out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect()
+        Ok(by_host.into_iter().map(|(h, g)| (h, g.into_values().collect())).collect())
     }
 
-    /// The parameter types of `N`'s insert, learnt once from the prepared single-row
-    /// insert (every shard has the same tables), so batches go in one round trip.
+    /// One host's part of [`Repo::insert_many`], in one transaction. If the host found
+    /// one of the part's shards moved (the transaction rolled back whole), the part runs
+    /// once more under the new map, over whichever hosts now hold its shards, each in one
+    /// transaction. Returns the hosts that committed with the rows, by input index.
+    async fn insert_part<N: NewRow<Entity = E>>(
+        &self,
+        host: HostName,
+        groups: Vec<(Route, Vec<usize>)>,
+        new: &[N],
+    ) -> Result<(Vec<HostName>, Vec<(usize, E)>), PartFailed> {
+        let (host, groups) = (&host, &groups);
+        self.cluster
+            .with_move_retry(|map, run| async move {
+                if run == Run::First {
+                    return match self.insert_tx(host, groups, new).await {
+                        Ok(rows) => Ok((vec![host.clone()], rows)),
+                        Err(e) => {
+                            let moved = e.is_moved();
+                            Err(Failed::new(PartFailed::from(e), moved, groups.iter().map(|(r, _)| r.shard)))
+                        }
+                    };
+                }
+                let idx: Vec<usize> = groups.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+                let by_host = self.group(new, &idx, &map)?;
+                let tries =
+                    by_host.iter().map(|(h, g)| async move { (h.clone(), self.insert_tx(h, g, new).await) });
+                let (mut hosts, mut rows, mut failure) = (Vec::new(), Vec::new(), None);
+                for (h, result) in futures::future::join_all(tries).await {
+                    match result {
+                        Ok(r) => {
+                            hosts.push(h);
+                            rows.extend(r);
+                        }
+                        Err(e) => {
+                            failure.get_or_insert(e);
+                        }
+                    }
+                }
+                match failure {
+                    None => Ok((hosts, rows)),
+                    Some(error) => Err(Failed::new(PartFailed { committed: hosts, error }, false, [])),
+                }
+            })
+            .await
+    }
+
+    /// The parameter types of `N`'s insert into `route`'s schema, from the prepared
+    /// single-row insert. Types built into Postgres are the same in every schema and on
+    /// every host, so they are learnt once; a type that lives in the schema (an enum,
+    /// say) differs per schema and host, so it is asked for each (the statement is
+    /// cached per connection).
     async fn insert_types<N: NewRow<Entity = E>>(
         &self,
         client: &deadpool_postgres::Object,
-        host: &HostName,
         route: &Route,
     ) -> Result<Vec<Type>> {
+        /// Postgres's first OID for objects made after `initdb` (FirstNormalObjectId).
+        const FIRST_NORMAL_OID: u32 = 16_384;
         let key = N::COLUMNS.join(",");
         if let Some(t) = self.types.lock().ok().and_then(|m| m.get(&key).cloned()) {
             return Ok(t);
@@ -358,99 +441,110 @@ impl<E: Entity> Repo<E> {
         let statement = client
             .prepare_cached(&sql)
             .await
-            .map_err(|e| Error::host(host, Some(route.shard), "insert many", e))?;
+            .map_err(|e| Error::host(&route.host, Some(route.shard), "insert many", e))?;
         let types = statement.params().to_vec();
-        if let Ok(mut m) = self.types.lock() {
+        if types.iter().all(|t| t.oid() < FIRST_NORMAL_OID)
+            && let Ok(mut m) = self.types.lock()
+        {
             m.insert(key, types.clone());
         }
         Ok(types)
     }
 
-    /// One host's part of [`Repo::insert_many`]: each returned entry pairs input
-    /// indices with their rows.
-    async fn insert_on_host<N: NewRow<Entity = E>>(
+    /// Inserts the rows of `groups` on `host` in one transaction (one statement per
+    /// 65,535 bind parameters, each shard's rows one `INSERT` inside it), within the host
+    /// timeout. On any failure the connection is closed, never returned to the pool
+    /// inside the transaction, so the server rolls everything back.
+    async fn insert_tx<N: NewRow<Entity = E>>(
         &self,
         host: &HostName,
         groups: &[(Route, Vec<usize>)],
         new: &[N],
-    ) -> Result<Vec<(Vec<usize>, Vec<E>)>> {
+    ) -> Result<Vec<(usize, E)>> {
         const MAX_PARAMS: usize = 65_535;
         let width = N::COLUMNS.len().max(1);
-        let timeout = self.cluster.options().host_timeout;
-        let work = async {
-            let client = self.cluster.client(host).await?;
-            let types = self.insert_types::<N>(&client, host, &groups[0].0).await?;
-            // Chunks of (route, input indices) under the parameter limit.
-            let mut chunks: Vec<Vec<(&Route, &[usize])>> = vec![Vec::new()];
-            let mut used = 0;
-            for (route, idx) in groups {
-                for part in idx.chunks(MAX_PARAMS / width) {
-                    if used + part.len() * width > MAX_PARAMS {
-                        chunks.push(Vec::new());
-                        used = 0;
-                    }
-                    used += part.len() * width;
-                    if let Some(last) = chunks.last_mut() {
-                        last.push((route, part));
-                    }
+        // Chunks of (route, input indices) under the parameter limit.
+        let mut chunks: Vec<Vec<(&Route, &[usize])>> = vec![Vec::new()];
+        let mut used = 0;
+        for (route, idx) in groups {
+            for part in idx.chunks(MAX_PARAMS / width) {
+                if used + part.len() * width > MAX_PARAMS {
+                    chunks.push(Vec::new());
+                    used = 0;
+                }
+                used += part.len() * width;
+                if let Some(last) = chunks.last_mut() {
+                    last.push((route, part));
                 }
             }
-            let statements = chunks.iter().map(|chunk| {
+        }
+        let work = async {
+            let tx = Pinned::new(self.cluster.client(host).await?);
+            let client = tx.client()?;
+            client.batch_execute("BEGIN").await.map_err(|e| Error::host(host, None, "insert many", e))?;
+            let mut out = Vec::with_capacity(new.len().min(1 << 16));
+            for chunk in &chunks {
+                let mut types = Vec::new();
+                let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
+                for (route, idx) in chunk {
+                    let t = self.insert_types::<N>(client, route).await?;
+                    for &i in *idx {
+                        types.extend(t.iter().cloned());
+                        values.extend(new[i].values());
+                    }
+                }
                 let parts: Vec<(&SchemaName, usize)> =
                     chunk.iter().map(|(r, idx)| (&r.schema, idx.len())).collect();
                 let sql = self.sql.insert_parts(&parts, N::COLUMNS);
-                let values: Vec<Vec<&(dyn ToSql + Sync)>> =
-                    chunk.iter().flat_map(|(_, idx)| idx.iter().map(|&i| new[i].values())).collect();
-                let client = &client;
-                let types = &types;
-                async move {
-                    let params: Vec<(&(dyn ToSql + Sync), Type)> = values
-                        .iter()
-                        .flat_map(|row| row.iter().zip(types.iter()).map(|(v, t)| (*v, t.clone())))
-                        .collect();
-                    let rows = client
-                        .query_typed(&sql, &params)
-                        .await
-                        .map_err(|e| Error::host(host, None, "insert many", e))?;
-                    let mut parts: Vec<(Vec<usize>, Vec<E>)> =
-                        chunk.iter().map(|(_, idx)| (idx.to_vec(), Vec::with_capacity(idx.len()))).collect();
-                    for row in &rows {
-                        let part: i32 = row
-                            .try_get("shardline_part")
-                            .map_err(|source| Error::Decode { table: E::TABLE, source })?;
-                        let e =
-                            E::from_row(row).map_err(|source| Error::Decode { table: E::TABLE, source })?;
-                        let slot = usize::try_from(part).ok().and_then(|p| parts.get_mut(p));
-                        let (idx, got) =
-                            slot.ok_or(Error::Empty { what: "insert many (a row of no part)" })?;
-                        // RETURNING gives rows in VALUES order; check it rather than trust it.
-                        let key = idx.get(got.len()).map(|&i| new[i].shard_key());
-                        let stored = match key.and_then(ShardKey::column::<E>) {
-                            Some(column) => Some(
-                                row.try_get::<_, i64>(column)
-                                    .map_err(|source| Error::Decode { table: E::TABLE, source })?,
-                            ),
-                            None => key.map(ShardKey::value),
-                        };
-                        if key.map(ShardKey::value) != stored {
-                            return Err(Error::Invalid {
-                                what: format!("insert many: {} returned rows out of order", E::TABLE),
-                            });
-                        }
-                        got.push(e);
-                    }
-                    Ok::<_, Error>(parts)
-                }
-            });
-            let mut out = Vec::new();
-            for chunk in futures::future::join_all(statements).await {
-                out.extend(chunk?);
+                let params: Vec<(&(dyn ToSql + Sync), Type)> =
+                    values.iter().zip(&types).map(|(v, t)| (*v, t.clone())).collect();
+                let rows = client
+                    .query_typed(&sql, &params)
+                    .await
+                    .map_err(|e| statement_error(host, None, "insert many", e, &types, &values))?;
+                self.take_parts(&rows, chunk, new, &mut out)?;
             }
+            client.batch_execute("COMMIT").await.map_err(|e| Error::host(host, None, "insert many", e))?;
+            tx.release();
             Ok(out)
         };
-        tokio::time::timeout(timeout, work)
-            .await
-            .map_err(|_| Error::Timeout { host: host.to_string(), after: timeout })?
+        within(host, self.cluster.options().host_timeout, work).await
+    }
+
+    /// The rows of one `insert_parts` statement, checked against the inputs they were
+    /// made from, appended to `out` with their input index.
+    fn take_parts<N: NewRow<Entity = E>>(
+        &self,
+        rows: &[Row],
+        chunk: &[(&Route, &[usize])],
+        new: &[N],
+        out: &mut Vec<(usize, E)>,
+    ) -> Result<()> {
+        let mut taken = vec![0_usize; chunk.len()];
+        for row in rows {
+            let part: i32 =
+                row.try_get("shardline_part").map_err(|source| Error::Decode { table: E::TABLE, source })?;
+            let p = usize::try_from(part).ok().filter(|p| *p < chunk.len());
+            let (p, idx) =
+                p.map(|p| (p, chunk[p].1)).ok_or(Error::Empty { what: "insert many (a row of no part)" })?;
+            // RETURNING gives rows in VALUES order; check it rather than trust it.
+            let i = idx.get(taken[p]).copied().ok_or(Error::Empty { what: "insert many (too many rows)" })?;
+            taken[p] += 1;
+            let key = new[i].shard_key();
+            let stored = match key.column::<E>() {
+                Some(column) => row
+                    .try_get::<_, i64>(column)
+                    .map_err(|source| Error::Decode { table: E::TABLE, source })?,
+                None => key.value(),
+            };
+            if key.value() != stored {
+                return Err(Error::Invalid {
+                    what: format!("insert many: {} returned rows out of order", E::TABLE),
+                });
+            }
+            out.push((i, Self::row(row)?));
+        }
+        Ok(())
     }
 
     /// The row with `id`: its shard is decoded from the ID, one query on its host.
@@ -466,78 +560,67 @@ impl<E: Entity> Repo<E> {
     }
 
     /// The rows with `ids`, one round trip per host (not per ID, not per shard), in the
-    /// caller's order, with the IDs not found.
+    /// caller's order: one entry per ID asked, also when an ID is asked more than once,
+    /// with the IDs not found.
     ///
     /// # Errors
     ///
     /// [`Error::Router`] for an ID whose shard the cluster does not have (nothing is
     /// sent); the first host's failure.
     pub async fn get_many(&self, ids: &[Id]) -> Result<Many<E>> {
-        let result = self.get_many_once(ids).await;
-        match result {
-            Err(Error::Host { source: Some(ref e), .. }) if is_moved(e) => {
-                // A shard moved (or is moving) under a stale map: wait for the new map and
-                // ask again, once.
-                let map = self.cluster.map();
-                let mut shards: Vec<(LogicalShard, HostName)> = ids
-                    .iter()
-                    .filter_map(|&id| map.route_id(id, self.cluster.layout(), self.cluster.prefix()).ok())
-                    .map(|r| (r.shard, r.host))
-                    .collect();
-                shards.sort_by_key(|(s, _)| s.get());
-                shards.dedup_by_key(|(s, _)| s.get());
-                if !self.cluster.wait_for_move(&shards).await? {
-                    return result;
-                }
-                self.get_many_once(ids).await
-            }
-            other => other,
-        }
-    }
-
-    async fn get_many_once(&self, ids: &[Id]) -> Result<Many<E>> {
-        let map = self.cluster.map();
-        let prefix = self.cluster.prefix();
-        let mut by_host: HashMap<HostName, BTreeMap<SchemaName, Vec<i64>>> = HashMap::new();
-        for &id in ids {
-            let route = map.route_id(id, self.cluster.layout(), prefix)?;
-            by_host.entry(route.host).or_default().entry(route.schema).or_default().push(i64::from(id));
-        }
+        let (layout, prefix) = (self.cluster.layout(), self.cluster.prefix());
         let timeout = self.cluster.options().host_timeout;
-        let queries = by_host.into_iter().map(|(host, schemas)| async move {
-            let names: Vec<&SchemaName> = schemas.keys().collect();
-            let sql = self.sql.get_many(&names);
-            let arrays: Vec<&Vec<i64>> = schemas.values().collect();
-            let params: Vec<(&(dyn ToSql + Sync), Type)> =
-                arrays.iter().map(|a| (*a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
-            let work = async {
-                let client = self.cluster.client(&host).await?;
-                client.query_typed(&sql, &params).await.map_err(|e| Error::host(&host, None, "get many", e))
-            };
-            tokio::time::timeout(timeout, work)
-                .await
-                .map_err(|_| Error::Timeout { host: host.to_string(), after: timeout })?
-        });
-        let mut found: HashMap<Id, E> = HashMap::new();
-        for rows in futures::future::join_all(queries).await {
-            for e in Self::rows(&rows?)? {
-                found.insert(e.id(), e);
+        let found: HashMap<Id, Row> = self
+            .cluster
+            .with_move_retry(|map, _| async move {
+                let mut by_host: HashMap<HostName, BTreeMap<SchemaName, (LogicalShard, Vec<i64>)>> =
+                    HashMap::new();
+                for &id in ids {
+                    let route = map.route_id(id, layout, prefix).map_err(Error::from)?;
+                    let shard = route.shard;
+                    let schemas = by_host.entry(route.host).or_default();
+                    schemas.entry(route.schema).or_insert_with(|| (shard, Vec::new())).1.push(i64::from(id));
+                }
+                let queries = by_host.into_iter().map(|(host, schemas)| async move {
+                    let names: Vec<&SchemaName> = schemas.keys().collect();
+                    let sql = self.sql.get_many(&names);
+                    let params: Vec<(&(dyn ToSql + Sync), Type)> =
+                        schemas.values().map(|(_, a)| (a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
+                    let work = async {
+                        let client = self.cluster.client(&host).await?;
+                        client
+                            .query_typed(&sql, &params)
+                            .await
+                            .map_err(|e| Error::host(&host, None, "get many", e))
+                    };
+                    within(&host, timeout, work)
+                        .await
+                        .map_err(|e| Failed::of(e, schemas.values().map(|(s, _)| *s)))
+                });
+                let mut found = HashMap::new();
+                for rows in futures::future::join_all(queries).await {
+                    for row in rows? {
+                        let id: Id =
+                            row.try_get("id").map_err(|source| Error::Decode { table: E::TABLE, source })?;
+                        found.insert(id, row);
+                    }
+                }
+                Ok(found)
+            })
+            .await?;
+        let mut missing = Vec::new();
+        let mut rows = Vec::with_capacity(ids.len());
+        for id in ids {
+            match found.get(id) {
+                Some(row) => rows.push(Some(Self::row(row)?)),
+                None => {
+                    missing.push(*id);
+                    rows.push(None);
+                }
             }
         }
-        let mut missing = Vec::new();
-        let rows = ids
-            .iter()
-            .map(|id| {
-                let row = found.remove(id);
-                if row.is_none() {
-                    missing.push(*id);
-                }
-                row
-            })
-            .collect();
         Ok(Many { rows, missing })
     }
-
     /// Sets `columns` of the row with `id`; returns the row as it now is, or `None` when
     /// there is no such row.
     ///
@@ -622,82 +705,68 @@ impl<E: Entity> Repo<E> {
     ///
     /// [`Error::Id`] when the window is outside the ID layout.
     pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
-        let (out, moved) = self.created_between_once(from, to, limit).await?;
-        // A host that found one of its shards fenced by a move: wait for the flip (as a
-        // single statement would), then ask every host once more.
-        if !moved.is_empty() && self.cluster.wait_for_move(&moved).await? {
-            return Ok(self.created_between_once(from, to, limit).await?.0);
-        }
-        Ok(out)
-    }
-
-    /// One fan-out, with the shards of the hosts that failed because a shard's schema
-    /// was gone (moved or fenced).
-    async fn created_between_once(
-        &self,
-        from: SystemTime,
-        to: SystemTime,
-        limit: usize,
-    ) -> Result<(FanOut<E>, Vec<(LogicalShard, HostName)>)> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
         let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
         let n = i64::try_from(limit).unwrap_or(i64::MAX);
-        let map = self.cluster.map();
         let prefix = self.cluster.prefix();
         let timeout = self.cluster.options().host_timeout;
-        let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
-            .hosts()
-            .iter()
-            .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
-            .filter(|(_, s)| !s.is_empty())
-            .collect();
-        let results = futures::stream::iter(hosts)
-            .map(|(host, shards)| async move {
-                let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
-                let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>());
-                let work = async {
-                    let client = self.cluster.client(&host).await?;
-                    client
-                        .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
-                        .await
-                        .map_err(|e| Error::host(&host, None, "fan-out", e))
-                };
-                let result = match tokio::time::timeout(timeout, work).await {
-                    Ok(r) => r.and_then(|rows| Self::rows(&rows)),
-                    Err(_) => Err(Error::Timeout { host: host.to_string(), after: timeout }),
-                };
-                (host, shards, result)
-            })
-            .buffer_unordered(self.cluster.options().fan_out.max(1))
-            .collect::<Vec<_>>()
-            .await;
-        let mut missing = Vec::new();
-        let mut moved = Vec::new();
-        let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
-        for (host, shards, result) in results {
-            match result {
-                Ok(rows) => lists.push(rows.into_iter()),
-                Err(e) => {
-                    if let Error::Host { source: Some(ref pg), .. } = e
-                        && is_moved(pg)
-                    {
-                        moved.extend(shards.iter().map(|s| (*s, host.clone())));
-                    } else {
-                        tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+        self.cluster
+            .with_move_retry(|map, run| async move {
+                let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
+                    .hosts()
+                    .iter()
+                    .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
+                    .filter(|(_, s)| !s.is_empty())
+                    .collect();
+                let results = futures::stream::iter(hosts)
+                    .map(|(host, shards)| async move {
+                        let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
+                        let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>());
+                        let work = async {
+                            let client = self.cluster.client(&host).await?;
+                            let rows = client
+                                .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
+                                .await
+                                .map_err(|e| Error::host(&host, None, "fan-out", e))?;
+                            Self::rows(&rows)
+                        };
+                        let result = within(&host, timeout, work).await;
+                        (host, shards, result)
+                    })
+                    .buffer_unordered(self.cluster.options().fan_out.max(1))
+                    .collect::<Vec<_>>()
+                    .await;
+                let mut missing = Vec::new();
+                let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
+                let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
+                for (host, shards, result) in results {
+                    match result {
+                        Ok(rows) => lists.push(rows.into_iter()),
+                        // A shard fenced by a move: wait for the flip (as a single statement
+                        // would), then ask every host once more.
+                        Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
+                            Some((_, all)) => all.extend(shards),
+                            None => moved = Some((e, shards)),
+                        },
+                        Err(e) => {
+                            tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                            missing.push(Missing {
+                                host: host.to_string(),
+                                shards: shards.iter().map(|s| s.get()).collect(),
+                                error: e.to_string(),
+                            });
+                        }
                     }
-                    missing.push(Missing {
-                        host: host.to_string(),
-                        shards: shards.iter().map(|s| s.get()).collect(),
-                        error: e.to_string(),
-                    });
                 }
-            }
-        }
-        Ok((FanOut { rows: merge_newest_first(lists, limit), missing }, moved))
+                match moved {
+                    Some((error, shards)) => Err(Failed::new(error, true, shards)),
+                    None => Ok(FanOut { rows: merge_newest_first(lists, limit), missing }),
+                }
+            })
+            .await
     }
 }
-
 fn unix_ms(t: SystemTime) -> Result<i64> {
     t.duration_since(std::time::UNIX_EPOCH)
         .ok()

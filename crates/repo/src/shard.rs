@@ -40,10 +40,40 @@ use shardline_router::{HostName, LogicalShard, Route, SchemaName};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Failed};
 use crate::entity::{Entity, NewRow, check_update};
-use crate::repository::{Sql, is_moved};
-use crate::{Error, Result};
+use crate::repository::Sql;
+use crate::{Error, Result, statement_error, within};
+
+/// A pooled connection inside a transaction. Dropped before [`Pinned::release`] (a
+/// failure, a timeout, a cancelled caller), it is closed rather than returned to the
+/// pool, so the server rolls the transaction back and no pooled connection is left
+/// inside one.
+#[derive(Debug)]
+pub(crate) struct Pinned(Option<deadpool_postgres::Object>);
+
+impl Pinned {
+    pub(crate) fn new(client: deadpool_postgres::Object) -> Self {
+        Pinned(Some(client))
+    }
+
+    pub(crate) fn client(&self) -> Result<&deadpool_postgres::Object> {
+        self.0.as_ref().ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })
+    }
+
+    /// The transaction ended cleanly: the connection goes back to the pool.
+    pub(crate) fn release(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+}
 
 /// A transaction in one shard, handed to the closure of [`Cluster::transaction`].
 ///
@@ -53,41 +83,64 @@ use crate::{Error, Result};
 /// it back and no pooled connection is left inside a transaction.
 #[derive(Debug)]
 pub struct ShardTx<'env> {
-    client: Option<deadpool_postgres::Object>,
+    client: Option<Pinned>,
     cluster: &'env Cluster,
     route: Route,
     timeout: Duration,
     moved: bool,
 }
 
-impl Drop for ShardTx<'_> {
-    fn drop(&mut self) {
-        if let Some(client) = self.client.take() {
-            drop(deadpool_postgres::Object::take(client));
-        }
-    }
-}
-
 impl ShardTx<'_> {
-    /// Ends the transaction with `COMMIT` or `ROLLBACK`; the connection goes back to the
-    /// pool only when that succeeds.
-    async fn finish(&mut self, sql: &'static str) -> Result<()> {
-        let Some(client) = self.client.as_ref() else {
-            return Err(Error::Invalid { what: "the transaction has already ended".into() });
-        };
-        let done = tokio::time::timeout(self.timeout, client.batch_execute(sql))
-            .await
-            .map_err(|_| Error::Timeout { host: self.route.host.to_string(), after: self.timeout })?;
-        done.map_err(|e| Error::host(&self.route.host, Some(self.route.shard), "commit", e))?;
-        // Finished cleanly: the connection can serve others.
-        drop(self.client.take());
+    /// Ends the transaction with `ROLLBACK`; the connection goes back to the pool only
+    /// when that succeeds.
+    async fn rollback(&mut self) -> Result<()> {
+        let (host, shard) = (&self.route.host, self.route.shard);
+        let client = self.client()?;
+        within(host, self.timeout, async {
+            client.batch_execute("ROLLBACK").await.map_err(|e| Error::host(host, Some(shard), "rollback", e))
+        })
+        .await?;
+        if let Some(tx) = self.client.take() {
+            tx.release();
+        }
         Ok(())
+    }
+
+    /// Ends the transaction with `COMMIT`. A statement that failed inside the
+    /// transaction aborted it, even when the closure handled its error: then Postgres
+    /// would answer `COMMIT` with a rollback, so the probe `SELECT 1` sent before it fails
+    /// (25P02), `COMMIT` is not run, and the caller gets [`Error::RolledBack`].
+    async fn commit(&mut self) -> Result<()> {
+        let (host, shard) = (&self.route.host, self.route.shard);
+        let client = self.client()?;
+        let done = within(host, self.timeout, async {
+            client
+                .batch_execute("SELECT 1; COMMIT")
+                .await
+                .map_err(|e| Error::host(host, Some(shard), "commit", e))
+        })
+        .await;
+        match done {
+            Ok(()) => {
+                if let Some(tx) = self.client.take() {
+                    tx.release();
+                }
+                Ok(())
+            }
+            Err(e) if e.sqlstate() == Some("25P02") => {
+                let rolled_back = Error::RolledBack { host: host.to_string(), shard: shard.get() };
+                let _ = self.rollback().await;
+                Err(rolled_back)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
         self.client
             .as_ref()
-            .ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })
+            .ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })?
+            .client()
     }
 }
 
@@ -107,32 +160,38 @@ impl ShardTx<'_> {
         &self.route.host
     }
 
+    /// Runs one statement. `sql` is cached per connection only when `qualified` (its
+    /// text names the schema): the caller's own SQL resolves names through the
+    /// transaction's `search_path`, which differs from shard to shard on one pooled
+    /// connection, and a statement prepared in one shard is not valid in another (its
+    /// types, an enum of the schema say, are another shard's).
     async fn run(
         &mut self,
         what: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
         count_only: bool,
+        qualified: bool,
     ) -> Result<(Vec<Row>, u64)> {
         let route = &self.route;
         let client = self.client()?;
         let work = async {
             let fail = |e| Error::host(&route.host, Some(route.shard), what, e);
-            let statement = client.prepare_cached(sql).await.map_err(fail)?;
+            let statement =
+                if qualified { client.prepare_cached(sql).await } else { client.prepare(sql).await }
+                    .map_err(fail)?;
+            let sent =
+                |e| statement_error(&route.host, Some(route.shard), what, e, statement.params(), params);
             if count_only {
-                Ok((Vec::new(), client.execute(&statement, params).await.map_err(fail)?))
+                Ok((Vec::new(), client.execute(&statement, params).await.map_err(sent)?))
             } else {
-                let rows = client.query(&statement, params).await.map_err(fail)?;
+                let rows = client.query(&statement, params).await.map_err(sent)?;
                 let n = u64::try_from(rows.len()).unwrap_or(u64::MAX);
                 Ok((rows, n))
             }
         };
-        let result = tokio::time::timeout(self.timeout, work)
-            .await
-            .map_err(|_| Error::Timeout { host: route.host.to_string(), after: self.timeout })?;
-        if let Err(Error::Host { source: Some(e), .. }) = &result
-            && is_moved(e)
-        {
+        let result = within(&route.host, self.timeout, work).await;
+        if matches!(&result, Err(e) if e.is_moved()) {
             self.moved = true;
         }
         result
@@ -144,7 +203,7 @@ impl ShardTx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
-        Ok(self.run(what, sql, params, false).await?.0)
+        Ok(self.run(what, sql, params, false, true).await?.0)
     }
 
     fn check_shard(&self, what: &'static str, shard: LogicalShard) -> Result<()> {
@@ -223,7 +282,7 @@ impl ShardTx<'_> {
     ///
     /// [`Error::Host`] (with the SQLSTATE); [`Error::Timeout`].
     pub async fn query(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
-        self.rows_of("query", sql, params).await
+        Ok(self.run("query", sql, params, false, false).await?.0)
     }
 
     /// As [`ShardTx::query`], returning how many rows the statement touched.
@@ -232,7 +291,7 @@ impl ShardTx<'_> {
     ///
     /// As [`ShardTx::query`].
     pub async fn execute(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
-        Ok(self.run("execute", sql, params, true).await?.1)
+        Ok(self.run("execute", sql, params, true, false).await?.1)
     }
 }
 
@@ -252,46 +311,42 @@ impl Cluster {
     ///
     /// `work`'s error; [`Error::Host`] / [`Error::Pool`] / [`Error::Timeout`] for
     /// `BEGIN` and `COMMIT`. A `COMMIT` that fails with a lost connection leaves the
-    /// outcome unknown, as in any database.
-    pub async fn transaction<'env, T, Er, F>(&'env self, shard: LogicalShard, mut work: F) -> Result<T, Er>
+    /// outcome unknown, as in any database. [`Error::RolledBack`] when `work` returned
+    /// `Ok` but a statement inside it had failed (its error handled by `work`): Postgres
+    /// aborted the transaction, so nothing of it was applied.
+    pub async fn transaction<'env, T, Er, F>(&'env self, shard: LogicalShard, work: F) -> Result<T, Er>
     where
         F: for<'t> FnMut(&'t mut ShardTx<'env>) -> BoxFuture<'t, Result<T, Er>>,
         Er: From<Error>,
     {
         let timeout = self.options().host_timeout;
-        let mut retried = false;
-        loop {
-            let route = self.route(shard);
-            let client = self.client(&route.host).await?;
+        // Each run borrows `work` in turn; the lock is never contended.
+        let work = &tokio::sync::Mutex::new(work);
+        self.with_move_retry(|map, _| async move {
+            let route = map.route(shard, self.prefix());
+            let client = Pinned::new(self.client(&route.host).await?);
             let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
-            let mut tx =
-                ShardTx { client: Some(client), cluster: self, route: route.clone(), timeout, moved: false };
-            let started = tokio::time::timeout(timeout, tx.client()?.batch_execute(&begin))
-                .await
-                .map_err(|_| Error::Timeout { host: route.host.to_string(), after: timeout })?;
-            started.map_err(|e| Error::host(&route.host, Some(shard), "begin", e))?;
-            match work(&mut tx).await {
+            let mut tx = ShardTx { client: Some(client), cluster: self, route, timeout, moved: false };
+            let (host, c) = (&tx.route.host, tx.client()?);
+            within(host, timeout, async {
+                c.batch_execute(&begin).await.map_err(|e| Error::host(host, Some(shard), "begin", e))
+            })
+            .await?;
+            let mut work = work.lock().await;
+            match (*work)(&mut tx).await {
                 Ok(value) => {
-                    tx.finish("COMMIT").await?;
-                    return Ok(value);
+                    tx.commit().await?;
+                    Ok(value)
                 }
                 Err(e) => {
-                    let moved = tx.moved;
                     // A rollback that fails leaves the connection to be closed (Drop),
                     // which rolls back as well.
-                    let _ = tx.finish("ROLLBACK").await;
-                    drop(tx);
-                    if !moved || retried {
-                        return Err(e);
-                    }
-                    retried = true;
-                    if !self.wait_for_move(&[(shard, route.host.clone())]).await? {
-                        return Err(e);
-                    }
-                    tracing::debug!(shard = shard.get(), from = %route.host, "shard moved; running the transaction again");
+                    let _ = tx.rollback().await;
+                    Err(Failed::new(e, tx.moved, [shard]))
                 }
             }
-        }
+        })
+        .await
     }
 
     /// Runs `work` on every shard, each in its own [`Cluster::transaction`], several at

@@ -1,0 +1,294 @@
+//! Promises of the repository API that a careful read found broken (issue 15), each
+//! tried the way an application meets it: a batch over the parameter limit while one of
+//! its shards moves, a transaction whose closure handles a failed statement, an ID asked
+//! twice, and errors classified by where they happened.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use shardline_example_photos::{NewPhoto, Photo};
+use shardline_id::Id;
+use shardline_ops::moves::{self, MoveOptions, Step};
+use shardline_repo::{Cluster, ClusterOptions, Error};
+use shardline_testkit::harness::{TestContext, TestResult};
+
+use crate::bootstrap::{BoxError, Fixture, options, quiet};
+
+fn photo(user_id: i64, n: usize) -> NewPhoto {
+    NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: format!("batch {n}") }
+}
+
+/// How many times each caption is stored in the live shard schemas of `shards`, over
+/// every host (a moved shard's old copy, renamed on its source, is not live).
+async fn captions(f: &Fixture, ctx: &TestContext, shards: u16) -> Result<HashMap<String, i64>, BoxError> {
+    let mut seen = HashMap::new();
+    for h in 0..f.hosts {
+        let c = f.client(ctx, h).await?;
+        for s in 0..shards {
+            let schema = format!("shard_{s:04}");
+            let exists: bool = c
+                .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema])
+                .await?
+                .get(0);
+            if !exists {
+                continue;
+            }
+            for row in
+                c.query(&format!("SELECT caption, count(*) FROM {schema}.photos GROUP BY 1"), &[]).await?
+            {
+                *seen.entry(row.get::<_, String>(0)).or_insert(0) += row.get::<_, i64>(1);
+            }
+        }
+    }
+    Ok(seen)
+}
+
+/// A batch of 100,000 photos over 2 hosts (three statements on each, past the bind
+/// parameter limit) while one of its shards moves: the move fences the shard after the
+/// batch's first statement on that host ran and before its last one reaches the shard.
+/// Each host's part is one transaction, so the host that met the fence rolls back whole
+/// and its rows go in once under the new map: every row exactly once, none lost.
+pub(crate) async fn insert_many_is_whole_per_host_and_never_twice_across_a_move(
+    ctx: TestContext,
+) -> TestResult {
+    const ROWS: usize = 100_000;
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let config = f.config()?;
+    let o =
+        ClusterOptions { listen: false, host_timeout: Duration::from_secs(120), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&config, o).await?;
+    let on_pg2: Vec<i64> = (0..4).filter(|u| cluster.route_user(*u).host.as_str() == "pg2").collect();
+    assert_eq!(on_pg2, vec![2, 3], "init places shards in ranges (user u lives in shard u)");
+    // Shard 3 moves from pg2 to pg1; everything but the fence is done first.
+    let stopping = MoveOptions::default().stopping_after(Step::CaughtUp);
+    moves::run(&config, 3, "pg1", &stopping).await.unwrap_err();
+
+    // Shard 2's table is held, so pg2's first statement (shard 2's rows) waits on it;
+    // shard 3's rows come in a later statement of the same host.
+    let pg2 = f.client(&ctx, 1).await?;
+    pg2.batch_execute("BEGIN; LOCK TABLE shard_0002.photos IN SHARE MODE").await?;
+    let photos = cluster.repo::<Photo>()?;
+    let users = [0_i64, 1, 2, 3];
+    let batch: Vec<NewPhoto> = (0..ROWS).map(|i| photo(users[i % 4], i)).collect();
+    let batch = std::sync::Arc::new(batch);
+    let task = {
+        let (photos, batch) = (photos.clone(), batch.clone());
+        tokio::spawn(async move { photos.insert_many(&batch).await })
+    };
+    let watch = f.client(&ctx, 1).await?;
+    let waiting = "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+                    WHERE NOT l.granted AND c.relname = 'photos' AND c.relnamespace = 'shard_0002'::regnamespace";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while watch.query_one(waiting, &[]).await?.get::<_, i64>(0) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the batch never reached shard 2");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // While pg2's first statement waits: fence, verify and flip shard 3 onto pg1.
+    let report = moves::resume(&config, Some(3), &MoveOptions::default()).await?;
+    assert_eq!(report.len(), 1);
+    pg2.batch_execute("COMMIT").await?;
+    let inserted = task.await??;
+
+    assert_eq!(inserted.len(), ROWS);
+    for (i, p) in inserted.iter().enumerate() {
+        assert_eq!(p.caption, format!("batch {i}"), "rows come back in the caller's order");
+    }
+    let stored = captions(&f, &ctx, 4).await?;
+    let twice: Vec<(&String, &i64)> = stored.iter().filter(|(_, n)| **n != 1).take(5).collect();
+    assert!(twice.is_empty(), "captions stored other than once: {twice:?}");
+    assert_eq!(stored.len(), ROWS, "every row of the batch is stored");
+    for p in &inserted {
+        let shard = cluster.layout().decode(p.id).shard;
+        assert_eq!(i64::from(shard), p.user_id, "minted in the user's shard");
+        let home = cluster.route_user(p.user_id).host;
+        assert_eq!(home.as_str(), if p.user_id == 2 { "pg2" } else { "pg1" }, "shard 3 now lives on pg1");
+    }
+    Ok(())
+}
+
+/// A host's part of a batch fails (a CHECK in one comment) while the other hosts' parts
+/// commit: the error names the hosts that committed and says the outcome is not clean.
+pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: TestContext) -> TestResult {
+    use shardline_example_photos::{Comment, NewComment};
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let (photos, comments) = (cluster.repo::<Photo>()?, cluster.repo::<Comment>()?);
+    let posted = photos.insert_many(&(0..6).map(|u| photo(u, 0)).collect::<Vec<_>>()).await?;
+    let batch: Vec<NewComment> = posted
+        .iter()
+        .map(|p| NewComment {
+            photo_id: p.id,
+            user_id: 7,
+            body: if p.user_id == 3 { String::new() } else { "x".into() },
+        })
+        .collect();
+    let err = comments.insert_many(&batch).await.unwrap_err();
+    match &err {
+        Error::InsertMany { committed, source } => {
+            assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()], "{err}");
+            assert_eq!(source.sqlstate(), Some("23514"), "{source}");
+        }
+        other => panic!("expected InsertMany, got {other:?}"),
+    }
+    assert!(err.outcome_unknown(), "part of the batch is in");
+    assert!(!err.is_retryable(), "running the whole batch again would insert pg1's and pg3's part twice");
+    assert_eq!(err.sqlstate(), Some("23514"));
+    for p in &posted {
+        let n = comments.page_of_parent(p.id, None, 10).await?.rows.len();
+        assert_eq!(
+            n,
+            usize::from(!(2..4).contains(&p.user_id)),
+            "comments of the photo in shard {}",
+            p.user_id
+        );
+    }
+    // Every host's part failing: nothing committed, the plain error, outcome known.
+    let all_bad: Vec<NewComment> =
+        posted.iter().map(|p| NewComment { photo_id: p.id, user_id: 7, body: String::new() }).collect();
+    let err = comments.insert_many(&all_bad).await.unwrap_err();
+    assert!(matches!(err, Error::Host { .. }), "{err:?}");
+    assert!(!err.outcome_unknown(), "{err}");
+    Ok(())
+}
+
+/// The closure of a transaction handles a failed statement (a unique violation) and
+/// returns `Ok`: Postgres aborted the transaction, so the call must say it rolled back.
+pub(crate) async fn a_transaction_with_a_handled_failure_reports_its_rollback(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let existing = photos.insert(&photo(1, 0)).await?;
+    let shard = cluster.route_user(1).shard;
+    let result = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                let kept = tx.insert(&photo(1, 1)).await?;
+                let dup = tx
+                    .execute("INSERT INTO photos (id, user_id, url) VALUES ($1, 1, 'dup')", &[&existing.id])
+                    .await;
+                match dup {
+                    Err(e) if e.is_unique_violation() => {}
+                    other => panic!("expected a unique violation, got {other:?}"),
+                }
+                Ok::<_, Error>(kept.id)
+            })
+        })
+        .await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::RolledBack { shard: s, .. } if s == shard.get()), "{err:?}");
+    assert!(!err.outcome_unknown(), "nothing was applied: {err}");
+    assert!(err.to_string().contains("rolled back"), "{err}");
+    let page = photos.page_of_user(1, None, 10).await?;
+    assert_eq!(
+        page.rows.iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![existing.id],
+        "the insert was rolled back"
+    );
+    // The pooled connection is clean afterwards: a transaction on it commits.
+    let id = cluster
+        .transaction(shard, |tx| Box::pin(async move { Ok::<_, Error>(tx.insert(&photo(1, 2)).await?.id) }))
+        .await?;
+    assert!(photos.get(id).await?.is_some());
+    Ok(())
+}
+
+/// `get_many` answers one entry per ID asked, in order, also for an ID asked twice.
+pub(crate) async fn get_many_answers_every_id_asked_also_twice(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let (a, b) = (photos.insert(&photo(0, 0)).await?, photos.insert(&photo(3, 0)).await?);
+    let absent = cluster.layout().compose(1_700_000_000_000, 1, 1)?;
+    let many = photos.get_many(&[a.id, b.id, a.id, absent, a.id, absent]).await?;
+    let got: Vec<Option<Id>> = many.rows.iter().map(|r| r.as_ref().map(|p| p.id)).collect();
+    assert_eq!(got, vec![Some(a.id), Some(b.id), Some(a.id), None, Some(a.id), None]);
+    assert_eq!(many.missing, vec![absent, absent], "missing lists only what is absent, once per ask");
+    Ok(())
+}
+
+/// Errors say whether a write may have been applied and whether a retry may help, by
+/// where the failure happened: before anything was sent, refused by the server, or lost
+/// on the way.
+pub(crate) async fn errors_are_classified_by_where_they_happened(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let p = photos.insert(&photo(2, 0)).await?;
+
+    // Not sent: an i64 for a text column cannot be encoded; the server never sees it.
+    let err = photos.update(p.id, &[("caption", &7_i64)]).await.unwrap_err();
+    assert!(matches!(&err, Error::Unsent { parameter: 2, expected, .. } if expected == "text"), "{err:?}");
+    assert!(!err.outcome_unknown() && !err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("parameter 2"), "{err}");
+    let shard = cluster.route_user(2).shard;
+    let err = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                tx.execute("UPDATE photos SET caption = $1 WHERE id = $2", &[&1_i32, &p.id]).await
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unsent { parameter: 1, .. }), "{err:?}");
+    assert!(!err.outcome_unknown() && !err.is_retryable(), "{err}");
+    assert_eq!(photos.get(p.id).await?.map(|p| p.caption), Some("batch 0".to_owned()), "nothing changed");
+
+    // Refused by the server: known not applied, not worth retrying.
+    let err = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                tx.execute("INSERT INTO photos (id, user_id, url) VALUES ($1, 2, 'x')", &[&p.id]).await
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(err.is_unique_violation() && !err.outcome_unknown() && !err.is_retryable(), "{err}");
+
+    // Lost on the way: the session ends while the statement runs; it may have been
+    // applied, and running it again may work.
+    let host = cluster.route(shard).host;
+    let h = if host.as_str() == "pg1" { 0 } else { 1 };
+    let killer = f.client(&ctx, h).await?;
+    let running = tokio::spawn({
+        let cluster = cluster.clone();
+        async move {
+            cluster
+                .transaction(shard, |tx| {
+                    Box::pin(async move {
+                        tx.execute(
+                            "UPDATE photos SET caption = 'late' WHERE id = $1 AND pg_sleep(30) IS NOT NULL",
+                            &[&p.id],
+                        )
+                        .await
+                    })
+                })
+                .await
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n = killer
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE datname = current_database() AND query LIKE 'UPDATE photos SET caption = ''late''%' AND state = 'active'",
+                &[],
+            )
+            .await?;
+        if n > 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the statement never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let err = running.await?.unwrap_err();
+    assert!(err.outcome_unknown() && err.is_retryable(), "{err:?}");
+
+    Ok(())
+}
