@@ -70,6 +70,7 @@ fn main() {
             promises::a_transaction_with_a_handled_failure_reports_its_rollback,
             promises::get_many_answers_every_id_asked_also_twice,
             promises::errors_are_classified_by_where_they_happened,
+            promises::an_enum_column_works_in_every_operation_across_64_shards,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -292,3 +292,114 @@ pub(crate) async fn errors_are_classified_by_where_they_happened(ctx: TestContex
 
     Ok(())
 }
+
+/// A Postgres enum of the shard schema, as an application maps it: every shard has its
+/// own copy of the type (`shard_0007.mood`), so its OID differs from shard to shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Mood(String);
+
+impl shardline_repo::tokio_postgres::types::ToSql for Mood {
+    fn to_sql(
+        &self,
+        _: &shardline_repo::tokio_postgres::types::Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<shardline_repo::tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        out.extend_from_slice(self.0.as_bytes());
+        Ok(shardline_repo::tokio_postgres::types::IsNull::No)
+    }
+
+    fn accepts(ty: &shardline_repo::tokio_postgres::types::Type) -> bool {
+        ty.name() == "mood"
+    }
+
+    shardline_repo::tokio_postgres::types::to_sql_checked!();
+}
+
+impl<'a> shardline_repo::tokio_postgres::types::FromSql<'a> for Mood {
+    fn from_sql(
+        _: &shardline_repo::tokio_postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(Mood(std::str::from_utf8(raw)?.to_owned()))
+    }
+
+    /// The enum itself, or `text` (statements over several shards read it as text).
+    fn accepts(ty: &shardline_repo::tokio_postgres::types::Type) -> bool {
+        ty.name() == "mood" || *ty == shardline_repo::tokio_postgres::types::Type::TEXT
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, shardline_repo::Entity)]
+#[shardline(table = "moods")]
+pub(crate) struct Feeling {
+    id: Id,
+    #[shardline(user)]
+    user_id: i64,
+    mood: Mood,
+}
+
+#[derive(Debug, shardline_repo::NewRow)]
+#[shardline(entity = Feeling)]
+pub(crate) struct NewFeeling {
+    #[shardline(user)]
+    user_id: i64,
+    mood: Mood,
+}
+
+/// An entity with an enum column (a type each shard schema has its own copy of) goes
+/// through every repository operation and a `for_each_shard` over 64 shards.
+pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 64).await?;
+    f.migration(
+        "0005_moods.sql",
+        "CREATE TYPE mood AS ENUM ('happy', 'sad');
+         CREATE TABLE moods (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, mood mood NOT NULL);",
+    )?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let feelings = cluster.repo::<Feeling>()?;
+    let happy = || Mood("happy".into());
+    let started = std::time::SystemTime::now() - Duration::from_secs(1);
+
+    let one = feelings.insert(&NewFeeling { user_id: 5, mood: happy() }).await?;
+    assert_eq!(one.mood, happy());
+    let many = feelings
+        .insert_many(&(0..128).map(|u| NewFeeling { user_id: u, mood: happy() }).collect::<Vec<_>>())
+        .await?;
+    assert_eq!(many.len(), 128);
+    assert_eq!(feelings.get(one.id).await?, Some(one.clone()));
+    let ids: Vec<Id> = many.iter().map(|m| m.id).collect();
+    let got = feelings.get_many(&ids).await?;
+    assert!(got.missing.is_empty());
+    assert_eq!(got.rows.iter().flatten().count(), 128);
+    let sad = feelings.update(many[37].id, &[("mood", &Mood("sad".into()))]).await?;
+    assert_eq!(sad.map(|m| m.mood), Some(Mood("sad".into())));
+    assert_eq!(feelings.page_of_user(5, None, 10).await?.rows.len(), 2);
+    let window = feelings.created_between(started, std::time::SystemTime::now(), 1000).await?;
+    assert!(window.is_complete(), "{:?}", window.missing);
+    assert_eq!(window.rows.len(), 129);
+    assert!(feelings.delete(one.id).await?);
+
+    // Inside shard transactions, the caller's own SQL over the shard's enum, on pooled
+    // connections that go from shard to shard.
+    let results = cluster
+        .for_each_shard(|tx| {
+            Box::pin(async move {
+                let rows =
+                    tx.query("SELECT mood, count(*) FROM moods GROUP BY mood ORDER BY mood", &[]).await?;
+                let moods: Vec<(Mood, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+                let n = tx
+                    .execute("UPDATE moods SET mood = $1 WHERE mood = 'sad'", &[&Mood("happy".into())])
+                    .await?;
+                Ok::<_, Error>((moods, n))
+            })
+        })
+        .await;
+    assert_eq!(results.len(), 64);
+    let failed: Vec<String> =
+        results.iter().filter_map(|(s, r)| r.as_ref().err().map(|e| format!("shard {s}: {e}"))).collect();
+    assert!(failed.is_empty(), "{} of 64 shards failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
+    let changed: u64 = results.iter().filter_map(|(_, r)| r.as_ref().ok().map(|(_, n)| *n)).sum();
+    assert_eq!(changed, 1, "the one sad row");
+    Ok(())
+}

@@ -81,12 +81,13 @@ impl Sql {
     /// Inserts into several shards of one host in one statement: part `i` inserts
     /// `parts[i].1` rows into `parts[i].0`; the rows come back tagged with `i` in
     /// column `shardline_part`.
-    fn insert_parts(&self, parts: &[(&SchemaName, usize)], columns: &[&str]) -> String {
+    /// `select` is the `RETURNING` list ([`Repo::across_select`]).
+    fn insert_parts(&self, parts: &[(&SchemaName, usize)], columns: &[&str], select: &str) -> String {
         let mut first = 0;
         let mut ctes = Vec::with_capacity(parts.len());
         for (i, (schema, rows)) in parts.iter().enumerate() {
             let insert = self.insert_values(schema, columns, *rows, first);
-            ctes.push(format!("p{i} AS ({insert} RETURNING {})", self.columns));
+            ctes.push(format!("p{i} AS ({insert} RETURNING {select})"));
             first += rows * columns.len();
         }
         let selects = (0..parts.len())
@@ -101,12 +102,14 @@ impl Sql {
     }
 
     /// One statement for many shards of one host: `$n` is shard n's array of IDs.
-    fn get_many(&self, schemas: &[&SchemaName]) -> String {
+    /// `select` is the select list of statements that span schemas
+    /// ([`Repo::across_select`]).
+    fn get_many(&self, schemas: &[&SchemaName], select: &str) -> String {
         schemas
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                format!("SELECT {} FROM {} WHERE \"id\" = ANY(${})", self.columns, self.qualified(s), i + 1)
+                format!("SELECT {select} FROM {} WHERE \"id\" = ANY(${})", self.qualified(s), i + 1)
             })
             .collect::<Vec<_>>()
             .join(" UNION ALL ")
@@ -137,13 +140,12 @@ impl Sql {
 
     /// Rows with IDs in `[$1, $2]` across many shards of one host, newest first, at most
     /// `$3`: each shard's part reads its primary key backwards and stops at the limit.
-    fn window(&self, schemas: &[&SchemaName]) -> String {
+    fn window(&self, schemas: &[&SchemaName], select: &str) -> String {
         let parts = schemas
             .iter()
             .map(|s| {
                 format!(
-                    "(SELECT {} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
-                    self.columns,
+                    "(SELECT {select} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
                     self.qualified(s)
                 )
             })
@@ -160,6 +162,8 @@ pub struct Repo<E> {
     sql: std::sync::Arc<Sql>,
     /// The parameter types of each insert's column list (see `insert_types`).
     types: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<Type>>>>,
+    /// The select list of statements that span schemas (see `across_select`), learnt once.
+    across: std::sync::Arc<std::sync::OnceLock<String>>,
     _entity: PhantomData<fn() -> E>,
 }
 
@@ -169,6 +173,7 @@ impl<E> Clone for Repo<E> {
             cluster: self.cluster.clone(),
             sql: self.sql.clone(),
             types: self.types.clone(),
+            across: self.across.clone(),
             _entity: PhantomData,
         }
     }
@@ -235,6 +240,7 @@ impl Cluster {
             cluster: self.clone(),
             sql: std::sync::Arc::new(Sql::new::<E>()?),
             types: std::sync::Arc::default(),
+            across: std::sync::Arc::default(),
             _entity: PhantomData,
         })
     }
@@ -421,6 +427,40 @@ impl<E: Entity> Repo<E> {
             .await
     }
 
+    /// The select list of a statement that spans schemas (`UNION ALL` over shards):
+    /// every column, except that a column whose type lives in the shard's schema (an
+    /// enum, say: each shard has its own copy, and `UNION` cannot match two of them) is
+    /// read as `text`. Learnt once from the single-row read of `schema`.
+    async fn across_select(
+        &self,
+        client: &deadpool_postgres::Object,
+        host: &HostName,
+        schema: &SchemaName,
+    ) -> Result<String> {
+        /// Postgres's first OID for objects made after `initdb` (FirstNormalObjectId).
+        const FIRST_NORMAL_OID: u32 = 16_384;
+        if let Some(select) = self.across.get() {
+            return Ok(select.clone());
+        }
+        let statement = client
+            .prepare_cached(&self.sql.get(schema))
+            .await
+            .map_err(|e| Error::host(host, None, "describe", e))?;
+        let select = E::COLUMNS
+            .iter()
+            .zip(statement.columns())
+            .map(|(c, col)| {
+                if col.type_().oid() >= FIRST_NORMAL_OID {
+                    format!("\"{c}\"::text AS \"{c}\"")
+                } else {
+                    format!("\"{c}\"")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        Ok(self.across.get_or_init(|| select).clone())
+    }
+
     /// The parameter types of `N`'s insert into `route`'s schema, from the prepared
     /// single-row insert. Types built into Postgres are the same in every schema and on
     /// every host, so they are learnt once; a type that lives in the schema (an enum,
@@ -495,7 +535,9 @@ impl<E: Entity> Repo<E> {
                 }
                 let parts: Vec<(&SchemaName, usize)> =
                     chunk.iter().map(|(r, idx)| (&r.schema, idx.len())).collect();
-                let sql = self.sql.insert_parts(&parts, N::COLUMNS);
+                let first = chunk.first().ok_or(Error::Empty { what: "insert many (an empty statement)" })?;
+                let select = self.across_select(client, host, &first.0.schema).await?;
+                let sql = self.sql.insert_parts(&parts, N::COLUMNS, &select);
                 let params: Vec<(&(dyn ToSql + Sync), Type)> =
                     values.iter().zip(&types).map(|(v, t)| (*v, t.clone())).collect();
                 let rows = client
@@ -583,11 +625,14 @@ impl<E: Entity> Repo<E> {
                 }
                 let queries = by_host.into_iter().map(|(host, schemas)| async move {
                     let names: Vec<&SchemaName> = schemas.keys().collect();
-                    let sql = self.sql.get_many(&names);
                     let params: Vec<(&(dyn ToSql + Sync), Type)> =
                         schemas.values().map(|(_, a)| (a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
                     let work = async {
                         let client = self.cluster.client(&host).await?;
+                        let first =
+                            names.first().copied().ok_or(Error::Empty { what: "get many (no schema)" })?;
+                        let sql =
+                            self.sql.get_many(&names, &self.across_select(&client, &host, first).await?);
                         client
                             .query_typed(&sql, &params)
                             .await
@@ -722,9 +767,12 @@ impl<E: Entity> Repo<E> {
                 let results = futures::stream::iter(hosts)
                     .map(|(host, shards)| async move {
                         let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
-                        let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>());
                         let work = async {
                             let client = self.cluster.client(&host).await?;
+                            let first =
+                                schemas.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
+                            let select = self.across_select(&client, &host, first).await?;
+                            let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>(), &select);
                             let rows = client
                                 .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
                                 .await
