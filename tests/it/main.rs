@@ -64,6 +64,7 @@ fn main() {
             reliability::passwords_never_reach_errors_logs_or_json,
             reliability::the_request_path_needs_no_superuser,
             reliability::sql_injection_finds_no_way_in,
+            reliability::a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -20,7 +20,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::cluster::Cluster;
-use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_update};
+use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update};
 use crate::{Error, Result};
 
 /// The SQL of one entity, made once.
@@ -281,8 +281,11 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...
+    /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...;
+    /// [`Error::InvalidIdentifier`] for a column of `N` that is not a plain SQL
+    /// identifier (nothing is sent).
     pub async fn insert<N: NewRow<Entity = E>>(&self, new: &N) -> Result<E> {
+        check_new_row::<N>()?;
         let shard = self.cluster.route_key(new.shard_key())?.shard;
         let rows =
             self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
@@ -299,6 +302,7 @@ impl<E: Entity> Repo<E> {
     ///
     /// The first failure; rows of other hosts may have been inserted.
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
+        check_new_row::<N>()?;
         if new.is_empty() {
             return Ok(Vec::new());
         }
