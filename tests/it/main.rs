@@ -71,6 +71,7 @@ fn main() {
             promises::get_many_answers_every_id_asked_also_twice,
             promises::errors_are_classified_by_where_they_happened,
             promises::an_enum_column_works_in_every_operation_across_64_shards,
+            reliability::a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::moves::MoveOptions;
-use shardline_repo::{Cluster, ClusterOptions};
+use shardline_repo::{Cluster, ClusterOptions, Id};
 use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{Fixture, cli_full, options, quiet};
@@ -330,6 +330,78 @@ pub(crate) async fn sql_injection_finds_no_way_in(ctx: TestContext) -> TestResul
     let n: i64 =
         f.client(&ctx, 0).await?.query_one("SELECT count(*) FROM shard_0001.photos", &[]).await?.get(0);
     assert_eq!(n, 1, "the table is there, with the one row");
+    Ok(())
+}
+
+/// A hand-written `impl NewRow` (no derive checks it) for the photos table.
+macro_rules! hand_written_new_photo {
+    ($name:ident, $columns:expr) => {
+        struct $name {
+            user_id: i64,
+            url: String,
+        }
+        impl shardline_repo::NewRow for $name {
+            type Entity = Photo;
+            const COLUMNS: &'static [&'static str] = $columns;
+            fn shard_key(&self) -> shardline_repo::ShardKey {
+                shardline_repo::ShardKey::User(self.user_id)
+            }
+            fn values(&self) -> Vec<&(dyn shardline_repo::tokio_postgres::types::ToSql + Sync)> {
+                vec![&self.user_id, &self.url]
+            }
+        }
+    };
+}
+
+/// A column of a hand-written `NewRow` that would close its quotes and write SQL of its
+/// own (here: set the caption), or that Postgres would read otherwise (`URL`), is
+/// refused by `insert`, `insert_many` and a transaction's `insert` before any SQL is
+/// built: nothing stored. The same row with plain names goes in.
+pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql(
+    ctx: TestContext,
+) -> TestResult {
+    use shardline_repo::Error;
+
+    const SNEAKY: &str = "url\", \"caption\") VALUES ($1, $2, 'injected') RETURNING *; --";
+    hand_written_new_photo!(Plain, &["user_id", "url"]);
+    hand_written_new_photo!(Sneaky, &["user_id", SNEAKY]);
+    hand_written_new_photo!(Shouting, &["user_id", "URL"]);
+
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let url = || "https://cdn/1.jpg".to_owned();
+    let plain = photos.insert(&Plain { user_id: 1, url: url() }).await?;
+    assert_eq!((plain.url.as_str(), plain.caption.as_str()), ("https://cdn/1.jpg", ""));
+
+    let refused = |r: Result<Vec<Photo>, Error>, name: &str, how: &str| match r {
+        Err(Error::InvalidIdentifier { what: "column to insert", name: n }) if n == name => Ok(()),
+        other => Err(format!("{how} with column {name:?}: {other:?}")),
+    };
+    refused(photos.insert(&Sneaky { user_id: 1, url: url() }).await.map(|p| vec![p]), SNEAKY, "insert")?;
+    refused(photos.insert(&Shouting { user_id: 1, url: url() }).await.map(|p| vec![p]), "URL", "insert")?;
+    let many: Vec<Sneaky> = (0..4).map(|user_id| Sneaky { user_id, url: url() }).collect();
+    refused(photos.insert_many(&many).await, SNEAKY, "insert_many")?;
+    let shard = cluster.route_user(1).shard;
+    let in_tx = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move { tx.insert(&Sneaky { user_id: 1, url: url() }).await.map(|p| vec![p]) })
+        })
+        .await;
+    refused(in_tx, SNEAKY, "a transaction's insert")?;
+
+    // Only the plain row is stored, in any shard.
+    let mut stored = Vec::new();
+    for (_, rows) in cluster
+        .for_each_shard(|tx| Box::pin(async move { tx.query("SELECT id, caption FROM photos", &[]).await }))
+        .await
+    {
+        for row in rows? {
+            stored.push((row.get::<_, Id>(0), row.get::<_, String>(1)));
+        }
+    }
+    assert_eq!(stored, vec![(plain.id, String::new())]);
     Ok(())
 }
 

@@ -39,11 +39,17 @@
 //!   (the column's name when it is not the field's), `id` (`Entity`: the ID field when it
 //!   is not named `id`).
 //!
-//! Column and table names are checked when the repository is made (plain lowercase SQL
-//! identifiers), so a bad name is an error there, never SQL text.
+//! Table and column names (a field's name, or its `column = "..."`) must be plain SQL
+//! identifiers: 1 to 63 bytes, a lowercase ASCII letter or `_` first, then lowercase ASCII
+//! letters, digits and `_` (`shardline_id::sql::plain_identifier_problem`, the rule
+//! `shardline-repo` checks again before it builds SQL). Any other name is a compile error
+//! at the attribute or field, naming the name and the fix.
 
 use proc_macro::TokenStream;
+use proc_macro2::Span;
 use quote::quote;
+use shardline_id::sql::plain_identifier_problem;
+use syn::ext::IdentExt as _;
 use syn::{Data, DeriveInput, Fields, Ident, LitStr, Path, spanned::Spanned as _};
 
 /// Implements `shardline_repo::Entity` for a struct with named fields.
@@ -69,6 +75,10 @@ struct StructAttrs {
 struct Field {
     ident: Ident,
     column: String,
+    /// Where the column's name was written: the field's name, or its `column = "..."`.
+    column_span: Span,
+    /// Named by `column = "..."` rather than by the field.
+    renamed: bool,
     user: bool,
     parent: bool,
     id: bool,
@@ -102,7 +112,15 @@ fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
     let mut out = Vec::new();
     for f in &named.named {
         let Some(ident) = f.ident.clone() else { continue };
-        let mut field = Field { column: ident.to_string(), ident, user: false, parent: false, id: false };
+        let mut field = Field {
+            column: ident.unraw().to_string(),
+            column_span: ident.span(),
+            renamed: false,
+            ident,
+            user: false,
+            parent: false,
+            id: false,
+        };
         for attr in f.attrs.iter().filter(|a| a.path().is_ident("shardline")) {
             attr.parse_nested_meta(|meta| {
                 if meta.path.is_ident("user") {
@@ -117,6 +135,8 @@ fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
                 } else if meta.path.is_ident("column") {
                     let name: LitStr = meta.value()?.parse()?;
                     field.column = name.value();
+                    field.column_span = name.span();
+                    field.renamed = true;
                     Ok(())
                 } else {
                     Err(meta.error("unknown shardline field attribute; expected `user`, `parent`, `id` or `column = \"...\"`"))
@@ -126,6 +146,42 @@ fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
         out.push(field);
     }
     Ok(out)
+}
+
+/// A compile error unless `table` is a plain SQL identifier.
+fn check_table(table: &LitStr) -> syn::Result<()> {
+    let name = table.value();
+    match plain_identifier_problem(&name) {
+        None => Ok(()),
+        Some(problem) => Err(syn::Error::new(
+            table.span(),
+            format!(
+                "table `{name}` is not a plain SQL identifier: it {problem}; \
+                 fix #[shardline(table = \"...\")]"
+            ),
+        )),
+    }
+}
+
+/// A compile error unless every column is a plain SQL identifier, at the first that is
+/// not: at its `column = "..."`, or at the field that names it.
+fn check_columns(fields: &[Field]) -> syn::Result<()> {
+    for f in fields {
+        let Some(problem) = plain_identifier_problem(&f.column) else { continue };
+        let (name, fix) = if f.renamed {
+            (format!("column `{}`", f.column), "fix #[shardline(column = \"...\")]")
+        } else {
+            (
+                format!("column `{}` (the field's name)", f.column),
+                "name the column with #[shardline(column = \"...\")]",
+            )
+        };
+        return Err(syn::Error::new(
+            f.column_span,
+            format!("{name} is not a plain SQL identifier: it {problem}; {fix}"),
+        ));
+    }
+    Ok(())
 }
 
 /// The field marked `what` (`user` or `parent`), if any; an error if several are.
@@ -158,7 +214,9 @@ fn entity(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
             "#[derive(Entity)] needs #[shardline(table = \"...\")]",
         ));
     };
+    check_table(&table)?;
     let fields = fields(input)?;
+    check_columns(&fields)?;
     let user = optional_column(marked(&fields, "user", |f| f.user)?);
     let parent = optional_column(marked(&fields, "parent", |f| f.parent)?);
     let marked: Vec<&Field> = fields.iter().filter(|f| f.id).collect();
@@ -212,6 +270,7 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
         ));
     };
     let fields = fields(input)?;
+    check_columns(&fields)?;
     let key = match (marked(&fields, "user", |f| f.user)?, marked(&fields, "parent", |f| f.parent)?) {
         (Some(u), None) => {
             let ident = &u.ident;
@@ -279,6 +338,45 @@ mod tests {
         assert!(out.contains(r#"PARENT_COLUMN : :: core :: option :: Option < & 'static str > = :: core :: option :: Option :: Some ("photo_id")"#), "{out}");
         assert!(out.contains("USER_COLUMN : :: core :: option :: Option < & 'static str > = :: core :: option :: Option :: None"), "{out}");
         assert!(out.contains(r#"user_id : row . try_get ("author") ?"#), "{out}");
+    }
+
+    #[test]
+    fn names_that_are_not_plain_identifiers_are_refused_with_the_fix() {
+        let long = "a".repeat(64);
+        for bad in ["Photos", "photo s", "photos\"; drop table x; --", "0photos", "", "phötos", long.as_str()]
+        {
+            let err = entity_err(syn::parse_quote! { #[shardline(table = #bad)] struct P { id: Id } });
+            assert!(err.starts_with(&format!("table `{bad}` is not a plain SQL identifier: it ")), "{err}");
+            assert!(err.ends_with("; fix #[shardline(table = \"...\")]"), "{err}");
+            let err = new_row_err(syn::parse_quote! {
+                #[shardline(entity = P)] struct N { #[shardline(user)] u: i64, #[shardline(column = #bad)] c: i64 }
+            });
+            assert!(err.starts_with(&format!("column `{bad}` is not a plain SQL identifier: it ")), "{err}");
+        }
+        assert_eq!(
+            entity_err(syn::parse_quote! { #[shardline(table = "p")] struct P { id: Id, Caption: String } }),
+            "column `Caption` (the field's name) is not a plain SQL identifier: it must start with a \
+             lowercase ASCII letter or an underscore; name the column with #[shardline(column = \"...\")]"
+        );
+        assert_eq!(
+            entity_err(syn::parse_quote! { #[shardline(table = #long)] struct P { id: Id } }),
+            format!(
+                "table `{long}` is not a plain SQL identifier: it must be 1 to 63 bytes; fix #[shardline(table = \"...\")]"
+            )
+        );
+        // The edges that pass: 63 bytes, a leading `_`, digits after the first byte, `pg_`
+        // (reserved for schemas only), a raw identifier's name without its `r#`.
+        let ok = "b".repeat(63);
+        for good in [ok.as_str(), "_photos", "photos_2", "pg_photos"] {
+            let out = entity(&syn::parse_quote! {
+                #[shardline(table = #good)] struct P { id: Id, #[shardline(column = #good)] c: i64, r#type: i64 }
+            });
+            assert!(out.is_ok(), "{good:?}: {:?}", out.err().map(|e| e.to_string()));
+            assert!(out.unwrap().to_string().contains(r#"["id" , "#), "{good:?}");
+        }
+        let out = entity(&syn::parse_quote! { #[shardline(table = "p")] struct P { id: Id, r#type: i64 } })
+            .unwrap();
+        assert!(out.to_string().contains(r#"& ["id" , "type"]"#), "{out}");
     }
 
     #[test]

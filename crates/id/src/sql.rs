@@ -246,17 +246,36 @@ $fn$ LANGUAGE plpgsql;
     }
 }
 
-/// Checks that `name` is a plain lowercase Postgres identifier (so quoting it is exact).
+/// Why `name` is not a plain SQL identifier, or `None` when it is one: 1 to 63 bytes
+/// (Postgres's limit), a lowercase ASCII letter or `_` first, then lowercase ASCII
+/// letters, digits and `_`. Quoting such a name is exact (no quote to double, no case to
+/// fold, no truncation).
+///
+/// The one rule for every name shardline puts in SQL text: schemas
+/// ([`check_identifier`]), and tables and columns, checked by `#[derive(Entity, NewRow)]`
+/// at compile time and by `shardline-repo` before it builds a statement.
+pub fn plain_identifier_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() || name.len() > 63 {
+        Some("must be 1 to 63 bytes")
+    } else if !name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_') {
+        Some("must start with a lowercase ASCII letter or an underscore")
+    } else if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+        Some("may hold only lowercase ASCII letters, digits and underscores")
+    } else {
+        None
+    }
+}
+
+/// Checks that `name` is a plain lowercase Postgres identifier (so quoting it is exact)
+/// that may name a schema: [`plain_identifier_problem`], and not `pg_...`.
+///
+/// # Errors
+///
+/// [`Error::InvalidSchemaName`] with the reason.
 pub fn check_identifier(name: &str) -> Result<()> {
     let bad = |reason| Err(Error::InvalidSchemaName { name: name.to_owned(), reason });
-    if name.is_empty() || name.len() > 63 {
-        return bad("must be 1 to 63 bytes");
-    }
-    if !name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_') {
-        return bad("must start with a lowercase ASCII letter or an underscore");
-    }
-    if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
-        return bad("may hold only lowercase ASCII letters, digits and underscores");
+    if let Some(reason) = plain_identifier_problem(name) {
+        return bad(reason);
     }
     if name.starts_with("pg_") {
         return bad("names starting with pg_ are reserved by Postgres");

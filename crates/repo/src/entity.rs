@@ -32,6 +32,7 @@
 //! ```
 
 use shardline_id::Id;
+use shardline_id::sql::plain_identifier_problem;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -97,7 +98,8 @@ impl ShardKey {
 pub trait NewRow: Send + Sync {
     /// The entity the insert returns.
     type Entity: Entity;
-    /// The columns given, in the order of [`NewRow::values`].
+    /// The columns given, in the order of [`NewRow::values`]: plain SQL identifiers, or
+    /// every insert is refused with [`Error::InvalidIdentifier`] before any SQL is built.
     const COLUMNS: &'static [&'static str];
     /// What places the row: its user, or the row it lives beside. Its value must also
     /// be one of [`NewRow::values`], in the entity's user or parent column.
@@ -106,14 +108,14 @@ pub trait NewRow: Send + Sync {
     fn values(&self) -> Vec<&(dyn ToSql + Sync)>;
 }
 
-/// A plain SQL identifier: lowercase ASCII letter or `_`, then letters, digits, `_`; at
-/// most 63 bytes. Everything the SQL builder quotes is checked with it first.
+/// A plain SQL identifier ([`plain_identifier_problem`], the rule `#[derive]` applies at
+/// compile time): lowercase ASCII letter or `_`, then letters, digits, `_`; at most 63
+/// bytes. Everything the SQL builder quotes is checked with it first.
 pub(crate) fn check_ident(what: &'static str, name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if ok { Ok(()) } else { Err(Error::InvalidIdentifier { what, name: name.to_owned() }) }
+    match plain_identifier_problem(name) {
+        None => Ok(()),
+        Some(_) => Err(Error::InvalidIdentifier { what, name: name.to_owned() }),
+    }
 }
 
 /// Checks an entity's declaration once, before any SQL is built from it.
@@ -136,6 +138,15 @@ pub(crate) fn check_entity<E: Entity>() -> Result<()> {
             what: "columns (no `id` among them)",
             name: E::TABLE.to_owned(),
         });
+    }
+    Ok(())
+}
+
+/// Checks the columns an insert of `N` gives, before any SQL is built from them: a
+/// hand-written `impl NewRow` is not checked by `#[derive(NewRow)]`.
+pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
+    for c in N::COLUMNS {
+        check_ident("column to insert", c)?;
     }
     Ok(())
 }

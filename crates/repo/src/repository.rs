@@ -20,7 +20,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::cluster::{Cluster, Failed, Run};
-use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_update};
+use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update};
 use crate::shard::Pinned;
 use crate::{Error, Result, statement_error, within};
 
@@ -299,8 +299,11 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...
+    /// [`Error::Host`] (see [`Error::is_unique_violation`]), [`Error::Timeout`], ...;
+    /// [`Error::InvalidIdentifier`] for a column of `N` that is not a plain SQL
+    /// identifier (nothing is sent).
     pub async fn insert<N: NewRow<Entity = E>>(&self, new: &N) -> Result<E> {
+        check_new_row::<N>()?;
         let shard = self.cluster.route_key(new.shard_key())?.shard;
         let rows =
             self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
@@ -322,6 +325,7 @@ impl<E: Entity> Repo<E> {
     /// failed, [`Error::InsertMany`] naming the hosts that committed (its
     /// `outcome_unknown()` is true: part of the batch is in).
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
+        check_new_row::<N>()?;
         if new.is_empty() {
             return Ok(Vec::new());
         }

@@ -41,7 +41,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use crate::cluster::{Cluster, Failed};
-use crate::entity::{Entity, NewRow, check_update};
+use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::repository::Sql;
 use crate::{Error, Result, statement_error, within};
 
@@ -225,8 +225,10 @@ impl ShardTx<'_> {
     /// # Errors
     ///
     /// [`Error::WrongShard`] when the row's user lives in another shard (nothing is
-    /// sent); [`Error::Host`]; [`Error::Timeout`].
+    /// sent); [`Error::InvalidIdentifier`] for a column of `N` that is not a plain SQL
+    /// identifier (nothing is sent); [`Error::Host`]; [`Error::Timeout`].
     pub async fn insert<N: NewRow>(&mut self, new: &N) -> Result<N::Entity> {
+        check_new_row::<N>()?;
         self.check_shard("insert", self.cluster.route_key(new.shard_key())?.shard)?;
         let sql = Sql::new::<N::Entity>()?.insert(&self.route.schema, N::COLUMNS, 1);
         let rows = self.rows_of("insert", &sql, &new.values()).await?;

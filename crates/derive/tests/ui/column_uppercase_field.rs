@@ -1,0 +1,20 @@
+#![allow(dead_code)]
+
+#[derive(shardline_derive::Entity)]
+#[shardline(table = "photos")]
+struct Photo {
+    id: i64,
+    #[allow(non_snake_case)]
+    Caption: String,
+}
+
+#[derive(shardline_derive::NewRow)]
+#[shardline(entity = Photo)]
+struct NewPhoto {
+    #[shardline(user)]
+    user_id: i64,
+    #[allow(non_snake_case)]
+    Caption: String,
+}
+
+fn main() {}
