@@ -126,8 +126,9 @@ pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: T
         .collect();
     let err = comments.insert_many(&batch).await.unwrap_err();
     match &err {
-        Error::InsertMany { committed, source } => {
+        Error::InsertMany { committed, failed, source } => {
             assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()], "{err}");
+            assert_eq!(failed, "pg2");
             assert_eq!(source.sqlstate(), Some("23514"), "{source}");
         }
         other => panic!("expected InsertMany, got {other:?}"),

@@ -270,7 +270,7 @@ pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> T
     let err = comments.insert_many(&batch).await.unwrap_err();
     assert_eq!(err.sqlstate(), Some("23514"), "{err}");
     match &err {
-        Error::InsertMany { committed, source } => {
+        Error::InsertMany { committed, source, .. } => {
             assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()]);
             assert!(source.to_string().starts_with("host pg2"), "{source}");
         }

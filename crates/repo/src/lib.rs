@@ -202,10 +202,12 @@ pub enum Error {
     /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
-    #[error("insert many: the rows of {} committed, the rest did not", committed.join(", "))]
+    #[error("insert many: the rows of {} committed, those of {failed} did not", committed.join(", "))]
     InsertMany {
         /// The hosts whose part of the batch committed.
         committed: Vec<String>,
+        /// The host whose part failed first (`source` says how).
+        failed: String,
         /// The failure of the first host that did not commit.
         #[source]
         source: Box<Error>,
@@ -323,6 +325,18 @@ impl Error {
             Error::Timeout { .. } | Error::Pool { timed_out: true, .. } => true,
             Error::InsertMany { source, .. } => source.is_timeout(),
             _ => false,
+        }
+    }
+
+    /// The host the error is about, when it is about one.
+    pub(crate) fn host_name(&self) -> Option<&str> {
+        match self {
+            Error::Host { host, .. }
+            | Error::Timeout { host, .. }
+            | Error::Pool { host, .. }
+            | Error::Unsent { host, .. }
+            | Error::RolledBack { host, .. } => Some(host),
+            _ => None,
         }
     }
 

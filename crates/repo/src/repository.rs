@@ -357,6 +357,7 @@ impl<E: Entity> Repo<E> {
             } else {
                 Error::InsertMany {
                     committed: committed.iter().map(ToString::to_string).collect(),
+                    failed: error.host_name().unwrap_or("a host").to_owned(),
                     source: Box::new(error),
                 }
             });
