@@ -7,7 +7,8 @@
 //! client.batch_execute("CREATE ROLE repl LOGIN REPLICATION PASSWORD 'pw'").await.expect("role");
 //! let required = host.require_password("repl").await?;
 //! let passfile = host.write_private_file("repl.pgpass", "*:*:*:repl:pw").await?;
-//! // ... a libpq connection string with `user=repl passfile=<passfile>` ...
+//! let peer_url = format!("host=pg1 user=repl passfile={passfile}"); // read by the host's libpq
+//! # drop(peer_url);
 //! required.restore().await?;
 //! # Ok(()) }
 //! ```

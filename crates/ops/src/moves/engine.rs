@@ -588,7 +588,7 @@ impl<'a> Mover<'a> {
             // The peer URL may hold a password: through the one helper that keeps
             // it out of the driver's logs and out of the error.
             if let Err((sqlstate, message)) =
-                subscription::create_subscription(&dst, &name, &peer, &rest).await
+                subscription::create_subscription(dst, &name, &peer, &rest).await
             {
                 return Err(Error::Host {
                     host: target.to_string(),

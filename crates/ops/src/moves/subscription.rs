@@ -5,16 +5,17 @@
 //!
 //! `CONNECTION` takes no bind parameter (utility statements have none), so the
 //! connection string is in the statement's text. tokio-postgres logs statement text at
-//! `debug` through the `log` crate: `simple_query` and `batch_execute` as "executing
-//! simple query / statement batch: <text>", `prepare` (and so `query`, `execute`) as
-//! "preparing query <name>: <text>". Any subscriber bridging `log` (tracing-subscriber's
+//! `debug` through the `log` crate: `simple_query` and `batch_execute` as `executing
+//! simple query / statement batch: {text}`, `prepare` (and so `query`, `execute`) as
+//! `preparing query {name}: {text}`. Any subscriber bridging `log` (tracing-subscriber's
 //! default `tracing-log` feature, `env_logger`, ...) prints those lines, so a library
 //! user running at debug would see the password, whatever shardline's own logging does.
 //! `Client::query_typed` with no parameters sends one unnamed statement by the extended
 //! protocol (Parse, Bind, Describe, Execute, Sync) and logs nothing; its text reaches
 //! the server only. It is one statement followed by Sync, so a statement that must not
 //! run in a transaction block (`CREATE SUBSCRIPTION` with `create_slot = true`) runs
-//! too. `shardline`'s test `secrets::the_real_binary_at_trace_prints_no_password` runs the
+//! too (`the_unlogged_path_runs_what_must_not_run_in_a_transaction_block`). The test
+//! `the_real_binary_at_trace_prints_no_password` (`crates/cli/tests/secrets.rs`) runs the
 //! binary at `trace` and fails if a later driver starts logging this path.
 //!
 //! Errors are redacted here too: a libpq message may quote the connection string.
@@ -70,17 +71,16 @@ fn passwords(conninfo: &str) -> Vec<String> {
     };
     if let Some((_, rest)) = conninfo.split_once("://") {
         let authority = rest.split(['/', '?']).next().unwrap_or_default();
-        if let Some((userinfo, _)) = authority.rsplit_once('@') {
-            if let Some((_, password)) = userinfo.split_once(':') {
-                push(password);
-            }
+        if let Some((_, password)) =
+            authority.rsplit_once('@').and_then(|(userinfo, _)| userinfo.split_once(':'))
+        {
+            push(password);
         }
         if let Some((_, query)) = rest.split_once('?') {
             for kv in query.split('&') {
-                if let Some((k, v)) = kv.split_once('=') {
-                    if k.eq_ignore_ascii_case("password") {
-                        push(v);
-                    }
+                match kv.split_once('=') {
+                    Some((k, v)) if k.eq_ignore_ascii_case("password") => push(v),
+                    _ => {}
                 }
             }
         }
