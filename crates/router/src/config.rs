@@ -19,7 +19,9 @@
 //!
 //! TLS is asked for in the URL, as with libpq: `?sslmode=verify-full&sslrootcert=ca.pem`
 //! (see [`crate::tls`]). A `peer_url` is handed to PostgreSQL as it is, so its
-//! `sslrootcert` is a path on the host that connects.
+//! `sslrootcert` is a path on the host that connects, and so is libpq's `passfile`
+//! (`?passfile=/path`, or `passfile=/path` in key/value form): with it, the password is
+//! in neither this file nor the target's `pg_subscription`.
 //!
 //! Unknown keys are refused. Every error names the file, the line and the key. Secrets
 //! need not sit in the file: `*_env` keys take a whole URL from the environment, and
@@ -416,6 +418,23 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.hosts[1].peer_url.expose(), "postgres://app@10.0.0.2:5432/app");
         let debug = format!("{c:?}");
         assert!(!debug.contains("s3cret") && !debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn a_passfile_in_peer_url_is_handed_on_as_written() {
+        // libpq's passfile (read by the target's server, for the subscription) is a key
+        // shardline neither reads nor refuses, in either form of connection string.
+        let url_form = "postgresql://repl@10.0.0.1:5432/app?passfile=/var/lib/postgresql/shardline.pgpass&sslmode=require";
+        let key_value = "host=10.0.0.2 port=5432 dbname=app user=repl passfile='/etc/pg pass'";
+        let text = format!(
+            "[catalog]\nurl = \"postgres://c/db\"\n\
+             [[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\npeer_url = \"{url_form}\"\n\
+             [[hosts]]\nname = \"b\"\nurl = \"postgres://b/db\"\npeer_url = \"{key_value}\"\n"
+        );
+        let c = load(&text).unwrap();
+        assert_eq!(c.hosts[0].peer_url.expose(), url_form);
+        assert_eq!(c.hosts[1].peer_url.expose(), key_value);
+        assert_eq!(c.hosts[0].peer_url.to_string(), url_form, "no password, nothing redacted");
     }
 
     #[test]

@@ -148,6 +148,16 @@ pub enum Error {
         /// Why it was refused.
         reason: &'static str,
     },
+    /// A name given to the kit cannot name a role, or a file on a host.
+    #[error("{name:?} cannot name a {what}: {reason}")]
+    BadIdentifier {
+        /// The name given.
+        name: String,
+        /// What it was to name.
+        what: &'static str,
+        /// Why it was refused.
+        reason: &'static str,
+    },
 }
 
 /// The test kit's result type.

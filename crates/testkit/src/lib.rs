@@ -23,6 +23,8 @@
 //!
 //! # Layout
 //!
+//! - [`auth`]: [`Host::require_password`] makes a host ask one role for its password;
+//!   [`Host::write_private_file`] puts a file (a passfile) on a host.
 //! - [`cluster`]: [`Cluster`], starting, healing and removing a set of hosts.
 //! - [`host`]: [`Host`], its URLs and fault handles; the [`HostControl`] trait.
 //! - [`backend`]: choosing a backend; the [`Backend`] trait.
@@ -49,6 +51,7 @@
 #![forbid(unsafe_code)]
 #![doc(test(attr(deny(warnings), allow(dead_code))))]
 
+pub mod auth;
 pub mod backend;
 pub mod cluster;
 mod docker;

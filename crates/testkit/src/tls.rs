@@ -25,7 +25,7 @@ const CERT_FILE: &str = "shardline-test-server.crt";
 const KEY_FILE: &str = "shardline-test-server.key";
 
 /// How long the server may take to apply a configuration reload.
-const RELOAD_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const RELOAD_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A certificate authority that lives as long as a test.
 pub struct TestCa {
@@ -214,7 +214,7 @@ impl TlsOnly<'_> {
 /// user, with `umask 077` (a private key must not be readable by others; a plain
 /// `COPY ... TO` file is created 0644). The text must hold no tab, backslash or carriage
 /// return (`COPY`'s text format would escape them); PEM and `pg_hba.conf` lines do not.
-async fn write_file(
+pub(crate) async fn write_file(
     admin: &Client,
     path: &str,
     text: &str,

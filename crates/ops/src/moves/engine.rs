@@ -14,10 +14,11 @@ use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
 use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck, catalog_err};
-use super::preflight::{self, host_err, quote_literal, redact};
+use super::preflight::{self, host_err, quote_literal};
+use super::subscription;
 use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
 use crate::migrations::load_dir;
-use crate::{Error, Result, describe};
+use crate::{Error, Result};
 
 /// How often a wait for the source's changes checks that the source still answers.
 const SOURCE_CHECK: Duration = Duration::from_secs(1);
@@ -581,18 +582,19 @@ impl<'a> Mover<'a> {
         let mut oid =
             dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
         if oid.is_none() {
-            let create = format!(
-                "CREATE SUBSCRIPTION {name} CONNECTION {} PUBLICATION {name}
-                   WITH (enabled = false, create_slot = false, slot_name = '{name}')",
-                quote_literal(&peer)
+            let rest = format!(
+                "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}')"
             );
-            if let Err(e) = dst.batch_execute(&create).await {
-                let (sqlstate, message) = describe(&e);
+            // The peer URL may hold a password: through the one helper that keeps
+            // it out of the driver's logs and out of the error.
+            if let Err((sqlstate, message)) =
+                subscription::create_subscription(dst, &name, &peer, &rest).await
+            {
                 return Err(Error::Host {
                     host: target.to_string(),
                     what: "subscribe to the source".into(),
                     sqlstate,
-                    message: redact(&message, &peer),
+                    message,
                 });
             }
             oid = dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;

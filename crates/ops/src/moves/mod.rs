@@ -27,6 +27,7 @@ pub mod engine;
 pub mod gc;
 pub mod journal;
 pub mod preflight;
+mod subscription;
 
 pub use engine::{
     AbortReport, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn, abort, resume, run,

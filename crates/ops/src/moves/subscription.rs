@@ -1,0 +1,135 @@
+//! The one place a connection string (a host's `peer_url`, which may hold a password)
+//! enters SQL text: `CREATE SUBSCRIPTION ... CONNECTION '...'`.
+//!
+//! # Why not `batch_execute`
+//!
+//! `CONNECTION` takes no bind parameter (utility statements have none), so the
+//! connection string is in the statement's text. tokio-postgres logs statement text at
+//! `debug` through the `log` crate: `simple_query` and `batch_execute` as `executing
+//! simple query / statement batch: {text}`, `prepare` (and so `query`, `execute`) as
+//! `preparing query {name}: {text}`. Any subscriber bridging `log` (tracing-subscriber's
+//! default `tracing-log` feature, `env_logger`, ...) prints those lines, so a library
+//! user running at debug would see the password, whatever shardline's own logging does.
+//! `Client::query_typed` with no parameters sends one unnamed statement by the extended
+//! protocol (Parse, Bind, Describe, Execute, Sync) and logs nothing; its text reaches
+//! the server only. It is one statement followed by Sync, so a statement that must not
+//! run in a transaction block (`CREATE SUBSCRIPTION` with `create_slot = true`) runs
+//! too (`the_unlogged_path_runs_what_must_not_run_in_a_transaction_block`). The test
+//! `the_real_binary_at_trace_prints_no_password` (`crates/cli/tests/secrets.rs`) runs the
+//! binary at `trace` and fails if a later driver starts logging this path.
+//!
+//! Errors are redacted here too: a libpq message may quote the connection string.
+
+use tokio_postgres::Client;
+
+use super::preflight::quote_literal;
+use crate::describe;
+
+/// Creates subscription `name` (an identifier the caller made, not input) on `c`,
+/// connecting to `conninfo`, with `rest` (its `PUBLICATION ... WITH (...)` clauses,
+/// holding no secret) after the connection string.
+///
+/// # Errors
+///
+/// The SQLSTATE and the server's message, with the connection string and any password
+/// in it replaced by `***`.
+pub(crate) async fn create_subscription(
+    c: &Client,
+    name: &str,
+    conninfo: &str,
+    rest: &str,
+) -> Result<(), (Option<String>, String)> {
+    let sql = format!("CREATE SUBSCRIPTION {name} CONNECTION {} {rest}", quote_literal(conninfo));
+    // Not batch_execute, simple_query, query or execute: see the module's docs.
+    match c.query_typed(&sql, &[]).await {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let (sqlstate, message) = describe(&e);
+            Err((sqlstate, redact(&message, conninfo)))
+        }
+    }
+}
+
+/// `message` with `conninfo`, and any password it holds, replaced by `***`.
+pub(crate) fn redact(message: &str, conninfo: &str) -> String {
+    let mut out = message.replace(conninfo, "***");
+    for secret in passwords(conninfo) {
+        if !secret.is_empty() {
+            out = out.replace(&secret, "***");
+        }
+    }
+    out
+}
+
+/// The passwords a libpq connection string holds: a URL's `user:password@`, and any
+/// `password=` value (URL query or key/value form), as written and percent-decoded.
+fn passwords(conninfo: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut push = |raw: &str| {
+        found.push(raw.to_owned());
+        found.push(percent_decoded(raw));
+    };
+    if let Some((_, rest)) = conninfo.split_once("://") {
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        if let Some((_, password)) =
+            authority.rsplit_once('@').and_then(|(userinfo, _)| userinfo.split_once(':'))
+        {
+            push(password);
+        }
+        if let Some((_, query)) = rest.split_once('?') {
+            for kv in query.split('&') {
+                match kv.split_once('=') {
+                    Some((k, v)) if k.eq_ignore_ascii_case("password") => push(v),
+                    _ => {}
+                }
+            }
+        }
+    } else {
+        let mut words = conninfo.split_whitespace().peekable();
+        while let Some(word) = words.next() {
+            let Some((k, v)) = word.split_once('=') else { continue };
+            if k.eq_ignore_ascii_case("password") {
+                // `password = x` and quoted values: take the next word when empty.
+                let v = if v.is_empty() { words.peek().copied().unwrap_or_default() } else { v };
+                push(v.trim_matches('\''));
+            }
+        }
+    }
+    found
+}
+
+fn percent_decoded(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn the_connection_string_and_its_password_are_redacted() {
+        let url = "postgresql://repl:p%40ss@pg1:5432/app?passfile=/x&password=other";
+        let message = format!("could not connect with {url}: bad p@ss, p%40ss or other");
+        let out = redact(&message, url);
+        assert_eq!(out, "could not connect with ***: bad ***, *** or ***");
+        let kv = "host=pg1 user=repl password='s3cret' passfile=/x";
+        assert_eq!(redact("s3cret at host=pg1", kv), "*** at host=pg1");
+        assert_eq!(redact("nothing here", "host=pg1 passfile=/x"), "nothing here");
+    }
+}
