@@ -57,6 +57,7 @@ fn main() {
             moves::writes_go_on_during_a_move_and_none_is_lost,
             moves::a_move_stopped_after_any_step_is_resumed_or_undone,
             moves::a_failed_verification_names_the_keys_and_does_not_flip,
+            moves::no_id_the_source_handed_out_is_minted_again_on_the_target,
             moves::rebalance_spreads_shards_onto_a_new_host,
             moves::a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo,
             moves::the_demo_runs_to_its_summary,
