@@ -889,8 +889,10 @@ impl<'a> Mover<'a> {
         self.journal(Step::SequenceCarried).await
     }
 
-    /// Row counts and checksums, table by table, both sides at once. A mismatch lists
-    /// the differing keys and stops the move (the caller undoes it).
+    /// Row counts and checksums (see [`checksum`]: every row counts, duplicates too),
+    /// table by table, both sides at once. A mismatch lists the differing keys (for a
+    /// table without a primary key, the differing rows and how often each side has
+    /// them) and stops the move (the caller undoes it).
     async fn verify(&mut self) -> Result<()> {
         let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let (schema, moved) = (self.schema.as_str().to_owned(), self.moved.clone());
@@ -941,17 +943,18 @@ impl<'a> Mover<'a> {
                     keys(src, &source, &moved, table, key),
                     keys(dst, &target, &schema, table, key)
                 )?;
-                let mut diff: Vec<String> = a
-                    .iter()
-                    .filter(|(k, h)| b.get(*k) != Some(h))
-                    .map(|(k, _)| k.clone())
-                    .chain(b.keys().filter(|k| !a.contains_key(*k)).cloned())
-                    .collect();
-                diff.sort();
-                diff.dedup();
+                let diff = differing_keys(&a, &b);
                 let n = diff.len();
-                diff.truncate(20);
-                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", diff.join(", ")));
+                let shown: Vec<String> = diff
+                    .into_iter()
+                    .take(20)
+                    .map(|(k, on_a, on_b)| {
+                        // Without a primary key the "key" is the whole row: say how
+                        // often each side holds it.
+                        if key == "*" { format!("{k} ({on_a} on {source}, {on_b} on {target})") } else { k }
+                    })
+                    .collect();
+                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", shown.join(", ")));
             }
         }
         self.detail.tables = checks;
@@ -1202,11 +1205,17 @@ async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
+/// A table's row count and the exact sum (numeric: no overflow, no wrap) of its rows'
+/// 64-bit hashes. Both are multiset functions: every row counts, a duplicate twice.
+/// (An XOR of the hashes, used before, cancels any row present twice, so a side with
+/// two copies of one row and a side with two copies of another compared equal.) Two
+/// different contents agree only when the hashes of the rows in which they differ sum
+/// alike, a 2^-64 chance for rows not built to collide.
 async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Result<(i64, String)> {
     let row = c
         .query_one(
             &format!(
-                "SELECT count(*), coalesce(bit_xor(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
+                "SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -1217,18 +1226,21 @@ async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Res
     Ok((row.get(0), row.get(1)))
 }
 
+/// How many rows of each (key, row hash) a table holds: one per key where `key` is a
+/// primary key; for a table without one (`*`, the whole row), how often each row is
+/// there, so a duplicate too many or too few shows.
 async fn keys(
     c: &Client,
     host: &HostName,
     schema: &str,
     table: &str,
     key: &str,
-) -> Result<HashMap<String, i64>> {
+) -> Result<HashMap<(String, i64), i64>> {
     let key = if key == "*" { "t.*".to_owned() } else { key.to_owned() };
     let rows = c
         .query(
             &format!(
-                "SELECT (ROW({key}))::text, hash_record_extended(t, 0) FROM {}.{} AS t",
+                "SELECT (ROW({key}))::text, hash_record_extended(t, 0), count(*) FROM {}.{} AS t GROUP BY 1, 2",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -1236,7 +1248,29 @@ async fn keys(
         )
         .await
         .map_err(on(host, format!("list the keys of {schema}.{table}")))?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect())
+}
+
+/// The keys whose rows differ between `a` (the source's, see [`keys`]) and `b`, sorted,
+/// with how many rows each side holds under them.
+fn differing_keys(
+    a: &HashMap<(String, i64), i64>,
+    b: &HashMap<(String, i64), i64>,
+) -> Vec<(String, i64, i64)> {
+    let mut differ = std::collections::BTreeSet::new();
+    for (this, other) in [(a, b), (b, a)] {
+        differ.extend(this.iter().filter(|(k, n)| other.get(*k) != Some(n)).map(|((k, _), _)| k.clone()));
+    }
+    let rows = |m: &HashMap<(String, i64), i64>, key: &str| {
+        m.iter().filter(|((k, _), _)| k == key).map(|(_, n)| n).sum::<i64>()
+    };
+    differ
+        .into_iter()
+        .map(|k| {
+            let (on_a, on_b) = (rows(a, &k), rows(b, &k));
+            (k, on_a, on_b)
+        })
+        .collect()
 }
 
 /// Drops subscription `name` on `host`. If the source cannot be reached to drop its
