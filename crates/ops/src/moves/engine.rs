@@ -1593,3 +1593,25 @@ pub async fn abort(config: &Config, shard: u16) -> Result<AbortReport> {
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
     undo(&mut mover, "aborted by the operator").await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(list: &[(&str, i64, i64)]) -> HashMap<(String, i64), i64> {
+        list.iter().map(|&(k, h, n)| ((k.to_owned(), h), n)).collect()
+    }
+
+    #[test]
+    fn differing_keys_count_duplicates_and_changed_rows() {
+        // A row twice on one side and three times on the other; a row only on one
+        // side; a key whose row changed; an equal row.
+        let a = rows(&[("(x)", 1, 2), ("(y)", 2, 1), ("(k)", 3, 1), ("(same)", 9, 1)]);
+        let b = rows(&[("(x)", 1, 3), ("(k)", 4, 1), ("(same)", 9, 1)]);
+        assert_eq!(
+            differing_keys(&a, &b),
+            vec![("(k)".to_owned(), 1, 1), ("(x)".to_owned(), 2, 3), ("(y)".to_owned(), 1, 0)]
+        );
+        assert!(differing_keys(&a, &a).is_empty());
+    }
+}
