@@ -59,6 +59,7 @@ fn main() {
             moves::a_failed_verification_names_the_keys_and_does_not_flip,
             moves::no_id_the_source_handed_out_is_minted_again_on_the_target,
             moves::verification_counts_duplicate_rows_of_a_table_without_a_key,
+            moves::a_transaction_minting_then_writing_through_the_fence_does_not_stop_the_move,
             moves::rebalance_spreads_shards_onto_a_new_host,
             moves::a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo,
             moves::the_demo_runs_to_its_summary,

@@ -1087,3 +1087,67 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     assert_eq!(rows, ["a", "b", "c", "x", "x"]);
     Ok(())
 }
+
+/// A transaction that minted in one statement and writes the shard in a later one holds
+/// the ID sequence while the fence, holding the tables, waits for it: a deadlock.
+/// Postgres ends one of the two; either way the move finishes, and the transaction
+/// either committed (its row moved with the shard) or got 40P01.
+pub(crate) async fn a_transaction_minting_then_writing_through_the_fence_does_not_stop_the_move(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let (app, watch) = (f.client(&ctx, 0).await?, f.client(&ctx, 0).await?);
+    app.batch_execute("BEGIN").await?;
+    let id: i64 = app.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
+    let c = config.clone();
+    let mover = tokio::spawn(async move { moves::run(&c, 0, "pg2", &MoveOptions::default()).await });
+    // Once the fence waits for the sequence (it holds the tables), the transaction writes.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: bool = watch
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted
+                                   AND relation = 'shard_0000.shardline_id_seq'::regclass)",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting {
+            break;
+        }
+        assert!(Instant::now() < deadline && !mover.is_finished(), "the fence never waited for the sequence");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let wrote = app
+        .execute("INSERT INTO shard_0000.photos (id, user_id, url) VALUES ($1, 0, 'mid-fence')", &[&id])
+        .await;
+    let committed = match wrote {
+        Ok(_) => {
+            app.batch_execute("COMMIT").await?;
+            true
+        }
+        Err(e) => {
+            assert_eq!(e.code().map(|c| c.code()), Some("40P01"), "{e}");
+            app.batch_execute("ROLLBACK").await?;
+            false
+        }
+    };
+    let report = mover.await??;
+    eprintln!(
+        "      the transaction {}",
+        if committed { "committed; the fence tried again" } else { "got 40P01" }
+    );
+    let on_target: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&id])
+        .await?
+        .get(0);
+    assert_eq!(on_target, i64::from(committed), "{report}");
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([40 + i64::from(committed), 40, 40]));
+    Ok(())
+}

@@ -1134,8 +1134,8 @@ async fn fence_once(
         src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'")).await.map_err(&fail)?;
         // The tables first: a transaction that writes them takes their lock before it
         // mints (DEFAULT next_id()), so this order only meets one that minted in an
-        // earlier statement and writes now, a deadlock Postgres breaks (usually by
-        // ending the fence, which waited first: it tries again).
+        // earlier statement and writes now: a deadlock Postgres breaks by ending one of
+        // the two (the fence then tries again).
         if !tables.is_empty() {
             src.batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", tables.join(", ")))
                 .await
