@@ -790,3 +790,364 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     );
     Ok(())
 }
+
+/// Sequence values (time and counter fields, which with the shard fix an ID) as
+/// inclusive ranges, sorted and merged.
+fn merged(mut ranges: Vec<(i64, i64)>) -> Vec<(i64, i64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(i64, i64)> = Vec::with_capacity(ranges.len());
+    for (a, b) in ranges {
+        match out.last_mut() {
+            Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// The sequence value an ID was minted from (its time and counter fields).
+fn sequence_value(layout: shardline_id::Layout, id: i64) -> i64 {
+    Id::from_i64(id).map_or(-1, |id| layout.sequence_value_of(id))
+}
+
+/// How many values of `ranges` fall into `sorted` (merged, see [`merged`]).
+fn overlap(sorted: &[(i64, i64)], ranges: &[(i64, i64)]) -> i64 {
+    let mut n = 0;
+    for &(a, b) in ranges {
+        let from = sorted.partition_point(|r| r.1 < a);
+        for r in sorted[from..].iter().take_while(|r| r.0 <= b) {
+            n += r.1.min(b) - r.0.max(a) + 1;
+        }
+    }
+    n
+}
+
+/// Bare `next_id()` loops and `reserve_ids(100000)` calls on the source, started before
+/// the move and going on past the flip (failing once the shard is fenced), and IDs
+/// minted on the target after the flip: the target hands out none the source did, and
+/// starts above all of them. The source's sequence stays capped where the fence read
+/// it; undoing a fenced move lifts the cap.
+pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
+    ctx: TestContext,
+) -> TestResult {
+    use std::sync::atomic::AtomicU64;
+
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let layout = cluster.layout();
+    // The sequence a minute ahead of the clock, where a burst of more than 1,024 IDs a
+    // ms leaves it (an import, blocks reserved by applications; it never goes back).
+    // The target then mints straight on from the value carried, with no catch-up to
+    // the clock in between: any value the source hands out after the carry, the target
+    // hands out again.
+    let pg1 = f.client(&ctx, 0).await?;
+    pg1.execute(
+        "SELECT setval('shard_0000.shardline_id_seq', $1)",
+        &[&layout.sequence_value_at({
+            use shardline_id::generator::Clock as _;
+            shardline_id::generator::SystemClock.now_ms() + 60_000
+        })?],
+    )
+    .await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (calls, stopped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut minters = Vec::new();
+    for t in 0..5 {
+        let (client, stop, calls, stopped) =
+            (f.client(&ctx, 0).await?, stop.clone(), calls.clone(), stopped.clone());
+        minters.push(tokio::spawn(async move {
+            // Sequence-value ranges handed out, and the SQLSTATEs of the calls refused.
+            let (mut got, mut refused) = (Vec::<(i64, i64)>::new(), Vec::<String>::new());
+            while !stop.load(Ordering::Relaxed) {
+                let result = if t < 3 {
+                    client
+                        .query("SELECT first_value, last_value FROM shard_0000.reserve_ids(100000)", &[])
+                        .await
+                        .map(|rows| rows.iter().map(|r| (r.get(0), r.get(1))).collect::<Vec<_>>())
+                } else {
+                    // An ID as its sequence value: with the shard fixed, one determines the other.
+                    client.query_one("SELECT shard_0000.next_id()", &[]).await.map(|r| {
+                        let v = sequence_value(layout, r.get(0));
+                        vec![(v, v)]
+                    })
+                };
+                match result {
+                    Ok(ranges) => {
+                        got.extend(ranges);
+                        calls.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        if refused.is_empty() {
+                            stopped.fetch_add(1, Ordering::Relaxed);
+                        }
+                        refused.push(e.code().map_or_else(|| e.to_string(), |c| c.code().to_owned()));
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+            (got, refused)
+        }));
+    }
+    // The move starts once every minter is under way.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while calls.load(Ordering::Relaxed) < 20 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+
+    // At once after the flip, the target mints, while a reservation the fence did not
+    // wait for would still be minting on the source: rows through the repository, bare
+    // next_id() and reservations, until every source minter has been refused.
+    let mut target_minters = Vec::new();
+    for t in 0..3 {
+        let (client, cluster, stopped) = (f.client(&ctx, 1).await?, cluster.clone(), stopped.clone());
+        target_minters.push(tokio::spawn(async move {
+            let mut got = Vec::<(i64, i64)>::new();
+            let mut i = 0;
+            while i < 3 || stopped.load(Ordering::Relaxed) < 5 {
+                i += 1;
+                let ranges: Vec<(i64, i64)> = match t {
+                    0 => client
+                        .query("SELECT first_value, last_value FROM shard_0000.reserve_ids(100000)", &[])
+                        .await?
+                        .iter()
+                        .map(|r| (r.get(0), r.get(1)))
+                        .collect(),
+                    1 => {
+                        let mut v = Vec::new();
+                        for _ in 0..100 {
+                            let s = sequence_value(
+                                layout,
+                                client.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0),
+                            );
+                            v.push((s, s));
+                        }
+                        v
+                    }
+                    _ => {
+                        let p = cluster.repo::<Photo>()?.insert(&photo(0, 500 + i)).await?;
+                        let s = layout.sequence_value_of(p.id);
+                        vec![(s, s)]
+                    }
+                };
+                got.extend(ranges);
+            }
+            Ok::<_, BoxError>(got)
+        }));
+    }
+    let mut target: Vec<(i64, i64)> = Vec::new();
+    for m in target_minters {
+        target.extend(m.await??);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut source, mut refused) = (Vec::new(), Vec::new());
+    for m in minters {
+        let (got, r) = m.await?;
+        assert!(!got.is_empty() && !r.is_empty(), "every minter ran until the fence stopped it");
+        source.extend(got);
+        refused.extend(r);
+    }
+    let source = merged(source);
+    let handed: i64 = source.iter().map(|r| r.1 - r.0 + 1).sum();
+    let source_max = source.last().ok_or("the source handed out IDs")?.1;
+    let dups = overlap(&source, &target);
+    let target_min = target.iter().map(|r| r.0).min().ok_or("the target minted")?;
+    eprintln!(
+        "      {handed} values handed out on the source; {} calls refused once fenced ({:?}); pause {} ms",
+        refused.len(),
+        refused.iter().collect::<std::collections::BTreeSet<_>>(),
+        report.pause_ms
+    );
+    assert_eq!(
+        dups, 0,
+        "the target minted {dups} value(s) the source had handed out (source max {source_max})"
+    );
+    assert!(
+        target_min > source_max,
+        "the target's first value {target_min} is above the source's {source_max}"
+    );
+    // Refused only because the shard had gone: the capped sequence (2200H), the
+    // renamed schema (3F000, 42P01) or its functions (42883).
+    assert!(
+        refused.iter().all(|c| ["2200H", "3F000", "42P01", "42883"].contains(&c.as_str())),
+        "{refused:?}"
+    );
+
+    // The journal holds what the fence read; the source's sequence is capped there.
+    let journal = moves::list(&config).await?;
+    let detail = &journal[0].detail;
+    assert_eq!(detail.fence_sequence, detail.sequence, "carried what the fence read");
+    assert_eq!(detail.sequence_max, Some(layout.max_sequence_value()));
+    let moved = format!("shard_0000_moved_{}", report.id);
+    let pg2 = f.client(&ctx, 1).await?;
+    let row = pg1
+        .query_one(
+            "SELECT last_value, max_value FROM pg_sequences WHERE schemaname = $1 AND sequencename = 'shardline_id_seq'",
+            &[&moved],
+        )
+        .await?;
+    assert_eq!((Some(row.get::<_, i64>(0)), Some(row.get::<_, i64>(1))), (detail.sequence, detail.sequence));
+    assert!(source_max <= row.get::<_, i64>(0));
+
+    // Fenced, then undone: the cap is lifted with the rename, and the shard mints again.
+    moves::run(&config, 0, "pg1", &MoveOptions::default().stopping_after(Step::Fenced)).await.unwrap_err();
+    let max: i64 = pg2
+        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%'", &[])
+        .await?
+        .get(0);
+    let last: i64 = pg2
+        .query_one(
+            "SELECT last_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(max, last, "fenced: capped at its last value");
+    assert!(moves::abort(&config, 0).await?.unfenced);
+    let max: i64 = pg2
+        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname = 'shard_0000'", &[])
+        .await?
+        .get(0);
+    assert_eq!(max, layout.max_sequence_value());
+    let after: i64 = pg2.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
+    assert!(layout.sequence_value_of(Id::from_i64(after)?) > last);
+    Ok(())
+}
+
+/// A table without a primary key (replica identity full) is verified as a multiset:
+/// two copies of one row on the source against two of another on the target (which an
+/// XOR of row hashes cancels out), or one duplicate too many, stop the move before the
+/// flip, naming the table and the rows with how often each side holds them. Untouched,
+/// the table moves, duplicates and all.
+pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    f.migration(
+        "0005_events.sql",
+        "CREATE TABLE events (user_id bigint NOT NULL, what text NOT NULL);
+         ALTER TABLE events REPLICA IDENTITY FULL;",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    pg1.batch_execute(
+        "INSERT INTO shard_0000.events VALUES (0, 'a'), (0, 'b'), (0, 'c'), (0, 'x'), (0, 'x')",
+    )
+    .await?;
+    let stopping = MoveOptions::default().stopping_after(Step::SequenceCarried);
+    let cases = [
+        // Both copies of x become y on the target: same count, and the XOR of the row
+        // hashes is the same on both sides.
+        (
+            "UPDATE shard_0000.events SET what = 'y' WHERE what = 'x'",
+            "events: 2 differing key(s) (*): (0,x) (2 on pg1, 0 on pg2), (0,y) (0 on pg1, 2 on pg2)",
+        ),
+        // One copy of x too many on the target.
+        (
+            "INSERT INTO shard_0000.events VALUES (0, 'x')",
+            "events: 1 differing key(s) (*): (0,x) (2 on pg1, 3 on pg2)",
+        ),
+    ];
+    for (n, (corrupt, said)) in cases.into_iter().enumerate() {
+        moves::run(&config, 0, "pg2", &stopping).await.unwrap_err();
+        pg2.batch_execute(corrupt).await?;
+        let err = match moves::resume(&config, Some(0), &MoveOptions::default()).await {
+            Ok(done) => return Err(format!("{corrupt}: the move flipped: {}", done[0]).into()),
+            Err(e) => e,
+        };
+        let text = err.to_string();
+        assert!(matches!(err, OpsError::Verify { .. }), "{text}");
+        assert!(text.contains(said), "{corrupt}: {text}");
+        // Only that table differs; not flipped, undone: whole and writable on pg1.
+        let journal = moves::list(&config).await?;
+        assert_eq!(journal[n].state, State::RolledBack);
+        let failed: Vec<&str> =
+            journal[n].detail.tables.iter().filter(|t| !t.matches).map(|t| t.table.as_str()).collect();
+        assert_eq!(failed, ["events"], "{corrupt}");
+        assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+        assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);
+        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    }
+    // Untouched, it moves, every copy of every row with it.
+    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let check = report.tables.iter().find(|t| t.table == "events").ok_or("events verified")?;
+    assert!(check.matches && check.source_rows == 5 && check.target_rows == 5, "{report}");
+    let rows: Vec<String> = pg2
+        .query("SELECT what FROM shard_0000.events ORDER BY what", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(rows, ["a", "b", "c", "x", "x"]);
+    Ok(())
+}
+
+/// A transaction that minted in one statement and writes the shard in a later one holds
+/// the ID sequence while the fence, holding the tables, waits for it: a deadlock.
+/// Postgres ends one of the two; either way the move finishes, and the transaction
+/// either committed (its row moved with the shard) or got 40P01.
+pub(crate) async fn a_transaction_minting_then_writing_through_the_fence_does_not_stop_the_move(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let (app, watch) = (f.client(&ctx, 0).await?, f.client(&ctx, 0).await?);
+    app.batch_execute("BEGIN").await?;
+    let id: i64 = app.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
+    let c = config.clone();
+    let mover = tokio::spawn(async move { moves::run(&c, 0, "pg2", &MoveOptions::default()).await });
+    // Once the fence waits for the sequence (it holds the tables), the transaction writes.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: bool = watch
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted
+                                   AND relation = 'shard_0000.shardline_id_seq'::regclass)",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting {
+            break;
+        }
+        assert!(Instant::now() < deadline && !mover.is_finished(), "the fence never waited for the sequence");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let wrote = app
+        .execute("INSERT INTO shard_0000.photos (id, user_id, url) VALUES ($1, 0, 'mid-fence')", &[&id])
+        .await;
+    let committed = match wrote {
+        Ok(_) => {
+            app.batch_execute("COMMIT").await?;
+            true
+        }
+        Err(e) => {
+            assert_eq!(e.code().map(|c| c.code()), Some("40P01"), "{e}");
+            app.batch_execute("ROLLBACK").await?;
+            false
+        }
+    };
+    let report = mover.await??;
+    eprintln!(
+        "      the transaction {}",
+        if committed { "committed; the fence tried again" } else { "got 40P01" }
+    );
+    let on_target: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&id])
+        .await?
+        .get(0);
+    assert_eq!(on_target, i64::from(committed), "{report}");
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([40 + i64::from(committed), 40, 40]));
+    Ok(())
+}

@@ -747,9 +747,15 @@ impl<'a> Mover<'a> {
     }
 
     /// Stops writes on the source, in one transaction: lock the shard's tables
-    /// (waiting for writes in flight), rename its schema (every later statement, also a
-    /// prepared one from a router with an old map, fails with 42P01/3F000 and the router
-    /// reloads the map), move the ledger rows along, bump the marker.
+    /// (waiting for writes in flight), lock its ID sequence (waiting for every
+    /// transaction that minted from it: `next_id()`, `reserve_ids()`) and cap it at its
+    /// last value (a caller that looked the sequence up before the rename and waited
+    /// behind the fence then fails with 2200H instead of minting), rename its schema
+    /// (every later statement, also a prepared one from a router with an old map, fails
+    /// with 42P01/3F000 and the router reloads the map), move the ledger rows along,
+    /// bump the marker. A lock not had within `lock_timeout`, or a deadlock (a
+    /// transaction that minted, then writes a table the fence holds), rolls it all back
+    /// and tries again.
     async fn fence(&mut self) -> Result<()> {
         let (source, id) = (self.source.clone(), self.id);
         let (schema, moved) = (self.schema.clone(), self.moved.clone());
@@ -783,12 +789,14 @@ impl<'a> Mover<'a> {
                 self.detail.fenced_at_ms = Some(now_ms());
                 let src = self.src().await?;
                 match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms).await {
-                    Ok(n) => {
+                    Ok(fenced) => {
                         self.fence_started = Some(started);
-                        break n;
+                        self.detail.fence_sequence = Some(fenced.last_value);
+                        self.detail.sequence_max = Some(fenced.old_max);
+                        break fenced.mark;
                     }
                     Err(e) if is_lock_conflict(&e) && attempt < attempts => {
-                        tracing::warn!(id, attempt, error = %e, "fence: the shard's tables are busy; trying again");
+                        tracing::warn!(id, attempt, error = %e, "fence: the shard's tables or ID sequence are busy; trying again");
                         attempt += 1;
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -826,18 +834,49 @@ impl<'a> Mover<'a> {
         self.journal(Step::Synced).await
     }
 
-    /// Sets the target's sequence above the source's last value.
+    /// Sets the target's sequence to at least the source's last value, so the target's
+    /// next ID is above every one the source handed out. The fence capped the source's
+    /// sequence at that value once no transaction could mint, so it cannot have moved
+    /// since: it is read again (the fence's reading is lost if the mover died before
+    /// journaling it). A sequence found uncapped (fenced by an older shardline) is
+    /// frozen here first, the same way.
     async fn carry_sequence(&mut self) -> Result<()> {
         let (source, target) = (self.source.clone(), self.target.clone());
         let moved_seq = format!("{}.shardline_id_seq", quote_ident(&self.moved));
         let seq = format!("{}.shardline_id_seq", self.schema.quoted());
-        let last: i64 = self
-            .src()
-            .await?
-            .query_one(&format!("SELECT last_value FROM {moved_seq}"), &[])
-            .await
-            .map_err(on(&source, "read the ID sequence"))?
-            .get(0);
+        let lock_ms = self.options.lock_timeout.as_millis();
+        let src = self.src().await?;
+        let (mut last, max) = read_sequence(src, &source, &moved_seq).await?;
+        if max > last {
+            let fail = on(&source, "freeze the ID sequence");
+            let frozen = async {
+                src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'"))
+                    .await
+                    .map_err(&fail)?;
+                freeze_sequence(src, &source, &moved_seq).await
+            }
+            .await;
+            let frozen = match frozen {
+                Ok(f) => src.batch_execute("COMMIT").await.map_err(&fail).map(|()| f),
+                Err(e) => {
+                    let _ = src.batch_execute("ROLLBACK").await;
+                    Err(e)
+                }
+            }?;
+            last = frozen.0;
+            self.detail.sequence_max.get_or_insert(frozen.1);
+        }
+        if let Some(fenced) = self.detail.fence_sequence {
+            if fenced != last {
+                tracing::warn!(
+                    id = self.id,
+                    fenced,
+                    now = last,
+                    "the source's ID sequence moved after the fence"
+                );
+            }
+            last = last.max(fenced);
+        }
         self.dst()
             .await?
             .query_one(
@@ -852,8 +891,10 @@ impl<'a> Mover<'a> {
         self.journal(Step::SequenceCarried).await
     }
 
-    /// Row counts and checksums, table by table, both sides at once. A mismatch lists
-    /// the differing keys and stops the move (the caller undoes it).
+    /// Row counts and checksums (see [`checksum`]: every row counts, duplicates too),
+    /// table by table, both sides at once. A mismatch lists the differing keys (for a
+    /// table without a primary key, the differing rows and how often each side has
+    /// them) and stops the move (the caller undoes it).
     async fn verify(&mut self) -> Result<()> {
         let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let (schema, moved) = (self.schema.as_str().to_owned(), self.moved.clone());
@@ -904,17 +945,18 @@ impl<'a> Mover<'a> {
                     keys(src, &source, &moved, table, key),
                     keys(dst, &target, &schema, table, key)
                 )?;
-                let mut diff: Vec<String> = a
-                    .iter()
-                    .filter(|(k, h)| b.get(*k) != Some(h))
-                    .map(|(k, _)| k.clone())
-                    .chain(b.keys().filter(|k| !a.contains_key(*k)).cloned())
-                    .collect();
-                diff.sort();
-                diff.dedup();
+                let diff = differing_keys(&a, &b);
                 let n = diff.len();
-                diff.truncate(20);
-                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", diff.join(", ")));
+                let shown: Vec<String> = diff
+                    .into_iter()
+                    .take(20)
+                    .map(|(k, on_a, on_b)| {
+                        // Without a primary key the "key" is the whole row: say how
+                        // often each side holds it.
+                        if key == "*" { format!("{k} ({on_a} on {source}, {on_b} on {target})") } else { k }
+                    })
+                    .collect();
+                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", shown.join(", ")));
             }
         }
         self.detail.tables = checks;
@@ -1035,6 +1077,51 @@ impl<'a> Mover<'a> {
     }
 }
 
+/// What one fence transaction did.
+struct Fenced {
+    /// The marker's value.
+    mark: i64,
+    /// The source sequence's last value, now its MAXVALUE.
+    last_value: i64,
+    /// Its MAXVALUE before.
+    old_max: i64,
+}
+
+/// Inside the caller's transaction: waits for every transaction that minted from
+/// sequence `seq` (a qualified, quoted name) to end, reads its last value and caps it
+/// there, so no transaction mints from it until the cap is lifted. Returns the last
+/// value and the MAXVALUE it had.
+///
+/// `nextval` holds the sequence's ROW EXCLUSIVE lock to the end of its transaction, and
+/// `LOCK TABLE` refuses sequences; a no-op `ALTER SEQUENCE ... OWNED BY NONE` takes
+/// SHARE ROW EXCLUSIVE, which conflicts with it (the same trick as the minter's
+/// catch-up). Once it is granted `last_value` cannot move; the cap then makes every
+/// later `nextval`/`setval` past it fail (2200H/22003), also one from a caller that
+/// resolved the sequence before the schema was renamed.
+async fn freeze_sequence(src: &Client, source: &HostName, seq: &str) -> Result<(i64, i64)> {
+    let fail = on(source, "freeze the ID sequence");
+    src.batch_execute(&format!("ALTER SEQUENCE {seq} OWNED BY NONE")).await.map_err(&fail)?;
+    let (last, max) = read_sequence(src, source, seq).await?;
+    if max > last {
+        src.batch_execute(&format!("ALTER SEQUENCE {seq} MAXVALUE {last}")).await.map_err(&fail)?;
+    }
+    Ok((last, max))
+}
+
+/// Sequence `seq`'s (a qualified, quoted name) last value and MAXVALUE.
+async fn read_sequence(c: &Client, host: &HostName, seq: &str) -> Result<(i64, i64)> {
+    let row = c
+        .query_one(
+            &format!(
+                "SELECT s.last_value, p.seqmax FROM {seq} AS s, pg_sequence AS p WHERE p.seqrelid = $1::text::regclass"
+            ),
+            &[&seq],
+        )
+        .await
+        .map_err(on(host, "read the ID sequence"))?;
+    Ok((row.get(0), row.get(1)))
+}
+
 async fn fence_once(
     src: &Client,
     source: &HostName,
@@ -1043,15 +1130,21 @@ async fn fence_once(
     moved: &str,
     id: i64,
     lock_ms: u128,
-) -> Result<i64> {
+) -> Result<Fenced> {
     let fail = on(source, "fence the shard");
     let result = async {
         src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'")).await.map_err(&fail)?;
+        // The tables first: a transaction that writes them takes their lock before it
+        // mints (DEFAULT next_id()), so this order only meets one that minted in an
+        // earlier statement and writes now: a deadlock Postgres breaks by ending one of
+        // the two (the fence then tries again).
         if !tables.is_empty() {
             src.batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", tables.join(", ")))
                 .await
                 .map_err(&fail)?;
         }
+        let seq = format!("{}.shardline_id_seq", schema.quoted());
+        let (last_value, old_max) = freeze_sequence(src, source, &seq).await?;
         src.batch_execute(&format!(
             "ALTER SCHEMA {} RENAME TO {};
              UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {}",
@@ -1071,10 +1164,10 @@ async fn fence_once(
             .map_err(&fail)?
             .get(0);
         src.batch_execute("COMMIT").await.map_err(&fail)?;
-        Ok(n)
+        Ok(Fenced { mark: n, last_value, old_max })
     };
     match result.await {
-        Ok(n) => Ok(n),
+        Ok(f) => Ok(f),
         Err(e) => {
             let _ = src.batch_execute("ROLLBACK").await;
             Err(e)
@@ -1114,11 +1207,17 @@ async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
+/// A table's row count and the exact sum (numeric: no overflow, no wrap) of its rows'
+/// 64-bit hashes. Both are multiset functions: every row counts, a duplicate twice.
+/// (An XOR of the hashes, used before, cancels any row present twice, so a side with
+/// two copies of one row and a side with two copies of another compared equal.) Two
+/// different contents agree only when the hashes of the rows in which they differ sum
+/// alike, a 2^-64 chance for rows not built to collide.
 async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Result<(i64, String)> {
     let row = c
         .query_one(
             &format!(
-                "SELECT count(*), coalesce(bit_xor(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
+                "SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -1129,18 +1228,21 @@ async fn checksum(c: &Client, host: &HostName, schema: &str, table: &str) -> Res
     Ok((row.get(0), row.get(1)))
 }
 
+/// How many rows of each (key, row hash) a table holds: one per key where `key` is a
+/// primary key; for a table without one (`*`, the whole row), how often each row is
+/// there, so a duplicate too many or too few shows.
 async fn keys(
     c: &Client,
     host: &HostName,
     schema: &str,
     table: &str,
     key: &str,
-) -> Result<HashMap<String, i64>> {
+) -> Result<HashMap<(String, i64), i64>> {
     let key = if key == "*" { "t.*".to_owned() } else { key.to_owned() };
     let rows = c
         .query(
             &format!(
-                "SELECT (ROW({key}))::text, hash_record_extended(t, 0) FROM {}.{} AS t",
+                "SELECT (ROW({key}))::text, hash_record_extended(t, 0), count(*) FROM {}.{} AS t GROUP BY 1, 2",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -1148,7 +1250,29 @@ async fn keys(
         )
         .await
         .map_err(on(host, format!("list the keys of {schema}.{table}")))?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect())
+}
+
+/// The keys whose rows differ between `a` (the source's, see [`keys`]) and `b`, sorted,
+/// with how many rows each side holds under them.
+fn differing_keys(
+    a: &HashMap<(String, i64), i64>,
+    b: &HashMap<(String, i64), i64>,
+) -> Vec<(String, i64, i64)> {
+    let mut differ = std::collections::BTreeSet::new();
+    for (this, other) in [(a, b), (b, a)] {
+        differ.extend(this.iter().filter(|(k, n)| other.get(*k) != Some(n)).map(|((k, _), _)| k.clone()));
+    }
+    let rows = |m: &HashMap<(String, i64), i64>, key: &str| {
+        m.iter().filter(|((k, _), _)| k == key).map(|(_, n)| n).sum::<i64>()
+    };
+    differ
+        .into_iter()
+        .map(|k| {
+            let (on_a, on_b) = (rows(a, &k), rows(b, &k));
+            (k, on_a, on_b)
+        })
+        .collect()
 }
 
 /// Drops subscription `name` on `host`. If the source cannot be reached to drop its
@@ -1374,15 +1498,19 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
         ));
         target_left = true;
     }
+    // The fence capped the sequence at its last value: the cap is lifted with the rename.
+    let max = mover.detail.sequence_max.unwrap_or_else(|| mover.layout.max_sequence_value());
     let src = mover.src().await?;
     let unfenced = !live && fenced;
     if unfenced {
         src.batch_execute(&format!(
             "BEGIN;
              ALTER SCHEMA {} RENAME TO {};
+             ALTER SEQUENCE {}.shardline_id_seq MAXVALUE {max};
              UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {};
              COMMIT",
             quote_ident(&moved),
+            schema.quoted(),
             schema.quoted(),
             quote_literal(schema.as_str()),
             quote_literal(&moved)
@@ -1466,4 +1594,26 @@ pub async fn abort(config: &Config, shard: u16) -> Result<AbortReport> {
     let options = MoveOptions::default();
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
     undo(&mut mover, "aborted by the operator").await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(list: &[(&str, i64, i64)]) -> HashMap<(String, i64), i64> {
+        list.iter().map(|&(k, h, n)| ((k.to_owned(), h), n)).collect()
+    }
+
+    #[test]
+    fn differing_keys_count_duplicates_and_changed_rows() {
+        // A row twice on one side and three times on the other; a row only on one
+        // side; a key whose row changed; an equal row.
+        let a = rows(&[("(x)", 1, 2), ("(y)", 2, 1), ("(k)", 3, 1), ("(same)", 9, 1)]);
+        let b = rows(&[("(x)", 1, 3), ("(k)", 4, 1), ("(same)", 9, 1)]);
+        assert_eq!(
+            differing_keys(&a, &b),
+            vec![("(k)".to_owned(), 1, 1), ("(x)".to_owned(), 2, 3), ("(y)".to_owned(), 1, 0)]
+        );
+        assert!(differing_keys(&a, &a).is_empty());
+    }
 }

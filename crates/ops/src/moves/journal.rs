@@ -24,13 +24,16 @@ pub enum Step {
     /// Every table copied, and a change on the source reaches the target within the
     /// allowed lag.
     CaughtUp,
-    /// Writes to the shard stopped on the source: its tables locked and its schema
-    /// renamed in one transaction. From here until [`Step::Flipped`] the shard's writes
-    /// wait.
+    /// Writes to the shard stopped on the source, in one transaction: its tables locked,
+    /// its ID sequence locked (once every transaction that minted from it has ended) and
+    /// capped at its last value, and its schema renamed. From here until
+    /// [`Step::Flipped`] the shard's writes wait, and the source mints no more IDs.
     Fenced,
     /// Everything the source committed is on the target.
     Synced,
-    /// The target's ID sequence set above the source's last value.
+    /// The target's ID sequence set to at least the source's last value (read while no
+    /// transaction could mint on the source), so the target mints above every ID the
+    /// source handed out.
     SequenceCarried,
     /// Row counts and checksums equal, table by table.
     Verified,
@@ -138,7 +141,7 @@ pub struct TableCheck {
     pub source_rows: i64,
     /// Rows on the target.
     pub target_rows: i64,
-    /// Whether counts and checksums are equal.
+    /// Whether counts and checksums (sums of row hashes, so duplicates count) are equal.
     pub matches: bool,
 }
 
@@ -169,13 +172,20 @@ pub struct Detail {
     pub fenced_at_ms: Option<u64>,
     /// The source's marker value written by the fence.
     pub fence_mark: Option<i64>,
+    /// The source's last ID sequence value, read inside the fence once every minting
+    /// transaction had ended; the fence capped the source's sequence at it.
+    pub fence_sequence: Option<i64>,
+    /// The source's sequence's MAXVALUE before the fence capped it; undoing the move
+    /// restores it (the layout's maximum when this is unknown).
+    pub sequence_max: Option<i64>,
     /// The ID sequence value carried to the target.
     pub sequence: Option<i64>,
     /// How long the shard's writes were stopped, in ms.
     pub pause_ms: Option<u64>,
     /// Per-table verification.
     pub tables: Vec<TableCheck>,
-    /// On a failed verification: the differing primary keys (at most 20 per table).
+    /// On a failed verification: the differing primary keys, or whole rows (with how
+    /// often each side holds them) for a table without one (at most 20 per table).
     pub differences: Vec<String>,
     /// What could not be cleaned up (a host was down), for `shardline gc`.
     pub cleanup_pending: Vec<String>,
