@@ -7,7 +7,8 @@
 //! - [`cluster`]: `init`, `migrate`, `map`, `locate`, `status`, which work on the
 //!   cluster a config file describes.
 //! - [`moves`]: `move`, `moves`, `rebalance`, `gc`.
-//! - [`demo`]: `demo`, the whole product on a cluster of its own.
+//! - `demo`: `demo`, the whole product on a cluster of its own (with the `demo` feature,
+//!   which brings the test kit; a production build leaves both out).
 //!
 //! # Example
 //!
@@ -27,6 +28,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 pub mod cluster;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod id;
 pub mod moves;
@@ -54,7 +56,16 @@ pub struct Opt {
 pub enum Command {
     /// Start a cluster of real Postgres hosts, run a workload through shardline, move a
     /// busy shard and rebalance onto a new host while it runs, print a summary, remove it.
+    #[cfg(feature = "demo")]
     Demo(demo::DemoOpt),
+    /// The demo, in a build without it: says how to get it.
+    #[cfg(not(feature = "demo"))]
+    #[command(hide = true)]
+    Demo {
+        /// Whatever was given; ignored.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Decode, encode and explain 64-bit shard IDs (no database needed).
     Id(id::IdOpt),
     /// Create the catalog, place the shards, create every shard schema with its ID
@@ -96,7 +107,14 @@ pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
     let config = || cluster::load_config(&config);
     match command {
         Command::Id(o) => id::run(o, out),
+        #[cfg(feature = "demo")]
         Command::Demo(o) => demo::demo(&o, out),
+        #[cfg(not(feature = "demo"))]
+        Command::Demo { .. } => Err(UsageError(
+            "this shardline was built without the demo: run `cargo run -p shardline --features demo -- demo`"
+                .into(),
+        )
+        .into()),
         Command::Init(o) => cluster::apply(&config()?, &o, true, out),
         Command::Migrate(o) => cluster::apply(&config()?, &o, false, out),
         Command::Map(o) => cluster::map(&config()?, &o, out),
@@ -145,8 +163,11 @@ mod tests {
             &["rebalance", "--plan", "--max-moves", "0"],
             &["rebalance", "--apply", "--parallel", "99"],
             &["gc", "--grace", "a while"],
+            #[cfg(feature = "demo")]
             &["demo", "--hosts", "1"],
+            #[cfg(feature = "demo")]
             &["demo", "--backend", "cloud"],
+            #[cfg(feature = "demo")]
             &["demo", "--seconds", "0"],
             &["id"],
             &["id", "decode", "--epoch-ms", "soon", "1"],
