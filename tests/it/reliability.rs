@@ -705,7 +705,10 @@ async fn create_role(f: &Fixture, ctx: &TestContext, hosts: usize, role: &str) -
 
 /// Every privilege on `schema`'s objects on `client`'s host, one line per object
 /// (its ACL entries sorted), the defaults spelled out: to compare two hosts.
-async fn acls(client: &tokio_postgres::Client, schema: &str) -> Result<Vec<String>, crate::bootstrap::BoxError> {
+async fn acls(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> Result<Vec<String>, crate::bootstrap::BoxError> {
     Ok(client
         .query(
             "WITH n AS (SELECT oid, nspowner, nspacl FROM pg_namespace WHERE nspname = $1),
@@ -744,7 +747,8 @@ REVOKE EXECUTE ON FUNCTION normal_tag(text) FROM PUBLIC;
 pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     let pid = std::process::id();
-    let (app, reader, lonely) = (format!("grants_app_{pid}"), format!("grants_reader_{pid}"), format!("grants_lonely_{pid}"));
+    let (app, reader, lonely) =
+        (format!("grants_app_{pid}"), format!("grants_reader_{pid}"), format!("grants_lonely_{pid}"));
     let operator = f.config_text()?;
 
     // A role of app_roles missing somewhere: refused before anything changes, naming
@@ -766,7 +770,10 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     assert_eq!(report.shards_granted, 4, "{report:?}");
     let app_text = f.config_text()?.replace("postgres://postgres@", &format!("postgres://{app}@"));
     let app_config = f.config_from(&app_text)?;
-    assert!(app_config.hosts.iter().all(|h| h.url.expose().contains(&app)) && app_config.catalog.expose().contains(&app));
+    assert!(
+        app_config.hosts.iter().all(|h| h.url.expose().contains(&app))
+            && app_config.catalog.expose().contains(&app)
+    );
     let cluster = Cluster::connect(&app_config, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
     let mut made = Vec::new();
@@ -792,7 +799,8 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
                             &[&photo.as_i64(), &text],
                         )
                         .await?;
-                        let rows = tx.query("SELECT tag FROM tags WHERE photo_id = $1", &[&photo.as_i64()]).await?;
+                        let rows =
+                            tx.query("SELECT tag FROM tags WHERE photo_id = $1", &[&photo.as_i64()]).await?;
                         Ok::<_, shardline_repo::Error>(rows.iter().map(|r| r.get(0)).collect::<Vec<String>>())
                     })
                 })
@@ -811,7 +819,10 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     ))
     .await?;
     let before = acls(&pg1, "shard_0000").await?;
-    assert!(before.iter().any(|l| l.starts_with("photos ") && l.contains(&format!("{reader}=r/"))), "{before:#?}");
+    assert!(
+        before.iter().any(|l| l.starts_with("photos ") && l.contains(&format!("{reader}=r/"))),
+        "{before:#?}"
+    );
 
     // A role that holds a privilege on the source but does not exist on the target: a
     // pre-flight problem, named by the target host; nothing changes.
@@ -820,7 +831,9 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     let check = moves::preflight(&f.config()?, 1, "pg2").await?;
     assert_eq!(check.problems.len(), 1, "{check}");
     assert!(
-        check.problems[0].to_string().starts_with(&format!("pg2: roles: {lonely} hold privileges on shard_0001")),
+        check.problems[0]
+            .to_string()
+            .starts_with(&format!("pg2: roles: {lonely} hold privileges on shard_0001")),
         "{check}"
     );
     let err = moves::run(&f.config()?, 1, "pg2", &MoveOptions::default()).await.unwrap_err();

@@ -369,9 +369,10 @@ async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report
 /// `shardline init`: creates the catalog, places the shards over the config's hosts
 /// in contiguous even ranges (config order), creates every shard schema with its ID
 /// minter, applies the migrations, and grants the config's `app_roles` their
-/// privileges on every shard and on the catalog ([`crate::grants`]). Idempotent: a second run changes nothing and the
-/// report says so. Interrupted (killed, a host died), a later run completes the work.
-/// Hosts new to the config are added to the catalog with no shards.
+/// privileges on every shard and on the catalog ([`crate::grants`]). Idempotent: a
+/// second run changes nothing and the report says so. Interrupted (killed, a host
+/// died), a later run completes the work. Hosts new to the config are added to the
+/// catalog with no shards.
 ///
 /// # Errors
 ///
@@ -379,8 +380,8 @@ async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report
 /// (bad files), [`Error::Unreachable`] (any host), [`Error::Repo`] with a mismatch
 /// (the config contradicts the catalog), [`Error::HostMissing`], [`Error::Busy`],
 /// [`Error::Ledger`], [`Error::RolesMissing`] (a role of `app_roles` missing on a host
-/// or the catalog's server). Failures part-way ([`Error::Migration`], [`Error::Host`]) leave
-/// every shard whole, migrated or untouched; run again once fixed.
+/// or the catalog's server). Failures part-way ([`Error::Migration`], [`Error::Host`])
+/// leave every shard whole, migrated or untouched; run again once fixed.
 pub async fn init(
     config: &Config,
     options: &Options,

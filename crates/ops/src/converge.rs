@@ -199,8 +199,7 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
         // the roles (or what they get) changed. Nothing is revoked from a role taken
         // out of app_roles.
         let grants = Some(shard_grants(&schema, inputs.roles)).filter(|g| !g.is_empty());
-        let regrant =
-            grants.as_ref().is_some_and(|g| grants_sum != Some(checksum(g.as_bytes()).as_str()));
+        let regrant = grants.as_ref().is_some_and(|g| grants_sum != Some(checksum(g.as_bytes()).as_str()));
         if !existing.contains(schema_name) || minter.is_some() || !pending.is_empty() || regrant {
             work.push(ShardWork {
                 shard: *shard,

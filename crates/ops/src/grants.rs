@@ -354,10 +354,7 @@ pub(crate) async fn carry(
             host: target.to_string(),
             what,
             sqlstate: None,
-            message: format!(
-                "the target's privileges still differ from the source's: {}",
-                left.join("; ")
-            ),
+            message: format!("the target's privileges still differ from the source's: {}", left.join("; ")),
         });
     }
     tracing::info!(%source, %target, %schema, statements = statements.len(), "carried the privileges");
@@ -399,7 +396,11 @@ GRANT SELECT ON shardline.cluster, shardline.hosts, shardline.shards, shardline.
                 .iter()
                 .map(|(o, g, p, opt)| {
                     (
-                        Privilege { object: o.clone(), grantee: g.map(str::to_owned), privilege: (*p).into() },
+                        Privilege {
+                            object: o.clone(),
+                            grantee: g.map(str::to_owned),
+                            privilege: (*p).into(),
+                        },
                         *opt,
                     )
                 })

@@ -459,13 +459,31 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
     #[test]
     fn app_role_mistakes_name_their_line_and_key() {
         let cases: &[(&str, &str)] = &[
-            ("app_roles = \"app\"", "shardline.toml:2: toml: invalid type: string \"app\", expected a sequence"),
-            ("app_roles = [\"App\"]", "shardline.toml:2: app_roles[0]: \"App\" is not allowed: must start with a lowercase"),
-            ("app_roles = [\"a\", \"b-c\"]", "shardline.toml:2: app_roles[1]: \"b-c\" is not allowed: may hold only"),
-            ("app_roles = [\"a\\\"; DROP ROLE x; --\"]", "app_roles[0]: \"a\\\"; DROP ROLE x; --\" is not allowed"),
+            (
+                "app_roles = \"app\"",
+                "shardline.toml:2: toml: invalid type: string \"app\", expected a sequence",
+            ),
+            (
+                "app_roles = [\"App\"]",
+                "shardline.toml:2: app_roles[0]: \"App\" is not allowed: must start with a lowercase",
+            ),
+            (
+                "app_roles = [\"a\", \"b-c\"]",
+                "shardline.toml:2: app_roles[1]: \"b-c\" is not allowed: may hold only",
+            ),
+            (
+                "app_roles = [\"a\\\"; DROP ROLE x; --\"]",
+                "app_roles[0]: \"a\\\"; DROP ROLE x; --\" is not allowed",
+            ),
             ("app_roles = [\"\"]", "app_roles[0]: \"\" is not allowed: must be 1 to 63 bytes"),
-            ("app_roles = [\"pg_monitor\"]", "app_roles[0]: \"pg_monitor\" is not allowed: Postgres reserves"),
-            ("app_roles = [\"public\"]", "app_roles[0]: \"public\" is not allowed: Postgres reads it as a keyword"),
+            (
+                "app_roles = [\"pg_monitor\"]",
+                "app_roles[0]: \"pg_monitor\" is not allowed: Postgres reserves",
+            ),
+            (
+                "app_roles = [\"public\"]",
+                "app_roles[0]: \"public\" is not allowed: Postgres reads it as a keyword",
+            ),
             ("app_roles = [\"app\", \"app\"]", "shardline.toml:2: app_roles[1]: app is already app_roles[0]"),
             ("app_roles = [1]", "shardline.toml:2: toml: invalid type: integer `1`, expected a string"),
             ("app_role = [\"app\"]", "shardline.toml:2: toml: unknown field `app_role`"),
