@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use shardline_example_photos::{NewPhoto, Photo};
-use shardline_ops::moves::{self, MoveOptions};
+use shardline_ops::moves::{self, MoveOptions, Step};
 use shardline_repo::{Cluster, ClusterOptions};
 use shardline_testkit::harness::{TestContext, TestResult};
 
@@ -810,19 +810,8 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     assert_eq!(tag(0, made[0].id, " Sunset ").await?, ["sunset"]);
     assert_eq!((report.migrations_applied, report.shards_granted), (4, 4), "{report:?}");
 
-    // Hand-made privileges on the source: a second role reads one table, and a column
-    // of another; the app may no longer delete tags here.
-    pg1.batch_execute(&format!(
-        "GRANT SELECT ON shard_0000.photos TO \"{reader}\";
-         GRANT SELECT (body) ON shard_0000.comments TO \"{reader}\";
-         REVOKE DELETE ON shard_0000.tags FROM \"{app}\""
-    ))
-    .await?;
-    let before = acls(&pg1, "shard_0000").await?;
-    assert!(
-        before.iter().any(|l| l.starts_with("photos ") && l.contains(&format!("{reader}=r/"))),
-        "{before:#?}"
-    );
+    // A hand-made privilege on the source: a second role reads one table.
+    pg1.batch_execute(&format!("GRANT SELECT ON shard_0000.photos TO \"{reader}\"")).await?;
 
     // A role that holds a privilege on the source but does not exist on the target: a
     // pre-flight problem, named by the target host; nothing changes.
@@ -839,8 +828,26 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     let err = moves::run(&f.config()?, 1, "pg2", &MoveOptions::default()).await.unwrap_err();
     assert!(matches!(err, shardline_ops::Error::Preflight(_)), "{err}");
 
-    // The move: the app goes on reading and writing the shard on its new host.
-    let report = moves::run(&f.config()?, 0, "pg2", &MoveOptions::default()).await?;
+    // The move, with more changes on the source once the target is built: the reader
+    // gets a column of another table, and the app may no longer delete tags.
+    let stopped = moves::run(&f.config()?, 0, "pg2", &MoveOptions::default().stopping_after(Step::Prepared))
+        .await
+        .unwrap_err();
+    assert!(matches!(stopped, shardline_ops::Error::Interrupted { .. }), "{stopped}");
+    pg1.batch_execute(&format!(
+        "GRANT SELECT (body) ON shard_0000.comments TO \"{reader}\";
+         REVOKE DELETE ON shard_0000.tags FROM \"{app}\""
+    ))
+    .await?;
+    let before = acls(&pg1, "shard_0000").await?;
+    assert!(
+        before.iter().any(|l| l.starts_with("photos ") && l.contains(&format!("{reader}=r/"))),
+        "{before:#?}"
+    );
+    assert!(before.iter().any(|l| l.starts_with("comments.body ")), "{before:#?}");
+    // The app goes on reading and writing the shard on its new host.
+    let mut resumed = moves::resume(&f.config()?, Some(0), &MoveOptions::default()).await?;
+    let report = resumed.pop().ok_or("no move resumed")?;
     assert_eq!((report.source.as_str(), report.target.as_str()), ("pg1", "pg2"));
     let moved = format!("shard_0000_moved_{}", report.id);
     let got = photos.get(made[0].id).await?;

@@ -328,8 +328,9 @@ pub(crate) async fn carry(
     target: &HostName,
     schema: &SchemaName,
 ) -> Result<usize> {
-    let wanted = read_acl(src, source, source_schema).await?;
-    let have = read_acl(dst, target, schema.as_str()).await?;
+    // Both at once: before the flip this runs while the shard's writes wait.
+    let (wanted, have) =
+        futures::try_join!(read_acl(src, source, source_schema), read_acl(dst, target, schema.as_str()))?;
     let plan_ = plan(&wanted, &have, schema);
     if !plan_.differs() {
         return Ok(0);
