@@ -79,6 +79,17 @@ impl Fixture {
         Ok(shardline::cluster::load_config(&self.path())?)
     }
 
+    /// The config file's text.
+    pub(crate) fn config_text(&self) -> Result<String, BoxError> {
+        Ok(std::fs::read_to_string(self.path())?)
+    }
+
+    /// A config from `text`, read as if it were this fixture's file (another role's
+    /// view of the same cluster, say).
+    pub(crate) fn config_from(&self, text: &str) -> Result<Config, BoxError> {
+        Ok(Config::from_toml(text, "shardline.toml", &self.dir, &|v| std::env::var(v).ok())?)
+    }
+
     pub(crate) async fn client(&self, ctx: &TestContext, host: usize) -> Result<Client, BoxError> {
         Ok(ctx.hosts()[host].connect(&self.db).await?)
     }

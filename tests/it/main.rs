@@ -67,6 +67,7 @@ fn main() {
             reliability::an_exhausted_pool_times_out_clearly_and_recovers,
             reliability::passwords_never_reach_errors_logs_or_json,
             reliability::the_request_path_needs_no_superuser,
+            reliability::grants_follow_init_migrate_and_a_move,
             reliability::sql_injection_finds_no_way_in,
             promises::insert_many_is_whole_per_host_and_never_twice_across_a_move,
             promises::a_partly_applied_batch_names_the_hosts_that_committed,

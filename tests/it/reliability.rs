@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use shardline_example_photos::{NewPhoto, Photo};
-use shardline_ops::moves::MoveOptions;
+use shardline_ops::moves::{self, MoveOptions, Step};
 use shardline_repo::{Cluster, ClusterOptions, Id};
 use shardline_testkit::harness::{TestContext, TestResult};
 
@@ -201,43 +201,19 @@ fn host_port(ctx: &TestContext, h: usize) -> String {
     url.trim_start_matches("postgres://postgres@").split('/').next().unwrap_or_default().to_owned()
 }
 
-/// The grants the request path needs, for `role`, in the current database: the shard
-/// schemas' tables, sequences and functions, and reading the catalog. (As documented in
-/// `docs/operations.md`, "Grants".)
-pub(crate) const APP_GRANTS: &str = "
-DO $$
-DECLARE s text;
-BEGIN
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), '{role}');
-    FOR s IN SELECT nspname FROM pg_namespace WHERE nspname LIKE 'shard\\_%' LOOP
-        EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', s, '{role}');
-        EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA %I TO %I', s, '{role}');
-        EXECUTE format('GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA %I TO %I', s, '{role}');
-    END LOOP;
-    IF to_regclass('shardline.cluster') IS NOT NULL THEN
-        EXECUTE format('GRANT USAGE ON SCHEMA shardline TO %I', '{role}');
-        EXECUTE format('GRANT SELECT ON shardline.cluster, shardline.hosts, shardline.shards, shardline.moves TO %I', '{role}');
-    END IF;
-END
-$$;";
-
 pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
-    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
-    // A role of this test's own (roles are per server), with the documented grants only.
+    // A role of this test's own (roles are per server), named in app_roles: it gets
+    // what `init` grants (`shardline_ops::grants`), nothing more.
     let role = format!("app_{}", std::process::id());
-    for h in 0..2 {
-        let c = f.client(&ctx, h).await?;
-        let exists: bool =
-            c.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
-        if !exists {
-            c.batch_execute(&format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE"))
-                .await?;
-        }
-        c.batch_execute(&APP_GRANTS.replace("{role}", &role)).await?;
-    }
-    let text = std::fs::read_to_string(f.path())?;
-    std::fs::write(f.path(), text.replace("postgres://postgres@", &format!("postgres://{role}@")))?;
+    create_role(&f, &ctx, 2, &role).await?;
+    let text = f.config_text()?;
+    std::fs::write(f.path(), format!("app_roles = [\"{role}\"]\n{text}"))?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    std::fs::write(
+        f.path(),
+        f.config_text()?.replace("postgres://postgres@", &format!("postgres://{role}@")),
+    )?;
     let config = f.config()?;
     assert!(config.hosts[0].url.expose().contains(&role));
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -786,5 +762,199 @@ pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_
         "    writes (acknowledged, unknown and there, unknown and absent, not applied): \
          pg2 killed {killed:?}, pg2 hung {paused:?}"
     );
+    Ok(())
+}
+
+/// Creates `role` (if missing) on the servers of hosts `0..hosts`: roles are per server.
+async fn create_role(f: &Fixture, ctx: &TestContext, hosts: usize, role: &str) -> TestResult {
+    for h in 0..hosts {
+        let c = f.client(ctx, h).await?;
+        let exists: bool =
+            c.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
+        if !exists {
+            c.batch_execute(&format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE"))
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Every privilege on `schema`'s objects on `client`'s host, one line per object
+/// (its ACL entries sorted), the defaults spelled out: to compare two hosts.
+async fn acls(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> Result<Vec<String>, crate::bootstrap::BoxError> {
+    Ok(client
+        .query(
+            "WITH n AS (SELECT oid, nspowner, nspacl FROM pg_namespace WHERE nspname = $1),
+             o AS (
+                SELECT 'schema' AS what, coalesce(nspacl, acldefault('n', nspowner)) AS acl FROM n
+                UNION ALL
+                SELECT c.relname::text, coalesce(c.relacl, acldefault(CASE WHEN c.relkind = 'S' THEN 's' ELSE 'r' END::\"char\", c.relowner))
+                  FROM pg_class c JOIN n ON c.relnamespace = n.oid WHERE c.relkind IN ('r', 'S')
+                UNION ALL
+                SELECT c.relname || '.' || a.attname, a.attacl
+                  FROM pg_class c JOIN n ON c.relnamespace = n.oid JOIN pg_attribute a ON a.attrelid = c.oid
+                 WHERE a.attacl IS NOT NULL
+                UNION ALL
+                SELECT p.proname || '()', coalesce(p.proacl, acldefault('f', p.proowner))
+                  FROM pg_proc p JOIN n ON p.pronamespace = n.oid)
+             SELECT what || ' ' || array_to_string(ARRAY(SELECT x::text FROM unnest(acl) x ORDER BY 1), ',')
+               FROM o ORDER BY 1",
+            &[&schema],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// A migration that adds a table and a function only granted roles may run.
+const TAGS: &str = "CREATE TABLE tags (
+    id       bigint PRIMARY KEY DEFAULT next_id(),
+    photo_id bigint NOT NULL,
+    tag      text   NOT NULL
+);
+CREATE FUNCTION normal_tag(t text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SELECT lower(trim(t)) $$;
+REVOKE EXECUTE ON FUNCTION normal_tag(text) FROM PUBLIC;
+";
+
+pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let pid = std::process::id();
+    let (app, reader, lonely) =
+        (format!("grants_app_{pid}"), format!("grants_reader_{pid}"), format!("grants_lonely_{pid}"));
+    let operator = f.config_text()?;
+
+    // A role of app_roles missing somewhere: refused before anything changes, naming
+    // every server that lacks it.
+    std::fs::write(f.path(), format!("app_roles = [\"{app}\"]\n{operator}"))?;
+    let err = shardline_ops::init(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
+    assert!(
+        err.starts_with(&format!("app_roles: roles are missing, so nothing was changed: pg1 lacks {app}; pg2 lacks {app}; catalog lacks {app}")),
+        "{err}"
+    );
+    let pg1 = f.client(&ctx, 0).await?;
+    let catalog: bool = pg1.query_one("SELECT to_regclass('shardline.cluster') IS NULL", &[]).await?.get(0);
+    assert!(catalog, "the refused init created the catalog");
+
+    // The roles exist on every host; init grants; the app connects as its role.
+    create_role(&f, &ctx, 2, &app).await?;
+    create_role(&f, &ctx, 2, &reader).await?;
+    let report = shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    assert_eq!(report.shards_granted, 4, "{report:?}");
+    let app_text = f.config_text()?.replace("postgres://postgres@", &format!("postgres://{app}@"));
+    let app_config = f.config_from(&app_text)?;
+    assert!(
+        app_config.hosts.iter().all(|h| h.url.expose().contains(&app))
+            && app_config.catalog.expose().contains(&app)
+    );
+    let cluster = Cluster::connect(&app_config, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let mut made = Vec::new();
+    for user in 0..8 {
+        made.push(photos.insert(&NewPhoto::numbered(user, 1)).await?);
+    }
+    assert_eq!(photos.get(made[0].id).await?, Some(made[0].clone()));
+    assert_eq!(photos.page_of_user(4, None, 10).await?.rows.len(), 1);
+
+    // A migration adds a table and a function: migrate grants them in the same
+    // transaction, and the app uses both.
+    f.migration("0005_tags.sql", TAGS)?;
+    let report = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await?;
+    let tag = |user: i64, photo: shardline_id::Id, text: &'static str| {
+        let cluster = &cluster;
+        async move {
+            let shard = cluster.route_user(user).shard;
+            cluster
+                .transaction(shard, |tx| {
+                    Box::pin(async move {
+                        tx.execute(
+                            "INSERT INTO tags (photo_id, tag) VALUES ($1, normal_tag($2))",
+                            &[&photo.as_i64(), &text],
+                        )
+                        .await?;
+                        let rows =
+                            tx.query("SELECT tag FROM tags WHERE photo_id = $1", &[&photo.as_i64()]).await?;
+                        Ok::<_, shardline_repo::Error>(rows.iter().map(|r| r.get(0)).collect::<Vec<String>>())
+                    })
+                })
+                .await
+        }
+    };
+    assert_eq!(tag(0, made[0].id, " Sunset ").await?, ["sunset"]);
+    assert_eq!((report.migrations_applied, report.shards_granted), (4, 4), "{report:?}");
+
+    // A hand-made privilege on the source: a second role reads one table.
+    pg1.batch_execute(&format!("GRANT SELECT ON shard_0000.photos TO \"{reader}\"")).await?;
+
+    // A role that holds a privilege on the source but does not exist on the target: a
+    // pre-flight problem, named by the target host; nothing changes.
+    create_role(&f, &ctx, 1, &lonely).await?;
+    pg1.batch_execute(&format!("GRANT SELECT ON shard_0001.photos TO \"{lonely}\"")).await?;
+    let check = moves::preflight(&f.config()?, 1, "pg2").await?;
+    assert_eq!(check.problems.len(), 1, "{check}");
+    assert!(
+        check.problems[0]
+            .to_string()
+            .starts_with(&format!("pg2: roles: {lonely} hold privileges on shard_0001")),
+        "{check}"
+    );
+    let err = moves::run(&f.config()?, 1, "pg2", &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, shardline_ops::Error::Preflight(_)), "{err}");
+
+    // The move, with more changes on the source once the target is built: the reader
+    // gets a column of another table, and the app may no longer delete tags.
+    let stopped = moves::run(&f.config()?, 0, "pg2", &MoveOptions::default().stopping_after(Step::Prepared))
+        .await
+        .unwrap_err();
+    assert!(matches!(stopped, shardline_ops::Error::Interrupted { .. }), "{stopped}");
+    pg1.batch_execute(&format!(
+        "GRANT SELECT (body) ON shard_0000.comments TO \"{reader}\";
+         REVOKE DELETE ON shard_0000.tags FROM \"{app}\""
+    ))
+    .await?;
+    let before = acls(&pg1, "shard_0000").await?;
+    assert!(
+        before.iter().any(|l| l.starts_with("photos ") && l.contains(&format!("{reader}=r/"))),
+        "{before:#?}"
+    );
+    assert!(before.iter().any(|l| l.starts_with("comments.body ")), "{before:#?}");
+    // The app goes on reading and writing the shard on its new host.
+    let mut resumed = moves::resume(&f.config()?, Some(0), &MoveOptions::default()).await?;
+    let report = resumed.pop().ok_or("no move resumed")?;
+    assert_eq!((report.source.as_str(), report.target.as_str()), ("pg1", "pg2"));
+    let moved = format!("shard_0000_moved_{}", report.id);
+    let got = photos.get(made[0].id).await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
+    assert_eq!(got, Some(made[0].clone()));
+    let after = photos.insert(&NewPhoto::numbered(0, 2)).await?;
+    assert_eq!(photos.page_of_user(0, None, 10).await?.rows.len(), 2);
+    assert_eq!(tag(0, after.id, "Night").await?, ["night"]);
+    assert_eq!(tag(0, made[0].id, "Sky").await?.len(), 2);
+
+    // Every privilege arrived as it was on the source: the reader's table and column,
+    // the app's revoked DELETE, the function's revoked PUBLIC.
+    let pg2 = f.client(&ctx, 1).await?;
+    assert_eq!(acls(&pg2, "shard_0000").await?, acls(&pg1, &moved).await?);
+    assert_eq!(acls(&pg1, &moved).await?, before);
+    let row = pg2
+        .query_one(
+            "SELECT has_table_privilege($1, 'shard_0000.photos', 'SELECT'),
+                    has_table_privilege($1, 'shard_0000.photos', 'INSERT'),
+                    has_column_privilege($1, 'shard_0000.comments', 'body', 'SELECT'),
+                    has_column_privilege($1, 'shard_0000.comments', 'user_id', 'SELECT'),
+                    has_table_privilege($2, 'shard_0000.tags', 'DELETE'),
+                    has_function_privilege($1, 'shard_0000.normal_tag(text)', 'EXECUTE')",
+            &[&reader, &app],
+        )
+        .await?;
+    let got: [bool; 6] = std::array::from_fn(|i| row.get(i));
+    assert_eq!(got, [true, false, true, false, false, false]);
+    // And the app still may not change the schema on its new host.
+    let as_app = shardline_repo::catalog::connect(&app_config.hosts[1].url, "host pg2").await?;
+    let err = as_app.batch_execute("DROP TABLE shard_0000.tags").await.unwrap_err();
+    assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
     Ok(())
 }

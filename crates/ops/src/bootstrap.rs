@@ -17,6 +17,7 @@ use shardline_router::{Config, HostName, LogicalShard, ShardMap};
 use tokio_postgres::Client;
 
 use crate::converge::{self, Done, HostPlan, Inputs};
+use crate::grants;
 use crate::migrations::{self, Migration};
 use crate::{Error, Result, describe};
 
@@ -82,6 +83,9 @@ pub struct Report {
     pub shards_migrated: usize,
     /// Migrations applied, summed over shards.
     pub migrations_applied: usize,
+    /// Shards on which the config's `app_roles` were granted their privileges (with
+    /// other work, or because the roles changed).
+    pub shards_granted: usize,
     /// Shards in the cluster.
     pub shards: usize,
     /// Hosts in the cluster.
@@ -105,6 +109,7 @@ impl Report {
             || self.schemas_created > 0
             || self.minters_installed > 0
             || self.migrations_applied > 0
+            || self.shards_granted > 0
     }
 }
 
@@ -148,6 +153,9 @@ impl fmt::Display for Report {
                 "applied {} migration(s) over {} shard(s)",
                 self.migrations_applied, self.shards_migrated
             )?;
+        }
+        if self.shards_granted > 0 {
+            writeln!(f, "granted app_roles their privileges on {} shard(s)", self.shards_granted)?;
         }
         write!(
             f,
@@ -206,6 +214,46 @@ fn wal_warning(host: &HostName, level: &str) -> Option<String> {
             "host {host} has wal_level = {level}: moving shards to or from it needs wal_level = logical (and a restart)"
         )
     })
+}
+
+/// Refuses, changing nothing, when a role of `app_roles` is missing on a host or on the
+/// catalog's server.
+async fn check_roles(config: &Config, hosts: &[(HostName, Vec<Client>)], catalog: &Catalog) -> Result<()> {
+    let roles: Vec<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
+    if roles.is_empty() {
+        return Ok(());
+    }
+    let servers = hosts
+        .iter()
+        .filter_map(|(name, clients)| clients.first().map(|c| (name.to_string(), c)))
+        .chain(std::iter::once(("catalog".to_owned(), catalog.client())));
+    let checks = servers.map(|(at, c)| {
+        let roles = &roles;
+        async move {
+            let missing = grants::missing_roles(c, roles).await.map_err(|e| {
+                let (sqlstate, message) = describe(&e);
+                Error::Host { host: at.clone(), what: "look for the app_roles".into(), sqlstate, message }
+            })?;
+            Ok::<_, Error>((at, missing))
+        }
+    });
+    let missing: Vec<(String, Vec<String>)> = futures::future::join_all(checks)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .filter(|(_, m)| !m.is_empty())
+        .collect();
+    if missing.is_empty() { Ok(()) } else { Err(Error::RolesMissing { missing }) }
+}
+
+/// Lets the config's `app_roles` read what routing needs from the catalog.
+async fn grant_catalog(catalog: &Catalog, config: &Config) -> Result<()> {
+    let sql = grants::catalog_grants(&config.app_roles);
+    if sql.is_empty() {
+        return Ok(());
+    }
+    catalog.client().batch_execute(&sql).await.map_err(|e| catalog_err("grant app_roles the catalog", &e))
 }
 
 /// `wal_level` of each host that is not `logical`, as warnings.
@@ -320,17 +368,20 @@ async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report
 
 /// `shardline init`: creates the catalog, places the shards over the config's hosts
 /// in contiguous even ranges (config order), creates every shard schema with its ID
-/// minter, and applies the migrations. Idempotent: a second run changes nothing and the
-/// report says so. Interrupted (killed, a host died), a later run completes the work.
-/// Hosts new to the config are added to the catalog with no shards.
+/// minter, applies the migrations, and grants the config's `app_roles` their
+/// privileges on every shard and on the catalog ([`crate::grants`]). Idempotent: a
+/// second run changes nothing and the report says so. Interrupted (killed, a host
+/// died), a later run completes the work. Hosts new to the config are added to the
+/// catalog with no shards.
 ///
 /// # Errors
 ///
 /// Refusals that change nothing: [`Error::MigrationDir`] / [`Error::MigrationSyntax`]
 /// (bad files), [`Error::Unreachable`] (any host), [`Error::Repo`] with a mismatch
 /// (the config contradicts the catalog), [`Error::HostMissing`], [`Error::Busy`],
-/// [`Error::Ledger`]. Failures part-way ([`Error::Migration`], [`Error::Host`]) leave
-/// every shard whole, migrated or untouched; run again once fixed.
+/// [`Error::Ledger`], [`Error::RolesMissing`] (a role of `app_roles` missing on a host
+/// or the catalog's server). Failures part-way ([`Error::Migration`], [`Error::Host`])
+/// leave every shard whole, migrated or untouched; run again once fixed.
 pub async fn init(
     config: &Config,
     options: &Options,
@@ -340,7 +391,9 @@ pub async fn init(
 }
 
 /// `shardline migrate`: applies pending migrations to every shard schema (and installs
-/// any missing minter), one transaction per shard, recorded in the shard's ledger. A
+/// any missing minter), one transaction per shard, recorded in the shard's ledger; the
+/// config's `app_roles` are granted on every shard it changes, in the same transaction
+/// (so on the tables a migration creates), and on every shard when the roles changed. A
 /// failure in one shard stops the run, names the shard, file and statement, and leaves
 /// every shard fully migrated or untouched; a re-run continues.
 ///
@@ -371,6 +424,7 @@ async fn run(
         catalog
     };
     lock(&catalog).await?;
+    check_roles(config, &hosts, &catalog).await?;
     let mut report = Report { migrations: migrations.len(), ..Report::default() };
     for w in wal_warnings(&hosts).await {
         tracing::info!("{w}");
@@ -388,11 +442,13 @@ async fn run(
         return Err(Error::MoveRunning { shard: m.shard });
     }
     let info = catalog.cluster().await?.ok_or(shardline_repo::Error::NotInitialised)?;
+    grant_catalog(&catalog, config).await?;
     let inputs = Inputs {
         map: &map,
         prefix: &info.schema_prefix,
         layout: info.layout,
         migrations: &migrations,
+        roles: &config.app_roles,
         lock_timeout: options.lock_timeout,
         shard_timeout: options.shard_timeout,
     };
@@ -442,11 +498,13 @@ async fn run(
 
     let mut first_error = None;
     for (done, error) in outcomes {
-        let Done { schemas_created, minters_installed, shards_migrated, migrations_applied } = done;
+        let Done { schemas_created, minters_installed, shards_migrated, migrations_applied, shards_granted } =
+            done;
         report.schemas_created += schemas_created;
         report.minters_installed += minters_installed;
         report.shards_migrated += shards_migrated;
         report.migrations_applied += migrations_applied;
+        report.shards_granted += shards_granted;
         if first_error.is_none() {
             first_error = error;
         }

@@ -1,4 +1,5 @@
-//! Bringing every shard up to date: its schema, its ID minter, its migrations.
+//! Bringing every shard up to date: its schema, its ID minter, its migrations, and the
+//! application roles' grants on them ([`crate::grants::shard_grants`]).
 //!
 //! The truth about a shard lives beside it, on its host: a ledger table,
 //! `shardline.shard_migrations`, written in the same transaction as the work it records.
@@ -22,6 +23,7 @@ use shardline_id::sql::ShardSql;
 use shardline_router::{HostName, LogicalShard, SchemaName, SchemaPrefix, ShardMap};
 use tokio_postgres::Client;
 
+use crate::grants::{GRANTS, shard_grants};
 use crate::migrations::{Migration, checksum};
 use crate::{Error, Result, describe};
 
@@ -51,6 +53,9 @@ pub(crate) struct ShardWork {
     pub(crate) create_schema: bool,
     pub(crate) minter: Option<String>,
     pub(crate) migrations: Vec<usize>,
+    /// The application roles' grants ([`shard_grants`]), run after the migrations in
+    /// the same transaction; `None` when the config names no role.
+    pub(crate) grants: Option<String>,
 }
 
 /// What one host needs.
@@ -70,6 +75,7 @@ pub(crate) struct Done {
     pub(crate) minters_installed: usize,
     pub(crate) shards_migrated: usize,
     pub(crate) migrations_applied: usize,
+    pub(crate) shards_granted: usize,
 }
 
 /// The shared, read-only inputs.
@@ -78,6 +84,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) prefix: &'a SchemaPrefix,
     pub(crate) layout: Layout,
     pub(crate) migrations: &'a [Migration],
+    /// The config's `app_roles`.
+    pub(crate) roles: &'a [shardline_router::RoleName],
     pub(crate) lock_timeout: Duration,
     pub(crate) shard_timeout: Duration,
 }
@@ -129,11 +137,16 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
             });
         }
         let mut minter_sum = None;
+        let mut grants_sum = None;
         let mut last_applied: Option<&str> = None;
         let mut done: HashSet<&str> = HashSet::new();
         for (name, sum) in &applied {
             if name == MINTER {
                 minter_sum = Some(sum.as_str());
+                continue;
+            }
+            if name == GRANTS {
+                grants_sum = Some(sum.as_str());
                 continue;
             }
             match by_name.get(name.as_str()) {
@@ -182,13 +195,19 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
         }
         let install = ShardSql::new(inputs.layout, schema.as_str(), u32::from(shard.get()))?.install();
         let minter = (minter_sum != Some(checksum(install.as_bytes()).as_str())).then_some(install);
-        if !existing.contains(schema_name) || minter.is_some() || !pending.is_empty() {
+        // Granted with any other work (a migration may add tables), and on its own when
+        // the roles (or what they get) changed. Nothing is revoked from a role taken
+        // out of app_roles.
+        let grants = Some(shard_grants(&schema, inputs.roles)).filter(|g| !g.is_empty());
+        let regrant = grants.as_ref().is_some_and(|g| grants_sum != Some(checksum(g.as_bytes()).as_str()));
+        if !existing.contains(schema_name) || minter.is_some() || !pending.is_empty() || regrant {
             work.push(ShardWork {
                 shard: *shard,
                 schema,
                 create_schema: !existing.contains(schema_name),
                 minter,
                 migrations: pending,
+                grants,
             });
         }
     }
@@ -233,6 +252,10 @@ pub(crate) async fn apply_shard(
             batch.push((Origin::File { migration: m, statement: i }, s.sql.clone()));
         }
         ledger.push((migration.name.clone(), migration.checksum.clone()));
+    }
+    if let Some(grants) = &w.grants {
+        batch.push((Origin::Ours("grant the app_roles their privileges"), grants.clone()));
+        ledger.push((GRANTS.to_owned(), checksum(grants.as_bytes())));
     }
     let values: Vec<String> = ledger
         .iter()
@@ -315,6 +338,7 @@ pub(crate) async fn run_host(
                 t.minters_installed += usize::from(w.minter.is_some());
                 t.shards_migrated += usize::from(!w.migrations.is_empty());
                 t.migrations_applied += w.migrations.len();
+                t.shards_granted += usize::from(w.grants.is_some());
             }
             done(&plan.host, w.shard);
         }

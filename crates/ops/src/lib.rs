@@ -11,6 +11,8 @@
 //! - [`migrations`]: reading, checking and splitting migration files.
 //! - [`converge`]: bringing every shard up to date (shared by `init` and `migrate`).
 //! - [`bootstrap`]: the `init` and `migrate` commands.
+//! - [`grants`]: the privileges the config's `app_roles` get, and carrying a shard's
+//!   privileges when it moves.
 //! - [`mod@status`]: the `status` report.
 //! - [`moves`]: moving a logical shard between hosts online: pre-flight, copy, fence,
 //!   verify, flip; resume, abort, gc.
@@ -37,6 +39,7 @@ use std::path::PathBuf;
 
 pub mod bootstrap;
 pub mod converge;
+pub mod grants;
 pub mod migrations;
 pub mod moves;
 pub mod rebalance;
@@ -81,6 +84,13 @@ pub enum Error {
     Unreachable {
         /// Each unreachable host, with why.
         hosts: Vec<(String, String)>,
+    },
+    /// A role the config's `app_roles` names is missing on a server (roles are per
+    /// server); nothing was changed.
+    #[error("app_roles: {} missing, so nothing was changed: {}; create them there (CREATE ROLE ... LOGIN) or change app_roles", if .missing.len() == 1 && .missing[0].1.len() == 1 { "a role is" } else { "roles are" }, .missing.iter().map(|(at, roles)| format!("{at} lacks {}", roles.join(", "))).collect::<Vec<_>>().join("; "))]
+    RolesMissing {
+        /// Each server (a host's name, or `catalog`) with the roles it lacks.
+        missing: Vec<(String, Vec<String>)>,
     },
     /// A statement on a host (not inside a migration) failed.
     #[error("host {host}: {what} failed (SQLSTATE {}): {message}", sqlstate.as_deref().unwrap_or("none"))]

@@ -4,6 +4,7 @@
 //! logical_shards = 2000            # default 2000; 1..=8192 (13 bits)
 //! schema_prefix  = "shard_"        # schemas shard_0000 .. shard_1999
 //! migrations     = "migrations"    # .sql files applied to every shard schema, in file-name order
+//! app_roles      = ["app"]         # default []; roles granted the request path's privileges
 //!
 //! [id]
 //! epoch_ms = 1314220021721         # default: Instagram's
@@ -34,7 +35,7 @@ use serde::Deserialize;
 use shardline_id::Layout;
 use toml::Spanned;
 
-use crate::{Error, HostName, Result, SchemaPrefix, ShardCount};
+use crate::{Error, HostName, Result, RoleName, SchemaPrefix, ShardCount};
 
 /// The default number of logical shards, as Instagram had.
 pub const DEFAULT_LOGICAL_SHARDS: i64 = 2000;
@@ -51,6 +52,12 @@ pub struct Config {
     pub migrations: PathBuf,
     /// The ID layout: Instagram's widths with the configured epoch.
     pub layout: Layout,
+    /// The roles the application connects as (default none). `init`, `migrate` and
+    /// `move` grant each of them exactly the request path's privileges on every shard
+    /// schema they build or change, and read access to the catalog (see
+    /// `docs/operations.md`, "Grants"). Each must exist on every host and on the
+    /// catalog's server (roles are per server). Distinct, each a [`RoleName`].
+    pub app_roles: Vec<RoleName>,
     /// The catalog database.
     pub catalog: DbUrl,
     /// The physical hosts, in the order shards are first placed on them.
@@ -151,6 +158,7 @@ struct RawConfig {
     logical_shards: Option<Spanned<i64>>,
     schema_prefix: Option<Spanned<String>>,
     migrations: Option<Spanned<String>>,
+    app_roles: Option<Vec<Spanned<String>>>,
     id: Option<RawId>,
     catalog: Option<Spanned<RawUrl>>,
     hosts: Option<Spanned<Vec<Spanned<RawHost>>>>,
@@ -288,6 +296,16 @@ impl Config {
             }
             Some(m) => base_dir.join(m.get_ref()),
         };
+        let mut app_roles: Vec<RoleName> = Vec::new();
+        for (i, r) in raw.app_roles.unwrap_or_default().into_iter().enumerate() {
+            let key = format!("app_roles[{i}]");
+            let role =
+                RoleName::new(r.get_ref()).map_err(|e| src.err(r.span().start, &key, strip_name(&e)))?;
+            if let Some(first) = app_roles.iter().position(|o| *o == role) {
+                return Err(src.err(r.span().start, &key, format!("{role} is already app_roles[{first}]")));
+            }
+            app_roles.push(role);
+        }
         let epoch = raw.id.and_then(|id| id.epoch_ms);
         let layout = match epoch {
             None => Layout::INSTAGRAM,
@@ -342,7 +360,7 @@ impl Config {
                 src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)?.unwrap_or_else(|| url.clone());
             hosts.push(HostConfig { name: host_name, url, peer_url });
         }
-        Ok(Config { logical_shards, schema_prefix, migrations, layout, catalog, hosts })
+        Ok(Config { logical_shards, schema_prefix, migrations, layout, app_roles, catalog, hosts })
     }
 
     /// The first placement of the shards: contiguous, even ranges over the hosts in
@@ -446,6 +464,57 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.logical_shards.get(), 2000);
         assert_eq!(c.schema_prefix.as_str(), "shard_");
         assert_eq!(c.layout, Layout::INSTAGRAM);
+        assert!(c.app_roles.is_empty());
+    }
+
+    #[test]
+    fn app_roles_load_in_order() {
+        let c = load(&format!("app_roles = [\"app\", \"_reader2\"]\n{GOOD}")).unwrap();
+        let names: Vec<&str> = c.app_roles.iter().map(RoleName::as_str).collect();
+        assert_eq!(names, ["app", "_reader2"]);
+        assert_eq!(c.app_roles[0].quoted(), "\"app\"");
+    }
+
+    #[test]
+    fn app_role_mistakes_name_their_line_and_key() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "app_roles = \"app\"",
+                "shardline.toml:2: toml: invalid type: string \"app\", expected a sequence",
+            ),
+            (
+                "app_roles = [\"App\"]",
+                "shardline.toml:2: app_roles[0]: \"App\" is not allowed: must start with a lowercase",
+            ),
+            (
+                "app_roles = [\"a\", \"b-c\"]",
+                "shardline.toml:2: app_roles[1]: \"b-c\" is not allowed: may hold only",
+            ),
+            (
+                "app_roles = [\"a\\\"; DROP ROLE x; --\"]",
+                "app_roles[0]: \"a\\\"; DROP ROLE x; --\" is not allowed",
+            ),
+            ("app_roles = [\"\"]", "app_roles[0]: \"\" is not allowed: must be 1 to 63 bytes"),
+            (
+                "app_roles = [\"pg_monitor\"]",
+                "app_roles[0]: \"pg_monitor\" is not allowed: Postgres reserves",
+            ),
+            (
+                "app_roles = [\"public\"]",
+                "app_roles[0]: \"public\" is not allowed: Postgres reads it as a keyword",
+            ),
+            ("app_roles = [\"app\", \"app\"]", "shardline.toml:2: app_roles[1]: app is already app_roles[0]"),
+            ("app_roles = [1]", "shardline.toml:2: toml: invalid type: integer `1`, expected a string"),
+            ("app_role = [\"app\"]", "shardline.toml:2: toml: unknown field `app_role`"),
+        ];
+        for (extra, message) in cases {
+            let err = load(&format!("\n{extra}\n{GOOD}")).unwrap_err().to_string();
+            assert!(err.contains(message), "{extra:?}: {err}");
+        }
+        let long = "a".repeat(64);
+        let err = load(&format!("app_roles = [\"{long}\"]\n{GOOD}")).unwrap_err().to_string();
+        assert!(err.contains("must be 1 to 63 bytes"), "{err}");
+        assert!(load(&format!("app_roles = [\"{}\"]\n{GOOD}", &long[..63])).is_ok());
     }
 
     #[test]

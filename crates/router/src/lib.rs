@@ -42,7 +42,7 @@ pub mod tls;
 
 pub use config::Config;
 pub use map::{Route, ShardMap};
-pub use shard::{HostName, LogicalShard, SchemaName, SchemaPrefix, ShardCount};
+pub use shard::{HostName, LogicalShard, RoleName, SchemaName, SchemaPrefix, ShardCount};
 
 /// What routing refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! The domain newtypes: logical shards, their count, schema and host names.
+//! The domain newtypes: logical shards, their count, schema, host and role names.
 
 use std::fmt;
 
@@ -180,6 +180,60 @@ impl HostName {
 }
 
 impl fmt::Display for HostName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A database role the application connects as, named in the config's `app_roles`:
+/// shardline grants it the request path's privileges on every shard (see
+/// `docs/operations.md`, "Grants").
+///
+/// 1–63 bytes of lowercase ASCII letters, digits and underscores, starting with a letter
+/// or underscore: a name Postgres keeps as written, unquoted or quoted alike. Names
+/// starting with `pg_` (Postgres's own roles) and the words a `GRANT ... TO` reads as
+/// something else (`public`, `current_user`, ...) are refused.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RoleName(String);
+
+impl RoleName {
+    /// Checks and wraps a role name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidName`] for anything else.
+    pub fn new(name: &str) -> Result<Self> {
+        let bad = |reason| Err(Error::InvalidName { what: "role name", name: name.to_owned(), reason });
+        if name.is_empty() || name.len() > 63 {
+            return bad("must be 1 to 63 bytes");
+        }
+        if !name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_') {
+            return bad("must start with a lowercase ASCII letter or an underscore");
+        }
+        if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+            return bad("may hold only lowercase ASCII letters, digits and underscores");
+        }
+        if name.starts_with("pg_") {
+            return bad("Postgres reserves role names starting with pg_");
+        }
+        if matches!(name, "public" | "none" | "current_user" | "current_role" | "session_user") {
+            return bad("Postgres reads it as a keyword, not a role");
+        }
+        Ok(RoleName(name.to_owned()))
+    }
+
+    /// The bare name (`app`).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The name quoted for SQL (`"app"`).
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.0)
+    }
+}
+
+impl fmt::Display for RoleName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }

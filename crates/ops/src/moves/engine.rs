@@ -17,6 +17,7 @@ use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck, catalog_
 use super::preflight::{self, host_err, quote_literal};
 use super::subscription;
 use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
+use crate::grants;
 use crate::migrations::load_dir;
 use crate::{Error, Result};
 
@@ -460,7 +461,11 @@ impl<'a> Mover<'a> {
                 Step::Fenced => self.sync().await?,
                 Step::Synced => self.carry_sequence().await?,
                 Step::SequenceCarried => self.verify().await?,
-                Step::Verified => self.flip().await?,
+                Step::Verified => {
+                    // Grants made on the source during the move, before the map moves.
+                    self.carry_privileges(self.moved.clone()).await?;
+                    self.flip().await?
+                }
                 Step::Flipped | Step::Cleaned => self.clean().await?,
             }
         }
@@ -487,6 +492,7 @@ impl<'a> Mover<'a> {
         let layout = self.layout;
         let shard = self.shard;
         let prefix = self.config.schema_prefix.clone();
+        let config = self.config;
         let lock_timeout = self.options.lock_timeout;
         let dst = self.dst().await?;
         dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
@@ -505,6 +511,7 @@ impl<'a> Mover<'a> {
                 create_schema: true,
                 minter: Some(ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.install()),
                 migrations: (0..migrations.len()).collect(),
+                grants: Some(grants::shard_grants(&schema, &config.app_roles)).filter(|g| !g.is_empty()),
             };
             let shard_timeout = crate::Options::default().shard_timeout;
             let inputs = Inputs {
@@ -512,6 +519,7 @@ impl<'a> Mover<'a> {
                 prefix: &prefix,
                 layout,
                 migrations: &migrations,
+                roles: &config.app_roles,
                 lock_timeout,
                 shard_timeout,
             };
@@ -529,6 +537,9 @@ impl<'a> Mover<'a> {
                 dst.batch_execute(&drops.concat()).await.map_err(on(&target, "defer the indexes"))?;
             }
         }
+        // The source's privileges, hand-made ones too, before anything is published
+        // (and again right before the flip, for any granted meanwhile).
+        self.carry_privileges(self.schema.as_str().to_owned()).await?;
         let source = self.source.clone();
         let src = self.src().await?;
         src.batch_execute(MARKS_SQL).await.map_err(on(&source, "create the marker table"))?;
@@ -549,6 +560,19 @@ impl<'a> Mover<'a> {
             .map_err(on(&source, "create the publication"))?;
         }
         self.journal(Step::Prepared).await
+    }
+
+    /// Makes the target's privileges on the shard's schema, tables, sequences, columns
+    /// and routines those of the source, where the schema is called `source_schema`
+    /// (its own name before the fence, the fence's after). Idempotent.
+    async fn carry_privileges(&mut self, source_schema: String) -> Result<()> {
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        self.src().await?;
+        self.dst().await?;
+        let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+            return Err(Error::Busy);
+        };
+        grants::carry(src, &source, &source_schema, dst, &target, &schema).await.map(drop)
     }
 
     /// Subscribes the target to the source, disabled; journals the subscription's OID

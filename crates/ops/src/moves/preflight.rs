@@ -7,10 +7,14 @@
 //! - the source: `wal_level = logical`, two free replication slots and two free WAL
 //!   senders (the subscription's and one table-sync worker's), the shard's schema is there,
 //!   every table in it has a primary key or a replica identity, and its migration ledger
-//!   holds exactly the config's migration files (same names, same checksums);
+//!   holds exactly the config's migration files (same names, same checksums) and the
+//!   config's `app_roles` grants;
 //! - the target: the shard's schema is not there yet, a free logical-replication worker,
-//!   and the source is reachable **from the target** at the source's `peer_url` (probed
+//!   every role that holds a privilege on the shard on the source (and every app role)
+//!   exists, and the source is reachable **from the target** at the source's `peer_url` (probed
 //!   with a subscription that connects and is dropped at once, without a slot).
+
+use std::collections::BTreeSet;
 
 use shardline_repo::Catalog;
 use shardline_repo::catalog::connect;
@@ -18,6 +22,8 @@ use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
 use crate::converge::MINTER;
+use crate::grants::{self, GRANTS, shard_grants};
+use crate::migrations::checksum;
 use crate::migrations::load_dir;
 use crate::{Error, Result, describe};
 
@@ -175,8 +181,11 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
             }
         },
     };
+    let mut roles: BTreeSet<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
     if let Some(c) = &source_client {
-        check_source(config, c, &source, &schema, &mut checks, &mut out).await?;
+        let mut held = BTreeSet::new();
+        check_source(config, c, &source, &schema, &mut checks, &mut out, &mut held).await?;
+        roles.extend(held);
     }
 
     if let Some(t) = target_config.filter(|_| target_name != source) {
@@ -185,6 +194,20 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
             Ok(c) => {
                 let peer = source_config.map(|s| s.peer_url.expose().to_owned());
                 check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;
+                let roles: Vec<String> = roles.into_iter().collect();
+                let missing = grants::missing_roles(&c, &roles)
+                    .await
+                    .map_err(|e| host_err(&target_name, "pre-flight", &e))?;
+                if !missing.is_empty() {
+                    checks.add(
+                        Some(&target_name),
+                        "roles",
+                        format!(
+                            "{} hold privileges on {schema} (on {source}, or as app_roles) but do not exist here; create them first (roles are per server)",
+                            missing.join(", ")
+                        ),
+                    );
+                }
             }
         }
     }
@@ -192,6 +215,7 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
     Ok(out)
 }
 
+/// Checks the source; fills `roles` with the roles holding privileges on the shard.
 async fn check_source(
     config: &Config,
     c: &Client,
@@ -199,6 +223,7 @@ async fn check_source(
     schema: &SchemaName,
     checks: &mut Checks,
     out: &mut Preflight,
+    roles: &mut BTreeSet<String>,
 ) -> Result<()> {
     let fail = |e: tokio_postgres::Error| host_err(host, "pre-flight", &e);
     let row = c
@@ -280,8 +305,8 @@ async fn check_source(
     let files = load_dir(&config.migrations)?;
     let applied = c
         .query(
-            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> $2 ORDER BY name",
-            &[&schema.as_str(), &MINTER],
+            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2) ORDER BY name",
+            &[&schema.as_str(), &[MINTER, GRANTS].as_slice()],
         )
         .await
         .map_err(fail)?;
@@ -302,6 +327,29 @@ async fn check_source(
             ),
         );
     }
+    // The app_roles' grants at the config's level too: the target is granted from the
+    // config, then given the source's privileges exactly.
+    let wanted = shard_grants(schema, &config.app_roles);
+    if !wanted.is_empty() {
+        let granted: Option<String> = c
+            .query_opt(
+                "SELECT checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name = $2",
+                &[&schema.as_str(), &GRANTS],
+            )
+            .await
+            .map_err(fail)?
+            .map(|r| r.get(0));
+        if granted.as_deref() != Some(checksum(wanted.as_bytes()).as_str()) {
+            let roles = config.app_roles.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", ");
+            checks.add(
+                Some(host),
+                "grants",
+                format!("{schema} has not been granted to app_roles [{roles}] as the config asks; run `shardline migrate` first"),
+            );
+        }
+    }
+    // Every role that holds a privilege there must exist on the target.
+    *roles = grants::read_acl(c, host, schema.as_str()).await?.grantees();
     Ok(())
 }
 
