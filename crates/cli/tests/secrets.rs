@@ -185,11 +185,15 @@ async fn a_move_authenticates_with_a_passfile_on_the_target(ctx: TestContext) ->
     // The role, with what docs/operations.md says a peer_url role needs: REPLICATION,
     // and SELECT on the shard's tables and the move's marker table, given here (as the
     // docs advise) by default privileges set before `init` made them.
-    let admin = pg1.connect("postgres").await?;
-    let exists: bool =
-        admin.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
-    if !exists {
-        admin.batch_execute(&format!("CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}'")).await?;
+    // It exists on every host: a move carries the source's privileges, this role's
+    // SELECT included, and the pre-flight refuses a target that lacks a role holding some.
+    for host in [pg1, pg2] {
+        let admin = host.connect("postgres").await?;
+        let exists: bool =
+            admin.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
+        if !exists {
+            admin.batch_execute(&format!("CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}'")).await?;
+        }
     }
     let source = pg1.connect(&db).await?;
     source
