@@ -85,6 +85,14 @@ pub enum Error {
         /// Why it was refused.
         reason: &'static str,
     },
+    /// A name that is not a plain SQL identifier ([`crate::ident::Ident::new`]).
+    #[error("{name:?} is not a plain SQL identifier: it {reason}")]
+    InvalidIdentifier {
+        /// The name given.
+        name: String,
+        /// Why it was refused.
+        reason: &'static str,
+    },
 }
 
 /// The ID crate's result type.

@@ -21,6 +21,7 @@
 //! - [`Id`]: the newtype, its decimal and compact text forms.
 //! - [`generator`]: an in-process generator, and blocks reserved from a shard's sequence.
 //! - [`sql`]: the SQL that installs the minter in a shard schema.
+//! - [`ident`]: quoting names and literals into SQL text, the one place that does.
 //!
 //! # Features
 //!
@@ -50,6 +51,7 @@ mod error;
 mod external;
 pub mod generator;
 mod id;
+pub mod ident;
 mod layout;
 pub mod sql;
 

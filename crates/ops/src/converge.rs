@@ -220,10 +220,7 @@ enum Origin {
     File { migration: usize, statement: usize },
 }
 
-/// Quotes a string literal (standard_conforming_strings, on since Postgres 9.1).
-fn literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
-}
+use shardline_id::ident::literal;
 
 /// Applies one shard's work in one transaction, pipelined.
 pub(crate) async fn apply_shard(

@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use shardline_id::ident::quote as quote_ident;
 use shardline_router::{HostName, RoleName, SchemaName};
 use tokio_postgres::Client;
 
@@ -236,11 +237,6 @@ pub(crate) async fn read_acl(client: &Client, host: &HostName, schema: &str) -> 
         acl.owners.insert(owner);
     }
     Ok(acl)
-}
-
-/// `"name"`, with inner quotes doubled.
-fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// What turns the target's privileges into the source's.

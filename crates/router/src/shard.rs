@@ -141,7 +141,7 @@ impl SchemaName {
 
     /// The name quoted for SQL (`"shard_0005"`).
     pub fn quoted(&self) -> String {
-        format!("\"{}\"", self.0)
+        shardline_id::ident::quote(&self.0)
     }
 }
 
@@ -229,7 +229,7 @@ impl RoleName {
 
     /// The name quoted for SQL (`"app"`).
     pub fn quoted(&self) -> String {
-        format!("\"{}\"", self.0)
+        shardline_id::ident::quote(&self.0)
     }
 }
 

@@ -231,6 +231,4 @@ pub(crate) async fn write_file(
     admin.simple_query(&sql).await.map(drop)
 }
 
-fn literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
-}
+use shardline_id::ident::literal;

@@ -18,8 +18,9 @@ use tokio_postgres::Client;
 
 use super::engine::{drop_source_side, drop_subscription};
 use super::journal::{self, MoveRecord, State, catalog_err};
-use super::preflight::{host_err, quote_literal};
+use super::preflight::host_err;
 use crate::Result;
+use shardline_id::ident::{literal as quote_literal, quote as quote_ident};
 
 /// What `gc` dropped, and what it could not reach.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -45,10 +46,6 @@ impl std::fmt::Display for GcReport {
         }
         f.write_str(&lines.join("\n"))
     }
-}
-
-fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// Drops what moves left behind (see the module docs); old source schemas only after

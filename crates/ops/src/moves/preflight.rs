@@ -412,7 +412,4 @@ async fn check_target(
     Ok(())
 }
 
-/// `text` as an SQL string literal.
-pub(crate) fn quote_literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
+pub(crate) use shardline_id::ident::literal as quote_literal;
