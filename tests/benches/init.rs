@@ -6,7 +6,6 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=docker cargo bench -p shardline-tests --bench init [-- SHARDS HOSTS]
 //! ```
-#![allow(clippy::unwrap_used, reason = "a benchmark")]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

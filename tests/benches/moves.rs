@@ -9,7 +9,7 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench moves [-- PHOTOS]
 //! ```
-#![allow(clippy::unwrap_used, reason = "a benchmark")]
+#![expect(clippy::unwrap_used, reason = "a benchmark")]
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,7 +30,12 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
         return Duration::ZERO;
     }
     v.sort();
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "a percentile's index: a non-negative fraction of a length, rounded"
+    )]
     let i = ((v.len() - 1) as f64 * p).round() as usize;
     v[i]
 }

@@ -10,7 +10,7 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench repo [-- SHARDS ROWS]
 //! ```
-#![allow(clippy::unwrap_used, reason = "a benchmark")]
+#![expect(clippy::unwrap_used, reason = "a benchmark")]
 
 use std::collections::HashMap;
 use std::path::PathBuf;

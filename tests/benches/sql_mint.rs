@@ -4,7 +4,6 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench sql_mint [-- ROWS ROUNDS]
 //! ```
-#![allow(clippy::unwrap_used, reason = "a benchmark")]
 
 use std::time::Instant;
 

@@ -1,6 +1,6 @@
 //! Integration tests against real PostgreSQL hosts: one cluster of three, shared by every
 //! test of this binary (see `shardline_testkit::harness`).
-#![allow(
+#![expect(
     clippy::unwrap_used,
     reason = "a test fails by panicking; harness = false hides it from clippy's test detection"
 )]

@@ -244,7 +244,7 @@ pub fn locate(config: &Config, opt: &LocateOpt, out: &mut dyn Write) -> anyhow::
 }
 
 /// Bytes in binary units, one decimal.
-#[allow(clippy::cast_precision_loss, reason = "one decimal is shown")]
+#[expect(clippy::cast_precision_loss, reason = "one decimal is shown")]
 pub(crate) fn bytes(n: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n.max(0) as f64;

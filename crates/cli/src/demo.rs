@@ -80,7 +80,12 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
         return Duration::ZERO;
     }
     v.sort_unstable();
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "a percentile's index: a non-negative fraction of a length, rounded"
+    )]
     let i = ((v.len() - 1) as f64 * p).round() as usize;
     v[i.min(v.len() - 1)]
 }
@@ -275,7 +280,6 @@ async fn run(
     summary(out, &grown, &cluster, &stats, &moves, elapsed).await
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn worker(
     w: u64,
     cluster: &Cluster,
@@ -395,7 +399,7 @@ async fn summary(
     for (i, name) in OPS.iter().enumerate() {
         let v = &mut stats.latencies[i];
         total += v.len();
-        #[allow(clippy::cast_precision_loss)]
+        #[expect(clippy::cast_precision_loss, reason = "a rate shown without decimals")]
         let rate = v.len() as f64 / elapsed.as_secs_f64().max(0.001);
         writeln!(
             out,
@@ -406,7 +410,7 @@ async fn summary(
             stats.errors[i]
         )?;
     }
-    #[allow(clippy::cast_precision_loss)]
+    #[expect(clippy::cast_precision_loss, reason = "a rate shown without decimals")]
     let all = total as f64 / elapsed.as_secs_f64().max(0.001);
     writeln!(out, "{:<13} {total:>8} {all:>9.0}", "all")?;
     if let Some(e) = &stats.first_error {

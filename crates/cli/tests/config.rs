@@ -1,6 +1,6 @@
 //! The config file as a user gets it wrong: every mistake exits 2 naming the file, line
 //! and key, prints nothing on stdout, and never prints a secret.
-#![allow(clippy::unwrap_used, reason = "tests")]
+#![expect(clippy::unwrap_used, reason = "tests")]
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -1,5 +1,5 @@
 //! `shardline id` as a user runs it: output, exit codes, and nothing on stdout on error.
-#![allow(clippy::unwrap_used, reason = "tests")]
+#![expect(clippy::unwrap_used, reason = "tests")]
 
 use std::process::{Command, Output};
 

@@ -3,7 +3,7 @@
 //! through the `log` crate, bridged into tracing), stdout and stderr. And a move whose
 //! source asks the replication role for a password the target reads from a passfile, so
 //! no password is ever stored in the config or in `pg_subscription`.
-#![allow(clippy::unwrap_used, reason = "tests")]
+#![expect(clippy::unwrap_used, reason = "tests")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,7 +4,7 @@
 //! ```text
 //! cargo bench -p shardline-id --bench mint
 //! ```
-#![allow(clippy::unwrap_used, clippy::cast_precision_loss, reason = "a benchmark")]
+#![expect(clippy::unwrap_used, clippy::cast_precision_loss, reason = "a benchmark")]
 
 use std::hint::black_box;
 use std::time::Instant;
