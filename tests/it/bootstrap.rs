@@ -161,6 +161,7 @@ fn all_migrations() -> Vec<String> {
         .to_vec()
 }
 
+shardline_testkit::register!(shared: init_twice_changes_nothing_the_second_time);
 pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 30).await?;
     let config = f.config()?;
@@ -219,6 +220,7 @@ pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext)
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_host_new_to_the_config_joins_with_no_shards);
 pub(crate) async fn a_host_new_to_the_config_joins_with_no_shards(ctx: TestContext) -> TestResult {
     let mut f = Fixture::new(&ctx, 2, 8).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -265,6 +267,7 @@ async fn snapshot(f: &Fixture, ctx: &TestContext) -> Result<Vec<String>, BoxErro
     Ok(out)
 }
 
+shardline_testkit::register!(shared: refusals_change_nothing);
 pub(crate) async fn refusals_change_nothing(ctx: TestContext) -> TestResult {
     let mut f = Fixture::new(&ctx, 2, 16).await?;
     let empty = snapshot(&f, &ctx).await?;
@@ -344,6 +347,7 @@ pub(crate) async fn refusals_change_nothing(ctx: TestContext) -> TestResult {
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_migration_failing_in_one_shard_stops_and_a_rerun_continues);
 pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues(
     ctx: TestContext,
 ) -> TestResult {
@@ -409,6 +413,7 @@ pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues
     Ok(())
 }
 
+shardline_testkit::register!(shared: changed_or_misordered_files_are_refused_before_anything_changes);
 pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_changes(
     ctx: TestContext,
 ) -> TestResult {
@@ -437,6 +442,7 @@ pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_chan
     Ok(())
 }
 
+shardline_testkit::register!(shared: locate_agrees_with_where_rows_are);
 pub(crate) async fn locate_agrees_with_where_rows_are(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 30).await?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
@@ -492,6 +498,7 @@ pub(crate) async fn locate_agrees_with_where_rows_are(ctx: TestContext) -> TestR
     Ok(())
 }
 
+shardline_testkit::register!(shared: map_changes_bump_the_version_and_notify);
 pub(crate) async fn map_changes_bump_the_version_and_notify(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     let config = f.config()?;
@@ -515,6 +522,7 @@ pub(crate) async fn map_changes_bump_the_version_and_notify(ctx: TestContext) ->
     Ok(())
 }
 
+shardline_testkit::register!(shared: status_reports_rows_bytes_and_unreachable_hosts);
 pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -659,6 +667,7 @@ async fn each_shard_whole(f: &Fixture, ctx: &TestContext, whole: &[Vec<String>])
     Ok(present_in_all)
 }
 
+shardline_testkit::register!(exclusive: init_interrupted_by_a_killed_host_completes_later);
 pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 300).await?;
     let config = f.config()?;
@@ -703,6 +712,7 @@ pub(crate) async fn init_interrupted_by_a_killed_host_completes_later(ctx: TestC
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: migrate_interrupted_by_a_killed_host_completes_later);
 pub(crate) async fn migrate_interrupted_by_a_killed_host_completes_later(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 150).await?;
     let config = f.config()?;
@@ -754,6 +764,7 @@ pub(crate) async fn migrate_interrupted_by_a_killed_host_completes_later(ctx: Te
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: migrate_on_a_hung_host_fails_in_time_and_completes_later);
 pub(crate) async fn migrate_on_a_hung_host_fails_in_time_and_completes_later(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 60).await?;
     let config = f.config()?;

@@ -3,6 +3,7 @@
 use shardline_testkit::BackendKind;
 use shardline_testkit::harness::{TestContext, TestResult};
 
+shardline_testkit::register!(shared: three_independent_hosts_start);
 pub(crate) async fn three_independent_hosts_start(ctx: TestContext) -> TestResult {
     let hosts = ctx.hosts();
     assert_eq!(hosts.len(), 3);
@@ -29,6 +30,7 @@ pub(crate) async fn three_independent_hosts_start(ctx: TestContext) -> TestResul
     Ok(())
 }
 
+shardline_testkit::register!(shared: backend_is_the_one_asked_for);
 pub(crate) async fn backend_is_the_one_asked_for(ctx: TestContext) -> TestResult {
     match BackendKind::from_env()? {
         Some(asked) => assert_eq!(ctx.cluster().backend(), asked),
@@ -37,6 +39,7 @@ pub(crate) async fn backend_is_the_one_asked_for(ctx: TestContext) -> TestResult
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_table_made_on_one_host_is_absent_on_the_others);
 pub(crate) async fn a_table_made_on_one_host_is_absent_on_the_others(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let hosts = ctx.hosts();
@@ -55,6 +58,7 @@ pub(crate) async fn a_table_made_on_one_host_is_absent_on_the_others(ctx: TestCo
     Ok(())
 }
 
+shardline_testkit::register!(shared: tests_get_separate_databases);
 pub(crate) async fn tests_get_separate_databases(ctx: TestContext) -> TestResult {
     let a = ctx.databases().await?;
     let b = ctx.databases().await?;
@@ -67,6 +71,7 @@ pub(crate) async fn tests_get_separate_databases(ctx: TestContext) -> TestResult
     Ok(())
 }
 
+shardline_testkit::register!(shared: hosts_run_with_the_settings_moves_need);
 pub(crate) async fn hosts_run_with_the_settings_moves_need(ctx: TestContext) -> TestResult {
     for host in ctx.hosts() {
         let client = host.connect("postgres").await?;

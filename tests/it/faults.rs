@@ -29,6 +29,7 @@ async fn count(client: &Client) -> Result<i64, tokio_postgres::Error> {
     Ok(client.query_one("SELECT count(*) FROM events", &[]).await?.get(0))
 }
 
+shardline_testkit::register!(exclusive: stop_ends_sessions_and_start_brings_data_back);
 pub(crate) async fn stop_ends_sessions_and_start_brings_data_back(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let host = &ctx.hosts()[2];
@@ -57,6 +58,7 @@ pub(crate) async fn stop_ends_sessions_and_start_brings_data_back(ctx: TestConte
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: kill_crashes_and_start_recovers_committed_rows);
 pub(crate) async fn kill_crashes_and_start_recovers_committed_rows(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let host = &ctx.hosts()[0];
@@ -91,6 +93,7 @@ pub(crate) async fn kill_crashes_and_start_recovers_committed_rows(ctx: TestCont
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: pause_makes_queries_time_out_and_resume_answers_them);
 pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let host = &ctx.hosts()[1];
@@ -121,6 +124,7 @@ pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(ctx: Te
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: restart_keeps_the_url_and_the_data);
 pub(crate) async fn restart_keeps_the_url_and_the_data(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let host = &ctx.hosts()[1];
@@ -143,6 +147,7 @@ pub(crate) async fn restart_keeps_the_url_and_the_data(ctx: TestContext) -> Test
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: handles_refuse_what_makes_no_sense);
 pub(crate) async fn handles_refuse_what_makes_no_sense(ctx: TestContext) -> TestResult {
     let host = &ctx.hosts()[0];
     for (op, result) in [("resume", host.resume().await), ("start", host.start().await)] {

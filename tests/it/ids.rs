@@ -47,6 +47,7 @@ fn strictly_increasing(ids: &[Id]) -> bool {
     ids.windows(2).all(|w| w[0] < w[1])
 }
 
+shardline_testkit::register!(shared: a_million_rows_from_one_statement_are_distinct);
 pub(crate) async fn a_million_rows_from_one_statement_are_distinct(ctx: TestContext) -> TestResult {
     let (_db, client) = shard_db(&ctx, 0, &minter()).await?;
     client
@@ -77,6 +78,7 @@ pub(crate) async fn a_million_rows_from_one_statement_are_distinct(ctx: TestCont
     Ok(())
 }
 
+shardline_testkit::register!(shared: more_than_1024_ids_in_one_clock_millisecond_stay_unique);
 pub(crate) async fn more_than_1024_ids_in_one_clock_millisecond_stay_unique(ctx: TestContext) -> TestResult {
     let (_db, client) = shard_db(&ctx, 1, &minter()).await?;
     // Inside one transaction the clock the minter reads (now()) does not move: every ID
@@ -149,14 +151,17 @@ async fn concurrent_sessions(ctx: TestContext, sessions: i32, rows: i64) -> Test
     Ok(())
 }
 
+shardline_testkit::register!(shared: two_concurrent_sessions_never_collide);
 pub(crate) async fn two_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
     concurrent_sessions(ctx, 2, 250_000).await
 }
 
+shardline_testkit::register!(shared: four_concurrent_sessions_never_collide);
 pub(crate) async fn four_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
     concurrent_sessions(ctx, 4, 250_000).await
 }
 
+shardline_testkit::register!(shared: a_clock_stepping_back_changes_nothing);
 pub(crate) async fn a_clock_stepping_back_changes_nothing(ctx: TestContext) -> TestResult {
     let sql = minter();
     let (_db, client) = shard_db(&ctx, 0, &sql).await?;
@@ -174,6 +179,7 @@ pub(crate) async fn a_clock_stepping_back_changes_nothing(ctx: TestContext) -> T
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_lagging_sequence_catches_up_and_waits_for_no_one);
 pub(crate) async fn a_lagging_sequence_catches_up_and_waits_for_no_one(ctx: TestContext) -> TestResult {
     let sql = minter();
     let (db, client) = shard_db(&ctx, 1, &sql).await?;
@@ -209,6 +215,7 @@ pub(crate) async fn a_lagging_sequence_catches_up_and_waits_for_no_one(ctx: Test
     Ok(())
 }
 
+shardline_testkit::register!(shared: rust_and_sql_decode_alike);
 pub(crate) async fn rust_and_sql_decode_alike(ctx: TestContext) -> TestResult {
     let (_db, client) = shard_db(&ctx, 2, &minter()).await?;
     // SQL-minted IDs: Rust's decoding equals SQL's id_parts.
@@ -244,6 +251,7 @@ pub(crate) async fn rust_and_sql_decode_alike(ctx: TestContext) -> TestResult {
     Ok(())
 }
 
+shardline_testkit::register!(shared: reserved_blocks_and_database_minting_share_one_source);
 pub(crate) async fn reserved_blocks_and_database_minting_share_one_source(ctx: TestContext) -> TestResult {
     let (db, client) = shard_db(&ctx, 0, &minter()).await?;
     let other = ctx.hosts()[0].connect(&db).await?;
@@ -277,6 +285,7 @@ pub(crate) async fn reserved_blocks_and_database_minting_share_one_source(ctx: T
     Ok(())
 }
 
+shardline_testkit::register!(shared: the_application_generator_shares_the_sequence_and_keeps_near_the_clock);
 pub(crate) async fn the_application_generator_shares_the_sequence_and_keeps_near_the_clock(
     ctx: TestContext,
 ) -> TestResult {
@@ -331,6 +340,7 @@ pub(crate) async fn the_application_generator_shares_the_sequence_and_keeps_near
     Ok(())
 }
 
+shardline_testkit::register!(shared: two_transactions_catching_up_together_both_mint);
 pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestContext) -> TestResult {
     // Two open transactions have each minted (each holds nextval's lock). The clock
     // jumps; both try to catch up at once: each waits for the other's lock, a deadlock

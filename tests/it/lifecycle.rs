@@ -15,6 +15,7 @@ async fn accepts(port: u16) -> bool {
     matches!(tokio::time::timeout(Duration::from_secs(5), config.connect(NoTls)).await, Ok(Ok(_)))
 }
 
+shardline_testkit::register!(shared: a_killed_test_process_leaves_no_server);
 pub(crate) async fn a_killed_test_process_leaves_no_server(ctx: TestContext) -> TestResult {
     let backend = ctx.cluster().backend();
     // This very binary, told to hold a cluster of two hosts and wait.

@@ -35,6 +35,7 @@ async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError>
     Ok(out)
 }
 
+shardline_testkit::register!(shared: a_moves_preflight_lists_every_problem_and_changes_nothing);
 pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     ctx: TestContext,
 ) -> TestResult {
@@ -181,6 +182,7 @@ fn host_index(name: &str) -> usize {
     }
 }
 
+shardline_testkit::register!(shared: a_shard_moves_online_verified_with_its_ids_growing);
 pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -271,6 +273,7 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     Ok(())
 }
 
+shardline_testkit::register!(shared: writes_go_on_during_a_move_and_none_is_lost);
 pub(crate) async fn writes_go_on_during_a_move_and_none_is_lost(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -344,6 +347,7 @@ pub(crate) async fn writes_go_on_during_a_move_and_none_is_lost(ctx: TestContext
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_move_stopped_after_any_step_is_resumed_or_undone);
 pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -407,6 +411,7 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_failed_verification_names_the_keys_and_does_not_flip);
 pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -440,6 +445,7 @@ pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: 
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned);
 pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned(
     ctx: TestContext,
 ) -> TestResult {
@@ -516,6 +522,7 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     Ok(())
 }
 
+shardline_testkit::register!(shared: rebalance_spreads_shards_onto_a_new_host);
 pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -> TestResult {
     let mut f = Fixture::new(&ctx, 2, 8).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -565,6 +572,7 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo);
 pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -629,6 +637,7 @@ pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx:
     Ok(())
 }
 
+shardline_testkit::register!(shared: the_demo_runs_to_its_summary);
 pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResult {
     // Its own cluster, on the backend the tests use; small sizes.
     let argv = [
@@ -674,6 +683,7 @@ pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResul
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: every_step_survives_the_source_or_the_target_dying);
 /// Every (step × host) point of a move: stopped after each of the 9 steps, the source or
 /// the target is killed. Recovery is tried while it is down (abort before the flip on
 /// some steps, resume at the others and after the flip); it either succeeds or fails
@@ -822,6 +832,7 @@ fn overlap(sorted: &[(i64, i64)], ranges: &[(i64, i64)]) -> i64 {
     n
 }
 
+shardline_testkit::register!(shared: no_id_the_source_handed_out_is_minted_again_on_the_target);
 /// Bare `next_id()` loops and `reserve_ids(100000)` calls on the source, started before
 /// the move and going on past the flip (failing once the shard is fenced), and IDs
 /// minted on the target after the flip: the target hands out none the source did, and
@@ -1017,6 +1028,7 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     Ok(())
 }
 
+shardline_testkit::register!(shared: verification_counts_duplicate_rows_of_a_table_without_a_key);
 /// A table without a primary key (replica identity full) is verified as a multiset:
 /// two copies of one row on the source against two of another on the target (which an
 /// XOR of row hashes cancels out), or one duplicate too many, stop the move before the
@@ -1088,6 +1100,7 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_transaction_minting_then_writing_through_the_fence_does_not_stop_the_move);
 /// A transaction that minted in one statement and writes the shard in a later one holds
 /// the ID sequence while the fence, holding the tables, waits for it: a deadlock.
 /// Postgres ends one of the two; either way the move finishes, and the transaction

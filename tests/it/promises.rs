@@ -43,6 +43,7 @@ async fn captions(f: &Fixture, ctx: &TestContext, shards: u16) -> Result<HashMap
     Ok(seen)
 }
 
+shardline_testkit::register!(shared: insert_many_is_whole_per_host_and_never_twice_across_a_move);
 /// A batch of 100,000 photos over 2 hosts (three statements on each, past the bind
 /// parameter limit) while one of its shards moves: the move fences the shard after the
 /// batch's first statement on that host ran and before its last one reaches the shard.
@@ -107,6 +108,7 @@ pub(crate) async fn insert_many_is_whole_per_host_and_never_twice_across_a_move(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_partly_applied_batch_names_the_hosts_that_committed);
 /// A host's part of a batch fails (a CHECK in one comment) while the other hosts' parts
 /// commit: the error names the hosts that committed and says the outcome is not clean.
 pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: TestContext) -> TestResult {
@@ -154,6 +156,7 @@ pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: T
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_transaction_with_a_handled_failure_reports_its_rollback);
 /// The closure of a transaction handles a failed statement (a unique violation) and
 /// returns `Ok`: Postgres aborted the transaction, so the call must say it rolled back.
 pub(crate) async fn a_transaction_with_a_handled_failure_reports_its_rollback(
@@ -198,6 +201,7 @@ pub(crate) async fn a_transaction_with_a_handled_failure_reports_its_rollback(
     Ok(())
 }
 
+shardline_testkit::register!(shared: get_many_answers_every_id_asked_also_twice);
 /// `get_many` answers one entry per ID asked, in order, also for an ID asked twice.
 pub(crate) async fn get_many_answers_every_id_asked_also_twice(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
@@ -213,6 +217,7 @@ pub(crate) async fn get_many_answers_every_id_asked_also_twice(ctx: TestContext)
     Ok(())
 }
 
+shardline_testkit::register!(shared: errors_are_classified_by_where_they_happened);
 /// Errors say whether a write may have been applied and whether a retry may help, by
 /// where the failure happened: before anything was sent, refused by the server, or lost
 /// on the way.
@@ -347,6 +352,7 @@ pub(crate) struct NewFeeling {
     mood: Mood,
 }
 
+shardline_testkit::register!(shared: an_enum_column_works_in_every_operation_across_64_shards);
 /// An entity with an enum column (a type each shard schema has its own copy of) goes
 /// through every repository operation and a `for_each_shard` over 64 shards.
 pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx: TestContext) -> TestResult {

@@ -13,6 +13,7 @@ use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{Fixture, cli_full, options, quiet};
 
+shardline_testkit::register!(shared: an_exhausted_pool_times_out_clearly_and_recovers);
 pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -61,6 +62,7 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: with_the_catalog_down_known_routes_work_and_map_changes_are_refused);
 pub(crate) async fn with_the_catalog_down_known_routes_work_and_map_changes_are_refused(
     ctx: TestContext,
 ) -> TestResult {
@@ -131,6 +133,7 @@ impl std::io::Write for Capture {
     }
 }
 
+shardline_testkit::register!(shared: passwords_never_reach_errors_logs_or_json);
 pub(crate) async fn passwords_never_reach_errors_logs_or_json(ctx: TestContext) -> TestResult {
     let logs = log_capture();
     let secret = "Pa55-w0rd-never-printed";
@@ -201,6 +204,7 @@ fn host_port(ctx: &TestContext, h: usize) -> String {
     url.trim_start_matches("postgres://postgres@").split('/').next().unwrap_or_default().to_owned()
 }
 
+shardline_testkit::register!(shared: the_request_path_needs_no_superuser);
 pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     // A role of this test's own (roles are per server), named in app_roles: it gets
@@ -253,6 +257,7 @@ pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> Tes
     Ok(())
 }
 
+shardline_testkit::register!(shared: sql_injection_finds_no_way_in);
 pub(crate) async fn sql_injection_finds_no_way_in(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     let text = std::fs::read_to_string(f.path())?;
@@ -329,6 +334,7 @@ macro_rules! hand_written_new_photo {
     };
 }
 
+shardline_testkit::register!(shared: a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql);
 /// A column of a hand-written `NewRow` that would close its quotes and write SQL of its
 /// own (here: set the caption), or that Postgres would read otherwise (`URL`), is
 /// refused by `insert`, `insert_many` and a transaction's `insert` before any SQL is
@@ -381,6 +387,7 @@ pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_an
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: tls_only_hosts_work_verified_and_bad_certificates_are_refused);
 /// pg3 accepts TLS only, with a certificate from a CA the test makes; the catalog and
 /// pg3's shards live there. Everything works over verified TLS, moves included, and each
 /// way of getting TLS wrong is refused with an error that says so.
@@ -640,6 +647,7 @@ fn check_writes(
     counts
 }
 
+shardline_testkit::register!(exclusive: a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write);
 pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write(
     ctx: TestContext,
 ) -> TestResult {
@@ -820,6 +828,7 @@ CREATE FUNCTION normal_tag(t text) RETURNS text LANGUAGE sql IMMUTABLE AS $$ SEL
 REVOKE EXECUTE ON FUNCTION normal_tag(text) FROM PUBLIC;
 ";
 
+shardline_testkit::register!(shared: grants_follow_init_migrate_and_a_move);
 pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     let pid = std::process::id();

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use shardline_testkit::harness::{TestContext, TestResult};
 
+shardline_testkit::register!(shared: logical_replication_delivers_a_row);
 pub(crate) async fn logical_replication_delivers_a_row(ctx: TestContext) -> TestResult {
     let db = ctx.databases().await?;
     let (source, target) = (&ctx.hosts()[0], &ctx.hosts()[1]);

@@ -27,6 +27,7 @@ async fn cluster(
     Ok((f, c))
 }
 
+shardline_testkit::register!(shared: reads_and_writes_land_on_the_shard_the_map_gives);
 pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let (f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
@@ -92,6 +93,7 @@ pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestCo
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_users_pages_come_newest_first_by_keyset);
 pub(crate) async fn a_users_pages_come_newest_first_by_keyset(ctx: TestContext) -> TestResult {
     let (_f, cluster) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
@@ -116,6 +118,7 @@ pub(crate) async fn a_users_pages_come_newest_first_by_keyset(ctx: TestContext) 
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_stale_map_is_refreshed_not_obeyed);
 pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> TestResult {
     let (f, stale) =
         cluster(&ctx, 2, 4, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
@@ -194,6 +197,7 @@ async fn fan_out_fixture(
     Ok((f, cluster, start))
 }
 
+shardline_testkit::register!(shared: a_fan_out_merges_every_host_newest_first);
 pub(crate) async fn a_fan_out_merges_every_host_newest_first(ctx: TestContext) -> TestResult {
     let (_f, cluster, start) = fan_out_fixture(&ctx).await?;
     let photos = cluster.repo::<Photo>()?;
@@ -211,6 +215,7 @@ pub(crate) async fn a_fan_out_merges_every_host_newest_first(ctx: TestContext) -
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: a_fan_out_names_the_shards_of_a_dead_or_hung_host);
 pub(crate) async fn a_fan_out_names_the_shards_of_a_dead_or_hung_host(ctx: TestContext) -> TestResult {
     let (_f, cluster, start) = fan_out_fixture(&ctx).await?;
     let photos = cluster.repo::<Photo>()?;
@@ -241,6 +246,7 @@ pub(crate) async fn a_fan_out_names_the_shards_of_a_dead_or_hung_host(ctx: TestC
     Ok(())
 }
 
+shardline_testkit::register!(shared: insert_many_is_one_statement_per_host);
 pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> TestResult {
     let (_f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;
     let (photos, comments) = (cluster.repo::<Photo>()?, cluster.repo::<Comment>()?);
@@ -293,6 +299,7 @@ pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> T
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_transaction_commits_or_rolls_back_whole_in_one_shard);
 pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: TestContext) -> TestResult {
     let (_f, cluster) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
@@ -359,6 +366,7 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
     Ok(())
 }
 
+shardline_testkit::register!(shared: for_each_shard_reaches_every_shard_once);
 pub(crate) async fn for_each_shard_reaches_every_shard_once(ctx: TestContext) -> TestResult {
     let (_f, cluster) = cluster(&ctx, 3, 9, ClusterOptions::default()).await?;
     let results = cluster

@@ -12,15 +12,7 @@ use shardline_testkit::Host;
 use shardline_testkit::harness::{Harness, TestContext, TestResult};
 
 fn main() {
-    shardline_testkit::tests!(Harness::new(2),
-        shared: [
-            the_real_binary_at_trace_prints_no_password,
-            a_move_authenticates_with_a_passfile_on_the_target,
-            the_unlogged_path_runs_what_must_not_run_in_a_transaction_block,
-        ],
-        exclusive: [],
-    )
-    .run()
+    Harness::new(2).registered().run()
 }
 
 const SECRET: &str = "Pa55-w0rd-never-printed";
@@ -118,6 +110,7 @@ fn with_password(url: String) -> String {
     url.replacen("postgres@", &format!("postgres:{SECRET}@"), 1)
 }
 
+shardline_testkit::register!(shared: the_real_binary_at_trace_prints_no_password);
 /// Every URL carries the password; `init`, the moves' dry run and real run, a rebalance,
 /// `gc`, then a pre-flight whose probe cannot reach the source: the password appears in
 /// nothing the binary prints, though the driver's debug lines (the statements it runs)
@@ -169,6 +162,7 @@ async fn the_real_binary_at_trace_prints_no_password(ctx: TestContext) -> TestRe
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_move_authenticates_with_a_passfile_on_the_target);
 /// The source asks the replication role for its password (scram-sha-256); the source's
 /// `peer_url` names the role and a passfile on the target, and holds no password. The
 /// pre-flight without the passfile is refused by the source; with it (URL form, then
@@ -263,6 +257,7 @@ async fn a_move_authenticates_with_a_passfile_on_the_target(ctx: TestContext) ->
     Ok(())
 }
 
+shardline_testkit::register!(shared: the_unlogged_path_runs_what_must_not_run_in_a_transaction_block);
 /// shardline sends `CREATE SUBSCRIPTION` by `Client::query_typed` (one unnamed statement,
 /// then Sync), which the driver does not log. That path also runs the variant that must
 /// not run in a transaction block (`create_slot = true`), so no statement holding a

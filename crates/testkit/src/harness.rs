@@ -130,6 +130,17 @@ impl Harness {
         Harness { hosts, cases: Vec::new() }
     }
 
+    /// Adds every test the binary registered with [`register!`](crate::register), in
+    /// name order.
+    pub fn registered(mut self) -> Self {
+        let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
+        all.sort_by_key(|r| r.path());
+        for r in all {
+            self = self.add(&r.path(), r.exclusive, r.run);
+        }
+        self
+    }
+
     /// Adds a test that runs in parallel with the others.
     pub fn test<F, Fut>(self, name: &str, test: F) -> Self
     where
@@ -325,28 +336,57 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Registers test functions under their own paths, so a test's name can never differ
-/// from its function's:
-///
-/// ```no_run
-/// # mod cluster { pub async fn starts(_: shardline_testkit::harness::TestContext) -> shardline_testkit::harness::TestResult { Ok(()) } }
-/// # mod faults { pub async fn kill(_: shardline_testkit::harness::TestContext) -> shardline_testkit::harness::TestResult { Ok(()) } }
-/// use shardline_testkit::harness::Harness;
-///
-/// let harness = shardline_testkit::tests!(Harness::new(3),
-///     shared: [cluster::starts],
-///     exclusive: [faults::kill],
-/// );
-/// harness.run()
-/// ```
+/// A test of a binary, registered beside its function with [`register!`](crate::register):
+/// collected by [`Harness::registered`].
+#[derive(Debug)]
+pub struct Registered {
+    module: &'static str,
+    name: &'static str,
+    exclusive: bool,
+    run: fn(TestContext) -> std::pin::Pin<Box<dyn Future<Output = TestResult> + Send>>,
+}
+
+impl Registered {
+    /// What [`register!`](crate::register) makes; not for direct use.
+    #[doc(hidden)]
+    pub const fn new(
+        module: &'static str,
+        name: &'static str,
+        exclusive: bool,
+        run: fn(TestContext) -> std::pin::Pin<Box<dyn Future<Output = TestResult> + Send>>,
+    ) -> Self {
+        Registered { module, name, exclusive, run }
+    }
+
+    /// `module::function`, the crate's own name left out (`moves::a_shard_moves`).
+    fn path(&self) -> String {
+        let module = self.module.split_once("::").map_or("", |(_, m)| m);
+        if module.is_empty() { self.name.to_owned() } else { format!("{module}::{}", self.name) }
+    }
+}
+
+inventory::collect!(Registered);
+
+/// Registers a test where it is written, the one place it is named:
+/// `shardline_testkit::register!(shared: name);` runs in parallel with the others,
+/// `shardline_testkit::register!(exclusive: name);` alone (it faults hosts). Put it
+/// above the test's doc comment; [`Harness::registered`] collects every one the binary
+/// holds, named `module::function`.
 #[macro_export]
-macro_rules! tests {
-    ($harness:expr, shared: [$($shared:path),* $(,)?], exclusive: [$($exclusive:path),* $(,)?] $(,)?) => {{
-        let harness = $harness;
-        $(let harness = harness.test(&stringify!($shared).replace(' ', ""), $shared);)*
-        $(let harness = harness.exclusive(&stringify!($exclusive).replace(' ', ""), $exclusive);)*
-        harness
-    }};
+macro_rules! register {
+    (shared: $test:ident) => {
+        $crate::register!(@ false, $test);
+    };
+    (exclusive: $test:ident) => {
+        $crate::register!(@ true, $test);
+    };
+    (@ $exclusive:expr, $test:ident) => {
+        $crate::inventory::submit! {
+            $crate::harness::Registered::new(module_path!(), stringify!($test), $exclusive, |ctx| {
+                ::std::boxed::Box::pin($test(ctx))
+            })
+        }
+    };
 }
 
 #[cfg(test)]

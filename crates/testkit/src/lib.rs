@@ -65,6 +65,8 @@ pub use backend::{Backend, BackendKind};
 pub use cluster::Cluster;
 pub use error::{Error, Result};
 pub use host::{Endpoint, Host, HostControl, HostState};
+#[doc(hidden)]
+pub use inventory;
 
 /// The README's code samples, compiled as doctests so they cannot rot.
 #[cfg(doctest)]
