@@ -85,6 +85,7 @@ fn main() {
             repo::a_fan_out_names_the_shards_of_a_dead_or_hung_host,
             moves::hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned,
             moves::every_step_survives_the_source_or_the_target_dying,
+            moves::a_host_killed_inside_a_step_leaves_one_writable_copy,
             reliability::with_the_catalog_down_known_routes_work_and_map_changes_are_refused,
             reliability::tls_only_hosts_work_verified_and_bad_certificates_are_refused,
             reliability::a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write,
