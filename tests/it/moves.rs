@@ -496,7 +496,10 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     assert!(err.to_string().contains("pg3"), "the move fails naming the dead target: {err}");
     assert_eq!(moves::list(&config).await?[0].state, State::Running);
     assert_eq!(moves::list(&config).await?[0].step, Step::Copying);
-    eprintln!("      target killed mid-copy: photos' file {} bytes, {} rows copied (uncommitted)", seen.0, seen.1);
+    eprintln!(
+        "      target killed mid-copy: photos' file {} bytes, {} rows copied (uncommitted)",
+        seen.0, seen.1
+    );
     let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{err}");
     assert_eq!(moves::list(&config).await?[0].state, State::Running);
