@@ -458,17 +458,77 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     let (pg2, pg3) = (&ctx.hosts()[1], &ctx.hosts()[2]);
     let stop_after = |s: Step| MoveOptions::default().stopping_after(s);
 
-    // 1. The target dies during the copy: resume fails while it is down, and finishes
-    //    once it is back.
-    moves::run(&config, 2, "pg3", &stop_after(Step::Copying)).await.unwrap_err();
+    // 1. The target dies during the copy, while rows stream: the shard gets BULK more
+    //    photos, so the initial copy takes a while; the target is killed the moment its
+    //    table-sync worker is seen copying photos (state 'd' in pg_subscription_rel, the
+    //    table's file growing). The move fails naming it and stays resumable; resume fails
+    //    while it is down, and finishes once it is back, with every row.
+    const BULK: i64 = 200_000;
+    f.client(&ctx, 1)
+        .await?
+        .execute(
+            "INSERT INTO shard_0002.photos (user_id, url)
+             SELECT 2 + 6 * (g % 20), 'https://cdn/bulk/' || g FROM generate_series(1, $1::bigint) g",
+            &[&BULK],
+        )
+        .await?;
+    let c = Arc::new(config.clone());
+    let mover = tokio::spawn(async move { moves::run(&c, 2, "pg3", &MoveOptions::default()).await });
+    let watch = f.client(&ctx, 2).await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let seen: (i64, i64) = loop {
+        assert!(!mover.is_finished(), "the move ended before its copy was seen in progress");
+        assert!(Instant::now() < deadline, "no copy seen in progress within 120 s");
+        let row = watch
+            .query_opt(
+                "SELECT pg_relation_size(r.srrelid), coalesce(p.tuples_processed, 0)
+                   FROM pg_subscription_rel r JOIN pg_class c ON c.oid = r.srrelid
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                   LEFT JOIN pg_stat_progress_copy p ON p.relid = r.srrelid
+                  WHERE n.nspname = 'shard_0002' AND c.relname = 'photos' AND r.srsubstate = 'd'",
+                &[],
+            )
+            .await?;
+        if let Some((bytes, tuples)) = row.map(|r| (r.get(0), r.get(1)))
+            && (bytes > 0 || tuples > 0)
+        {
+            break (bytes, tuples);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
     pg3.kill().await?;
+    drop(watch);
+    let err = mover.await?.unwrap_err();
+    assert!(err.to_string().contains("pg3"), "the move fails naming the dead target: {err}");
+    assert_eq!(moves::list(&config).await?[0].state, State::Running);
+    assert_eq!(moves::list(&config).await?[0].step, Step::Copying);
+    eprintln!(
+        "      target killed mid-copy: photos' file {} bytes, {} rows copied (uncommitted)",
+        seen.0, seen.1
+    );
     let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{err}");
     assert_eq!(moves::list(&config).await?[0].state, State::Running);
     pg3.start().await?;
-    moves::resume(&config, Some(2), &MoveOptions::default()).await?;
-    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
+    // A copy that does not finish again fails here, saying which tables it waits for,
+    // rather than at the harness's time limit.
+    let mut bounded = MoveOptions::default();
+    bounded.copy_timeout = Duration::from_secs(120);
+    moves::resume(&config, Some(2), &bounded).await?;
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40 + BULK, 40, 40]));
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let written = fresh.repo::<Photo>()?.insert(&photo(2, 49)).await?;
+    // The bulk goes (and the write above with it) so the cases below move small copies.
+    f.client(&ctx, 2)
+        .await?
+        .execute(
+            "DELETE FROM shard_0002.photos WHERE url LIKE '%/bulk/%' OR id = $1",
+            &[&i64::from(written.id)],
+        )
+        .await?;
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
 
     // 2. The source dies while the shard is fenced: abort needs it, and says so; once it
     //    is back, abort unfences it.
@@ -774,8 +834,15 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
             on = now_on;
         }
     }
-    // Some recoveries had to wait for the host; the point is they all got there.
-    assert!(failed_while_down > 0);
+    // The matrix is scripted, so its outcomes are too. A recovery fails while the host
+    // is down when it needs that host (steps counted from 0): every abort with the source down (steps 1, 3, 5,
+    // 7), and every resume whose next step touches the dead host before the flip (the
+    // source at steps 0, 2, 4, 6; the target at 1, 3, 5): 11. Ended undone: the 8 aborts
+    // (4 with the source down, finished once it is back; 4 with the target down, at
+    // once) and the 2 resumes that failed while fenced with the source up (the target
+    // dead after caught_up and after synced): 10; the other 8 completed.
+    assert_eq!(failed_while_down, 11, "recoveries that failed while the host was down");
+    assert_eq!(undone_count, 10, "moves that ended undone");
     // A mover that dies halfway through an undo (journaled as begun, the target's copy
     // perhaps gone) leaves a move that must not be resumed: resume refuses and says to
     // abort, and abort finishes the undo.
@@ -1162,5 +1229,176 @@ pub(crate) async fn a_transaction_minting_then_writing_through_the_fence_does_no
         .get(0);
     assert_eq!(on_target, i64::from(committed), "{report}");
     assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([40 + i64::from(committed), 40, 40]));
+    Ok(())
+}
+
+/// The newest move's state.
+async fn latest_state(config: &shardline_router::Config) -> Result<State, BoxError> {
+    let all = moves::list(config).await?;
+    all.into_iter().max_by_key(|m| m.id).map(|m| m.state).ok_or_else(|| BoxError::from("no move"))
+}
+
+/// Polls `query` (one `bigint`) on `watch` until it is above zero, failing if `task`
+/// ends first: the test's way to catch a step in progress.
+async fn until_seen<T>(
+    watch: &tokio_postgres::Client,
+    query: &str,
+    task: &tokio::task::JoinHandle<T>,
+    what: &str,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if task.is_finished() {
+            return Err(format!("the move ended before {what} was seen").into());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what} not seen within 120 s").into());
+        }
+        let n: i64 = watch.query_one(query, &[]).await?.get(0);
+        if n > 0 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// After a case: `gc`, then the map and the data agree on one writable copy of shard 2
+/// on `on` with `expected` rows, no slot, publication, subscription or old copy is left
+/// anywhere, and a new write lands (counted into `expected`).
+async fn one_writable_copy(
+    f: &Fixture,
+    ctx: &TestContext,
+    case: &str,
+    on: &str,
+    expected: &mut [i64; 3],
+) -> Result<(), BoxError> {
+    let config = f.config()?;
+    let said = cli(f, &["gc", "--grace", "0s"]).await?;
+    let gone = if on == "pg2" { "pg3" } else { "pg2" };
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(fresh.route_user(2).host.as_str(), on, "{case}");
+    assert_eq!(counts(f, ctx, host_index(on), "shard_0002").await?, Some(*expected), "{case}");
+    assert_eq!(counts(f, ctx, host_index(gone), "shard_0002").await?, None, "{case}: {said}");
+    assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0], "{case}: {said}");
+    for h in 1..3 {
+        let old: i64 = f
+            .client(ctx, h)
+            .await?
+            .query_one("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'shard\\_0002\\_%'", &[])
+            .await?
+            .get(0);
+        assert_eq!(old, 0, "{case}: an old copy is left on pg{}: {said}", h + 1);
+    }
+    let p = fresh.repo::<Photo>()?.insert(&photo(2, 3000 + usize::try_from(expected[0])?)).await?;
+    assert_eq!(fresh.repo::<Photo>()?.get(p.id).await?.map(|g| g.id), Some(p.id), "{case}");
+    expected[0] += 1;
+    Ok(())
+}
+
+shardline_testkit::register!(exclusive: a_host_killed_inside_a_step_leaves_one_writable_copy);
+/// A host killed while a step is in progress (not between steps), each point found by
+/// polling the host, never by a sleep:
+/// 1. the fence waiting for the shard's tables (a test transaction holds a lock; the
+///    mover's ungranted lock seen in `pg_locks`): the source killed;
+/// 2. the verification's checksum running on the source (seen in `pg_stat_activity`,
+///    held there by a lock a test transaction has on the fenced copy): the source killed;
+/// 3. the same on the target: the target killed.
+///
+/// The move fails naming the dead host; then one writable copy with every row, nothing
+/// left after `gc`, and a new write lands.
+pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = Arc::new(f.config()?);
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 lives on pg2; the catalog on pg1 stays up throughout.
+    seed(&cluster, 2, 6, 2).await?;
+    let mut expected = [40, 40, 40];
+    let (pg2, pg3) = (&ctx.hosts()[1], &ctx.hosts()[2]);
+    let stop_after = |s: Step| MoveOptions::default().stopping_after(s);
+    let waiting_checksum = "SELECT count(*) FROM pg_stat_activity
+        WHERE query LIKE '%hash_record_extended%' AND query NOT LIKE '%pg_stat_activity%'
+          AND wait_event_type = 'Lock'";
+
+    // 1. Inside the fence: its LOCK TABLE waits behind a test transaction on the source.
+    let case = "source pg2 killed while the fence waits for the shard's lock";
+    moves::run(&config, 2, "pg3", &stop_after(Step::CaughtUp)).await.unwrap_err();
+    let holder = f.client(&ctx, 1).await?;
+    holder.batch_execute("BEGIN; LOCK TABLE shard_0002.photos IN ROW EXCLUSIVE MODE").await?;
+    let mut patient = MoveOptions::default();
+    patient.lock_timeout = Duration::from_secs(120);
+    let c = config.clone();
+    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &patient).await });
+    let watch = f.client(&ctx, 1).await?;
+    until_seen(
+        &watch,
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+           JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = 'shard_0002' AND l.mode = 'ExclusiveLock' AND NOT l.granted",
+        &mover,
+        "the fence waiting",
+    )
+    .await?;
+    pg2.kill().await?;
+    drop((holder, watch));
+    let err = mover.await?.unwrap_err();
+    assert!(err.to_string().contains("pg2"), "{case}: the move fails naming the source: {err}");
+    assert_eq!(latest_state(&config).await?, State::Running, "{case}");
+    let err = moves::abort(&config, 2).await.unwrap_err();
+    assert!(err.to_string().contains("pg2"), "{case}: abort needs the source: {err}");
+    assert_eq!(latest_state(&config).await?, State::Running, "{case}");
+    pg2.start().await?;
+    moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    assert_eq!(latest_state(&config).await?, State::Done, "{case}");
+    one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
+
+    // 2. Inside the verification: its checksum on the source waits behind a test
+    //    transaction's lock on the fenced copy; the source dies.
+    let case = "source pg3 killed while the verification's checksum runs on it";
+    moves::run(&config, 2, "pg2", &stop_after(Step::SequenceCarried)).await.unwrap_err();
+    let id = moves::list(&config).await?.into_iter().map(|m| m.id).max().ok_or("a move")?;
+    let holder = f.client(&ctx, 2).await?;
+    holder
+        .batch_execute(&format!("BEGIN; LOCK TABLE shard_0002_moved_{id}.comments IN ACCESS EXCLUSIVE MODE"))
+        .await?;
+    let c = config.clone();
+    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &MoveOptions::default()).await });
+    let watch = f.client(&ctx, 2).await?;
+    until_seen(&watch, waiting_checksum, &mover, "the source's checksum").await?;
+    pg3.kill().await?;
+    drop((holder, watch));
+    let err = mover.await?.unwrap_err();
+    assert!(err.to_string().contains("pg3"), "{case}: the move fails naming the source: {err}");
+    // It could not be undone at once (that needs the source): it stays, for abort.
+    assert_eq!(latest_state(&config).await?, State::Running, "{case}");
+    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    assert!(err.to_string().contains("pg3"), "{case}: resume needs the source: {err}");
+    pg3.start().await?;
+    let undone = moves::abort(&config, 2).await?;
+    assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{case}: {undone}");
+    one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
+
+    // 3. Inside the verification, on the target: its checksum waits behind a test
+    //    transaction's lock on the copy; the target dies. The move is undone at once
+    //    (the source answers): writes resume on the source while the target is down.
+    let case = "target pg2 killed while the verification's checksum runs on it";
+    moves::run(&config, 2, "pg2", &stop_after(Step::SequenceCarried)).await.unwrap_err();
+    let holder = f.client(&ctx, 1).await?;
+    holder.batch_execute("BEGIN; LOCK TABLE shard_0002.comments IN ACCESS EXCLUSIVE MODE").await?;
+    let c = config.clone();
+    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &MoveOptions::default()).await });
+    let watch = f.client(&ctx, 1).await?;
+    until_seen(&watch, waiting_checksum, &mover, "the target's checksum").await?;
+    pg2.kill().await?;
+    drop((holder, watch));
+    let err = mover.await?.unwrap_err();
+    assert!(err.to_string().contains("pg2"), "{case}: the move fails naming the target: {err}");
+    assert_eq!(latest_state(&config).await?, State::RolledBack, "{case}");
+    let p = cluster.repo::<Photo>()?.insert(&photo(2, 2999)).await.map_err(|e| format!("{case}: {e}"))?;
+    assert_eq!(cluster.route_user(2).host.as_str(), "pg3", "{case}");
+    assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?.map(|g| g.id), Some(p.id), "{case}");
+    expected[0] += 1;
+    pg2.start().await?;
+    one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
     Ok(())
 }
