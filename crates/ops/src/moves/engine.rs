@@ -287,22 +287,39 @@ fn is_lock_conflict(e: &Error) -> bool {
 /// Takes, for the catalog session, the cluster lock shared (so `init` and `migrate`
 /// wait for moves, and moves for them) and the move's own lock (one process per move).
 async fn lock_move(catalog: &Catalog, id: i64) -> Result<()> {
-    let row = catalog
-        .client()
-        .query_one(
-            "SELECT pg_try_advisory_lock_shared($1), pg_try_advisory_lock(hashtextextended('shardline move ' || $2::bigint, 0))",
-            &[&LOCK_KEY, &id],
-        )
-        .await
-        .map_err(catalog_err("take the move's lock"))?;
-    let (cluster, this): (bool, bool) = (row.get(0), row.get(1));
-    if !cluster {
-        return Err(Error::Busy);
+    // A mover that just ended (an error, `--stop-after`) holds the move's lock until its
+    // server notices the session is gone, a few milliseconds after: wait that out, so a
+    // resume right after a failure is not refused, but never wait on a live mover long.
+    const WAIT: Duration = Duration::from_secs(3);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let row = catalog
+            .client()
+            .query_one(
+                "SELECT pg_try_advisory_lock_shared($1), pg_try_advisory_lock(hashtextextended('shardline move ' || $2::bigint, 0))",
+                &[&LOCK_KEY, &id],
+            )
+            .await
+            .map_err(catalog_err("take the move's lock"))?;
+        let (cluster, this): (bool, bool) = (row.get(0), row.get(1));
+        if cluster && this {
+            return Ok(());
+        }
+        // Give back what was taken, so a retry takes each lock once.
+        catalog
+            .client()
+            .execute(
+                "SELECT CASE WHEN $1 THEN pg_advisory_unlock_shared($2) END,
+                        CASE WHEN $3 THEN pg_advisory_unlock(hashtextextended('shardline move ' || $4::bigint, 0)) END",
+                &[&cluster, &LOCK_KEY, &this, &id],
+            )
+            .await
+            .map_err(catalog_err("take the move's lock"))?;
+        if Instant::now() >= deadline {
+            return Err(if cluster { Error::MoveBusy { id } } else { Error::Busy });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if !this {
-        return Err(Error::MoveBusy { id });
-    }
-    Ok(())
 }
 
 struct Mover<'a> {
