@@ -128,7 +128,7 @@ pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: T
         .collect();
     let err = comments.insert_many(&batch).await.unwrap_err();
     match &err {
-        Error::InsertMany { committed, failed, source } => {
+        Error::InsertMany { committed, failed, source, .. } => {
             assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()], "{err}");
             assert_eq!(failed, "pg2");
             assert_eq!(source.sqlstate(), Some("23514"), "{source}");
@@ -408,5 +408,63 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     assert!(failed.is_empty(), "{} of 64 shards failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
     let changed: u64 = results.iter().filter_map(|(_, r)| r.as_ref().ok().map(|(_, n)| *n)).sum();
     assert_eq!(changed, 1, "the one sad row");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: what_a_review_found_in_the_request_path_holds);
+/// Three more promises, after an independent read of the request path: a fan-out whose
+/// shard is really gone (no move explains it) reports that host missing instead of
+/// failing; a hand-written row whose values do not match its columns is refused before
+/// anything is sent (in a batch they would shift into other rows' columns); a server that
+/// refuses the session (no such role) is not worth retrying.
+pub(crate) async fn what_a_review_found_in_the_request_path_holds(ctx: TestContext) -> TestResult {
+    use shardline_repo::entity::{NewRow, ShardKey};
+    use shardline_repo::tokio_postgres::types::ToSql;
+
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let started = std::time::SystemTime::now() - Duration::from_secs(1);
+    photos.insert_many(&(0..4).map(|u| photo(u, 0)).collect::<Vec<_>>()).await?;
+
+    // A shard schema dropped by hand on pg2: the fan-out still answers, naming pg2.
+    f.client(&ctx, 1).await?.batch_execute("DROP SCHEMA shard_0003 CASCADE").await?;
+    let window = photos.created_between(started, std::time::SystemTime::now(), 100).await?;
+    assert_eq!(window.missing.len(), 1, "{:?}", window.missing);
+    assert_eq!(window.missing[0].host, "pg2");
+    assert_eq!(window.rows.len(), 2, "pg1's shards 0 and 1 answered");
+
+    // One value too many for the columns: refused, nothing stored.
+    struct Lopsided(i64);
+    impl NewRow for Lopsided {
+        type Entity = Photo;
+        const COLUMNS: &'static [&'static str] = &["user_id", "url"];
+        fn shard_key(&self) -> ShardKey {
+            ShardKey::User(self.0)
+        }
+        fn values(&self) -> Vec<&(dyn ToSql + Sync)> {
+            vec![&self.0, &"https://cdn/lopsided", &"extra"]
+        }
+    }
+    for err in [
+        photos.insert(&Lopsided(0)).await.unwrap_err(),
+        photos.insert_many(&[Lopsided(0), Lopsided(1)]).await.unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+        assert!(err.to_string().contains("3 values for 2 columns"), "{err}");
+        assert!(!err.outcome_unknown(), "{err}");
+    }
+    assert_eq!(photos.page_of_user(0, None, 10).await?.rows.len(), 1, "nothing of the lopsided rows stored");
+
+    // A host URL naming a role the server does not have: refused by the server, with its
+    // SQLSTATE, and not retryable (a retry loop would spin).
+    let text = f.config_text()?.replace("postgres://postgres@", "postgres://no_such_role@");
+    let catalog_ok = text.replacen("postgres://no_such_role@", "postgres://postgres@", 1);
+    let bad = Cluster::connect(&f.config_from(&catalog_ok)?, ClusterOptions::default()).await?;
+    let err = bad.repo::<Photo>()?.get(cluster.layout().compose(1_700_000_000_000, 0, 1)?).await.unwrap_err();
+    assert_eq!(err.sqlstate(), Some("28000"), "{err:?}");
+    assert!(!err.is_retryable() && !err.outcome_unknown(), "{err}");
     Ok(())
 }

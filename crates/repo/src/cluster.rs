@@ -209,6 +209,9 @@ impl Cluster {
                 deadpool_postgres::PoolError::Backend(source) => {
                     match catalog::connect_error(&format!("host {host}"), source) {
                         tls @ Error::Tls { .. } => tls,
+                        // The server refused the session (a password, a database that
+                        // does not exist): say so, and let `is_retryable` tell.
+                        connect @ Error::Connect { .. } if connect.sqlstate().is_some() => connect,
                         _ => pool_error(false),
                     }
                 }
@@ -258,6 +261,35 @@ pub(crate) enum Run {
 }
 
 impl Cluster {
+    /// Takes a connection to `host` from its pool, then runs `work` on it, the whole
+    /// within `after`. Running out of time before a connection was had is
+    /// [`Error::Pool`] with `timed_out` (nothing was sent); after, [`Error::Timeout`] (a
+    /// statement may have been sent). The one place a routed statement is timed.
+    pub(crate) async fn on_host<T, Fut>(
+        &self,
+        host: &HostName,
+        after: Duration,
+        work: impl FnOnce(Object) -> Fut,
+    ) -> Result<T>
+    where
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let deadline = tokio::time::Instant::now() + after;
+        let client = match tokio::time::timeout_at(deadline, self.client(host)).await {
+            Ok(client) => client?,
+            Err(_) => {
+                return Err(Error::Pool {
+                    host: host.to_string(),
+                    message: format!("no connection could be had within {after:?}"),
+                    timed_out: true,
+                });
+            }
+        };
+        tokio::time::timeout_at(deadline, work(client))
+            .await
+            .map_err(|_| Error::Timeout { host: host.to_string(), after })?
+    }
+
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
     /// knows it; when it fails because shards were not where the map said (they moved, or
     /// are fenced for a move), waits for those moves ([`Cluster::wait_for_move`]) and runs

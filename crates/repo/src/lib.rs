@@ -202,11 +202,15 @@ pub enum Error {
     /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
-    #[error("insert many: the rows of {} committed, those of {failed} did not", committed.join(", "))]
+    #[error("insert many: the rows of {} committed, the part of {failed} failed", committed.join(", "))]
     InsertMany {
         /// The hosts whose part of the batch committed.
         committed: Vec<String>,
-        /// The host whose part failed first (`source` says how).
+        /// The rows that committed, as indices into the batch given: the rest were not
+        /// applied, except where `source` says its outcome is unknown.
+        committed_rows: Vec<usize>,
+        /// The host whose part failed (`source` says how; when another failed part's
+        /// outcome is unknown, that one is reported).
         failed: String,
         /// The failure of the first host that did not commit.
         #[source]
@@ -376,7 +380,13 @@ impl Error {
     /// [`Error::outcome_unknown`].
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Pool { .. } | Error::Connect { .. } => true,
+            Error::Timeout { .. } | Error::Pool { .. } => true,
+            // Refused by the server: retry only what passes (too many connections, a server
+            // starting or shutting down), never a password or a missing database.
+            Error::Connect { source, .. } => source.as_db_error().is_none_or(|d| {
+                matches!(d.code().code(), "53300" | "57P01" | "57P02" | "57P03")
+                    || d.code().code().starts_with("08")
+            }),
             // Running the whole batch again would insert the committed part twice.
             Error::InsertMany { .. } | Error::Unsent { .. } | Error::RolledBack { .. } => false,
             Error::Host { sqlstate: None, source: Some(e), .. }

@@ -22,7 +22,24 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::cluster::{Cluster, Failed, Run};
 use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update};
 use crate::shard::Pinned;
-use crate::{Error, Result, statement_error, within};
+use crate::{Error, Result, statement_error};
+
+/// A row whose `values()` do not match its `COLUMNS` one to one is refused before
+/// anything is sent (in a batch, the values would shift into other rows' columns).
+fn check_values<N: NewRow>(row: &N) -> Result<()> {
+    let n = row.values().len();
+    if n == N::COLUMNS.len() {
+        Ok(())
+    } else {
+        Err(Error::Invalid {
+            what: format!(
+                "{}: values() gives {n} values for {} columns",
+                std::any::type_name::<N>(),
+                N::COLUMNS.len()
+            ),
+        })
+    }
+}
 
 /// A host's rows of a batch: per shard, its route and the input indices.
 type Groups = Vec<(Route, Vec<usize>)>;
@@ -30,14 +47,15 @@ type Groups = Vec<(Route, Vec<usize>)>;
 /// A host's part of [`Repo::insert_many`] that failed: the hosts that committed their
 /// rows all the same (after a move sent the part to several hosts), and the failure.
 #[derive(Debug)]
-struct PartFailed {
+struct PartFailed<E> {
     committed: Vec<HostName>,
+    rows: Vec<(usize, E)>,
     error: Error,
 }
 
-impl From<Error> for PartFailed {
+impl<E> From<Error> for PartFailed<E> {
     fn from(error: Error) -> Self {
-        PartFailed { committed: Vec::new(), error }
+        PartFailed { committed: Vec::new(), rows: Vec::new(), error }
     }
 }
 
@@ -274,17 +292,17 @@ impl<E: Entity> Repo<E> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
-        let work = async {
-            let client = self.cluster.client(&route.host).await?;
-            let statement = client
-                .prepare_cached(sql)
-                .await
-                .map_err(|e| Error::host(&route.host, Some(route.shard), what, e))?;
-            client.query(&statement, params).await.map_err(|e| {
-                statement_error(&route.host, Some(route.shard), what, e, statement.params(), params)
+        self.cluster
+            .on_host(&route.host, self.cluster.options().host_timeout, |client| async move {
+                let statement = client
+                    .prepare_cached(sql)
+                    .await
+                    .map_err(|e| Error::host(&route.host, Some(route.shard), what, e))?;
+                client.query(&statement, params).await.map_err(|e| {
+                    statement_error(&route.host, Some(route.shard), what, e, statement.params(), params)
+                })
             })
-        };
-        within(&route.host, self.cluster.options().host_timeout, work).await
+            .await
     }
 
     fn rows(rows: &[Row]) -> Result<Vec<E>> {
@@ -304,6 +322,7 @@ impl<E: Entity> Repo<E> {
     /// identifier (nothing is sent).
     pub async fn insert<N: NewRow<Entity = E>>(&self, new: &N) -> Result<E> {
         check_new_row::<N>()?;
+        check_values::<N>(new)?;
         let shard = self.cluster.route_key(new.shard_key())?.shard;
         let rows =
             self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
@@ -320,49 +339,56 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// When no host committed, the first failure (nothing was applied unless its
-    /// [`Error::outcome_unknown`] says otherwise). When some hosts committed and another
-    /// failed, [`Error::InsertMany`] naming the hosts that committed (its
-    /// `outcome_unknown()` is true: part of the batch is in).
+    /// When no host committed, the failure (nothing was applied, unless its
+    /// [`Error::outcome_unknown`] says otherwise: a part whose outcome is unknown is the
+    /// one reported). When some hosts committed and another failed, [`Error::InsertMany`]
+    /// naming the hosts and the rows that committed (its `outcome_unknown()` is true:
+    /// part of the batch is in).
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
         check_new_row::<N>()?;
         if new.is_empty() {
             return Ok(Vec::new());
+        }
+        for n in new {
+            check_values::<N>(n)?;
         }
         let all: Vec<usize> = (0..new.len()).collect();
         let by_host = self.group(new, &all, &self.cluster.map())?;
         let parts = by_host.into_iter().map(|(host, groups)| self.insert_part(host, groups, new));
         let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
         let mut committed: Vec<HostName> = Vec::new();
-        let mut failure = None;
+        let mut failures = Vec::new();
         for part in futures::future::join_all(parts).await {
-            match part {
-                Ok((hosts, rows)) => {
-                    committed.extend(hosts);
-                    for (i, row) in rows {
-                        out[i] = Some(row);
-                    }
+            let (hosts, rows) = match part {
+                Ok(done) => done,
+                Err(PartFailed { committed: hosts, rows, error }) => {
+                    failures.push(error);
+                    (hosts, rows)
                 }
-                Err(PartFailed { committed: hosts, error }) => {
-                    committed.extend(hosts);
-                    failure.get_or_insert(error);
-                }
+            };
+            committed.extend(hosts);
+            for (i, row) in rows {
+                out[i] = Some(row);
             }
         }
-        if let Some(error) = failure {
-            committed.sort();
-            committed.dedup();
-            return Err(if committed.is_empty() {
-                error
-            } else {
-                Error::InsertMany {
-                    committed: committed.iter().map(ToString::to_string).collect(),
-                    failed: error.host_name().unwrap_or("a host").to_owned(),
-                    source: Box::new(error),
-                }
-            });
+        if failures.is_empty() {
+            return out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect();
         }
-        out.into_iter().map(|r| r.ok_or(Error::Empty { what: "insert many" })).collect()
+        // The failure a caller must see first: one whose outcome is unknown.
+        let worst = failures.iter().position(Error::outcome_unknown).unwrap_or(0);
+        let error = failures.swap_remove(worst);
+        committed.sort();
+        committed.dedup();
+        Err(if committed.is_empty() {
+            error
+        } else {
+            Error::InsertMany {
+                committed: committed.iter().map(ToString::to_string).collect(),
+                committed_rows: out.iter().enumerate().filter(|(_, r)| r.is_some()).map(|(i, _)| i).collect(),
+                failed: error.host_name().unwrap_or("a host").to_owned(),
+                source: Box::new(error),
+            }
+        })
     }
 
     /// The rows `idx` of `new`, grouped by host under `map`, each host's by shard in
@@ -395,7 +421,7 @@ impl<E: Entity> Repo<E> {
         host: HostName,
         groups: Vec<(Route, Vec<usize>)>,
         new: &[N],
-    ) -> Result<(Vec<HostName>, Vec<(usize, E)>), PartFailed> {
+    ) -> Result<(Vec<HostName>, Vec<(usize, E)>), PartFailed<E>> {
         let (host, groups) = (&host, &groups);
         self.cluster
             .with_move_retry(|map, run| async move {
@@ -412,22 +438,22 @@ impl<E: Entity> Repo<E> {
                 let by_host = self.group(new, &idx, &map)?;
                 let tries =
                     by_host.iter().map(|(h, g)| async move { (h.clone(), self.insert_tx(h, g, new).await) });
-                let (mut hosts, mut rows, mut failure) = (Vec::new(), Vec::new(), None);
+                let (mut hosts, mut rows, mut failures) = (Vec::new(), Vec::new(), Vec::new());
                 for (h, result) in futures::future::join_all(tries).await {
                     match result {
                         Ok(r) => {
                             hosts.push(h);
                             rows.extend(r);
                         }
-                        Err(e) => {
-                            failure.get_or_insert(e);
-                        }
+                        Err(e) => failures.push(e),
                     }
                 }
-                match failure {
-                    None => Ok((hosts, rows)),
-                    Some(error) => Err(Failed::new(PartFailed { committed: hosts, error }, false, [])),
+                if failures.is_empty() {
+                    return Ok((hosts, rows));
                 }
+                let worst = failures.iter().position(Error::outcome_unknown).unwrap_or(0);
+                let error = failures.swap_remove(worst);
+                Err(Failed::new(PartFailed { committed: hosts, rows, error }, false, []))
             })
             .await
     }
@@ -435,15 +461,14 @@ impl<E: Entity> Repo<E> {
     /// The select list of a statement that spans schemas (`UNION ALL` over shards):
     /// every column, except that a column whose type lives in the shard's schema (an
     /// enum, say: each shard has its own copy, and `UNION` cannot match two of them) is
-    /// read as `text`. Learnt once from the single-row read of `schema`.
+    /// read as `text`. A type of an extension (`hstore`, `vector`) is shared by the
+    /// schemas and stays as it is. Learnt once from the single-row read of `schema`.
     async fn across_select(
         &self,
         client: &deadpool_postgres::Object,
         host: &HostName,
         schema: &SchemaName,
     ) -> Result<String> {
-        /// Postgres's first OID for objects made after `initdb` (FirstNormalObjectId).
-        const FIRST_NORMAL_OID: u32 = 16_384;
         if let Some(select) = self.across.get() {
             return Ok(select.clone());
         }
@@ -455,11 +480,11 @@ impl<E: Entity> Repo<E> {
             .iter()
             .zip(statement.columns())
             .map(|(c, col)| {
-                if col.type_().oid() >= FIRST_NORMAL_OID {
-                    format!("\"{c}\"::text AS \"{c}\"")
-                } else {
-                    format!("\"{c}\"")
-                }
+                let ty = col.type_();
+                let of_schema = |t: &Type| t.schema() == schema.as_str();
+                let local = of_schema(ty)
+                    || matches!(ty.kind(), tokio_postgres::types::Kind::Array(e) if of_schema(e));
+                if local { format!("\"{c}\"::text AS \"{c}\"") } else { format!("\"{c}\"") }
             })
             .collect::<Vec<_>>()
             .join(", ");
@@ -523,12 +548,13 @@ impl<E: Entity> Repo<E> {
                 }
             }
         }
-        let work = async {
-            let tx = Pinned::new(self.cluster.client(host).await?);
+        let chunks = &chunks;
+        let work = |client| async move {
+            let tx = Pinned::new(client);
             let client = tx.client()?;
             client.batch_execute("BEGIN").await.map_err(|e| Error::host(host, None, "insert many", e))?;
             let mut out = Vec::with_capacity(new.len().min(1 << 16));
-            for chunk in &chunks {
+            for chunk in chunks {
                 let mut types = Vec::new();
                 let mut values: Vec<&(dyn ToSql + Sync)> = Vec::new();
                 for (route, idx) in chunk {
@@ -555,7 +581,7 @@ impl<E: Entity> Repo<E> {
             tx.release();
             Ok(out)
         };
-        within(host, self.cluster.options().host_timeout, work).await
+        self.cluster.on_host(host, self.cluster.options().host_timeout, work).await
     }
 
     /// The rows of one `insert_parts` statement, checked against the inputs they were
@@ -590,6 +616,19 @@ impl<E: Entity> Repo<E> {
                 });
             }
             out.push((i, Self::row(row)?));
+        }
+        // Every row came back (a trigger that skips a row would leave a hole): checked
+        // before COMMIT, so a batch that does not add up is rolled back.
+        if let Some(p) = (0..chunk.len()).find(|&p| taken[p] != chunk[p].1.len()) {
+            return Err(Error::Invalid {
+                what: format!(
+                    "insert many: {} returned {} of {} rows in {}",
+                    E::TABLE,
+                    taken[p],
+                    chunk[p].1.len(),
+                    chunk[p].0.schema
+                ),
+            });
         }
         Ok(())
     }
@@ -632,18 +671,19 @@ impl<E: Entity> Repo<E> {
                     let names: Vec<&SchemaName> = schemas.keys().collect();
                     let params: Vec<(&(dyn ToSql + Sync), Type)> =
                         schemas.values().map(|(_, a)| (a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
-                    let work = async {
-                        let client = self.cluster.client(&host).await?;
+                    let (names, params, host_ref) = (&names, &params, &host);
+                    let work = |client: deadpool_postgres::Object| async move {
                         let first =
                             names.first().copied().ok_or(Error::Empty { what: "get many (no schema)" })?;
                         let sql =
-                            self.sql.get_many(&names, &self.across_select(&client, &host, first).await?);
+                            self.sql.get_many(names, &self.across_select(&client, host_ref, first).await?);
                         client
-                            .query_typed(&sql, &params)
+                            .query_typed(&sql, params)
                             .await
-                            .map_err(|e| Error::host(&host, None, "get many", e))
+                            .map_err(|e| Error::host(host_ref, None, "get many", e))
                     };
-                    within(&host, timeout, work)
+                    self.cluster
+                        .on_host(&host, timeout, work)
                         .await
                         .map_err(|e| Failed::of(e, schemas.values().map(|(s, _)| *s)))
                 });
@@ -758,68 +798,83 @@ impl<E: Entity> Repo<E> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
         let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
-        let n = i64::try_from(limit).unwrap_or(i64::MAX);
+        let window = (lo, hi, i64::try_from(limit).unwrap_or(i64::MAX), limit);
+        match self.cluster.with_move_retry(|map, run| self.fan_out(map, run, window)).await {
+            // The move did not end within `move_wait` (or no move explains the missing
+            // schema): those hosts' shards are reported missing, as a host that fails.
+            Err(e) if e.is_moved() => {
+                self.fan_out(self.cluster.map(), Run::Last, window).await.map_err(|f| f.error)
+            }
+            other => other,
+        }
+    }
+
+    /// One fan-out of [`Repo::created_between`] over `map`: `(lo, hi, limit as i64,
+    /// limit)`. On the first run a host that found a shard fenced fails the whole attempt
+    /// (to wait for the move and ask again); on the last it is reported missing.
+    async fn fan_out(
+        &self,
+        map: std::sync::Arc<ShardMap>,
+        run: Run,
+        (lo, hi, n, limit): (i64, i64, i64, usize),
+    ) -> Result<FanOut<E>, Failed<Error>> {
         let prefix = self.cluster.prefix();
         let timeout = self.cluster.options().host_timeout;
-        self.cluster
-            .with_move_retry(|map, run| async move {
-                let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
-                    .hosts()
-                    .iter()
-                    .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
-                    .filter(|(_, s)| !s.is_empty())
-                    .collect();
-                let results = futures::stream::iter(hosts)
-                    .map(|(host, shards)| async move {
-                        let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
-                        let work = async {
-                            let client = self.cluster.client(&host).await?;
-                            let first =
-                                schemas.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
-                            let select = self.across_select(&client, &host, first).await?;
-                            let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>(), &select);
-                            let rows = client
-                                .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
-                                .await
-                                .map_err(|e| Error::host(&host, None, "fan-out", e))?;
-                            Self::rows(&rows)
-                        };
-                        let result = within(&host, timeout, work).await;
-                        (host, shards, result)
-                    })
-                    .buffer_unordered(self.cluster.options().fan_out.max(1))
-                    .collect::<Vec<_>>()
-                    .await;
-                let mut missing = Vec::new();
-                let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
-                let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
-                for (host, shards, result) in results {
-                    match result {
-                        Ok(rows) => lists.push(rows.into_iter()),
-                        // A shard fenced by a move: wait for the flip (as a single statement
-                        // would), then ask every host once more.
-                        Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
-                            Some((_, all)) => all.extend(shards),
-                            None => moved = Some((e, shards)),
-                        },
-                        Err(e) => {
-                            tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
-                            missing.push(Missing {
-                                host: host.to_string(),
-                                shards: shards.iter().map(|s| s.get()).collect(),
-                                error: e.to_string(),
-                            });
-                        }
-                    }
-                }
-                match moved {
-                    Some((error, shards)) => Err(Failed::new(error, true, shards)),
-                    None => Ok(FanOut { rows: merge_newest_first(lists, limit), missing }),
-                }
+        let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
+            .hosts()
+            .iter()
+            .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
+            .filter(|(_, s)| !s.is_empty())
+            .collect();
+        let results = futures::stream::iter(hosts)
+            .map(|(host, shards)| async move {
+                let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
+                let (schemas_ref, host_ref) = (&schemas, &host);
+                let work = |client: deadpool_postgres::Object| async move {
+                    let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
+                    let select = self.across_select(&client, host_ref, first).await?;
+                    let sql = self.sql.window(&schemas_ref.iter().collect::<Vec<_>>(), &select);
+                    let rows = client
+                        .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
+                        .await
+                        .map_err(|e| Error::host(host_ref, None, "fan-out", e))?;
+                    Self::rows(&rows)
+                };
+                let result = self.cluster.on_host(&host, timeout, work).await;
+                (host, shards, result)
             })
-            .await
+            .buffer_unordered(self.cluster.options().fan_out.max(1))
+            .collect::<Vec<_>>()
+            .await;
+        let mut missing = Vec::new();
+        let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
+        let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
+        for (host, shards, result) in results {
+            match result {
+                Ok(rows) => lists.push(rows.into_iter()),
+                // A shard fenced by a move: wait for the flip (as a single statement
+                // would), then ask every host once more.
+                Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
+                    Some((_, all)) => all.extend(shards),
+                    None => moved = Some((e, shards)),
+                },
+                Err(e) => {
+                    tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                    missing.push(Missing {
+                        host: host.to_string(),
+                        shards: shards.iter().map(|s| s.get()).collect(),
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        match moved {
+            Some((error, shards)) => Err(Failed::new(error, true, shards)),
+            None => Ok(FanOut { rows: merge_newest_first(lists, limit), missing }),
+        }
     }
 }
+
 fn unix_ms(t: SystemTime) -> Result<i64> {
     t.duration_since(std::time::UNIX_EPOCH)
         .ok()

@@ -108,8 +108,10 @@ impl ShardTx<'_> {
 
     /// Ends the transaction with `COMMIT`. A statement that failed inside the
     /// transaction aborted it, even when the closure handled its error: then Postgres
-    /// would answer `COMMIT` with a rollback, so the probe `SELECT 1` sent before it fails
-    /// (25P02), `COMMIT` is not run, and the caller gets [`Error::RolledBack`].
+    /// would answer `COMMIT` with a rollback, so the probe `SAVEPOINT` sent before it
+    /// fails (25P02), `COMMIT` is not run, and the caller gets [`Error::RolledBack`]. A
+    /// closure that ended the transaction itself (a raw `COMMIT` or `ROLLBACK`) makes the
+    /// probe fail with 25P01: [`Error::Invalid`], never `Ok`.
     async fn commit(&mut self) -> Result<()> {
         let (host, shard) = (&self.route.host, self.route.shard);
         let client = self.client()?;
@@ -131,6 +133,18 @@ impl ShardTx<'_> {
                 let rolled_back = Error::RolledBack { host: host.to_string(), shard: shard.get() };
                 let _ = self.rollback().await;
                 Err(rolled_back)
+            }
+            Err(e) if e.sqlstate() == Some("25P01") => {
+                // Not in a transaction: nothing to end; the connection is clean.
+                if let Some(tx) = self.client.take() {
+                    tx.release();
+                }
+                Err(Error::Invalid {
+                    what: format!(
+                        "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT or \
+                         ROLLBACK in its SQL); what it applied is what that statement said"
+                    ),
+                })
             }
             Err(e) => Err(e),
         }
@@ -336,10 +350,13 @@ impl Cluster {
             .await?;
             let mut work = work.lock().await;
             match (*work)(&mut tx).await {
-                Ok(value) => {
-                    tx.commit().await?;
-                    Ok(value)
-                }
+                Ok(value) => match tx.commit().await {
+                    Ok(()) => Ok(value),
+                    // Rolled back because the shard moved (the closure handled the error):
+                    // run it again on the shard's new host, as for an `Err`.
+                    Err(e @ Error::RolledBack { .. }) => Err(Failed::new(e.into(), tx.moved, [shard])),
+                    Err(e) => Err(e.into()),
+                },
                 Err(e) => {
                     // A rollback that fails leaves the connection to be closed (Drop),
                     // which rolls back as well.
