@@ -66,6 +66,7 @@ fn main() {
             moves::the_demo_runs_to_its_summary,
             moves::a_fence_whose_mover_died_is_undone_by_a_router_when_its_lease_runs_out,
             moves::a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease_runs_out,
+            moves::a_flip_decided_on_the_source_is_completed_by_a_router_never_undone,
             reliability::an_exhausted_pool_times_out_clearly_and_recovers,
             reliability::passwords_never_reach_errors_logs_or_json,
             reliability::the_request_path_needs_no_superuser,

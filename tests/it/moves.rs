@@ -1328,3 +1328,63 @@ pub(crate) async fn a_fence_outliving_the_catalog_is_undone_on_its_source_when_i
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }
+
+/// The mover dies right after the source decided to flip (the test decides as the
+/// mover does: the proof's SHA-256 journaled, then `decided = 'flip'` with the token on
+/// the source): the fence is never undone; a write that finds the shard fenced
+/// completes the flip in the catalog and lands on the target; the flip cannot be had
+/// without the token; `--abort` is refused and `--resume` finishes.
+pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_undone(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Verified))
+        .await
+        .unwrap_err();
+    let (catalog, source) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    let id: i64 = catalog.query_one("SELECT id FROM shardline.moves WHERE state = 'running'", &[]).await?.get(0);
+    let token = "a-token-only-the-source-holds";
+    catalog
+        .execute(
+            "UPDATE shardline.moves SET detail = detail || jsonb_build_object('flip_check',
+                    encode(sha256(convert_to($2::text, 'UTF8')), 'hex')) WHERE id = $1",
+            &[&id, &token],
+        )
+        .await?;
+    let decided = source
+        .execute(
+            "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
+              WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()",
+            &[&id, &token],
+        )
+        .await?;
+    assert_eq!(decided, 1, "decided while the lease ran");
+    let wrong: bool =
+        catalog.query_one("SELECT shardline.complete_flip($1, 'guessed')", &[&id]).await?.get(0);
+    assert!(!wrong, "no flip without the token");
+    tokio::time::sleep(LEASE).await;
+    // The lease has run out, but the flip is decided: resolving never undoes it.
+    let outcome: String =
+        source.query_one("SELECT outcome FROM shardline.resolve_fence('shard_0002')", &[]).await?.get(0);
+    assert_eq!(outcome, "flip");
+    assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source stays fenced");
+    let err = moves::abort(&config, 2).await.unwrap_err();
+    assert!(matches!(err, OpsError::FlipDecided { id: i, shard: 2 } if i == id), "{err}");
+
+    let (first, took) = timed_insert(&cluster, 100).await?;
+    assert!(took <= LEASE_SLACK, "the write got through after {took:?}");
+    assert_eq!(cluster.route_user(2).host.as_str(), "pg3");
+    assert_eq!(homes_of_shard_2(&f, &ctx, "pg3").await?, vec![2]);
+    assert_eq!(moves::list(&config).await?[0].step, Step::Flipped);
+    let done = moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    assert_eq!(done.len(), 1);
+    assert_eq!(moves::list(&config).await?[0].state, State::Done);
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([41, 40, 40]), "one copy, every row");
+    assert_eq!(cluster.repo::<Photo>()?.get(first.id).await?.map(|p| p.id), Some(first.id));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
