@@ -1224,9 +1224,10 @@ pub(crate) async fn a_fence_whose_mover_died_is_undone_by_a_router_when_its_leas
         Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     seed(&cluster, 2, 6, 2).await?;
 
-    let died = moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Fenced))
-        .await
-        .unwrap_err();
+    let died =
+        moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Fenced))
+            .await
+            .unwrap_err();
     let since = Instant::now();
     assert!(matches!(died, OpsError::Interrupted { step: Step::Fenced, .. }), "{died}");
     assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source is fenced");
@@ -1346,7 +1347,8 @@ pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_
         .await
         .unwrap_err();
     let (catalog, source) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
-    let id: i64 = catalog.query_one("SELECT id FROM shardline.moves WHERE state = 'running'", &[]).await?.get(0);
+    let id: i64 =
+        catalog.query_one("SELECT id FROM shardline.moves WHERE state = 'running'", &[]).await?.get(0);
     let token = "a-token-only-the-source-holds";
     catalog
         .execute(

@@ -380,7 +380,8 @@ impl Cluster {
                     continue;
                 }
             };
-            let (outcome, id, token): (String, Option<i64>, Option<String>) = (row.get(0), row.get(1), row.get(2));
+            let (outcome, id, token): (String, Option<i64>, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
             match outcome.as_str() {
                 "undone" => {
                     tracing::warn!(shard = shard.get(), host = %from, move_id = ?id, "the move's fence outlived its lease; the shard is writable on its source again");
@@ -390,9 +391,13 @@ impl Cluster {
                     let (Some(id), Some(token)) = (id, token) else { continue };
                     match self.complete_flip(id, &token).await {
                         Ok(flipped) => {
-                            tracing::warn!(shard = shard.get(), move_id = id, flipped, "the move decided to flip; completed its flip in the catalog");
-                            resolved |= self.refresh().await.is_ok()
-                                && self.map().host_of(*shard) != from;
+                            tracing::warn!(
+                                shard = shard.get(),
+                                move_id = id,
+                                flipped,
+                                "the move decided to flip; completed its flip in the catalog"
+                            );
+                            resolved |= self.refresh().await.is_ok() && self.map().host_of(*shard) != from;
                         }
                         Err(e) => {
                             tracing::warn!(shard = shard.get(), move_id = id, error = %e, "cannot complete the move's flip");

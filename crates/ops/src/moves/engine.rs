@@ -464,7 +464,8 @@ struct Mover<'a> {
 
 /// Renews the fence's lease on the source: `UPDATE` of the marker row, only while
 /// nothing is decided. `$2` is the lease in ms.
-const RENEW_SQL: &str = "UPDATE shardline.move_marks SET lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
+const RENEW_SQL: &str =
+    "UPDATE shardline.move_marks SET lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
   WHERE move_id = $1 AND fenced AND decided IS NULL";
 
 /// The task that renews the fence's lease every quarter of it, on a connection of its
@@ -687,7 +688,9 @@ impl<'a> Mover<'a> {
             None => {
                 return Err(Error::Journal {
                     id,
-                    message: format!("{source} has no fenced marker for this move, so it cannot decide to flip"),
+                    message: format!(
+                        "{source} has no fenced marker for this move, so it cannot decide to flip"
+                    ),
                 });
             }
         }
@@ -1123,7 +1126,10 @@ impl<'a> Mover<'a> {
                 match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms, lease_ms).await {
                     Ok(fenced) => {
                         if self.options.lose_fence_reply {
-                            tracing::warn!(id, "drill: the fence committed; stopping as if its reply was lost");
+                            tracing::warn!(
+                                id,
+                                "drill: the fence committed; stopping as if its reply was lost"
+                            );
                             return Err(Error::Interrupted { id, step: self.step });
                         }
                         self.fence_started = Some(started);
@@ -1807,8 +1813,15 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                 tracing::warn!(id = mover.id, error = %e, "the move failed while the shard was fenced; undoing it");
                 if let Err(undo) = undo(&mut mover, &e.to_string()).await {
                     if matches!(undo, Error::FlipDecided { .. }) {
-                        tracing::error!(id = mover.id, "the source decided to flip: routers or `shardline move --resume` complete the flip");
-                        record_error(&mover, &format!("{e}; the flip is decided: `shardline move --resume` finishes it")).await;
+                        tracing::error!(
+                            id = mover.id,
+                            "the source decided to flip: routers or `shardline move --resume` complete the flip"
+                        );
+                        record_error(
+                            &mover,
+                            &format!("{e}; the flip is decided: `shardline move --resume` finishes it"),
+                        )
+                        .await;
                         return Err(e);
                     }
                     tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
@@ -1927,7 +1940,8 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
 /// schema renamed back, its ledger rows moved back and its sequence's cap lifted.
 /// Returns whether it unfenced the shard.
 async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> Result<bool> {
-    let (source, schema, moved, id) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone(), mover.id);
+    let (source, schema, moved, id) =
+        (mover.source.clone(), mover.schema.clone(), mover.moved.clone(), mover.id);
     let shard = mover.shard.get();
     let layout_max = mover.layout.max_sequence_value();
     let journaled_max = mover.detail.sequence_max;
