@@ -1402,3 +1402,246 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
     Ok(())
 }
+
+/// The fence's lease in the lease tests, and how long past it a write may take to get
+/// through (the router asks the source every second; round trips on a busy machine).
+const LEASE: Duration = Duration::from_secs(2);
+const LEASE_SLACK: Duration = Duration::from_secs(5);
+
+/// Whether `schema` (the shard's own name, not the fence's) is on host `h`: where it
+/// is, a router whose map places the shard there writes.
+async fn live(f: &Fixture, ctx: &TestContext, h: usize, schema: &str) -> Result<bool, BoxError> {
+    let c = f.client(ctx, h).await?;
+    Ok(c.query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema]).await?.get(0))
+}
+
+/// The hosts a write to shard 2 (moving pg2 -> pg3) can land on: the map's host (a
+/// fresh router), and the source while its schema is live (a router with the old map).
+/// The target's copy counts only once the map places the shard there.
+async fn homes_of_shard_2(f: &Fixture, ctx: &TestContext, map_host: &str) -> Result<Vec<usize>, BoxError> {
+    let mut homes = vec![host_index(map_host)];
+    if live(f, ctx, 1, "shard_0002").await? && !homes.contains(&1) {
+        homes.push(1);
+    }
+    Ok(homes)
+}
+
+/// Inserts a photo of user 2 (shard 2 of 6) through `cluster`; how long it took.
+async fn timed_insert(cluster: &Cluster, n: usize) -> Result<(Photo, Duration), BoxError> {
+    let started = Instant::now();
+    let p = cluster.repo::<Photo>()?.insert(&photo(2, n)).await?;
+    Ok((p, started.elapsed()))
+}
+
+/// After the fence was undone by a router: the mover cannot go on (resume finds the
+/// lease gone and finishes the undo), the shard stays on pg2 with every acknowledged
+/// row, the target's copy and the replication are gone.
+async fn assert_undone_on_source(
+    f: &Fixture,
+    ctx: &TestContext,
+    acknowledged: &[Photo],
+) -> Result<(), BoxError> {
+    let config = f.config()?;
+    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::LeaseExpired { shard: 2, .. }), "{err}");
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal.last().map(|m| m.state), Some(State::RolledBack), "{journal:?}");
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(fresh.route_user(2).host.as_str(), "pg2");
+    assert_eq!(counts(f, ctx, 2, "shard_0002").await?, None, "the target's copy is dropped");
+    let photos = fresh.repo::<Photo>()?;
+    for p in acknowledged {
+        assert_eq!(photos.get(p.id).await?.as_ref().map(|g| g.id), Some(p.id), "acknowledged {}", p.id);
+    }
+    let n = i64::try_from(acknowledged.len())?;
+    assert_eq!(counts(f, ctx, 1, "shard_0002").await?, Some([40 + n, 40, 40]), "one copy, every row");
+    assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_fence_whose_mover_died_is_undone_by_a_router_when_its_lease_runs_out);
+/// The mover dies while the shard is fenced (stopped right after journaling the
+/// fence): nobody renews the lease, and once it runs out the first write that finds the
+/// shard fenced unfences it on its source, within the lease plus a few seconds, with
+/// no operator. A router with the old map and one with the new both write there; the
+/// mover, resumed, cannot flip any more.
+pub(crate) async fn a_fence_whose_mover_died_is_undone_by_a_router_when_its_lease_runs_out(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let stale =
+        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    seed(&cluster, 2, 6, 2).await?;
+
+    let died =
+        moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Fenced))
+            .await
+            .unwrap_err();
+    let since = Instant::now();
+    assert!(matches!(died, OpsError::Interrupted { step: Step::Fenced, .. }), "{died}");
+    assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source is fenced");
+
+    let (first, took) = timed_insert(&cluster, 100).await?;
+    let total = since.elapsed();
+    assert!(total <= LEASE + LEASE_SLACK, "the write got through {total:?} after the mover died");
+    assert!(took >= LEASE / 2, "the write waited for the lease ({took:?})");
+    let (second, _) = timed_insert(&stale, 101).await?;
+    assert_eq!(homes_of_shard_2(&f, &ctx, cluster.route_user(2).host.as_str()).await?, vec![1]);
+    eprintln!("      write through {total:?} after the mover died (lease {LEASE:?})");
+
+    assert_undone_on_source(&f, &ctx, &[first, second]).await
+}
+
+shardline_testkit::register!(shared: a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease_runs_out);
+/// The fence's COMMIT applied but its reply lost (the drill: the mover stops right
+/// after the commit, before journaling the fence or renewing its lease): the journal
+/// says the move only caught up, the source is fenced; the lease runs out and a write
+/// unfences it, within the lease plus a few seconds.
+pub(crate) async fn a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease_runs_out(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+
+    let lost = moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).losing_fence_reply())
+        .await
+        .unwrap_err();
+    let since = Instant::now();
+    assert!(matches!(lost, OpsError::Interrupted { step: Step::CaughtUp, .. }), "{lost}");
+    assert_eq!(moves::list(&config).await?[0].step, Step::CaughtUp, "the fence is not journaled");
+    assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source is fenced");
+
+    let (first, _) = timed_insert(&cluster, 100).await?;
+    let total = since.elapsed();
+    assert!(total <= LEASE + LEASE_SLACK, "the write got through {total:?} after the fence");
+    assert_eq!(homes_of_shard_2(&f, &ctx, cluster.route_user(2).host.as_str()).await?, vec![1]);
+    eprintln!("      write through {total:?} after the fence's lost reply (lease {LEASE:?})");
+
+    assert_undone_on_source(&f, &ctx, &[first]).await
+}
+
+shardline_testkit::register!(exclusive: a_fence_outliving_the_catalog_is_undone_on_its_source_when_its_lease_runs_out);
+/// The catalog (host 0) dies while shard 2 is fenced between pg2 and pg3: the router
+/// cannot read the map or the journal, asks the source at once, and once the lease ran
+/// out writes there, within the lease plus a few seconds. The catalog back, `gc`
+/// finishes the undo: map, data and journal agree, one copy with every row.
+pub(crate) async fn a_fence_outliving_the_catalog_is_undone_on_its_source_when_its_lease_runs_out(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    let pg1 = &ctx.hosts()[0];
+
+    moves::run(
+        &config,
+        2,
+        "pg3",
+        &MoveOptions::default().with_lease(LEASE).stopping_after(Step::SequenceCarried),
+    )
+    .await
+    .unwrap_err();
+    let since = Instant::now();
+    pg1.kill().await?;
+    let killed = since.elapsed();
+    assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source is fenced");
+
+    let written = timed_insert(&cluster, 100).await;
+    let total = since.elapsed();
+    let (first, _) = written?;
+    assert!(
+        total <= LEASE + LEASE_SLACK + killed,
+        "the write got through {total:?} after the mover died ({killed:?} to kill the catalog)"
+    );
+    // The map (as the router holds it) and the source agree; the target is no home.
+    assert_eq!(homes_of_shard_2(&f, &ctx, cluster.route_user(2).host.as_str()).await?, vec![1]);
+    let (second, _) = timed_insert(&cluster, 101).await?;
+    eprintln!("      write through {total:?} after the mover died, the catalog down (lease {LEASE:?})");
+
+    pg1.start().await?;
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::Running, "nobody told the journal yet");
+    let said = cli(&f, &["gc"]).await?;
+    assert!(said.contains("lease ran out"), "{said}");
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::RolledBack, "{journal:?}");
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(fresh.route_user(2).host.as_str(), "pg2");
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, None, "the target's copy is dropped");
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([42, 40, 40]), "one copy, every row");
+    for p in [first, second] {
+        assert_eq!(fresh.repo::<Photo>()?.get(p.id).await?.map(|g| g.id), Some(p.id));
+    }
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_flip_decided_on_the_source_is_completed_by_a_router_never_undone);
+/// The mover dies right after the source decided to flip (the test decides as the
+/// mover does: the proof's SHA-256 journaled, then `decided = 'flip'` with the token on
+/// the source): the fence is never undone; a write that finds the shard fenced
+/// completes the flip in the catalog and lands on the target; the flip cannot be had
+/// without the token; `--abort` is refused and `--resume` finishes.
+pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_undone(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Verified))
+        .await
+        .unwrap_err();
+    let (catalog, source) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    let id: i64 =
+        catalog.query_one("SELECT id FROM shardline.moves WHERE state = 'running'", &[]).await?.get(0);
+    let token = "a-token-only-the-source-holds";
+    catalog
+        .execute(
+            "UPDATE shardline.moves SET detail = detail || jsonb_build_object('flip_check',
+                    encode(sha256(convert_to($2::text, 'UTF8')), 'hex')) WHERE id = $1",
+            &[&id, &token],
+        )
+        .await?;
+    let decided = source
+        .execute(
+            "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
+              WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()",
+            &[&id, &token],
+        )
+        .await?;
+    assert_eq!(decided, 1, "decided while the lease ran");
+    let wrong: bool =
+        catalog.query_one("SELECT shardline.complete_flip($1, 'guessed')", &[&id]).await?.get(0);
+    assert!(!wrong, "no flip without the token");
+    tokio::time::sleep(LEASE).await;
+    // The lease has run out, but the flip is decided: resolving never undoes it.
+    let outcome: String =
+        source.query_one("SELECT outcome FROM shardline.resolve_fence('shard_0002')", &[]).await?.get(0);
+    assert_eq!(outcome, "flip");
+    assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source stays fenced");
+    let err = moves::abort(&config, 2).await.unwrap_err();
+    assert!(matches!(err, OpsError::FlipDecided { id: i, shard: 2 } if i == id), "{err}");
+
+    let (first, took) = timed_insert(&cluster, 100).await?;
+    assert!(took <= LEASE_SLACK, "the write got through after {took:?}");
+    assert_eq!(cluster.route_user(2).host.as_str(), "pg3");
+    assert_eq!(homes_of_shard_2(&f, &ctx, "pg3").await?, vec![2]);
+    assert_eq!(moves::list(&config).await?[0].step, Step::Flipped);
+    let done = moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    assert_eq!(done.len(), 1);
+    assert_eq!(moves::list(&config).await?[0].state, State::Done);
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([41, 40, 40]), "one copy, every row");
+    assert_eq!(cluster.repo::<Photo>()?.get(first.id).await?.map(|p| p.id), Some(first.id));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}

@@ -35,6 +35,11 @@ pub struct MoveOpt {
     /// Fence only once a change on the source reaches the target this fast.
     #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub max_lag: Duration,
+    /// The fence's lease: renewed by the mover while the shard is fenced; once it ran
+    /// out with the mover gone, a router that finds the shard fenced unfences it on its
+    /// source. Keep the routers' `move_wait` above it plus 5 s.
+    #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
     /// Stop after this step as if killed (a drill for `--resume` and `--abort`):
     /// started, prepared, copying, caught_up, fenced, synced, sequence_carried,
     /// verified, flipped.
@@ -126,6 +131,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     let mut options = MoveOptions::default();
     options.max_lag = opt.max_lag;
     options.stop_after = opt.stop_after;
+    options.lease = opt.lease;
     options.progress = Some(f);
     let need_shard =
         || opt.shard.ok_or_else(|| UsageError("which shard? e.g. `shardline move 5 --to pg2`".into()));

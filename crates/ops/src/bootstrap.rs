@@ -294,6 +294,9 @@ async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report
         if !exists {
             c.batch_execute(SCHEMA_SQL).await.map_err(|e| catalog_err("create the catalog schema", &e))?;
         }
+        c.batch_execute(crate::moves::engine::COMPLETE_FLIP_SQL)
+            .await
+            .map_err(|e| catalog_err("install shardline.complete_flip", &e))?;
         match catalog.cluster().await? {
             Some(info) => info.check(config)?,
             None => {

@@ -101,6 +101,11 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
     let shards: Vec<LogicalShard> = inputs.map.shards_of(host).collect();
     let schemas: Vec<String> = shards.iter().map(|s| inputs.prefix.schema(*s).as_str().to_owned()).collect();
     client.batch_execute(HOST_LEDGER_SQL).await.map_err(|e| host_err(host, "create the ledger", &e))?;
+    // What lets anyone finish or undo a move's fence whose lease ran out.
+    client
+        .batch_execute(&format!("{}\n{}", crate::moves::MARKS_SQL, crate::moves::engine::RESOLVE_SQL))
+        .await
+        .map_err(|e| host_err(host, "install shardline.resolve_fence", &e))?;
     let existing: HashSet<String> = client
         .query("SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1)", &[&schemas])
         .await

@@ -153,6 +153,28 @@ pub enum Error {
         /// The shard.
         shard: u16,
     },
+    /// The fence's lease ran out with nothing decided (the mover died or lost the
+    /// source), and the shard was unfenced on the source: the move is undone.
+    #[error(
+        "move {id} of shard {shard} was undone: its fence's lease ran out before it could flip, and writes resumed on the source; start the move again"
+    )]
+    LeaseExpired {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: u16,
+    },
+    /// The source decided to flip (the copy verified, the fence kept for good): the
+    /// move can only be finished.
+    #[error(
+        "move {id} of shard {shard} has decided to flip (its copy is verified and the source stays fenced): finish it with `shardline move --resume {shard}`"
+    )]
+    FlipDecided {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: u16,
+    },
     /// An undo of the move began and did not finish (a host died under it): the
     /// target's copy may be gone, so the move cannot go on; `--abort` finishes the undo.
     #[error(

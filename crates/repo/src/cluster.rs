@@ -18,6 +18,10 @@ use tokio::sync::Mutex;
 use crate::catalog::{self, Catalog, MapListener};
 use crate::{Error, Result};
 
+/// How often a statement waiting on a fenced shard asks the source to resolve the
+/// fence (see [`Cluster::wait_for_move`]).
+const RESOLVE_EVERY: Duration = Duration::from_secs(1);
+
 /// How a [`Cluster`] connects and waits.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
@@ -33,8 +37,10 @@ pub struct ClusterOptions {
     /// Reload the map on the catalog's `NOTIFY` (default true).
     pub listen: bool,
     /// How long a statement that finds its shard fenced (a move is flipping it to
-    /// another host) waits for the new map before it gives up (default 10 s). The
-    /// fence normally lasts well under a second.
+    /// another host) waits for the new map before it gives up (default 20 s). The
+    /// fence normally lasts well under a second; a fence whose mover died is
+    /// resolved once its lease runs out (`MoveOptions::lease`, 10 s by default), so
+    /// keep this above the lease plus 5 s.
     pub move_wait: Duration,
 }
 
@@ -46,7 +52,7 @@ impl Default for ClusterOptions {
             host_timeout: Duration::from_secs(5),
             fan_out: 16,
             listen: true,
-            move_wait: Duration::from_secs(10),
+            move_wait: Duration::from_secs(20),
         }
     }
 }
@@ -325,27 +331,130 @@ impl Cluster {
     /// [`ClusterOptions::move_wait`]. Returns whether running the statement again makes
     /// sense; `false` when no move of these shards is running or recently ended (the
     /// schema is really missing) or the wait ran out.
+    ///
+    /// A fence outlives its mover only until its lease runs out: from one second into
+    /// the wait (at once when the catalog cannot be read), and every second after,
+    /// the source is asked to resolve the fence (`shardline.resolve_fence`). Once the
+    /// lease has run out with nothing decided, that unfences the shard on the source
+    /// (the statement runs again there); when the source had decided to flip, the flip
+    /// is completed in the catalog (`shardline.complete_flip`) and the map reloaded.
     pub(crate) async fn wait_for_move(&self, shards: &[(LogicalShard, HostName)]) -> Result<bool> {
-        let deadline = tokio::time::Instant::now() + self.inner.options.move_wait;
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.inner.options.move_wait;
+        let mut resolve_at = started + RESOLVE_EVERY;
+        let mut catalog_failed = false;
         let mut pause = Duration::from_millis(2);
         let ids: Vec<i32> = shards.iter().map(|(s, _)| i32::from(s.get())).collect();
         loop {
-            self.refresh().await?;
-            let map = self.map();
-            if shards.iter().any(|(s, from)| map.host_of(*s) != from) {
-                return Ok(true);
+            let catalog = match self.refresh().await {
+                Ok(_) => {
+                    let map = self.map();
+                    if shards.iter().any(|(s, from)| map.host_of(*s) != from) {
+                        return Ok(true);
+                    }
+                    self.moves_of(&ids).await
+                }
+                Err(e) => Err(e),
+            };
+            let mut most = Duration::from_millis(25);
+            match catalog {
+                Ok((false, recent)) => return Ok(recent),
+                Ok((true, _)) => {}
+                Err(e) => {
+                    // The catalog cannot tell: the source can, once the lease is out.
+                    tracing::debug!(shards = ?ids, error = %e, "cannot read the catalog while a shard is fenced");
+                    if !catalog_failed {
+                        catalog_failed = true;
+                        resolve_at = resolve_at.min(tokio::time::Instant::now());
+                    }
+                    most = Duration::from_millis(250);
+                }
             }
-            let (running, recent) = self.moves_of(&ids).await?;
-            if !running {
-                return Ok(recent);
+            if tokio::time::Instant::now() >= resolve_at {
+                if self.resolve_fences(shards).await {
+                    return Ok(true);
+                }
+                resolve_at = tokio::time::Instant::now() + RESOLVE_EVERY;
             }
             if tokio::time::Instant::now() + pause > deadline {
                 tracing::warn!(shards = ?ids, "a move kept the shard fenced longer than move_wait");
                 return Ok(false);
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(25));
+            pause = (pause * 2).min(most);
         }
+    }
+
+    /// Asks each shard's source to resolve its fence; returns whether one was resolved
+    /// (unfenced on the source, or flipped in the catalog), so that running the
+    /// statement again makes sense. Failures are logged and waited out.
+    async fn resolve_fences(&self, shards: &[(LogicalShard, HostName)]) -> bool {
+        let mut resolved = false;
+        for (shard, from) in shards {
+            let schema = self.inner.prefix.schema(*shard);
+            let asked = async {
+                let c = self.client(from).await?;
+                c.query_one(
+                    "SELECT outcome, move, token FROM shardline.resolve_fence($1)",
+                    &[&schema.as_str()],
+                )
+                .await
+                .map_err(|e| Error::host(from, Some(*shard), "resolve a move's fence", e))
+            };
+            let row = match tokio::time::timeout(self.inner.options.host_timeout, asked).await {
+                Ok(Ok(row)) => row,
+                Ok(Err(e)) => {
+                    tracing::warn!(shard = shard.get(), host = %from, error = %e, "cannot resolve the shard's fence");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::warn!(shard = shard.get(), host = %from, "resolving the shard's fence timed out");
+                    continue;
+                }
+            };
+            let (outcome, id, token): (String, Option<i64>, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
+            match outcome.as_str() {
+                "undone" => {
+                    tracing::warn!(shard = shard.get(), host = %from, move_id = ?id, "the move's fence outlived its lease; the shard is writable on its source again");
+                    resolved = true;
+                }
+                "flip" => {
+                    let (Some(id), Some(token)) = (id, token) else { continue };
+                    match self.complete_flip(id, &token).await {
+                        Ok(flipped) => {
+                            tracing::warn!(
+                                shard = shard.get(),
+                                move_id = id,
+                                flipped,
+                                "the move decided to flip; completed its flip in the catalog"
+                            );
+                            resolved |= self.refresh().await.is_ok() && self.map().host_of(*shard) != from;
+                        }
+                        Err(e) => {
+                            tracing::warn!(shard = shard.get(), move_id = id, error = %e, "cannot complete the move's flip");
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        resolved
+    }
+
+    /// `shardline.complete_flip(id, token)` in the catalog: whether it flipped.
+    async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
+        let slot = self.inner.catalog.lock().await;
+        let c = match slot.as_ref() {
+            Some(c) if !c.client().is_closed() => c,
+            _ => return Err(Error::NotInitialised),
+        };
+        let row = c
+            .client()
+            .query_one("SELECT shardline.complete_flip($1, $2)", &[&id, &token])
+            .await
+            .map_err(|e| Error::catalog("complete a move's flip", e))?;
+        Ok(row.get(0))
     }
 
     /// Whether a move of any of `shards` is running, and whether one ended in the last

@@ -28,13 +28,123 @@ const SOURCE_CHECK: Duration = Duration::from_secs(1);
 /// only its own move's row (a row filter); the mover bumps `n` on the source and waits
 /// for it on the target. The apply worker commits in the source's commit order, so once
 /// the target shows a value, it holds everything the source committed before it.
+///
+/// On the source the row is also the fence's **lease**: the fence sets `fenced`,
+/// `lease_until` (renewed by the mover while it works) and what undoing the fence needs
+/// (`schema_name`, `moved_schema`, `sequence_max`); `decided` is set once, to `flip`
+/// by the mover right before it flips the map, or to `undo` by whoever unfences the
+/// shard (the mover, `--abort`, or [`RESOLVE_SQL`]'s function once the lease ran out).
+/// Both are compare-and-set on this one row, so exactly one of them happens.
 pub const MARKS_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
 CREATE TABLE IF NOT EXISTS shardline.move_marks (
     move_id bigint PRIMARY KEY,
     n       bigint NOT NULL DEFAULT 0,
     fenced  boolean NOT NULL DEFAULT false
 );
-COMMENT ON TABLE shardline.move_marks IS 'shardline: one row per move in progress, replicated from source to target to measure lag and to know when the target has everything';";
+ALTER TABLE shardline.move_marks
+    ADD COLUMN IF NOT EXISTS lease_until  timestamptz,
+    ADD COLUMN IF NOT EXISTS decided      text CHECK (decided IN ('flip', 'undo')),
+    ADD COLUMN IF NOT EXISTS schema_name  text,
+    ADD COLUMN IF NOT EXISTS moved_schema text,
+    ADD COLUMN IF NOT EXISTS sequence_max bigint,
+    ADD COLUMN IF NOT EXISTS flip_token   text;
+COMMENT ON TABLE shardline.move_marks IS 'shardline: one row per move in progress, replicated from source to target to measure lag and to know when the target has everything; on the source, the fence''s lease and its one decision (flip or undo)';";
+
+/// `shardline.resolve_fence(schema)` on every host: what anyone (a router that found
+/// the shard's schema missing) may do about a fence whose mover is gone. It finds the
+/// latest fenced move of that schema on this host and, under the marker row's lock:
+///
+/// - `decided = 'flip'`: returns `flip`, the move's ID and the proof (`flip_token`)
+///   that `shardline.complete_flip` in the catalog asks for;
+/// - `decided = 'undo'`: returns `undone` (already unfenced);
+/// - undecided, the fenced schema here and the lease still running: `fenced`;
+/// - undecided and the lease run out: decides `undo`, renames the schema back, moves
+///   its ledger rows back and lifts the sequence's cap, all in this one transaction,
+///   and returns `undone`; from then on the mover cannot flip (its decision is the
+///   same compare-and-set on the same row);
+/// - anything else (no such move, or this host is not its source): `none`.
+///
+/// SECURITY DEFINER, owned by the admin that ran `init` or the move; EXECUTE for
+/// PUBLIC: the only thing it can ever do is what an expired lease calls for.
+pub const RESOLVE_SQL: &str = r#"
+CREATE OR REPLACE FUNCTION shardline.resolve_fence(shard_schema text, OUT outcome text, OUT move bigint, OUT token text)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    m record;
+BEGIN
+    SELECT mm.move_id, mm.decided, mm.lease_until, mm.schema_name, mm.moved_schema, mm.sequence_max, mm.flip_token
+      INTO m FROM shardline.move_marks mm
+     WHERE mm.schema_name = shard_schema AND mm.fenced
+     ORDER BY mm.move_id DESC LIMIT 1 FOR UPDATE;
+    IF NOT FOUND THEN
+        outcome := 'none';
+        RETURN;
+    END IF;
+    move := m.move_id;
+    IF m.decided = 'flip' THEN
+        outcome := 'flip';
+        token := m.flip_token;
+        RETURN;
+    ELSIF m.decided = 'undo' THEN
+        outcome := 'undone';
+        RETURN;
+    END IF;
+    -- Only the source holds the fenced schema (the target has a replica of the row).
+    IF NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = m.moved_schema)
+       OR EXISTS (SELECT FROM pg_namespace WHERE nspname = m.schema_name) THEN
+        outcome := 'none';
+        RETURN;
+    END IF;
+    IF m.lease_until IS NULL OR m.lease_until > clock_timestamp() THEN
+        outcome := 'fenced';
+        RETURN;
+    END IF;
+    UPDATE shardline.move_marks SET decided = 'undo' WHERE shardline.move_marks.move_id = m.move_id;
+    EXECUTE format('ALTER SCHEMA %I RENAME TO %I', m.moved_schema, m.schema_name);
+    IF m.sequence_max IS NOT NULL THEN
+        EXECUTE format('ALTER SEQUENCE %I.shardline_id_seq MAXVALUE %s', m.schema_name, m.sequence_max);
+    END IF;
+    UPDATE shardline.shard_migrations SET schema_name = m.schema_name WHERE schema_name = m.moved_schema;
+    RAISE LOG 'shardline: move % of schema %: the fence''s lease ran out; unfenced on the source', m.move_id, m.schema_name;
+    outcome := 'undone';
+END
+$fn$;
+REVOKE ALL ON FUNCTION shardline.resolve_fence(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION shardline.resolve_fence(text) TO PUBLIC;
+"#;
+
+/// `shardline.complete_flip(move, token)` in the catalog: flips the map for a move
+/// whose source decided `flip` (its data verified, its ID sequence carried), when the
+/// mover did not get to it. `token` is the proof: the source's `flip_token`, which
+/// exists only once the source decided, and whose SHA-256 the mover journaled before
+/// deciding (`detail.flip_check`). It flips only a running move journaled `verified`,
+/// from its source to its target, with the journal, in one transaction; returns
+/// whether it did.
+///
+/// SECURITY DEFINER, EXECUTE for PUBLIC: without the token it does nothing.
+pub const COMPLETE_FLIP_SQL: &str = r#"
+CREATE OR REPLACE FUNCTION shardline.complete_flip(move bigint, token text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    m record;
+BEGIN
+    SELECT id, shard, source, target, detail INTO m FROM shardline.moves
+     WHERE id = move AND state = 'running' AND step = 'verified' FOR UPDATE;
+    IF NOT FOUND OR token IS NULL OR m.detail->>'flip_check' IS NULL
+       OR encode(sha256(convert_to(token, 'UTF8')), 'hex') <> m.detail->>'flip_check' THEN
+        RETURN false;
+    END IF;
+    UPDATE shardline.shards SET host = m.target, updated_at = now() WHERE shard = m.shard AND host = m.source;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE shardline.moves SET step = 'flipped', error = NULL, updated_at = now() WHERE id = move;
+    RETURN true;
+END
+$fn$;
+REVOKE ALL ON FUNCTION shardline.complete_flip(bigint, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION shardline.complete_flip(bigint, text) TO PUBLIC;
+"#;
 
 /// What a move reports as it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +197,16 @@ pub struct MoveOptions {
     /// Stop, as if the process had died, once this step is journaled: for drills and
     /// tests of `--resume` and `--abort`.
     pub stop_after: Option<Step>,
+    /// The fence's lease (default 10 s): while the shard is fenced, the mover renews it
+    /// on the source every quarter of it. Once it has run out with nothing decided (the
+    /// mover died, or lost the source), any router that finds the shard fenced unfences
+    /// it on the source (`shardline.resolve_fence`), and the mover can no longer flip.
+    /// Keep `ClusterOptions::move_wait` above it plus 5 s, so a waiting write sees it.
+    pub lease: Duration,
+    /// Drill: stop right after the fence's transaction committed, before it is
+    /// journaled or its lease renewed, as if the COMMIT's reply was lost and the mover
+    /// died. For tests of the lease.
+    pub lose_fence_reply: bool,
     /// Progress reports.
     pub progress: Option<ProgressFn>,
 }
@@ -100,6 +220,8 @@ impl Default for MoveOptions {
             fence_attempts: 5,
             sync_timeout: Duration::from_secs(30),
             stop_after: None,
+            lease: Duration::from_secs(10),
+            lose_fence_reply: false,
             progress: None,
         }
     }
@@ -113,6 +235,21 @@ impl MoveOptions {
         self.stop_after = Some(step);
         self
     }
+
+    /// These options, with a fence lease of `lease` (see [`MoveOptions::lease`]).
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// These options, stopping right after the fence commits (see
+    /// [`MoveOptions::lose_fence_reply`]).
+    #[must_use]
+    pub fn losing_fence_reply(mut self) -> Self {
+        self.lose_fence_reply = true;
+        self
+    }
 }
 
 impl std::fmt::Debug for MoveOptions {
@@ -124,6 +261,8 @@ impl std::fmt::Debug for MoveOptions {
             .field("fence_attempts", &self.fence_attempts)
             .field("sync_timeout", &self.sync_timeout)
             .field("stop_after", &self.stop_after)
+            .field("lease", &self.lease)
+            .field("lose_fence_reply", &self.lose_fence_reply)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -338,6 +477,65 @@ struct Mover<'a> {
     src: Option<Client>,
     dst: Option<Client>,
     fence_started: Option<Instant>,
+    renewer: Option<Renewer>,
+}
+
+/// Renews the fence's lease on the source: `UPDATE` of the marker row, only while
+/// nothing is decided. `$2` is the lease in ms.
+const RENEW_SQL: &str =
+    "UPDATE shardline.move_marks SET lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
+  WHERE move_id = $1 AND fenced AND decided IS NULL";
+
+/// The task that renews the fence's lease every quarter of it, on a connection of its
+/// own (the mover's session may be inside a transaction). Dropped, it stops: a mover
+/// that dies or gives up stops renewing, and the lease runs out.
+struct Renewer {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Renewer {
+    fn start(config: &Config, source: &HostName, id: i64, lease: Duration) -> Result<Renewer> {
+        let url = config
+            .hosts
+            .iter()
+            .find(|h| h.name == *source)
+            .map(|h| h.url.clone())
+            .ok_or_else(|| Error::HostMissing { host: source.to_string(), shards: 0 })?;
+        let source = source.clone();
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let every = (lease / 4).max(Duration::from_millis(50));
+        let task = tokio::spawn(async move {
+            let mut client: Option<Client> = None;
+            loop {
+                tokio::time::sleep(every).await;
+                if client.as_ref().is_none_or(Client::is_closed) {
+                    client = connect(&url, &format!("host {source}")).await.ok();
+                }
+                let Some(c) = client.as_ref() else {
+                    tracing::warn!(id, host = %source, "cannot reach the source to renew the fence's lease");
+                    continue;
+                };
+                match c.execute(RENEW_SQL, &[&id, &lease_ms]).await {
+                    Ok(0) => {
+                        tracing::warn!(id, host = %source, "the fence's lease is decided or gone; no longer renewing it");
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(id, host = %source, error = %e, "cannot renew the fence's lease");
+                        client = None;
+                    }
+                }
+            }
+        });
+        Ok(Renewer { task })
+    }
 }
 
 impl<'a> Mover<'a> {
@@ -366,6 +564,7 @@ impl<'a> Mover<'a> {
             src: None,
             dst: None,
             fence_started: None,
+            renewer: None,
         })
     }
 
@@ -439,6 +638,126 @@ impl<'a> Mover<'a> {
             .map_err(|e| Error::Journal { id: self.id, message: e.to_string() })
     }
 
+    /// What the source's marker says of the fence: `None` when it is not fenced
+    /// (or has no marker), `Some(decided)` when it is.
+    async fn fence_decision(&mut self) -> Result<Option<Option<String>>> {
+        let (source, id) = (self.source.clone(), self.id);
+        let src = self.src().await?;
+        let has: bool = src
+            .query_one("SELECT to_regclass('shardline.move_marks') IS NOT NULL", &[])
+            .await
+            .map_err(on(&source, "look for the marker table"))?
+            .get(0);
+        if !has {
+            return Ok(None);
+        }
+        Ok(src
+            .query_opt("SELECT decided FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+            .await
+            .map_err(on(&source, "read the fence's lease"))?
+            .map(|r| r.get(0)))
+    }
+
+    /// Holds the fence's lease while the shard is fenced and nothing is decided:
+    /// renews it once now, then every quarter of it in the background. Fails with
+    /// [`Error::LeaseExpired`] when the fence was undone meanwhile.
+    async fn hold_lease(&mut self) -> Result<()> {
+        if self.renewer.is_some() {
+            return Ok(());
+        }
+        let (source, id) = (self.source.clone(), self.id);
+        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        match self.fence_decision().await? {
+            None => Ok(()),
+            Some(Some(d)) if d == "flip" => Ok(()),
+            Some(Some(_)) => Err(lost),
+            Some(None) => {
+                let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
+                let n = self
+                    .src()
+                    .await?
+                    .execute(RENEW_SQL, &[&id, &lease_ms])
+                    .await
+                    .map_err(on(&source, "renew the fence's lease"))?;
+                if n == 0 {
+                    return Err(lost);
+                }
+                self.renewer = Some(Renewer::start(self.config, &source, id, self.options.lease)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Decides, on the source, that the move flips: a compare-and-set of the marker's
+    /// `decided`, only while the lease runs. From then on nobody can unfence the
+    /// source, and flipping the catalog is always right. The proof of it (a random
+    /// token) is kept with the decision; its SHA-256 is journaled first, so that
+    /// `shardline.complete_flip` can check it. Already decided (a resumed move): done.
+    async fn decide_flip(&mut self) -> Result<()> {
+        let (source, id) = (self.source.clone(), self.id);
+        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        match self.fence_decision().await? {
+            Some(Some(d)) if d == "flip" => {
+                self.renewer = None;
+                return Ok(());
+            }
+            Some(Some(_)) => return Err(lost),
+            Some(None) => {}
+            None => {
+                return Err(Error::Journal {
+                    id,
+                    message: format!(
+                        "{source} has no fenced marker for this move, so it cannot decide to flip"
+                    ),
+                });
+            }
+        }
+        let row = self
+            .src()
+            .await?
+            .query_one(
+                "SELECT t, encode(sha256(convert_to(t, 'UTF8')), 'hex')
+                   FROM (SELECT gen_random_uuid()::text || gen_random_uuid()::text AS t) AS s",
+                &[],
+            )
+            .await
+            .map_err(on(&source, "make the flip's proof"))?;
+        let (token, check): (String, String) = (row.get(0), row.get(1));
+        self.detail.flip_check = Some(check);
+        let detail = self.detail_json()?;
+        let j = self
+            .catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1 AND state = 'running'",
+                &[&id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        if j != 1 {
+            return Err(Error::Journal {
+                id,
+                message: "it is no longer running (aborted by another shardline?)".into(),
+            });
+        }
+        let n = self
+            .src()
+            .await?
+            .execute(
+                "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
+                  WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()",
+                &[&id, &token],
+            )
+            .await
+            .map_err(on(&source, "decide to flip"))?;
+        if n != 1 {
+            tracing::warn!(id, "the fence's lease ran out before the flip; the move is undone");
+            return Err(lost);
+        }
+        self.renewer = None;
+        Ok(())
+    }
+
     /// Writes the step done (and the detail) to the journal.
     async fn journal(&mut self, step: Step) -> Result<()> {
         let detail = self.detail_json()?;
@@ -466,6 +785,11 @@ impl<'a> Mover<'a> {
 
     /// Runs the steps after the journaled one, through the end.
     async fn drive(&mut self) -> Result<MoveReport> {
+        // A resumed move whose shard is (or may be) fenced: hold the lease again, or
+        // learn that it ran out and the fence was undone.
+        if self.step.pauses_writes() || self.step == Step::CaughtUp {
+            self.hold_lease().await?;
+        }
         while self.step < Step::Cleaned {
             if self.options.stop_after == Some(self.step) {
                 return Err(Error::Interrupted { id: self.id, step: self.step });
@@ -515,6 +839,7 @@ impl<'a> Mover<'a> {
         dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
             .await
             .map_err(on(&target, "create the ledger"))?;
+        install_resolve(dst, &target).await?;
         let exists: bool = dst
             .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema.as_str()])
             .await
@@ -560,6 +885,7 @@ impl<'a> Mover<'a> {
         let source = self.source.clone();
         let src = self.src().await?;
         src.batch_execute(MARKS_SQL).await.map_err(on(&source, "create the marker table"))?;
+        install_resolve(src, &source).await?;
         src.execute("INSERT INTO shardline.move_marks (move_id) VALUES ($1) ON CONFLICT DO NOTHING", &[&id])
             .await
             .map_err(on(&source, "write the move's marker"))?;
@@ -802,16 +1128,25 @@ impl<'a> Mover<'a> {
         let (schema, moved) = (self.schema.clone(), self.moved.clone());
         let attempts = self.options.fence_attempts.max(1);
         let lock_ms = self.options.lock_timeout.as_millis();
+        let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
         self.fence_started = None;
         let (live, fenced) = self.source_schemas().await?;
         let src = self.src().await?;
         let mark = if !live && fenced {
             // Fenced before an interruption, and not journaled: read the fence's mark.
-            src.query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+            let n = src
+                .query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
                 .await
                 .map_err(on(&source, "read the fence marker"))?
-                .get(0)
+                .get(0);
+            self.hold_lease().await?;
+            n
         } else if live {
+            // A fence undone once (its lease ran out) is not tried again.
+            if matches!(self.fence_decision().await?, Some(Some(_))) {
+                return Err(Error::LeaseExpired { id, shard: self.shard.get() });
+            }
+            let src = self.src().await?;
             let tables: Vec<String> = src
                 .query(
                     "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
@@ -829,11 +1164,19 @@ impl<'a> Mover<'a> {
                 let started = Instant::now();
                 self.detail.fenced_at_ms = Some(now_ms());
                 let src = self.src().await?;
-                match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms).await {
+                match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms, lease_ms).await {
                     Ok(fenced) => {
+                        if self.options.lose_fence_reply {
+                            tracing::warn!(
+                                id,
+                                "drill: the fence committed; stopping as if its reply was lost"
+                            );
+                            return Err(Error::Interrupted { id, step: self.step });
+                        }
                         self.fence_started = Some(started);
                         self.detail.fence_sequence = Some(fenced.last_value);
                         self.detail.sequence_max = Some(fenced.old_max);
+                        self.hold_lease().await?;
                         break fenced.mark;
                     }
                     Err(e) if is_lock_conflict(&e) && attempt < attempts => {
@@ -1009,8 +1352,34 @@ impl<'a> Mover<'a> {
         self.journal(Step::Verified).await
     }
 
-    /// Points the catalog's map at the target, in the same transaction as the journal.
+    /// Decides the flip on the source ([`Mover::decide_flip`]), then points the
+    /// catalog's map at the target, in the same transaction as the journal. Once
+    /// decided, a catalog that does not answer is tried again for up to
+    /// `sync_timeout` (the shard stays fenced meanwhile; a router that finds it fenced
+    /// completes the flip with `shardline.complete_flip` once the catalog is back, and
+    /// so does `--resume`).
     async fn flip(&mut self) -> Result<()> {
+        self.decide_flip().await?;
+        let deadline = Instant::now() + self.options.sync_timeout;
+        loop {
+            match self.flip_catalog().await {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
+                    tracing::warn!(id = self.id, error = %e, "the flip is decided but the catalog failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if self.catalog.client().is_closed()
+                        && let Ok((catalog, _)) = Catalog::open(self.config).await
+                        && lock_move(&catalog, self.id).await.is_ok()
+                    {
+                        self.catalog = catalog;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn flip_catalog(&mut self) -> Result<()> {
         let pause = match self.fence_started {
             Some(t) => ms(t.elapsed()),
             None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
@@ -1163,6 +1532,7 @@ async fn read_sequence(c: &Client, host: &HostName, seq: &str) -> Result<(i64, i
     Ok((row.get(0), row.get(1)))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn fence_once(
     src: &Client,
     source: &HostName,
@@ -1171,6 +1541,7 @@ async fn fence_once(
     moved: &str,
     id: i64,
     lock_ms: u128,
+    lease_ms: i64,
 ) -> Result<Fenced> {
     let fail = on(source, "fence the shard");
     let result = async {
@@ -1196,13 +1567,21 @@ async fn fence_once(
         ))
         .await
         .map_err(&fail)?;
+        // The lease starts with the fence, with what undoing it needs.
         let n: i64 = src
-            .query_one(
-                "UPDATE shardline.move_marks SET n = n + 1, fenced = true WHERE move_id = $1 RETURNING n",
-                &[&id],
+            .query_opt(
+                "UPDATE shardline.move_marks SET n = n + 1, fenced = true, decided = NULL,
+                        lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond',
+                        schema_name = $3, moved_schema = $4, sequence_max = $5
+                  WHERE move_id = $1 AND decided IS NULL RETURNING n",
+                &[&id, &lease_ms, &schema.as_str(), &moved, &old_max],
             )
             .await
             .map_err(&fail)?
+            .ok_or_else(|| Error::Journal {
+                id,
+                message: format!("{source} has no undecided marker for this move, so it cannot be fenced"),
+            })?
             .get(0);
         src.batch_execute("COMMIT").await.map_err(&fail)?;
         Ok(Fenced { mark: n, last_value, old_max })
@@ -1444,6 +1823,19 @@ pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOption
             }
         })?;
     lock_move(&catalog, id).await?;
+    let missing: bool = catalog
+        .client()
+        .query_one("SELECT to_regprocedure('shardline.complete_flip(bigint,text)') IS NULL", &[])
+        .await
+        .map_err(catalog_err("look for shardline.complete_flip"))?
+        .get(0);
+    if missing {
+        catalog
+            .client()
+            .batch_execute(COMPLETE_FLIP_SQL)
+            .await
+            .map_err(catalog_err("install shardline.complete_flip"))?;
+    }
     let record = journal::by_id(catalog.client(), id).await?;
     let mover = Mover::load(config, options, catalog, info.layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
@@ -1457,10 +1849,22 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
         Err(e) => {
             let fenced =
                 mover.step.pauses_writes() || (mover.step == Step::CaughtUp && mover.fence_started.is_some());
-            let verify = matches!(e, Error::Verify { .. });
+            let verify = matches!(e, Error::Verify { .. } | Error::LeaseExpired { .. });
             if fenced || verify {
                 tracing::warn!(id = mover.id, error = %e, "the move failed while the shard was fenced; undoing it");
                 if let Err(undo) = undo(&mut mover, &e.to_string()).await {
+                    if matches!(undo, Error::FlipDecided { .. }) {
+                        tracing::error!(
+                            id = mover.id,
+                            "the source decided to flip: routers or `shardline move --resume` complete the flip"
+                        );
+                        record_error(
+                            &mover,
+                            &format!("{e}; the flip is decided: `shardline move --resume` finishes it"),
+                        )
+                        .await;
+                        return Err(e);
+                    }
                     tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
                     record_error(&mover, &format!("{e}; undoing it failed too: {undo}")).await;
                     return Err(e);
@@ -1484,28 +1888,36 @@ async fn record_error(mover: &Mover<'_>, error: &str) {
         .await;
 }
 
-/// Undoes a move that has not flipped: the target's copy and subscription dropped (or
-/// left to `gc`, named, if the target is down), the source unfenced, its publication
-/// and slots dropped. The source must be reachable.
+/// Undoes a move that has not flipped: the source decides `undo` and is unfenced (one
+/// transaction, refused once the source decided to flip), then the target's copy and
+/// subscription are dropped (or left to `gc`, named, if the target is down), and the
+/// source's publication and slots. The source must be reachable; the catalog need not
+/// be for the unfencing (the source's decision is what rules out a flip), but the rest
+/// waits for it (`--abort` or `gc` finish it).
 async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
     if mover.step >= Step::Flipped {
         return Err(Error::Flipped { id: mover.id, shard: mover.shard.get() });
     }
-    // The map must still place the shard on the source: only then is the target's
-    // copy nobody's.
-    let map = mover.catalog.map().await?;
-    if *map.host_of(mover.shard) != mover.source {
-        return Err(Error::Journal {
-            id: mover.id,
-            message: format!(
-                "the map places shard {} on {}, not on the source",
-                mover.shard,
-                map.host_of(mover.shard)
-            ),
-        });
+    // The map, when it can be read, must still place the shard on the source: only then
+    // is the target's copy nobody's.
+    match mover.catalog.map().await {
+        Ok(map) if *map.host_of(mover.shard) != mover.source => {
+            return Err(Error::Journal {
+                id: mover.id,
+                message: format!(
+                    "the map places shard {} on {}, not on the source",
+                    mover.shard,
+                    map.host_of(mover.shard)
+                ),
+            });
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(id = mover.id, error = %e, "cannot read the map; unfencing on the source's decision alone");
+        }
     }
-    // The source first, read-only: while it cannot be reached nothing is touched, and
-    // the move stays as it was (resumable, or abortable once the source is back).
+    // The source first: while it cannot be reached nothing is touched, and the move
+    // stays as it was (resumable, or abortable once the source is back).
     let (source, schema, moved) = (mover.source.clone(), mover.schema.clone(), mover.moved.clone());
     let (live, fenced) = mover.source_schemas().await?;
     if !live && !fenced {
@@ -1514,6 +1926,8 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
             message: format!("neither {schema} nor {moved} is on {source}"),
         });
     }
+    let unfenced = unfence(mover, live, fenced).await?;
+    mover.renewer = None;
     // From here on the move can only be undone: say so before the target's copy goes.
     if !mover.detail.undoing {
         mover.detail.undoing = true;
@@ -1539,26 +1953,6 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
         ));
         target_left = true;
     }
-    // The fence capped the sequence at its last value: the cap is lifted with the rename.
-    let max = mover.detail.sequence_max.unwrap_or_else(|| mover.layout.max_sequence_value());
-    let src = mover.src().await?;
-    let unfenced = !live && fenced;
-    if unfenced {
-        src.batch_execute(&format!(
-            "BEGIN;
-             ALTER SCHEMA {} RENAME TO {};
-             ALTER SEQUENCE {}.shardline_id_seq MAXVALUE {max};
-             UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {};
-             COMMIT",
-            quote_ident(&moved),
-            schema.quoted(),
-            schema.quoted(),
-            quote_literal(schema.as_str()),
-            quote_literal(&moved)
-        ))
-        .await
-        .map_err(on(&source, "unfence the shard"))?;
-    }
     mover.clean_source().await?;
     mover.detail.cleanup_pending = pending.clone();
     mover.detail.target_schema_left = target_left;
@@ -1580,6 +1974,108 @@ async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
         unfenced,
         cleanup_pending: pending,
     })
+}
+
+/// On the source, in one transaction: the marker's `decided` set to `undo` (refused
+/// with [`Error::FlipDecided`] when it says `flip`), and, when the shard is fenced, its
+/// schema renamed back, its ledger rows moved back and its sequence's cap lifted.
+/// Returns whether it unfenced the shard.
+async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> Result<bool> {
+    let (source, schema, moved, id) =
+        (mover.source.clone(), mover.schema.clone(), mover.moved.clone(), mover.id);
+    let shard = mover.shard.get();
+    let layout_max = mover.layout.max_sequence_value();
+    let journaled_max = mover.detail.sequence_max;
+    let src = mover.src().await?;
+    let fail = on(&source, "unfence the shard");
+    let has_marks: bool = src
+        .query_one("SELECT to_regclass('shardline.move_marks') IS NOT NULL", &[])
+        .await
+        .map_err(&fail)?
+        .get(0);
+    let result = async {
+        src.batch_execute("BEGIN").await.map_err(&fail)?;
+        let mut marked_max = None;
+        if has_marks
+            && let Some(row) = src
+                .query_opt(
+                    "SELECT decided, sequence_max FROM shardline.move_marks WHERE move_id = $1 FOR UPDATE",
+                    &[&id],
+                )
+                .await
+                .map_err(&fail)?
+        {
+            let decided: Option<String> = row.get(0);
+            if decided.as_deref() == Some("flip") {
+                return Err(Error::FlipDecided { id, shard });
+            }
+            marked_max = row.get::<_, Option<i64>>(1);
+            src.execute("UPDATE shardline.move_marks SET decided = 'undo' WHERE move_id = $1", &[&id])
+                .await
+                .map_err(&fail)?;
+        }
+        let unfenced = !live && fenced;
+        if unfenced {
+            // The fence capped the sequence at its last value: the cap is lifted with
+            // the rename.
+            let max = journaled_max.or(marked_max).unwrap_or(layout_max);
+            src.batch_execute(&format!(
+                "ALTER SCHEMA {} RENAME TO {};
+                 ALTER SEQUENCE {}.shardline_id_seq MAXVALUE {max};
+                 UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {}",
+                quote_ident(&moved),
+                schema.quoted(),
+                schema.quoted(),
+                quote_literal(schema.as_str()),
+                quote_literal(&moved)
+            ))
+            .await
+            .map_err(&fail)?;
+        }
+        src.batch_execute("COMMIT").await.map_err(&fail)?;
+        Ok(unfenced)
+    }
+    .await;
+    if result.is_err() {
+        let _ = src.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+/// For `gc`: finishes undoing running move `record` when its source decided `undo`
+/// (its fence's lease ran out, its mover gone). Returns whether it did; a move that
+/// another process holds, or whose source does not answer, is left alone.
+pub(crate) async fn finish_undone(config: &Config, record: &MoveRecord) -> Result<bool> {
+    let (catalog, info) = Catalog::open(config).await?;
+    if lock_move(&catalog, record.id).await.is_err() {
+        return Ok(false);
+    }
+    let record = journal::by_id(catalog.client(), record.id).await?;
+    if record.state != State::Running {
+        return Ok(false);
+    }
+    let options = MoveOptions::default();
+    let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
+    match mover.fence_decision().await {
+        Ok(Some(Some(d))) if d == "undo" => {}
+        _ => return Ok(false),
+    }
+    undo(&mut mover, "the fence's lease ran out with its mover gone; the undo was finished by gc").await?;
+    Ok(true)
+}
+
+/// Installs [`RESOLVE_SQL`] on a host where it is missing (`init` replaces it
+/// always, to upgrade it).
+async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
+    let missing: bool = c
+        .query_one("SELECT to_regprocedure('shardline.resolve_fence(text)') IS NULL", &[])
+        .await
+        .map_err(on(host, "look for shardline.resolve_fence"))?
+        .get(0);
+    if missing {
+        c.batch_execute(RESOLVE_SQL).await.map_err(on(host, "install shardline.resolve_fence"))?;
+    }
+    Ok(())
 }
 
 /// `shardline move --resume [SHARD]`: finishes the running moves (of one shard, or all),

@@ -57,6 +57,21 @@ impl std::fmt::Display for GcReport {
 /// host is reported, not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let (catalog, _) = Catalog::open(config).await?;
+    let mut report = GcReport::default();
+    // Moves whose fence's lease ran out and was undone on the source (by a router),
+    // their mover gone: finish undoing them, so the journal agrees.
+    for m in journal::running(catalog.client(), None).await? {
+        match super::engine::finish_undone(config, &m).await {
+            Ok(true) => report.dropped.push(format!(
+                "{}: fence of move {} (its lease ran out; the move is undone)",
+                m.source, m.id
+            )),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(id = m.id, error = %e, "cannot finish undoing a move whose lease ran out");
+            }
+        }
+    }
     let moves = journal::all(catalog.client()).await?;
     let map = catalog.map().await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
@@ -72,7 +87,6 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
         .map(|r| r.get(0))
         .collect();
     let by_id: HashMap<i64, &MoveRecord> = moves.iter().map(|m| (m.id, m)).collect();
-    let mut report = GcReport::default();
     for host in &config.hosts {
         let c = match shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await {
             Ok(c) => c,

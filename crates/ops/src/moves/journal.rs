@@ -178,6 +178,9 @@ pub struct Detail {
     /// The source's sequence's MAXVALUE before the fence capped it; undoing the move
     /// restores it (the layout's maximum when this is unknown).
     pub sequence_max: Option<i64>,
+    /// The SHA-256 (hex) of the proof the source keeps with its decision to flip;
+    /// `shardline.complete_flip` flips only for the token that hashes to it.
+    pub flip_check: Option<String>,
     /// The ID sequence value carried to the target.
     pub sequence: Option<i64>,
     /// How long the shard's writes were stopped, in ms.

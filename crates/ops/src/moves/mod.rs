@@ -17,11 +17,18 @@
 //! 7. the ID sequence carried above the source's last value;
 //! 8. verify: row counts and checksums per table; a mismatch lists the differing keys
 //!    and undoes the move;
-//! 9. flip: the catalog's map points at the target (routers are notified);
+//! 9. flip: the source decides `flip` on its marker row (only while the fence's lease
+//!    runs), then the catalog's map points at the target (routers are notified);
 //! 10. clean: subscription, publication, slots dropped. The source's old schema stays,
 //!     renamed, until [`gc()`] after a grace period.
 //!
 //! Only the moving shard's writes pause, from step 5 to step 9.
+//!
+//! The fence holds a lease on the source (`MoveOptions::lease`), renewed by the mover.
+//! If it runs out with nothing decided (the mover died, the fence's reply was lost, the
+//! catalog went down), the first router that finds the shard fenced unfences it on its
+//! source through `shardline.resolve_fence` ([`engine::RESOLVE_SQL`]); a decided flip is
+//! completed through `shardline.complete_flip` ([`engine::COMPLETE_FLIP_SQL`]).
 
 pub mod engine;
 pub mod gc;
