@@ -106,6 +106,13 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
         .batch_execute(&format!("{}\n{}", crate::moves::MARKS_SQL, crate::moves::engine::RESOLVE_SQL))
         .await
         .map_err(|e| host_err(host, "install shardline.resolve_fence", &e))?;
+    let grants = crate::grants::host_grants(inputs.roles);
+    if !grants.is_empty() {
+        client
+            .batch_execute(&grants)
+            .await
+            .map_err(|e| host_err(host, "grant app_roles the host's shardline schema", &e))?;
+    }
     let existing: HashSet<String> = client
         .query("SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1)", &[&schemas])
         .await

@@ -8,6 +8,7 @@
 //!   checksum of the statements, so adding a role to `app_roles` makes the next
 //!   `migrate` grant every shard.
 //! - [`catalog_grants`]: reading the catalog, which routing needs.
+//! - [`host_grants`]: calling `shardline.resolve_fence` on each host.
 //! - [`read_acl`] and [`carry`]: a move makes the target's privileges on the shard's
 //!   schema, tables, sequences, columns and routines those of the source, whoever
 //!   granted them (an application role or a hand-made grant).
@@ -69,6 +70,18 @@ pub fn catalog_grants(roles: &[RoleName]) -> String {
     let to = roles.iter().map(RoleName::quoted).collect::<Vec<_>>().join(", ");
     let tables = CATALOG_TABLES.iter().map(|t| format!("shardline.{t}")).collect::<Vec<_>>().join(", ");
     format!("GRANT USAGE ON SCHEMA shardline TO {to};\nGRANT SELECT ON {tables} TO {to}")
+}
+
+/// The statement that lets each of `roles` call what a host offers every router:
+/// `USAGE` on the host's schema `shardline`, for `shardline.resolve_fence` (executable
+/// by `PUBLIC`), which finishes or undoes a move's fence whose lease ran out. Empty when
+/// `roles` is.
+pub fn host_grants(roles: &[RoleName]) -> String {
+    if roles.is_empty() {
+        return String::new();
+    }
+    let to = roles.iter().map(RoleName::quoted).collect::<Vec<_>>().join(", ");
+    format!("GRANT USAGE ON SCHEMA shardline TO {to}")
 }
 
 /// Which of `roles` do not exist on `client`'s server.
