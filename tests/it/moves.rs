@@ -837,12 +837,13 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     // The matrix is scripted, so its outcomes are too. A recovery fails while the host
     // is down when it needs that host (steps counted from 0): every abort with the source down (steps 1, 3, 5,
     // 7), and every resume whose next step touches the dead host before the flip (the
-    // source at steps 0, 2, 4, 6; the target at 1, 3, 5): 11. Ended undone: the 8 aborts
-    // (4 with the source down, finished once it is back; 4 with the target down, at
-    // once) and the 2 resumes that failed while fenced with the source up (the target
-    // dead after caught_up and after synced): 10; the other 8 completed.
-    assert_eq!(failed_while_down, 11, "recoveries that failed while the host was down");
-    assert_eq!(undone_count, 10, "moves that ended undone");
+    // source at steps 0, 2, 4, 6; the target at 1, 3, 5, and at 7, where the source's
+    // privileges are carried to it once more before the flip): 12. Ended undone: the 8
+    // aborts (4 with the source down, finished once it is back; 4 with the target down,
+    // at once) and the 3 resumes that failed while fenced with the source up (the target
+    // dead after caught_up, synced and verified): 11; the other 7 completed.
+    assert_eq!(failed_while_down, 12, "recoveries that failed while the host was down");
+    assert_eq!(undone_count, 11, "moves that ended undone");
     // A mover that dies halfway through an undo (journaled as begun, the target's copy
     // perhaps gone) leaves a move that must not be resumed: resume refuses and says to
     // abort, and abort finishes the undo.
