@@ -1,0 +1,294 @@
+//! Building the target and copying: `prepared`, `copying`, `caught_up` (the schema from
+//! the migrations, the privileges, the subscription, the deferred indexes, the markers).
+
+use super::*;
+
+impl Mover<'_> {
+    /// Builds the schema on the target; publishes it on the source.
+    pub(super) async fn prepare(&mut self) -> Result<()> {
+        let migrations = load_dir(&self.config.migrations)?;
+        let map = self.catalog.map().await?;
+        let (schema, target, id, name) = (self.schema.clone(), self.target.clone(), self.id, self.name());
+        let layout = self.layout;
+        let shard = self.shard;
+        let prefix = self.config.schema_prefix.clone();
+        let config = self.config;
+        let lock_timeout = self.options.lock_timeout;
+        let dst = self.dst().await?;
+        dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
+            .await
+            .map_err(on(&target, "create the ledger"))?;
+        install_resolve(dst, &target).await?;
+        let exists: bool = dst
+            .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&schema.as_str()])
+            .await
+            .map_err(on(&target, "look for the schema"))?
+            .get(0);
+        if !exists {
+            // One transaction: the schema, its minter, every migration, the ledger.
+            let work = ShardWork {
+                shard,
+                schema: schema.clone(),
+                create_schema: true,
+                minter: Some(ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.install()),
+                migrations: (0..migrations.len()).collect(),
+                grants: Some(grants::shard_grants(&schema, &config.app_roles)).filter(|g| !g.is_empty()),
+            };
+            let shard_timeout = crate::Options::default().shard_timeout;
+            let inputs = Inputs {
+                map: &map,
+                prefix: &prefix,
+                layout,
+                migrations: &migrations,
+                roles: &config.app_roles,
+                lock_timeout,
+                shard_timeout,
+            };
+            converge::apply_shard(dst, &target, &work, &inputs).await?;
+            // The copy is faster into bare tables: secondary indexes (those no constraint
+            // owns) are built once the copy is done (see `catch_up`).
+            let drops: Vec<String> = dst
+                .query(SECONDARY_INDEXES, &[&schema.as_str()])
+                .await
+                .map_err(on(&target, "list the indexes"))?
+                .iter()
+                .map(|r| format!("DROP INDEX {}.{};", schema.quoted(), quote_ident(r.get(0))))
+                .collect();
+            if !drops.is_empty() {
+                dst.batch_execute(&drops.concat()).await.map_err(on(&target, "defer the indexes"))?;
+            }
+        }
+        // The source's privileges, hand-made ones too, before anything is published
+        // (and again right before the flip, for any granted meanwhile).
+        self.carry_privileges(self.schema.as_str().to_owned()).await?;
+        let source = self.source.clone();
+        let src = self.src().await?;
+        src.batch_execute(MARKS_SQL).await.map_err(on(&source, "create the marker table"))?;
+        install_resolve(src, &source).await?;
+        src.execute("INSERT INTO shardline.move_marks (move_id) VALUES ($1) ON CONFLICT DO NOTHING", &[&id])
+            .await
+            .map_err(on(&source, "write the move's marker"))?;
+        let published: bool = src
+            .query_one("SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1)", &[&name])
+            .await
+            .map_err(on(&source, "look for the publication"))?
+            .get(0);
+        if !published {
+            src.batch_execute(&format!(
+                "CREATE PUBLICATION {name} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {id})",
+                schema.quoted()
+            ))
+            .await
+            .map_err(on(&source, "create the publication"))?;
+        }
+        self.journal(Step::Prepared).await
+    }
+
+    /// Makes the target's privileges on the shard's schema, tables, sequences, columns
+    /// and routines those of the source, where the schema is called `source_schema`
+    /// (its own name before the fence, the fence's after). Idempotent.
+    pub(super) async fn carry_privileges(&mut self, source_schema: String) -> Result<()> {
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        self.src().await?;
+        self.dst().await?;
+        let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+            return Err(Error::Busy);
+        };
+        grants::carry(src, &source, &source_schema, dst, &target, &schema).await.map(drop)
+    }
+
+    /// Subscribes the target to the source, disabled; journals the subscription's OID
+    /// (it names the table-sync slots) before enabling it in the next step.
+    pub(super) async fn subscribe(&mut self) -> Result<()> {
+        let name = self.name();
+        let target = self.target.clone();
+        let peer = self
+            .config
+            .hosts
+            .iter()
+            .find(|h| h.name == self.source)
+            .map(|h| h.peer_url.expose().to_owned())
+            .ok_or_else(|| Error::HostMissing { host: self.source.to_string(), shards: 0 })?;
+        // The slot first, made on the source by a session that holds no transaction
+        // ID. Left to CREATE SUBSCRIPTION, it would be made while the target's DDL
+        // transaction waits; two moves in opposite directions would then each wait for
+        // the other's transaction to end (a slot waits for every running one).
+        let source = self.source.clone();
+        self.src()
+            .await?
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+                  WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+                &[&name],
+            )
+            .await
+            .map_err(on(&source, "create the replication slot"))?;
+        let dst = self.dst().await?;
+        let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
+        let mut oid =
+            dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
+        if oid.is_none() {
+            let rest = format!(
+                "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}')"
+            );
+            // The peer URL may hold a password: through the one helper that keeps
+            // it out of the driver's logs and out of the error.
+            if let Err((sqlstate, message)) =
+                subscription::create_subscription(dst, &name, &peer, &rest).await
+            {
+                return Err(Error::Host {
+                    host: target.to_string(),
+                    what: "subscribe to the source".into(),
+                    sqlstate,
+                    message,
+                });
+            }
+            oid = dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
+        }
+        let oid: i64 = oid.map(|r| r.get(0)).ok_or_else(|| Error::Journal {
+            id: self.id,
+            message: format!("the subscription {name} vanished on {target}"),
+        })?;
+        self.detail.subscription_oid = u32::try_from(oid).ok();
+        self.journal(Step::Copying).await
+    }
+
+    /// Enables the subscription, waits for every table's copy, then for the lag to fall
+    /// under `max_lag`.
+    pub(super) async fn catch_up(&mut self) -> Result<()> {
+        let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
+        let oid = self.detail.subscription_oid.map(i64::from);
+        let started = Instant::now();
+        let deadline = started + self.options.copy_timeout;
+        let schema = self.schema.clone();
+        let total = self.detail.bytes;
+        self.dst()
+            .await?
+            .batch_execute(&format!("ALTER SUBSCRIPTION {name} ENABLE"))
+            .await
+            .map_err(on(&target, "enable the subscription"))?;
+        let mut checked = Instant::now();
+        loop {
+            if checked.elapsed() > SOURCE_CHECK {
+                self.source_answers().await?;
+                checked = Instant::now();
+            }
+            let dst = self.dst().await?;
+            let row = dst
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE r.srsubstate = 'r'), count(*),
+                            (SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
+                               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                              WHERE n.nspname = $2 AND c.relkind = 'r')
+                       FROM pg_subscription_rel r WHERE r.srsubid = $1::bigint::oid",
+                    &[&oid, &schema.as_str()],
+                )
+                .await
+                .map_err(on(&target, "read the copy's progress"))?;
+            let (ready, tables, bytes): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+            self.report(MoveProgress::Copy { bytes, total, tables_done: ready, tables });
+            if tables > 0 && ready == tables {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    host: target.to_string(),
+                    what: format!("the initial copy ({ready} of {tables} tables done)"),
+                    after: self.options.copy_timeout,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.build_indexes().await?;
+        self.detail.copy_ms = Some(ms(started.elapsed()));
+        loop {
+            let round = Instant::now();
+            let n: i64 = self
+                .src()
+                .await?
+                .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
+                .await
+                .map_err(on(&source, "write the lag marker"))?
+                .get(0);
+            self.wait_mark(n, deadline, "catch up").await?;
+            let lag = ms(round.elapsed());
+            self.report(MoveProgress::Lag { ms: lag });
+            if round.elapsed() <= self.options.max_lag {
+                self.detail.lag_ms = Some(lag);
+                break;
+            }
+        }
+        self.journal(Step::CaughtUp).await
+    }
+
+    /// Builds on the target every secondary index the source's schema has and the
+    /// target lacks (deferred during the copy), from the source's own definitions.
+    pub(super) async fn build_indexes(&mut self) -> Result<()> {
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        let wanted: Vec<(String, String)> = self
+            .src()
+            .await?
+            .query(
+                "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
+                   JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 ORDER BY 1",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "read the index definitions"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let dst = self.dst().await?;
+        let have: Vec<String> = dst
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'i'",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&target, "list the indexes"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (name, def) in wanted.iter().filter(|(n, _)| !have.contains(n)) {
+            tracing::debug!(index = %name, "building a deferred index");
+            dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the target's marker reaches `n`.
+    pub(super) async fn wait_mark(&mut self, n: i64, deadline: Instant, what: &str) -> Result<()> {
+        let (target, id) = (self.target.clone(), self.id);
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(500);
+        let mut checked = Instant::now();
+        loop {
+            if checked.elapsed() > SOURCE_CHECK {
+                self.source_answers().await?;
+                checked = Instant::now();
+            }
+            let seen: Option<i64> = self
+                .dst()
+                .await?
+                .query_opt("SELECT n FROM shardline.move_marks WHERE move_id = $1", &[&id])
+                .await
+                .map_err(on(&target, "read the marker"))?
+                .map(|r| r.get(0));
+            if seen.is_some_and(|s| s >= n) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now > deadline {
+                return Err(Error::Timeout {
+                    host: target.to_string(),
+                    what: format!("{what}: the source's change {n} to reach the target (it has {seen:?})"),
+                    after: now - started,
+                });
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(4));
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! The fence and what happens under it before verification: `fenced`, `synced`,
+//! `sequence_carried`, and the fence's lease on the source.
+
+use super::*;
+
+impl Mover<'_> {
+    /// What the source's marker says of the fence: `None` when it is not fenced
+    /// (or has no marker), `Some(decided)` when it is.
+    pub(super) async fn fence_decision(&mut self) -> Result<Option<Option<String>>> {
+        let (source, id) = (self.source.clone(), self.id);
+        let src = self.src().await?;
+        let has: bool = src
+            .query_one("SELECT to_regclass('shardline.move_marks') IS NOT NULL", &[])
+            .await
+            .map_err(on(&source, "look for the marker table"))?
+            .get(0);
+        if !has {
+            return Ok(None);
+        }
+        Ok(src
+            .query_opt("SELECT decided FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+            .await
+            .map_err(on(&source, "read the fence's lease"))?
+            .map(|r| r.get(0)))
+    }
+
+    /// Holds the fence's lease while the shard is fenced and nothing is decided:
+    /// renews it once now, then every quarter of it in the background. Fails with
+    /// [`Error::LeaseExpired`] when the fence was undone meanwhile.
+    pub(super) async fn hold_lease(&mut self) -> Result<()> {
+        if self.renewer.is_some() {
+            return Ok(());
+        }
+        let (source, id) = (self.source.clone(), self.id);
+        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        match self.fence_decision().await? {
+            None => Ok(()),
+            Some(Some(d)) if d == "flip" => Ok(()),
+            Some(Some(_)) => Err(lost),
+            Some(None) => {
+                let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
+                let n = self
+                    .src()
+                    .await?
+                    .execute(RENEW_SQL, &[&id, &lease_ms])
+                    .await
+                    .map_err(on(&source, "renew the fence's lease"))?;
+                if n == 0 {
+                    return Err(lost);
+                }
+                self.renewer = Some(Renewer::start(self.config, &source, id, self.options.lease)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Stops writes on the source, in one transaction: lock the shard's tables
+    /// (waiting for writes in flight), lock its ID sequence (waiting for every
+    /// transaction that minted from it: `next_id()`, `reserve_ids()`) and cap it at its
+    /// last value (a caller that looked the sequence up before the rename and waited
+    /// behind the fence then fails with 2200H instead of minting), rename its schema
+    /// (every later statement, also a prepared one from a router with an old map, fails
+    /// with 42P01/3F000 and the router reloads the map), move the ledger rows along,
+    /// bump the marker. A lock not had within `lock_timeout`, or a deadlock (a
+    /// transaction that minted, then writes a table the fence holds), rolls it all back
+    /// and tries again.
+    pub(super) async fn fence(&mut self) -> Result<()> {
+        let (source, id) = (self.source.clone(), self.id);
+        let (schema, moved) = (self.schema.clone(), self.moved.clone());
+        let attempts = self.options.fence_attempts.max(1);
+        let lock_ms = self.options.lock_timeout.as_millis();
+        let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
+        self.fence_started = None;
+        let (live, fenced) = self.source_schemas().await?;
+        let src = self.src().await?;
+        let mark = if !live && fenced {
+            // Fenced before an interruption, and not journaled: read the fence's mark.
+            let n = src
+                .query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+                .await
+                .map_err(on(&source, "read the fence marker"))?
+                .get(0);
+            self.hold_lease().await?;
+            n
+        } else if live {
+            // A fence undone once (its lease ran out) is not tried again.
+            if matches!(self.fence_decision().await?, Some(Some(_))) {
+                return Err(Error::LeaseExpired { id, shard: self.shard.get() });
+            }
+            let src = self.src().await?;
+            let tables: Vec<String> = src
+                .query(
+                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
+                       JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
+                    &[&schema.as_str()],
+                )
+                .await
+                .map_err(on(&source, "list the shard's tables"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut attempt = 1;
+            loop {
+                let started = Instant::now();
+                self.detail.fenced_at_ms = Some(now_ms());
+                let src = self.src().await?;
+                match fence_once(src, &source, &tables, &schema, &moved, id, lock_ms, lease_ms).await {
+                    Ok(fenced) => {
+                        if self.options.lose_fence_reply {
+                            tracing::warn!(
+                                id,
+                                "drill: the fence committed; stopping as if its reply was lost"
+                            );
+                            return Err(Error::Interrupted { id, step: self.step });
+                        }
+                        self.fence_started = Some(started);
+                        self.detail.fence_sequence = Some(fenced.last_value);
+                        self.detail.sequence_max = Some(fenced.old_max);
+                        self.hold_lease().await?;
+                        break fenced.mark;
+                    }
+                    Err(e) if is_lock_conflict(&e) && attempt < attempts => {
+                        tracing::warn!(id, attempt, error = %e, "fence: the shard's tables or ID sequence are busy; trying again");
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        } else {
+            return Err(Error::Journal {
+                id,
+                message: format!(
+                    "neither {schema} nor {moved} is on {source}; the shard's data is not where the journal says"
+                ),
+            });
+        };
+        self.detail.fence_mark = Some(mark);
+        self.journal(Step::Fenced).await
+    }
+
+    /// Waits for the fence's marker on the target.
+    pub(super) async fn sync(&mut self) -> Result<()> {
+        let mark = match self.detail.fence_mark {
+            Some(m) => m,
+            None => {
+                let (source, id) = (self.source.clone(), self.id);
+                self.src()
+                    .await?
+                    .query_one("SELECT n FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+                    .await
+                    .map_err(on(&source, "read the fence marker"))?
+                    .get(0)
+            }
+        };
+        let deadline = Instant::now() + self.options.sync_timeout;
+        self.wait_mark(mark, deadline, "after the fence").await?;
+        self.journal(Step::Synced).await
+    }
+
+    /// Sets the target's sequence to at least the source's last value, so the target's
+    /// next ID is above every one the source handed out. The fence capped the source's
+    /// sequence at that value once no transaction could mint, so it cannot have moved
+    /// since: it is read again (the fence's reading is lost if the mover died before
+    /// journaling it). A sequence found uncapped (fenced by an older shardline) is
+    /// frozen here first, the same way.
+    pub(super) async fn carry_sequence(&mut self) -> Result<()> {
+        let (source, target) = (self.source.clone(), self.target.clone());
+        let moved_seq = format!("{}.shardline_id_seq", quote_ident(&self.moved));
+        let seq = format!("{}.shardline_id_seq", self.schema.quoted());
+        let lock_ms = self.options.lock_timeout.as_millis();
+        let src = self.src().await?;
+        let (mut last, max) = read_sequence(src, &source, &moved_seq).await?;
+        if max > last {
+            let fail = on(&source, "freeze the ID sequence");
+            let frozen = async {
+                src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'"))
+                    .await
+                    .map_err(&fail)?;
+                freeze_sequence(src, &source, &moved_seq).await
+            }
+            .await;
+            let frozen = match frozen {
+                Ok(f) => src.batch_execute("COMMIT").await.map_err(&fail).map(|()| f),
+                Err(e) => {
+                    let _ = src.batch_execute("ROLLBACK").await;
+                    Err(e)
+                }
+            }?;
+            last = frozen.0;
+            self.detail.sequence_max.get_or_insert(frozen.1);
+        }
+        if let Some(fenced) = self.detail.fence_sequence {
+            if fenced != last {
+                tracing::warn!(
+                    id = self.id,
+                    fenced,
+                    now = last,
+                    "the source's ID sequence moved after the fence"
+                );
+            }
+            last = last.max(fenced);
+        }
+        self.dst()
+            .await?
+            .query_one(
+                &format!(
+                    "SELECT setval('{seq}'::regclass, greatest($1, (SELECT last_value FROM {seq})), true)"
+                ),
+                &[&last],
+            )
+            .await
+            .map_err(on(&target, "carry the ID sequence"))?;
+        self.detail.sequence = Some(last);
+        self.journal(Step::SequenceCarried).await
+    }
+}
+
+/// Renews the fence's lease on the source: `UPDATE` of the marker row, only while
+/// nothing is decided. `$2` is the lease in ms.
+pub(super) const RENEW_SQL: &str =
+    "UPDATE shardline.move_marks SET lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
+  WHERE move_id = $1 AND fenced AND decided IS NULL";
+
+/// The task that renews the fence's lease every quarter of it, on a connection of its
+/// own (the mover's session may be inside a transaction). Dropped, it stops: a mover
+/// that dies or gives up stops renewing, and the lease runs out.
+pub(super) struct Renewer {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Renewer {
+    pub(super) fn start(config: &Config, source: &HostName, id: i64, lease: Duration) -> Result<Renewer> {
+        let url = config
+            .hosts
+            .iter()
+            .find(|h| h.name == *source)
+            .map(|h| h.url.clone())
+            .ok_or_else(|| Error::HostMissing { host: source.to_string(), shards: 0 })?;
+        let source = source.clone();
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let every = (lease / 4).max(Duration::from_millis(50));
+        let task = tokio::spawn(async move {
+            let mut client: Option<Client> = None;
+            loop {
+                tokio::time::sleep(every).await;
+                if client.as_ref().is_none_or(Client::is_closed) {
+                    client = connect(&url, &format!("host {source}")).await.ok();
+                }
+                let Some(c) = client.as_ref() else {
+                    tracing::warn!(id, host = %source, "cannot reach the source to renew the fence's lease");
+                    continue;
+                };
+                match c.execute(RENEW_SQL, &[&id, &lease_ms]).await {
+                    Ok(0) => {
+                        tracing::warn!(id, host = %source, "the fence's lease is decided or gone; no longer renewing it");
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(id, host = %source, error = %e, "cannot renew the fence's lease");
+                        client = None;
+                    }
+                }
+            }
+        });
+        Ok(Renewer { task })
+    }
+}
+
+/// What one fence transaction did.
+pub(super) struct Fenced {
+    /// The marker's value.
+    mark: i64,
+    /// The source sequence's last value, now its MAXVALUE.
+    last_value: i64,
+    /// Its MAXVALUE before.
+    old_max: i64,
+}
+
+/// Inside the caller's transaction: waits for every transaction that minted from
+/// sequence `seq` (a qualified, quoted name) to end, reads its last value and caps it
+/// there, so no transaction mints from it until the cap is lifted. Returns the last
+/// value and the MAXVALUE it had.
+///
+/// `nextval` holds the sequence's ROW EXCLUSIVE lock to the end of its transaction, and
+/// `LOCK TABLE` refuses sequences; a no-op `ALTER SEQUENCE ... OWNED BY NONE` takes
+/// SHARE ROW EXCLUSIVE, which conflicts with it (the same trick as the minter's
+/// catch-up). Once it is granted `last_value` cannot move; the cap then makes every
+/// later `nextval`/`setval` past it fail (2200H/22003), also one from a caller that
+/// resolved the sequence before the schema was renamed.
+pub(super) async fn freeze_sequence(src: &Client, source: &HostName, seq: &str) -> Result<(i64, i64)> {
+    let fail = on(source, "freeze the ID sequence");
+    src.batch_execute(&format!("ALTER SEQUENCE {seq} OWNED BY NONE")).await.map_err(&fail)?;
+    let (last, max) = read_sequence(src, source, seq).await?;
+    if max > last {
+        src.batch_execute(&format!("ALTER SEQUENCE {seq} MAXVALUE {last}")).await.map_err(&fail)?;
+    }
+    Ok((last, max))
+}
+
+/// Sequence `seq`'s (a qualified, quoted name) last value and MAXVALUE.
+pub(super) async fn read_sequence(c: &Client, host: &HostName, seq: &str) -> Result<(i64, i64)> {
+    let row = c
+        .query_one(
+            &format!(
+                "SELECT s.last_value, p.seqmax FROM {seq} AS s, pg_sequence AS p WHERE p.seqrelid = $1::text::regclass"
+            ),
+            &[&seq],
+        )
+        .await
+        .map_err(on(host, "read the ID sequence"))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn fence_once(
+    src: &Client,
+    source: &HostName,
+    tables: &[String],
+    schema: &SchemaName,
+    moved: &str,
+    id: i64,
+    lock_ms: u128,
+    lease_ms: i64,
+) -> Result<Fenced> {
+    let fail = on(source, "fence the shard");
+    let result = async {
+        src.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'")).await.map_err(&fail)?;
+        // The tables first: a transaction that writes them takes their lock before it
+        // mints (DEFAULT next_id()), so this order only meets one that minted in an
+        // earlier statement and writes now: a deadlock Postgres breaks by ending one of
+        // the two (the fence then tries again).
+        if !tables.is_empty() {
+            src.batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", tables.join(", ")))
+                .await
+                .map_err(&fail)?;
+        }
+        let seq = format!("{}.shardline_id_seq", schema.quoted());
+        let (last_value, old_max) = freeze_sequence(src, source, &seq).await?;
+        src.batch_execute(&format!(
+            "ALTER SCHEMA {} RENAME TO {};
+             UPDATE shardline.shard_migrations SET schema_name = {} WHERE schema_name = {}",
+            schema.quoted(),
+            quote_ident(moved),
+            quote_literal(moved),
+            quote_literal(schema.as_str())
+        ))
+        .await
+        .map_err(&fail)?;
+        // The lease starts with the fence, with what undoing it needs.
+        let n: i64 = src
+            .query_opt(
+                "UPDATE shardline.move_marks SET n = n + 1, fenced = true, decided = NULL,
+                        lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond',
+                        schema_name = $3, moved_schema = $4, sequence_max = $5
+                  WHERE move_id = $1 AND decided IS NULL RETURNING n",
+                &[&id, &lease_ms, &schema.as_str(), &moved, &old_max],
+            )
+            .await
+            .map_err(&fail)?
+            .ok_or_else(|| Error::Journal {
+                id,
+                message: format!("{source} has no undecided marker for this move, so it cannot be fenced"),
+            })?
+            .get(0);
+        src.batch_execute("COMMIT").await.map_err(&fail)?;
+        Ok(Fenced { mark: n, last_value, old_max })
+    };
+    match result.await {
+        Ok(f) => Ok(f),
+        Err(e) => {
+            let _ = src.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}

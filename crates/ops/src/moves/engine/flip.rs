@@ -1,0 +1,281 @@
+//! `flipped` and `cleaned`: the decision on the source, the catalog's map, and what the
+//! move leaves behind.
+
+use super::*;
+
+impl Mover<'_> {
+    /// Decides, on the source, that the move flips: a compare-and-set of the marker's
+    /// `decided`, only while the lease runs. From then on nobody can unfence the
+    /// source, and flipping the catalog is always right. The proof of it (a random
+    /// token) is kept with the decision; its SHA-256 is journaled first, so that
+    /// `shardline.complete_flip` can check it. Already decided (a resumed move): done.
+    pub(super) async fn decide_flip(&mut self) -> Result<()> {
+        let (source, id) = (self.source.clone(), self.id);
+        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        match self.fence_decision().await? {
+            Some(Some(d)) if d == "flip" => {
+                self.renewer = None;
+                return Ok(());
+            }
+            Some(Some(_)) => return Err(lost),
+            Some(None) => {}
+            None => {
+                return Err(Error::Journal {
+                    id,
+                    message: format!(
+                        "{source} has no fenced marker for this move, so it cannot decide to flip"
+                    ),
+                });
+            }
+        }
+        let row = self
+            .src()
+            .await?
+            .query_one(
+                "SELECT t, encode(sha256(convert_to(t, 'UTF8')), 'hex')
+                   FROM (SELECT gen_random_uuid()::text || gen_random_uuid()::text AS t) AS s",
+                &[],
+            )
+            .await
+            .map_err(on(&source, "make the flip's proof"))?;
+        let (token, check): (String, String) = (row.get(0), row.get(1));
+        self.detail.flip_check = Some(check);
+        let detail = self.detail_json()?;
+        let j = self
+            .catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1 AND state = 'running'",
+                &[&id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        if j != 1 {
+            return Err(Error::Journal {
+                id,
+                message: "it is no longer running (aborted by another shardline?)".into(),
+            });
+        }
+        let n = self
+            .src()
+            .await?
+            .execute(
+                "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
+                  WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()",
+                &[&id, &token],
+            )
+            .await
+            .map_err(on(&source, "decide to flip"))?;
+        if n != 1 {
+            tracing::warn!(id, "the fence's lease ran out before the flip; the move is undone");
+            return Err(lost);
+        }
+        self.renewer = None;
+        Ok(())
+    }
+
+    /// Decides the flip on the source ([`Mover::decide_flip`]), then points the
+    /// catalog's map at the target, in the same transaction as the journal. Once
+    /// decided, a catalog that does not answer is tried again for up to
+    /// `sync_timeout` (the shard stays fenced meanwhile; a router that finds it fenced
+    /// completes the flip with `shardline.complete_flip` once the catalog is back, and
+    /// so does `--resume`).
+    pub(super) async fn flip(&mut self) -> Result<()> {
+        self.decide_flip().await?;
+        let deadline = Instant::now() + self.options.sync_timeout;
+        loop {
+            match self.flip_catalog().await {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
+                    tracing::warn!(id = self.id, error = %e, "the flip is decided but the catalog failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if self.catalog.client().is_closed()
+                        && let Ok((catalog, _)) = Catalog::open(self.config).await
+                        && lock_move(&catalog, self.id).await.is_ok()
+                    {
+                        self.catalog = catalog;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    pub(super) async fn flip_catalog(&mut self) -> Result<()> {
+        let pause = match self.fence_started {
+            Some(t) => ms(t.elapsed()),
+            None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
+        };
+        self.detail.pause_ms = Some(pause);
+        let detail = self.detail_json()?;
+        let c = self.catalog.client();
+        let shard = i32::from(self.shard.get());
+        let result = async {
+            c.batch_execute("BEGIN").await.map_err(catalog_err("begin the flip"))?;
+            let n = c
+                .execute(
+                    "UPDATE shardline.shards SET host = $2, updated_at = now() WHERE shard = $1 AND host IN ($2, $3)",
+                    &[&shard, &self.target.as_str(), &self.source.as_str()],
+                )
+                .await
+                .map_err(catalog_err("flip the map"))?;
+            let j = c
+                .execute(
+                    "UPDATE shardline.moves SET step = 'flipped', detail = $2::text::jsonb, error = NULL, updated_at = now()
+                      WHERE id = $1 AND state = 'running'",
+                    &[&self.id, &detail],
+                )
+                .await
+                .map_err(catalog_err("write the journal"))?;
+            if n != 1 || j != 1 {
+                return Err(Error::Journal {
+                    id: self.id,
+                    message: "the map no longer places the shard on the source, or the move is no longer running".into(),
+                });
+            }
+            c.batch_execute("COMMIT").await.map_err(catalog_err("commit the flip"))
+        }
+        .await;
+        if let Err(e) = result {
+            let _ = c.batch_execute("ROLLBACK").await;
+            return Err(e);
+        }
+        self.step = Step::Flipped;
+        tracing::info!(id = self.id, shard = shard, pause_ms = pause, "move flipped");
+        self.report(MoveProgress::Step { id: self.id, step: Step::Flipped });
+        Ok(())
+    }
+
+    /// Drops the subscription (and with it the slot), the publication and the markers.
+    /// A host that is down leaves its part to `shardline gc`, named in the journal.
+    pub(super) async fn clean(&mut self) -> Result<()> {
+        let mut pending = Vec::new();
+        if let Err(e) = self.clean_target(false).await {
+            pending.push(format!("{}: subscription {} ({e})", self.target, self.name()));
+        }
+        if let Err(e) = self.clean_source().await {
+            pending.push(format!("{}: publication and slots of {} ({e})", self.source, self.name()));
+        }
+        self.detail.cleanup_pending = pending;
+        let detail = self.detail_json()?;
+        self.catalog
+            .client()
+            .execute(
+                "UPDATE shardline.moves SET step = 'cleaned', state = 'done', detail = $2::text::jsonb, updated_at = now()
+                  WHERE id = $1 AND state = 'running'",
+                &[&self.id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        self.step = Step::Cleaned;
+        self.report(MoveProgress::Step { id: self.id, step: Step::Cleaned });
+        Ok(())
+    }
+
+    /// On the target: the subscription (detached from its slot if the source is down),
+    /// the marker; with `drop_schema`, the schema and its ledger rows too.
+    pub(super) async fn clean_target(&mut self, drop_schema: bool) -> Result<()> {
+        let (name, target, id, schema) = (self.name(), self.target.clone(), self.id, self.schema.clone());
+        let dst = self.dst().await?;
+        drop_subscription(dst, &target, &name).await?;
+        dst.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+            .await
+            .or_else(|e| {
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                    Ok(0)
+                } else {
+                    Err(e)
+                }
+            })
+            .map_err(on(&target, "delete the marker"))?;
+        if drop_schema {
+            dst.batch_execute(&format!(
+                "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+                schema.quoted(),
+                quote_literal(schema.as_str())
+            ))
+            .await
+            .map_err(on(&target, "drop the copy"))?;
+        }
+        Ok(())
+    }
+
+    /// On the source: the publication, the slots, the marker.
+    pub(super) async fn clean_source(&mut self) -> Result<()> {
+        let (name, source, id) = (self.name(), self.source.clone(), self.id);
+        let oid = self.detail.subscription_oid;
+        let src = self.src().await?;
+        drop_source_side(src, &source, &name, oid, id).await
+    }
+}
+
+/// Drops subscription `name` on `host`. If the source cannot be reached to drop its
+/// slot, the subscription is detached from the slot first (the slot is then the
+/// source's cleanup).
+pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -> Result<()> {
+    let exists: bool = c
+        .query_one("SELECT EXISTS (SELECT FROM pg_subscription WHERE subname = $1)", &[&name])
+        .await
+        .map_err(on(host, "look for the subscription"))?
+        .get(0);
+    if !exists {
+        return Ok(());
+    }
+    if c.batch_execute(&format!("DROP SUBSCRIPTION {name}")).await.is_ok() {
+        return Ok(());
+    }
+    c.batch_execute(&format!(
+        "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE); DROP SUBSCRIPTION {name}"
+    ))
+    .await
+    .map_err(on(host, "drop the subscription"))
+}
+
+/// Drops, on the source, publication and slot `name`, the table-sync slots of
+/// subscription `oid`, and move `id`'s marker. A slot still in use is released first
+/// (its WAL sender ended).
+pub(crate) async fn drop_source_side(
+    c: &Client,
+    host: &HostName,
+    name: &str,
+    oid: Option<u32>,
+    id: i64,
+) -> Result<()> {
+    c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+        .await
+        .map_err(on(host, "drop the publication"))?;
+    let sync = oid.map(|o| format!("pg\\_{o}\\_sync\\_%"));
+    for attempt in 0..20 {
+        let left: i64 = c
+            .query_one(
+                "WITH s AS (SELECT slot_name, active_pid FROM pg_replication_slots
+                             WHERE slot_name = $1 OR ($2::text IS NOT NULL AND slot_name LIKE $2)),
+                      t AS (SELECT pg_terminate_backend(active_pid) FROM s WHERE active_pid IS NOT NULL),
+                      d AS (SELECT pg_drop_replication_slot(slot_name) FROM s WHERE active_pid IS NULL)
+                 SELECT (SELECT count(*) FROM t) + (SELECT count(*) FROM d) - (SELECT count(*) FROM s WHERE active_pid IS NULL)",
+                &[&name, &sync],
+            )
+            .await
+            .map_err(on(host, "drop the replication slots"))?
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        if attempt == 19 {
+            return Err(Error::Host {
+                host: host.to_string(),
+                what: "drop the replication slots".into(),
+                sqlstate: None,
+                message: format!("{left} slot(s) of {name} stay in use"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+        .await
+        .or_else(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) { Ok(0) } else { Err(e) }
+        })
+        .map_err(on(host, "delete the marker"))?;
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! `verified`: both copies compared table by table as multisets of rows.
+
+use super::*;
+
+impl Mover<'_> {
+    /// Row counts and checksums (see [`checksum`]: every row counts, duplicates too),
+    /// table by table, both sides at once. A mismatch lists the differing keys (for a
+    /// table without a primary key, the differing rows and how often each side has
+    /// them) and stops the move (the caller undoes it).
+    pub(super) async fn verify(&mut self) -> Result<()> {
+        let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
+        let (schema, moved) = (self.schema.as_str().to_owned(), self.moved.clone());
+        self.src().await?;
+        self.dst().await?;
+        let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+            return Err(Error::Busy);
+        };
+        let (src_tables, dst_tables) =
+            futures::try_join!(tables(src, &source, &moved), tables(dst, &target, &schema))?;
+        if src_tables.iter().map(|t| &t.0).ne(dst_tables.iter().map(|t| &t.0)) {
+            return Err(Error::Verify {
+                id,
+                shard: self.shard.get(),
+                differences: vec![format!(
+                    "the tables differ: [{}] on {source}, [{}] on {target}",
+                    src_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", "),
+                    dst_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", ")
+                )],
+            });
+        }
+        let (src_idx, dst_idx) =
+            futures::try_join!(indexes(src, &source, &moved), indexes(dst, &target, &schema))?;
+        if src_idx != dst_idx {
+            return Err(Error::Verify {
+                id,
+                shard: self.shard.get(),
+                differences: vec![format!(
+                    "the indexes differ: [{}] on {source}, [{}] on {target}",
+                    src_idx.join(", "),
+                    dst_idx.join(", ")
+                )],
+            });
+        }
+        let mut checks = Vec::new();
+        let mut differences = Vec::new();
+        let mut rows = 0;
+        for (table, key) in &src_tables {
+            let (a, b) = futures::try_join!(
+                checksum(src, &source, &moved, table),
+                checksum(dst, &target, &schema, table)
+            )?;
+            let matches = a == b;
+            rows += b.0;
+            checks.push(TableCheck { table: table.clone(), source_rows: a.0, target_rows: b.0, matches });
+            if !matches {
+                let (a, b) = futures::try_join!(
+                    keys(src, &source, &moved, table, key),
+                    keys(dst, &target, &schema, table, key)
+                )?;
+                let diff = differing_keys(&a, &b);
+                let n = diff.len();
+                let shown: Vec<String> = diff
+                    .into_iter()
+                    .take(20)
+                    .map(|(k, on_a, on_b)| {
+                        // Without a primary key the "key" is the whole row: say how
+                        // often each side holds it.
+                        if key == "*" { format!("{k} ({on_a} on {source}, {on_b} on {target})") } else { k }
+                    })
+                    .collect();
+                differences.push(format!("{table}: {n} differing key(s) ({key}): {}", shown.join(", ")));
+            }
+        }
+        self.detail.tables = checks;
+        if !differences.is_empty() {
+            self.detail.differences.clone_from(&differences);
+            return Err(Error::Verify { id, shard: self.shard.get(), differences });
+        }
+        self.detail.rows = rows;
+        self.journal(Step::Verified).await
+    }
+}
+
+/// The shard's tables in `schema`, with their primary key (or all columns) as an SQL
+/// row expression.
+pub(super) async fn tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<(String, String)>> {
+    let rows = c
+        .query(
+            "SELECT c.relname::text,
+                    coalesce((SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
+                                FROM pg_index i
+                                CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                               WHERE i.indrelid = c.oid AND i.indisprimary), '*')
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+            &[&schema],
+        )
+        .await
+        .map_err(on(host, "list the tables"))?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+pub(super) async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String>> {
+    let rows = c
+        .query(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind = 'i' ORDER BY 1",
+            &[&schema],
+        )
+        .await
+        .map_err(on(host, "list the indexes"))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// A table's row count and the exact sum (numeric: no overflow, no wrap) of its rows'
+/// 64-bit hashes. Both are multiset functions: every row counts, a duplicate twice.
+/// (An XOR of the hashes, used before, cancels any row present twice, so a side with
+/// two copies of one row and a side with two copies of another compared equal.) Two
+/// different contents agree only when the hashes of the rows in which they differ sum
+/// alike, a 2^-64 chance for rows not built to collide.
+pub(super) async fn checksum(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    table: &str,
+) -> Result<(i64, String)> {
+    let row = c
+        .query_one(
+            &format!(
+                "SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
+                quote_ident(schema),
+                quote_ident(table)
+            ),
+            &[],
+        )
+        .await
+        .map_err(on(host, format!("checksum {schema}.{table}")))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// How many rows of each (key, row hash) a table holds: one per key where `key` is a
+/// primary key; for a table without one (`*`, the whole row), how often each row is
+/// there, so a duplicate too many or too few shows.
+pub(super) async fn keys(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    table: &str,
+    key: &str,
+) -> Result<HashMap<(String, i64), i64>> {
+    let key = if key == "*" { "t.*".to_owned() } else { key.to_owned() };
+    let rows = c
+        .query(
+            &format!(
+                "SELECT (ROW({key}))::text, hash_record_extended(t, 0), count(*) FROM {}.{} AS t GROUP BY 1, 2",
+                quote_ident(schema),
+                quote_ident(table)
+            ),
+            &[],
+        )
+        .await
+        .map_err(on(host, format!("list the keys of {schema}.{table}")))?;
+    Ok(rows.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect())
+}
+
+/// The keys whose rows differ between `a` (the source's, see [`keys`]) and `b`, sorted,
+/// with how many rows each side holds under them.
+pub(super) fn differing_keys(
+    a: &HashMap<(String, i64), i64>,
+    b: &HashMap<(String, i64), i64>,
+) -> Vec<(String, i64, i64)> {
+    let mut differ = std::collections::BTreeSet::new();
+    for (this, other) in [(a, b), (b, a)] {
+        differ.extend(this.iter().filter(|(k, n)| other.get(*k) != Some(n)).map(|((k, _), _)| k.clone()));
+    }
+    let rows = |m: &HashMap<(String, i64), i64>, key: &str| {
+        m.iter().filter(|((k, _), _)| k == key).map(|(_, n)| n).sum::<i64>()
+    };
+    differ
+        .into_iter()
+        .map(|k| {
+            let (on_a, on_b) = (rows(a, &k), rows(b, &k));
+            (k, on_a, on_b)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(list: &[(&str, i64, i64)]) -> HashMap<(String, i64), i64> {
+        list.iter().map(|&(k, h, n)| ((k.to_owned(), h), n)).collect()
+    }
+
+    #[test]
+    fn differing_keys_count_duplicates_and_changed_rows() {
+        // A row twice on one side and three times on the other; a row only on one
+        // side; a key whose row changed; an equal row.
+        let a = rows(&[("(x)", 1, 2), ("(y)", 2, 1), ("(k)", 3, 1), ("(same)", 9, 1)]);
+        let b = rows(&[("(x)", 1, 3), ("(k)", 4, 1), ("(same)", 9, 1)]);
+        assert_eq!(
+            differing_keys(&a, &b),
+            vec![("(k)".to_owned(), 1, 1), ("(x)".to_owned(), 2, 3), ("(y)".to_owned(), 1, 0)]
+        );
+        assert!(differing_keys(&a, &a).is_empty());
+    }
+}
