@@ -80,20 +80,24 @@ pub enum Error {
         message: String,
     },
     /// One or more hosts cannot be reached; nothing was changed.
-    #[error("{} unreachable, so nothing was changed: {}", if .hosts.len() == 1 { "a host is" } else { "hosts are" }, .hosts.iter().map(|(h, e)| format!("{h}: {e}")).collect::<Vec<_>>().join("; "))]
+    #[error("{} unreachable, so nothing was changed: {}", msg::hosts_are(hosts), msg::each_with_why(hosts))]
     Unreachable {
         /// Each unreachable host, with why.
         hosts: Vec<(String, String)>,
     },
     /// A role the config's `app_roles` names is missing on a server (roles are per
     /// server); nothing was changed.
-    #[error("app_roles: {} missing, so nothing was changed: {}; create them there (CREATE ROLE ... LOGIN) or change app_roles", if .missing.len() == 1 && .missing[0].1.len() == 1 { "a role is" } else { "roles are" }, .missing.iter().map(|(at, roles)| format!("{at} lacks {}", roles.join(", "))).collect::<Vec<_>>().join("; "))]
+    #[error(
+        "app_roles: {} missing, so nothing was changed: {}; create them there (CREATE ROLE ... LOGIN) or change app_roles",
+        msg::roles_are(missing),
+        msg::each_lacks(missing)
+    )]
     RolesMissing {
         /// Each server (a host's name, or `catalog`) with the roles it lacks.
         missing: Vec<(String, Vec<String>)>,
     },
     /// A statement on a host (not inside a migration) failed.
-    #[error("host {host}: {what} failed (SQLSTATE {}): {message}", sqlstate.as_deref().unwrap_or("none"))]
+    #[error("host {host}: {what} failed (SQLSTATE {}): {message}", msg::sqlstate(sqlstate))]
     Host {
         /// The host.
         host: String,
@@ -121,7 +125,7 @@ pub enum Error {
     )]
     Busy,
     /// A move's pre-flight found problems; nothing was changed.
-    #[error("pre-flight found {} problem(s); nothing was changed:\n{}", .0.problems.len(), .0.problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    #[error("pre-flight found {} problem(s); nothing was changed:\n{}", .0.problems.len(), msg::bullets(&.0.problems))]
     Preflight(Box<moves::Preflight>),
     /// A move of the shard is already running.
     #[error(
@@ -138,7 +142,7 @@ pub enum Error {
         id: i64,
     },
     /// No running move to resume or abort.
-    #[error("{}", match .shard { Some(s) => format!("no move of shard {s} is running"), None => "no move is running".to_owned() })]
+    #[error("no move{} is running", msg::of_shard(shard))]
     NoMove {
         /// The shard asked for, if any.
         shard: Option<u16>,
@@ -188,7 +192,10 @@ pub enum Error {
     },
     /// Verification found differences; the move was undone (the shard stays on the
     /// source).
-    #[error("move {id} of shard {shard}: the copy differs from the source, so the map was not flipped:\n{}", .differences.iter().map(|d| format!("  - {d}")).collect::<Vec<_>>().join("\n"))]
+    #[error(
+        "move {id} of shard {shard}: the copy differs from the source, so the map was not flipped:\n{}",
+        msg::bullets(differences)
+    )]
     Verify {
         /// The move.
         id: i64,
@@ -300,3 +307,40 @@ const _: () = {
     const fn assert_send_sync<T: Send + Sync + 'static>() {}
     assert_send_sync::<Error>();
 };
+
+/// The pieces of [`Error`]'s messages, so no `#[error]` holds logic of its own.
+mod msg {
+    use std::fmt::Display;
+
+    pub(super) fn sqlstate(s: &Option<String>) -> &str {
+        s.as_deref().unwrap_or("none")
+    }
+
+    pub(super) fn hosts_are(hosts: &[(String, String)]) -> &'static str {
+        if hosts.len() == 1 { "a host is" } else { "hosts are" }
+    }
+
+    pub(super) fn each_with_why(hosts: &[(String, String)]) -> String {
+        hosts.iter().map(|(h, e)| format!("{h}: {e}")).collect::<Vec<_>>().join("; ")
+    }
+
+    pub(super) fn roles_are(missing: &[(String, Vec<String>)]) -> &'static str {
+        if missing.len() == 1 && missing[0].1.len() == 1 { "a role is" } else { "roles are" }
+    }
+
+    pub(super) fn each_lacks(missing: &[(String, Vec<String>)]) -> String {
+        missing
+            .iter()
+            .map(|(at, roles)| format!("{at} lacks {}", roles.join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    pub(super) fn bullets<T: Display>(items: &[T]) -> String {
+        items.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
+    }
+
+    pub(super) fn of_shard(shard: &Option<u16>) -> String {
+        shard.map(|s| format!(" of shard {s}")).unwrap_or_default()
+    }
+}
