@@ -38,6 +38,7 @@ fn main() {
             ids::reserved_blocks_and_database_minting_share_one_source,
             ids::the_application_generator_shares_the_sequence_and_keeps_near_the_clock,
             ids::two_transactions_catching_up_together_both_mint,
+            ids::after_an_idle_gap_32_one_row_sessions_get_fresh_ids,
             bootstrap::init_twice_changes_nothing_the_second_time,
             bootstrap::a_host_new_to_the_config_joins_with_no_shards,
             bootstrap::refusals_change_nothing,

@@ -39,6 +39,15 @@ pub const DEFAULT_MAX_LAG_MS: i64 = 100;
 /// How long a catch-up waits for other minting transactions to finish, in ms.
 pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 20;
 
+/// How long a session waits for another session's catch-up to end, in ms: that one waits
+/// at most [`CATCH_UP_LOCK_TIMEOUT_MS`] for its lock, so this is only ever reached when
+/// it was descheduled.
+pub const CATCH_UP_WAIT_TIMEOUT_MS: i64 = 1000;
+
+/// The high 32 bits of the advisory lock key that serializes catch-ups of one shard (the
+/// low 32 bits are the sequence's OID): `SHLN` in ASCII.
+pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;
+
 /// After a catch-up could not get its lock, how long the session mints from the lagging
 /// sequence before it tries again, in ms.
 pub const CATCH_UP_RETRY_MS: i64 = 1000;
@@ -123,12 +132,20 @@ impl ShardSql {
         let lag = self.max_lag_ms;
         let shard = self.shard;
         let retry_guc = format!("shardline.catch_up_retry_{}", self.schema);
+        let lease_guc = format!("shardline.lease_{}", self.schema);
+        // Catch up once the sequence lags by more than half the bound, so a lease (see the
+        // module doc) granted by the slow path is good for at least half the bound.
+        let catch_up_lag = lag / 2;
         // Every shift is on bigint: `x << 23` on an int wraps silently in Postgres.
         let compose = |v: &str| {
             format!("((({v} >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint | ({v} & {max_seq}))")
         };
         let now_ticks = format!("((date_part('epoch', now()) * 1000)::bigint + ({offset}) - {epoch})");
-        let fast = compose(&format!("currval('{seq}')"));
+        // nextval first, then currval for the same value: Postgres evaluates an
+        // operator's arguments left to right.
+        let fast = format!(
+            "((((nextval('{seq}') >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint) | (currval('{seq}') & {max_seq}))"
+        );
         let slow_compose = compose("v");
         format!(
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
@@ -138,47 +155,77 @@ CREATE OR REPLACE FUNCTION {s}.shardline_catch_up() RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     now_ms bigint := floor(extract(epoch FROM now()) * 1000)::bigint + ({offset});
+    now_ticks bigint := now_ms - {epoch};
     target bigint;
     last bigint;
     retry_at text := current_setting('{retry_guc}', true);
+    lock_key bigint := ('{seq}'::regclass::oid::bigint) | ({lock_class}::bigint << 32);
     v bigint;
 BEGIN
-    IF now_ms - {epoch} > {last_ticks} THEN
+    IF now_ticks > {last_ticks} THEN
         RAISE EXCEPTION 'shard {shard}: the ID layout ends at % ms since the Unix epoch', {last_unix_ms}
             USING ERRCODE = 'numeric_value_out_of_range';
     END IF;
-    target := greatest(now_ms - {epoch}, 0) << {seq_bits};
-    IF coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms THEN
+    target := greatest(now_ticks, 0) << {seq_bits};
+    -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
+    SELECT s.last_value INTO last FROM {seq} AS s;
+    IF (last >> {seq_bits}) < now_ticks - {catch_up_lag}
+        AND (coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms) THEN
         BEGIN
-            PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
-            -- SHARE ROW EXCLUSIVE: granted once no other transaction holds nextval's
-            -- ROW EXCLUSIVE lock, and it keeps new ones out. No rewrite: setval sticks.
-            ALTER SEQUENCE {seq} OWNED BY NONE;
-            SELECT s.last_value INTO last FROM {seq} AS s;
-            IF target > last THEN
-                PERFORM setval('{seq}', target);
+            IF pg_try_advisory_xact_lock(lock_key) THEN
+                -- This session catches up; the others wait for it below.
+                SELECT s.last_value INTO last FROM {seq} AS s;
+                IF (last >> {seq_bits}) < now_ticks - {catch_up_lag} THEN
+                    PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
+                    -- SHARE ROW EXCLUSIVE: granted once no other transaction holds
+                    -- nextval's ROW EXCLUSIVE lock, and it keeps new ones out. No
+                    -- rewrite: setval sticks.
+                    ALTER SEQUENCE {seq} OWNED BY NONE;
+                    SELECT s.last_value INTO last FROM {seq} AS s;
+                    IF target > last THEN
+                        PERFORM setval('{seq}', target);
+                    END IF;
+                END IF;
+            ELSE
+                -- Another session is catching up: wait for it (a shared lock, granted
+                -- to every waiter at once when it ends) rather than queue on the
+                -- sequence one by one.
+                PERFORM set_config('lock_timeout', '{wait_timeout}ms', true);
+                PERFORM pg_advisory_xact_lock_shared(lock_key);
             END IF;
-            -- Roll the subtransaction back: that releases the lock now.
+            -- Roll the subtransaction back: that releases the locks now.
             RAISE SQLSTATE 'SLC01';
         EXCEPTION
             WHEN SQLSTATE 'SLC01' THEN NULL;
             -- Another transaction that minted holds nextval's lock (lock_timeout), or
-            -- is itself catching up (a deadlock Postgres reports at once, before any
-            -- timeout): give way, mint from the lagging sequence, retry later.
-            WHEN lock_not_available OR deadlock_detected THEN
-                PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
+            -- is itself catching up while holding it (a deadlock Postgres reports):
+            -- give way and mint from the lagging sequence. Below half the bound
+            -- behind, that value is still within it, and the next call tries again.
+            WHEN lock_not_available OR deadlock_detected THEN NULL;
         END;
     END IF;
     v := nextval('{seq}');
+    IF (v >> {seq_bits}) < now_ticks - {lag} THEN
+        -- Gave way (or waited for a catch-up that did): mint from the lagging sequence
+        -- for a while rather than stall every statement on the sequence's lock.
+        PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
+    END IF;
+    -- A lease: while this session's clock (now()) is at most this, any later nextval
+    -- (> v) is at most {lag} ms behind it, so next_id() need not look.
+    IF (v >> {seq_bits}) >= now_ticks - {lag} THEN
+        PERFORM set_config('{lease_guc}', ((v >> {seq_bits}) + {lag})::text, false);
+    END IF;
     RETURN {slow_compose};
 END
 $fn$;
 
 CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
-LANGUAGE sql VOLATILE AS $fn$
-SELECT CASE WHEN (nextval('{seq}') >> {seq_bits}) >= {now_ticks} - {lag}
-    THEN {fast}
-    ELSE {s}.shardline_catch_up()
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    RETURN CASE WHEN {now_ticks} <= coalesce(nullif(current_setting('{lease_guc}', true), '')::bigint, -1)
+        THEN {fast}
+        ELSE {s}.shardline_catch_up()
+    END;
 END
 $fn$;
 
@@ -211,6 +258,8 @@ SELECT {s}.shardline_catch_up();
             last_ticks = l.last_unix_ms() - epoch,
             last_unix_ms = l.last_unix_ms(),
             lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
+            wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
+            lock_class = ADVISORY_LOCK_CLASS,
             retry_ms = CATCH_UP_RETRY_MS,
             shard_shift = l.shard_shift(),
             max_shard = l.max_shard(),
