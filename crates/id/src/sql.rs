@@ -5,12 +5,13 @@
 //! - `shardline_id_seq`, the shard's sequence. Its value is
 //!   `(ms since epoch << sequence_bits) | counter`: one `nextval` carries both the time
 //!   and the sequence fields, never repeats and never goes back.
-//! - `next_id()`, for `DEFAULT next_id()`: a SQL function the planner inlines into the
-//!   statement (measured at 0.97× bigserial's rows/s, see `docs/ids.md`). It takes
-//!   `nextval`; when that lags the transaction's start time by more than
-//!   [`ShardSql::max_lag_ms`], it calls `shardline_catch_up()` instead.
-//! - `shardline_catch_up()`: moves the sequence forward to the transaction's start time,
-//!   only forward, while no other transaction can take a value (see below), and mints.
+//! - `next_id()`, for `DEFAULT next_id()`: a PL/pgSQL function of one expression (the
+//!   planner sees one function call; its plan is cached per session). When this session
+//!   holds a lease (below) valid at the transaction's start (`now()`), it takes `nextval`
+//!   and composes the ID; otherwise it calls `shardline_catch_up()`.
+//! - `shardline_catch_up()`: the slow path. It catches the sequence up to the
+//!   transaction's start when it lags, only forward, while no other transaction can take
+//!   a value (see below), mints, and grants the session a lease.
 //! - `id_parts(bigint)`: the decoder, `(unix_ms, shard, sequence)`.
 //! - `reserve_ids(n)`: `n` values of the same sequence, as ranges, for minting in the
 //!   application ([`crate::generator::ReservedBlocks`]).
@@ -23,12 +24,46 @@
 //! not rewrite the sequence). That lock conflicts with the `ROW EXCLUSIVE` lock every
 //! `nextval` takes and holds to the end of its transaction, so once it is granted no
 //! other transaction has taken or can take a value: `last_value` is exact, and `setval`
-//! moves the sequence forward only. The lock is taken in a subtransaction that is then
-//! rolled back, which releases it at once (the non-transactional `setval` stays). It
-//! waits at most 20 ms for minting transactions to finish; when it cannot get the lock
-//! (a timeout, or the deadlock Postgres reports at once when two minting transactions
-//! try to catch up together) it mints from the lagging sequence (still unique, just
-//! older) and the session tries again after a second. The minting fast path takes no lock beyond `nextval`'s own.
+//! moves the sequence forward only. Every ID is a `nextval`, so IDs are unique and, in
+//! the order `nextval` handed them out, increasing. The lock is taken in a
+//! subtransaction that is then rolled back, which releases it at once (the
+//! non-transactional `setval` stays). It waits at most [`CATCH_UP_LOCK_TIMEOUT_MS`] for
+//! minting transactions to finish, then gives way: the ID comes from the lagging
+//! sequence (unique, just older).
+//!
+//! # Why IDs stay fresh under concurrency
+//!
+//! The catch-up must not wait while its own transaction holds nextval's lock: two such
+//! transactions wait for each other (a deadlock), and with many clients arriving after
+//! an idle gap all of them did, gave way, and minted stale IDs for seconds (issue 21).
+//! So `next_id()` decides before it takes a value:
+//!
+//! - **Lease.** The slow path, having minted `v` at most `max_lag_ms` behind `now()`,
+//!   sets the session's `shardline.lease_<schema>` to `(v >> sequence_bits) +
+//!   max_lag_ms`. Any later `nextval` is above `v`, so while `now()` (in ms since the
+//!   epoch) is at most the lease, the fast path's ID is at most `max_lag_ms` behind
+//!   `now()`. The lease is about freshness only; uniqueness never depends on it.
+//! - **Catching up without holding nextval's lock.** The slow path reads `last_value`
+//!   with a plain `SELECT` (`ACCESS SHARE`: waits for no one). When it lags by more than
+//!   half the bound, one session at a time (`pg_try_advisory_xact_lock` on the
+//!   sequence's OID) catches up as above; the others wait for it on the same advisory
+//!   key in shared mode (granted to all at once when it ends), not on the sequence one
+//!   by one. A one-statement transaction reaches the slow path before it took any value,
+//!   so it holds no `ROW EXCLUSIVE` lock while it waits.
+//! - **Giving way.** A catch-up that gives way while the lag is under half the bound
+//!   costs nothing (the value is still within it), and the next slow path tries again.
+//!   Only when the value minted is beyond the bound does the session stop trying for
+//!   [`CATCH_UP_RETRY_MS`] (so an open transaction that minted long ago does not stall
+//!   every statement on the lock).
+//!
+//! So an ID is more than `max_lag_ms` behind its transaction's start only when the
+//! catch-up could not get the sequence's lock: another transaction that minted from the
+//! shard stayed open (or unscheduled) longer than [`CATCH_UP_LOCK_TIMEOUT_MS`] past the
+//! moment the sequence fell half the bound behind, or the caller's own transaction had
+//! minted before and another such caller waited for it. The fast path takes no lock
+//! beyond `nextval`'s own, so a move's fence (which takes the same `SHARE ROW EXCLUSIVE`
+//! lock and caps `MAXVALUE`) still waits for every minting transaction, and `nextval`
+//! past a capped `MAXVALUE` fails.
 
 use crate::{Error, Layout, Result};
 
