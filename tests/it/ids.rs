@@ -365,7 +365,11 @@ pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: Tes
     const ROUNDS: usize = 3;
     const ROWS: i64 = 60;
     let (db, client) = shard_db(&ctx, 0, &minter()).await?;
-    client.batch_execute(&format!("ALTER TABLE {SCHEMA}.photos ADD COLUMN at timestamptz NOT NULL DEFAULT now()")).await?;
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {SCHEMA}.photos ADD COLUMN at timestamptz NOT NULL DEFAULT now()"
+        ))
+        .await?;
     let mut sessions = Vec::new();
     for _ in 0..SESSIONS {
         sessions.push(std::sync::Arc::new(ctx.hosts()[0].connect(&db).await?));
@@ -406,6 +410,9 @@ pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: Tes
     assert_eq!(total, i64::from(SESSIONS) * ROWS * ROUNDS as i64);
     assert_eq!(distinct, total, "duplicate IDs");
     assert_eq!(decreasing, 0, "a session's IDs went down");
-    assert_eq!(stale, 0, "{stale} of {total} IDs more than 100 ms behind their transaction's start (worst {worst} ms)");
+    assert_eq!(
+        stale, 0,
+        "{stale} of {total} IDs more than 100 ms behind their transaction's start (worst {worst} ms)"
+    );
     Ok(())
 }
