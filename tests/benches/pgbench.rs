@@ -78,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let url = host.url("bench");
     for clients in [8, 32, 64] {
         for protocol in ["simple", "prepared"] {
-            let mut tps = vec![Vec::new(), Vec::new()];
+            let mut tps = [Vec::new(), Vec::new()];
             for round in 0..rounds {
                 // Alternate which variant runs first.
                 for k in 0..VARIANTS.len() {

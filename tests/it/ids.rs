@@ -362,7 +362,7 @@ pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestCon
 /// start (the row's `at DEFAULT now()`, read as the minter reads it).
 pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
     const SESSIONS: i32 = 32;
-    const ROUNDS: usize = 3;
+    const ROUNDS: i64 = 3;
     const ROWS: i64 = 60;
     let (db, client) = shard_db(&ctx, 0, &minter()).await?;
     client
@@ -407,7 +407,7 @@ pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: Tes
         .await?;
     let (total, distinct, stale, worst, decreasing): (i64, i64, i64, i64, i64) =
         (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
-    assert_eq!(total, i64::from(SESSIONS) * ROWS * ROUNDS as i64);
+    assert_eq!(total, i64::from(SESSIONS) * ROWS * ROUNDS);
     assert_eq!(distinct, total, "duplicate IDs");
     assert_eq!(decreasing, 0, "a session's IDs went down");
     assert_eq!(
