@@ -365,3 +365,65 @@ pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestCon
     assert_eq!(all.iter().collect::<HashSet<_>>().len(), 500);
     Ok(())
 }
+
+shardline_testkit::register!(exclusive: after_an_idle_gap_32_one_row_sessions_get_fresh_ids);
+/// Rounds of: every session idle (the sequence falls behind the clock), then all of them
+/// insert one row per transaction at once, as pgbench clients do. The bound is asserted
+/// on every row: an ID's time is at most `max_lag_ms` (100) behind its transaction's
+/// start (the row's `at DEFAULT now()`, read as the minter reads it).
+pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
+    const SESSIONS: i32 = 32;
+    const ROUNDS: i64 = 3;
+    const ROWS: i64 = 60;
+    let (db, client) = shard_db(&ctx, 0, &minter()).await?;
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {SCHEMA}.photos ADD COLUMN at timestamptz NOT NULL DEFAULT now()"
+        ))
+        .await?;
+    let mut sessions = Vec::new();
+    for _ in 0..SESSIONS {
+        sessions.push(std::sync::Arc::new(ctx.hosts()[0].connect(&db).await?));
+    }
+    for _ in 0..ROUNDS {
+        // Longer than the bound: every session's lease ends and the sequence lags.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let mut tasks = Vec::new();
+        for (s, c) in (0..SESSIONS).zip(&sessions) {
+            let c = std::sync::Arc::clone(c);
+            tasks.push(tokio::spawn(async move {
+                let insert = format!("INSERT INTO {SCHEMA}.photos (n, session) VALUES ($1, $2)");
+                for n in 0..ROWS {
+                    c.execute(&insert, &[&n, &s]).await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+    }
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT count(*), count(DISTINCT id),
+                        count(*) FILTER (WHERE (id >> 23) + {epoch} < (date_part('epoch', at) * 1000)::bigint - 100),
+                        max((date_part('epoch', at) * 1000)::bigint - ((id >> 23) + {epoch})),
+                        (SELECT count(*) FROM (SELECT id, lag(id) OVER (PARTITION BY session ORDER BY at, n) AS prev FROM {SCHEMA}.photos) t WHERE id <= prev)
+                 FROM {SCHEMA}.photos",
+                epoch = L.epoch_ms()
+            ),
+            &[],
+        )
+        .await?;
+    let (total, distinct, stale, worst, decreasing): (i64, i64, i64, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    assert_eq!(total, i64::from(SESSIONS) * ROWS * ROUNDS);
+    assert_eq!(distinct, total, "duplicate IDs");
+    assert_eq!(decreasing, 0, "a session's IDs went down");
+    assert_eq!(
+        stale, 0,
+        "{stale} of {total} IDs more than 100 ms behind their transaction's start (worst {worst} ms)"
+    );
+    Ok(())
+}

@@ -5,12 +5,13 @@
 //! - `shardline_id_seq`, the shard's sequence. Its value is
 //!   `(ms since epoch << sequence_bits) | counter`: one `nextval` carries both the time
 //!   and the sequence fields, never repeats and never goes back.
-//! - `next_id()`, for `DEFAULT next_id()`: a SQL function the planner inlines into the
-//!   statement (measured at 0.97× bigserial's rows/s, see `docs/ids.md`). It takes
-//!   `nextval`; when that lags the transaction's start time by more than
-//!   [`ShardSql::max_lag_ms`], it calls `shardline_catch_up()` instead.
-//! - `shardline_catch_up()`: moves the sequence forward to the transaction's start time,
-//!   only forward, while no other transaction can take a value (see below), and mints.
+//! - `next_id()`, for `DEFAULT next_id()`: a PL/pgSQL function of one expression (the
+//!   planner sees one function call; its plan is cached per session). When this session
+//!   holds a lease (below) valid at the transaction's start (`now()`), it takes `nextval`
+//!   and composes the ID; otherwise it calls `shardline_catch_up()`.
+//! - `shardline_catch_up()`: the slow path. It catches the sequence up to the
+//!   transaction's start when it lags, only forward, while no other transaction can take
+//!   a value (see below), mints, and grants the session a lease.
 //! - `id_parts(bigint)`: the decoder, `(unix_ms, shard, sequence)`.
 //! - `reserve_ids(n)`: `n` values of the same sequence, as ranges, for minting in the
 //!   application ([`crate::generator::ReservedBlocks`]).
@@ -23,12 +24,46 @@
 //! not rewrite the sequence). That lock conflicts with the `ROW EXCLUSIVE` lock every
 //! `nextval` takes and holds to the end of its transaction, so once it is granted no
 //! other transaction has taken or can take a value: `last_value` is exact, and `setval`
-//! moves the sequence forward only. The lock is taken in a subtransaction that is then
-//! rolled back, which releases it at once (the non-transactional `setval` stays). It
-//! waits at most 20 ms for minting transactions to finish; when it cannot get the lock
-//! (a timeout, or the deadlock Postgres reports at once when two minting transactions
-//! try to catch up together) it mints from the lagging sequence (still unique, just
-//! older) and the session tries again after a second. The minting fast path takes no lock beyond `nextval`'s own.
+//! moves the sequence forward only. Every ID is a `nextval`, so IDs are unique and, in
+//! the order `nextval` handed them out, increasing. The lock is taken in a
+//! subtransaction that is then rolled back, which releases it at once (the
+//! non-transactional `setval` stays). It waits at most [`CATCH_UP_LOCK_TIMEOUT_MS`] for
+//! minting transactions to finish, then gives way: the ID comes from the lagging
+//! sequence (unique, just older).
+//!
+//! # Why IDs stay fresh under concurrency
+//!
+//! The catch-up must not wait while its own transaction holds nextval's lock: two such
+//! transactions wait for each other (a deadlock), and with many clients arriving after
+//! an idle gap all of them did, gave way, and minted stale IDs for seconds (issue 21).
+//! So `next_id()` decides before it takes a value:
+//!
+//! - **Lease.** The slow path, having minted `v` at most `max_lag_ms` behind `now()`,
+//!   sets the session's `shardline.lease_<schema>` to `(v >> sequence_bits) +
+//!   max_lag_ms`. Any later `nextval` is above `v`, so while `now()` (in ms since the
+//!   epoch) is at most the lease, the fast path's ID is at most `max_lag_ms` behind
+//!   `now()`. The lease is about freshness only; uniqueness never depends on it.
+//! - **Catching up without holding nextval's lock.** The slow path reads `last_value`
+//!   with a plain `SELECT` (`ACCESS SHARE`: waits for no one). When it lags by more than
+//!   half the bound, one session at a time (`pg_try_advisory_xact_lock` on the
+//!   sequence's OID) catches up as above; the others wait for it on the same advisory
+//!   key in shared mode (granted to all at once when it ends), not on the sequence one
+//!   by one. A one-statement transaction reaches the slow path before it took any value,
+//!   so it holds no `ROW EXCLUSIVE` lock while it waits.
+//! - **Giving way.** A catch-up that gives way while the lag is under half the bound
+//!   costs nothing (the value is still within it), and the next slow path tries again.
+//!   Only when the value minted is beyond the bound does the session stop trying for
+//!   [`CATCH_UP_RETRY_MS`] (so an open transaction that minted long ago does not stall
+//!   every statement on the lock).
+//!
+//! So an ID is more than `max_lag_ms` behind its transaction's start only when the
+//! catch-up could not get the sequence's lock: another transaction that minted from the
+//! shard stayed open (or unscheduled) longer than [`CATCH_UP_LOCK_TIMEOUT_MS`] past the
+//! moment the sequence fell half the bound behind, or the caller's own transaction had
+//! minted before and another such caller waited for it. The fast path takes no lock
+//! beyond `nextval`'s own, so a move's fence (which takes the same `SHARE ROW EXCLUSIVE`
+//! lock and caps `MAXVALUE`) still waits for every minting transaction, and `nextval`
+//! past a capped `MAXVALUE` fails.
 
 use crate::{Error, Layout, Result};
 
@@ -38,6 +73,15 @@ pub const DEFAULT_MAX_LAG_MS: i64 = 100;
 
 /// How long a catch-up waits for other minting transactions to finish, in ms.
 pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 20;
+
+/// How long a session waits for another session's catch-up to end, in ms: that one waits
+/// at most [`CATCH_UP_LOCK_TIMEOUT_MS`] for its lock, so this is only ever reached when
+/// it was descheduled.
+pub const CATCH_UP_WAIT_TIMEOUT_MS: i64 = 1000;
+
+/// The high 32 bits of the advisory lock key that serializes catch-ups of one shard (the
+/// low 32 bits are the sequence's OID): `SHLN` in ASCII.
+pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;
 
 /// After a catch-up could not get its lock, how long the session mints from the lagging
 /// sequence before it tries again, in ms.
@@ -123,12 +167,20 @@ impl ShardSql {
         let lag = self.max_lag_ms;
         let shard = self.shard;
         let retry_guc = format!("shardline.catch_up_retry_{}", self.schema);
+        let lease_guc = format!("shardline.lease_{}", self.schema);
+        // Catch up once the sequence lags by more than half the bound, so a lease (see the
+        // module doc) granted by the slow path is good for at least half the bound.
+        let catch_up_lag = lag / 2;
         // Every shift is on bigint: `x << 23` on an int wraps silently in Postgres.
         let compose = |v: &str| {
             format!("((({v} >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint | ({v} & {max_seq}))")
         };
         let now_ticks = format!("((date_part('epoch', now()) * 1000)::bigint + ({offset}) - {epoch})");
-        let fast = compose(&format!("currval('{seq}')"));
+        // nextval first, then currval for the same value: Postgres evaluates an
+        // operator's arguments left to right.
+        let fast = format!(
+            "((((nextval('{seq}') >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint) | (currval('{seq}') & {max_seq}))"
+        );
         let slow_compose = compose("v");
         format!(
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
@@ -138,47 +190,77 @@ CREATE OR REPLACE FUNCTION {s}.shardline_catch_up() RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     now_ms bigint := floor(extract(epoch FROM now()) * 1000)::bigint + ({offset});
+    now_ticks bigint := now_ms - {epoch};
     target bigint;
     last bigint;
     retry_at text := current_setting('{retry_guc}', true);
+    lock_key bigint := ('{seq}'::regclass::oid::bigint) | ({lock_class}::bigint << 32);
     v bigint;
 BEGIN
-    IF now_ms - {epoch} > {last_ticks} THEN
+    IF now_ticks > {last_ticks} THEN
         RAISE EXCEPTION 'shard {shard}: the ID layout ends at % ms since the Unix epoch', {last_unix_ms}
             USING ERRCODE = 'numeric_value_out_of_range';
     END IF;
-    target := greatest(now_ms - {epoch}, 0) << {seq_bits};
-    IF coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms THEN
+    target := greatest(now_ticks, 0) << {seq_bits};
+    -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
+    SELECT s.last_value INTO last FROM {seq} AS s;
+    IF (last >> {seq_bits}) < now_ticks - {catch_up_lag}
+        AND (coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms) THEN
         BEGIN
-            PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
-            -- SHARE ROW EXCLUSIVE: granted once no other transaction holds nextval's
-            -- ROW EXCLUSIVE lock, and it keeps new ones out. No rewrite: setval sticks.
-            ALTER SEQUENCE {seq} OWNED BY NONE;
-            SELECT s.last_value INTO last FROM {seq} AS s;
-            IF target > last THEN
-                PERFORM setval('{seq}', target);
+            IF pg_try_advisory_xact_lock(lock_key) THEN
+                -- This session catches up; the others wait for it below.
+                SELECT s.last_value INTO last FROM {seq} AS s;
+                IF (last >> {seq_bits}) < now_ticks - {catch_up_lag} THEN
+                    PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
+                    -- SHARE ROW EXCLUSIVE: granted once no other transaction holds
+                    -- nextval's ROW EXCLUSIVE lock, and it keeps new ones out. No
+                    -- rewrite: setval sticks.
+                    ALTER SEQUENCE {seq} OWNED BY NONE;
+                    SELECT s.last_value INTO last FROM {seq} AS s;
+                    IF target > last THEN
+                        PERFORM setval('{seq}', target);
+                    END IF;
+                END IF;
+            ELSE
+                -- Another session is catching up: wait for it (a shared lock, granted
+                -- to every waiter at once when it ends) rather than queue on the
+                -- sequence one by one.
+                PERFORM set_config('lock_timeout', '{wait_timeout}ms', true);
+                PERFORM pg_advisory_xact_lock_shared(lock_key);
             END IF;
-            -- Roll the subtransaction back: that releases the lock now.
+            -- Roll the subtransaction back: that releases the locks now.
             RAISE SQLSTATE 'SLC01';
         EXCEPTION
             WHEN SQLSTATE 'SLC01' THEN NULL;
             -- Another transaction that minted holds nextval's lock (lock_timeout), or
-            -- is itself catching up (a deadlock Postgres reports at once, before any
-            -- timeout): give way, mint from the lagging sequence, retry later.
-            WHEN lock_not_available OR deadlock_detected THEN
-                PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
+            -- is itself catching up while holding it (a deadlock Postgres reports):
+            -- give way and mint from the lagging sequence. Below half the bound
+            -- behind, that value is still within it, and the next call tries again.
+            WHEN lock_not_available OR deadlock_detected THEN NULL;
         END;
     END IF;
     v := nextval('{seq}');
+    IF (v >> {seq_bits}) < now_ticks - {lag} THEN
+        -- Gave way (or waited for a catch-up that did): mint from the lagging sequence
+        -- for a while rather than stall every statement on the sequence's lock.
+        PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
+    END IF;
+    -- A lease: while this session's clock (now()) is at most this, any later nextval
+    -- (> v) is at most {lag} ms behind it, so next_id() need not look.
+    IF (v >> {seq_bits}) >= now_ticks - {lag} THEN
+        PERFORM set_config('{lease_guc}', ((v >> {seq_bits}) + {lag})::text, false);
+    END IF;
     RETURN {slow_compose};
 END
 $fn$;
 
 CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
-LANGUAGE sql VOLATILE AS $fn$
-SELECT CASE WHEN (nextval('{seq}') >> {seq_bits}) >= {now_ticks} - {lag}
-    THEN {fast}
-    ELSE {s}.shardline_catch_up()
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    RETURN CASE WHEN {now_ticks} <= coalesce(nullif(current_setting('{lease_guc}', true), '')::bigint, -1)
+        THEN {fast}
+        ELSE {s}.shardline_catch_up()
+    END;
 END
 $fn$;
 
@@ -211,6 +293,8 @@ SELECT {s}.shardline_catch_up();
             last_ticks = l.last_unix_ms() - epoch,
             last_unix_ms = l.last_unix_ms(),
             lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
+            wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
+            lock_class = ADVISORY_LOCK_CLASS,
             retry_ms = CATCH_UP_RETRY_MS,
             shard_shift = l.shard_shift(),
             max_shard = l.max_shard(),

@@ -1,0 +1,112 @@
+//! One-row transactions from pgbench, a real client: the same table with `bigserial` and
+//! with `DEFAULT next_id()`, 8, 32 and 64 clients, simple and prepared protocol, on one
+//! real Postgres 15 host from the test kit. Prints tps beside bigserial's as ratios, and
+//! after every run checks the minted IDs: duplicates, and rows whose ID's time is more
+//! than 100 ms behind their transaction's start.
+//!
+//! ```text
+//! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench pgbench [-- SECONDS ROUNDS]
+//! ```
+#![allow(clippy::unwrap_used, reason = "a benchmark")]
+
+use std::process::Command;
+
+use shardline_id::Layout;
+use shardline_id::sql::ShardSql;
+use shardline_testkit::Cluster;
+
+const SCHEMA: &str = "shard_0005";
+
+const VARIANTS: &[(&str, &str)] = &[
+    ("bigserial", "id bigserial PRIMARY KEY"),
+    ("next_id()", "id bigint PRIMARY KEY DEFAULT shard_0005.next_id()"),
+];
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs pgbench and returns its tps (without initial connection time).
+fn pgbench(url: &str, script: &str, clients: u32, protocol: &str, seconds: u32) -> Result<f64, String> {
+    let out = Command::new("pgbench")
+        .args(["-n", "-j", "2", "-c", &clients.to_string(), "-T", &seconds.to_string(), "-M", protocol])
+        .args(["-f", script, url])
+        .output()
+        .map_err(|e| format!("pgbench: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()))
+        .and_then(|t| t.parse().ok())
+        .ok_or_else(|| format!("pgbench printed no tps: {text}{}", String::from_utf8_lossy(&out.stderr)))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let seconds: u32 = args.first().map_or(Ok(10), |a| a.parse())?;
+    let rounds: usize = args.get(1).map_or(Ok(1), |a| a.parse())?;
+    let cluster = Cluster::start(1).await?;
+    let host = &cluster.hosts()[0];
+    cluster.create_database("bench").await?;
+    let client = host.connect("bench").await?;
+    let sql = ShardSql::new(Layout::INSTAGRAM, SCHEMA, 5)?;
+    client.batch_execute(&format!("CREATE SCHEMA {SCHEMA}")).await?;
+    client.batch_execute(&sql.install()).await?;
+    let dir = std::env::temp_dir().join(format!("shardline-pgbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut scripts = Vec::new();
+    for (i, (_, column)) in VARIANTS.iter().enumerate() {
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {SCHEMA}.t{i} ({column}, n int NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+            ))
+            .await?;
+        let script = dir.join(format!("t{i}.sql"));
+        std::fs::write(&script, format!("INSERT INTO {SCHEMA}.t{i} (n) VALUES (1);\n"))?;
+        scripts.push(script.to_string_lossy().into_owned());
+    }
+    let version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    println!(
+        "pgbench, one INSERT per transaction, {seconds} s per run, {rounds} round(s), PostgreSQL {version} on the {} backend (fsync=off)\n",
+        cluster.backend()
+    );
+    println!(
+        "{:>7} {:>9} {:>12} {:>12} {:>8} {:>10} {:>8}",
+        "clients", "protocol", "bigserial", "next_id()", "ratio", "duplicates", "stale"
+    );
+    let url = host.url("bench");
+    for clients in [8, 32, 64] {
+        for protocol in ["simple", "prepared"] {
+            let mut tps = [Vec::new(), Vec::new()];
+            for round in 0..rounds {
+                // Alternate which variant runs first.
+                for k in 0..VARIANTS.len() {
+                    let i = (k + round) % VARIANTS.len();
+                    client.batch_execute(&format!("TRUNCATE {SCHEMA}.t{i}; CHECKPOINT")).await?;
+                    tps[i].push(pgbench(&url, &scripts[i], clients, protocol, seconds)?);
+                }
+            }
+            let row = client
+                .query_one(
+                    &format!(
+                        "SELECT count(*) - count(DISTINCT id),
+                                count(*) FILTER (WHERE (id >> 23) + {epoch} < (date_part('epoch', at) * 1000)::bigint - 100)
+                         FROM {SCHEMA}.t1",
+                        epoch = Layout::INSTAGRAM.epoch_ms()
+                    ),
+                    &[],
+                )
+                .await?;
+            let (dups, stale): (i64, i64) = (row.get(0), row.get(1));
+            let (base, ours) = (median(tps[0].clone()), median(tps[1].clone()));
+            println!(
+                "{clients:>7} {protocol:>9} {base:>12.0} {ours:>12.0} {:>7.2}x {dups:>10} {stale:>8}",
+                ours / base
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    cluster.shutdown().await?;
+    Ok(())
+}
