@@ -11,6 +11,7 @@ mod faults;
 mod ids;
 mod lifecycle;
 mod moves;
+mod pooler;
 mod promises;
 mod reliability;
 mod replication;
@@ -76,6 +77,10 @@ fn main() {
             promises::errors_are_classified_by_where_they_happened,
             promises::an_enum_column_works_in_every_operation_across_64_shards,
             reliability::a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql,
+            pooler::a_row_of_another_shard_is_an_error_naming_both_shards,
+            pooler::behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_shard,
+            pooler::behind_a_transaction_pooler_a_schema_type_is_refused_clearly,
+            pooler::a_notification_lost_in_a_pooler_is_caught_by_the_map_check,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

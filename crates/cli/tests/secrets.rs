@@ -189,10 +189,14 @@ async fn a_move_authenticates_with_a_passfile_on_the_target(ctx: TestContext) ->
     // SELECT included, and the pre-flight refuses a target that lacks a role holding some.
     for host in [pg1, pg2] {
         let admin = host.connect("postgres").await?;
-        let exists: bool =
-            admin.query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role]).await?.get(0);
+        let exists: bool = admin
+            .query_one("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", &[&role])
+            .await?
+            .get(0);
         if !exists {
-            admin.batch_execute(&format!("CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}'")).await?;
+            admin
+                .batch_execute(&format!("CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}'"))
+                .await?;
         }
     }
     let source = pg1.connect(&db).await?;
