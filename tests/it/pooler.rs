@@ -20,14 +20,17 @@ fn photo(user_id: i64, n: i64) -> NewPhoto {
     NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
 
-/// Rows of `shards` shards on `client`'s host whose ID was minted by another shard
-/// than the schema they are in.
+/// Rows of `shards` shards on `client`'s host that are in another shard than their
+/// user's, or whose ID was minted by another shard than the schema they are in.
 async fn foreign_rows(client: &tokio_postgres::Client, shards: u16) -> Result<i64, BoxError> {
     let mut n = 0;
     for s in 0..shards {
         n += client
             .query_one(
-                &format!("SELECT count(*) FROM shard_{s:04}.photos WHERE ((id >> 10) & 8191) <> {s}"),
+                &format!(
+                    "SELECT count(*) FROM shard_{s:04}.photos
+                      WHERE ((id >> 10) & 8191) <> {s} OR ((user_id % {shards}) + {shards}) % {shards} <> {s}"
+                ),
                 &[],
             )
             .await?
@@ -186,15 +189,41 @@ pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_
     let c = f.client(&ctx, 0).await?;
     for pooler in [true, false] {
         let text = format!("transaction_pooler = {pooler}\n{through}");
+        // Two processes, as in the issue: the driver names statements s0, s1, ... per
+        // process, so only two processes can meet the same name on one server connection.
+        let file = f.path().with_file_name(format!("through-{pooler}.toml"));
+        std::fs::write(&file, &text)?;
+        let run = |first: &str| {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_pooler-load"))
+                .args([file.to_str().unwrap_or_default(), &shards.to_string(), first, "300"])
+                .output()
+        };
+        let (a, b) = tokio::join!(run("0"), run("1"));
+        let (a, b) = (a?, b?);
+        let said = |o: &std::process::Output| {
+            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+        };
+        let foreign = foreign_rows(&c, shards).await?;
+        assert_eq!(
+            foreign,
+            0,
+            "transaction_pooler = {pooler}, two processes: rows in another shard:\n{}\n{}",
+            said(&a),
+            said(&b)
+        );
+        for out in [&a, &b] {
+            assert!(out.status.success() && out.stdout.starts_with(b"300 0 0\n"), "{pooler}: {}", said(out));
+        }
+        // Two handles in this process, with transactions and the caller's own SQL.
         let config = f.config_from(&text)?;
         let o = ClusterOptions { pool_size: 8, ..ClusterOptions::default() };
         let (ok, failed, errors) = load(&config, &o, shards, 40).await?;
-        assert_eq!((ok, failed), (320, 0), "transaction_pooler = {pooler}: {errors:?}");
         assert_eq!(
             foreign_rows(&c, shards).await?,
             0,
             "transaction_pooler = {pooler}: a row in another shard"
         );
+        assert_eq!((ok, failed), (320, 0), "transaction_pooler = {pooler}: {errors:?}");
     }
     // The server connections the pooler holds keep no statement of shardline's: asked
     // on each (a simple query, itself unnamed, lands on one of them).
