@@ -81,6 +81,7 @@ fn main() {
             pooler::behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_shard,
             pooler::behind_a_transaction_pooler_a_schema_type_is_refused_clearly,
             pooler::a_notification_lost_in_a_pooler_is_caught_by_the_map_check,
+            pooler::at_2000_shards_a_connection_holds_no_statement_of_shardline,
         ],
         exclusive: [
             faults::stop_ends_sessions_and_start_brings_data_back,

@@ -320,3 +320,90 @@ pub(crate) async fn a_notification_lost_in_a_pooler_is_caught_by_the_map_check(
     assert_eq!(deaf.map().version(), 1, "no notification arrives through a transaction pooler");
     Ok(())
 }
+
+/// One number from a simple query (no prepared statement of its own).
+async fn simple_number(client: &tokio_postgres::Client, sql: &str) -> Result<i64, BoxError> {
+    let rows = client.simple_query(sql).await?;
+    let value = rows.iter().find_map(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+        _ => None,
+    });
+    Ok(value.ok_or("no row")?.parse()?)
+}
+
+/// At 2000 shards, a pooled connection that served inserts, reads by ID and pages in
+/// every shard holds no prepared statement of shardline's. For comparison, the same statements prepared and kept per
+/// connection (what the request path did before, one per statement shape and shard)
+/// are counted and weighed on another connection (observed figures printed).
+pub(crate) async fn at_2000_shards_a_connection_holds_no_statement_of_shardline(
+    ctx: TestContext,
+) -> TestResult {
+    let shards: u16 = 2000;
+    let f = Fixture::new(&ctx, 1, shards).await?;
+    let started = Instant::now();
+    shardline_ops::init(&f.config()?, &options(4), &quiet).await?;
+    eprintln!("init of {shards} shards: {:?}", started.elapsed());
+    let cluster =
+        Cluster::connect(&f.config()?, ClusterOptions { pool_size: 1, ..ClusterOptions::default() }).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let memory = "SELECT sum(total_bytes) FROM pg_backend_memory_contexts";
+    let host = cluster.route_user(0).host;
+    let before = {
+        let conn = cluster.client(&host).await?;
+        simple_number(&conn, memory).await?
+    };
+    let started = Instant::now();
+    for user in 0..i64::from(shards) {
+        let p = photos.insert(&photo(user, 0)).await?;
+        assert_eq!(photos.get(p.id).await?.map(|g| g.id), Some(p.id));
+        assert_eq!(photos.page_of_user(user, None, 10).await?.rows.len(), 1);
+    }
+    let took = started.elapsed();
+    let conn = cluster.client(&host).await?;
+    let held = simple_number(&conn, "SELECT count(*) FROM pg_prepared_statements").await?;
+    let after = simple_number(&conn, memory).await?;
+    let top = conn
+        .simple_query(
+            "SELECT name || ' ' || sum(total_bytes) FROM pg_backend_memory_contexts GROUP BY name ORDER BY sum(total_bytes) DESC LIMIT 4",
+        )
+        .await?;
+    let top: Vec<String> = top
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .collect();
+    eprintln!("observed: the largest memory contexts of that connection: {top:?}");
+    drop(conn);
+    assert_eq!(held, 0, "the pooled connection holds prepared statements");
+    eprintln!(
+        "observed: unnamed, {} statements in {shards} shards on one connection in {took:?}: \
+         {held} prepared statements, backend memory {before} -> {after} bytes",
+        3 * shards
+    );
+    // The former way: the same three statements prepared and kept, per shard.
+    let c = f.client(&ctx, 0).await?;
+    let base = simple_number(&c, memory).await?;
+    let prefix = cluster.prefix();
+    let mut kept = Vec::new();
+    for s in 0..shards {
+        let schema = prefix.schema(shardline_router::LogicalShard::new(i64::from(s), cluster.map().count())?);
+        let q = schema.quoted();
+        kept.push(c.prepare(&format!("INSERT INTO {q}.photos (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption")).await?);
+        kept.push(
+            c.prepare(&format!("SELECT id, user_id, url, caption FROM {q}.photos WHERE id = $1")).await?,
+        );
+        kept.push(c.prepare(&format!("SELECT id, user_id, url, caption FROM {q}.photos WHERE user_id = $1 AND id < $2 ORDER BY id DESC LIMIT $3")).await?);
+    }
+    let named = simple_number(&c, "SELECT count(*) FROM pg_prepared_statements").await?;
+    let weight = simple_number(&c, memory).await?;
+    assert_eq!(named, 3 * i64::from(shards));
+    eprintln!(
+        "observed: prepared and kept, {named} statements on one connection: backend memory {base} -> {weight} bytes \
+         ({} bytes per statement)",
+        (weight - base) / named.max(1)
+    );
+    drop(kept);
+    Ok(())
+}
