@@ -5,7 +5,10 @@
 //! - `get_many` of 100 IDs spread over every host vs a loop of 100 single gets (goal
 //!   ≥ 10× faster);
 //! - the time-window fan-out over every host vs the same reads one shard at a time, with
-//!   rows per second.
+//!   rows per second;
+//! - gets by ID through PgBouncer in `pool_mode = transaction` (one per host, the
+//!   installed `pgbouncer` or `SHARDLINE_PGBOUNCER`) vs direct connections: latency one
+//!   at a time, and throughput with 8 concurrent callers.
 //!
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench repo [-- SHARDS ROWS]
@@ -20,6 +23,7 @@ use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::Options;
 use shardline_repo::{Cluster, ClusterOptions, Entity as _, Id};
 use shardline_router::HostName;
+use shardline_testkit::pgbouncer::{Pgbouncer, PoolMode};
 use tokio_postgres::{Client, Statement};
 
 #[path = "common/mod.rs"]
@@ -178,6 +182,79 @@ async fn main() -> Result<(), BoxError> {
         rate(fan),
         serial.as_secs_f64() / fan.as_secs_f64()
     );
+
+    // 4. Behind PgBouncer in transaction mode, one per host, vs direct connections.
+    let mut bouncers = Vec::new();
+    for h in kit.hosts() {
+        bouncers.push(Pgbouncer::start(h, PoolMode::Transaction, 16).await?);
+    }
+    let mut text = format!(
+        "logical_shards = {shards}\ntransaction_pooler = true\n[catalog]\nurl = \"{}\"\n",
+        kit.hosts()[0].url("bench_repo")
+    );
+    for (i, (h, b)) in kit.hosts().iter().zip(&bouncers).enumerate() {
+        text.push_str(&format!(
+            "[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+            i + 1,
+            b.url("bench_repo"),
+            h.peer_url("bench_repo")
+        ));
+    }
+    let pooled_config = shardline_router::Config::from_toml(&text, "bench-pgbouncer.toml", &dir, &|_| None)?;
+    let pooled = Cluster::connect(&pooled_config, ClusterOptions::default()).await?.repo::<Photo>()?;
+    for &id in &sample {
+        pooled.get(id).await?; // warm the pools
+    }
+    let (mut via, mut straight) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        for &id in &sample {
+            assert!(pooled.get(id).await?.is_some());
+        }
+        via.push(t.elapsed() / u32::try_from(sample.len())?);
+        let t = Instant::now();
+        for &id in &sample {
+            assert!(photos.get(id).await?.is_some());
+        }
+        straight.push(t.elapsed() / u32::try_from(sample.len())?);
+    }
+    let (via, straight) = (median(via), median(straight));
+    let (via_rate, straight_rate) =
+        (rate_of(&pooled, &sample, 8).await?, rate_of(&photos, &sample, 8).await?);
+    println!("\nget by ID through {} (pool_mode = transaction, one per host):", bouncers[0].version());
+    println!(
+        "  {:<56}{:>10}   {:>8.0} gets/s (8 callers)",
+        "shardline Repo::get, direct",
+        us(straight),
+        straight_rate
+    );
+    println!(
+        "  {:<56}{:>10}   {:>8.0} gets/s (8 callers)   {:.2}x the throughput",
+        "shardline Repo::get, through PgBouncer",
+        us(via),
+        via_rate,
+        via_rate / straight_rate
+    );
     kit.shutdown().await?;
     Ok(())
+}
+
+/// Gets per second of `callers` concurrent loops over `sample`.
+async fn rate_of(
+    photos: &shardline_repo::Repo<Photo>,
+    sample: &[Id],
+    callers: usize,
+) -> Result<f64, BoxError> {
+    let t = Instant::now();
+    let runs = (0..callers).map(|_| async move {
+        for &id in sample {
+            photos.get(id).await?;
+        }
+        Ok::<_, shardline_repo::Error>(())
+    });
+    for r in futures::future::join_all(runs).await {
+        r?;
+    }
+    let n = f64::from(u32::try_from(sample.len() * callers)?);
+    Ok(n / t.elapsed().as_secs_f64())
 }

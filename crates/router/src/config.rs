@@ -496,6 +496,37 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.schema_prefix.as_str(), "shard_");
         assert_eq!(c.layout, Layout::INSTAGRAM);
         assert!(c.app_roles.is_empty());
+        assert!(!c.transaction_pooler);
+        assert_eq!(c.listen_url, None);
+    }
+
+    #[test]
+    fn a_pooled_deployment_loads_and_its_mistakes_name_their_line() {
+        let c = load(
+            "transaction_pooler = true\n[catalog]\nurl = \"postgres://u:pw@bouncer/db\"\n\
+             listen_url = \"postgres://u:pw@catalog/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+        )
+        .unwrap();
+        assert!(c.transaction_pooler);
+        assert_eq!(c.listen_url.as_ref().map(DbUrl::expose), Some("postgres://u:pw@catalog/db"));
+        assert_eq!(c.listen_url.map(|u| u.to_string()).as_deref(), Some("postgres://u:***@catalog/db"));
+        for (text, message) in [
+            (
+                "transaction_pooler = \"yes\"\n[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:1: toml: invalid type: string \"yes\", expected a boolean",
+            ),
+            (
+                "[catalog]\nurl = \"postgres://c/db\"\nlisten_url = \"postgres://c/db\"\nlisten_url_env = \"PG1_URL\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "catalog.listen_url_env: give catalog.listen_url or catalog.listen_url_env, not both",
+            ),
+            (
+                "[catalog]\nurl = \"postgres://c/db\"\nlisten_url = \"postgres://c/db?sslmode=on\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:1: catalog.listen_url: sslmode=\"on\" is not one of",
+            ),
+        ] {
+            let err = load(text).unwrap_err().to_string();
+            assert!(err.contains(message), "{text:?}: {err}");
+        }
     }
 
     #[test]
