@@ -332,7 +332,8 @@ async fn simple_number(client: &tokio_postgres::Client, sql: &str) -> Result<i64
 }
 
 /// At 2000 shards, a pooled connection that served inserts, reads by ID and pages in
-/// every shard holds no prepared statement of shardline's. For comparison, the same statements prepared and kept per
+/// every shard holds no prepared statement of shardline's, and at most
+/// `statement_cache` with one asked for. For comparison, the same statements prepared and kept per
 /// connection (what the request path did before, one per statement shape and shard)
 /// are counted and weighed on another connection (observed figures printed).
 pub(crate) async fn at_2000_shards_a_connection_holds_no_statement_of_shardline(
@@ -359,6 +360,27 @@ pub(crate) async fn at_2000_shards_a_connection_holds_no_statement_of_shardline(
         assert_eq!(photos.page_of_user(user, None, 10).await?.rows.len(), 1);
     }
     let took = started.elapsed();
+    // With a statement cache of 256 (direct connections only): bounded by it.
+    let cached = Cluster::connect(
+        &f.config()?,
+        ClusterOptions { pool_size: 1, statement_cache: 256, ..ClusterOptions::default() },
+    )
+    .await?;
+    let cached_photos = cached.repo::<Photo>()?;
+    for user in 0..i64::from(shards) {
+        let p = cached_photos.insert(&photo(user, 1)).await?;
+        assert_eq!(cached_photos.get(p.id).await?.map(|g| g.id), Some(p.id));
+        assert_eq!(cached_photos.page_of_user(user, None, 10).await?.rows.len(), 2);
+    }
+    {
+        let conn = cached.client(&host).await?;
+        let kept = simple_number(&conn, "SELECT count(*) FROM pg_prepared_statements").await?;
+        assert!((1..=256).contains(&kept), "statement_cache = 256 kept {kept} statements");
+        eprintln!(
+            "observed: statement_cache = 256, {} statements in {shards} shards: {kept} kept",
+            3 * shards
+        );
+    }
     let conn = cluster.client(&host).await?;
     let held = simple_number(&conn, "SELECT count(*) FROM pg_prepared_statements").await?;
     let after = simple_number(&conn, memory).await?;

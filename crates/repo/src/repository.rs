@@ -463,7 +463,8 @@ impl<E: Entity> Repo<E> {
         if let Some(select) = self.across.get() {
             return Ok(select.clone());
         }
-        let types = self.cluster.types().get(client, host, None, schema, E::TABLE).await?;
+        let types =
+            self.cluster.types().covering(client, host, None, schema, E::TABLE, &[], E::COLUMNS).await?;
         let select = E::COLUMNS
             .iter()
             .map(|c| {
@@ -492,9 +493,12 @@ impl<E: Entity> Repo<E> {
         if let Some(t) = self.types.lock().ok().and_then(|m| m.get(&key).cloned()) {
             return Ok(t);
         }
-        let table =
-            self.cluster.types().get(client, &route.host, Some(route.shard), &route.schema, E::TABLE).await?;
         let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
+        let table = self
+            .cluster
+            .types()
+            .covering(client, &route.host, Some(route.shard), &route.schema, E::TABLE, &kinds, &[])
+            .await?;
         if let Some(types) = table.of(&kinds, &[]) {
             return Ok(types);
         }

@@ -1,7 +1,7 @@
 //! How the request path sends its statements, and the check of every row it gets back.
 //!
-//! Every statement of [`crate::Repo`] and of [`crate::ShardTx`]'s typed operations is
-//! sent as an *unnamed* statement with its parameter types given
+//! By default every statement of [`crate::Repo`] and of [`crate::ShardTx`]'s typed
+//! operations is sent as an *unnamed* statement with its parameter types given
 //! ([`tokio_postgres::Client::query_typed`]): Parse, Bind, Describe, Execute and Sync in
 //! one message batch, one round trip, and no name that outlives it. So:
 //!
@@ -12,13 +12,17 @@
 //!   `pool_mode = transaction`): it is one implicit transaction, and no other client can
 //!   run it, or find it missing, on the server connection it lands on.
 //!
+//! The price is that the server parses and plans each call. On direct connections,
+//! [`crate::ClusterOptions::statement_cache`] keeps up to that many statements
+//! prepared per connection instead (bounded: emptied when full).
+//!
 //! The parameter types come from the table's column types, read once per table with
 //! one catalog query ([`TableTypes`]); types built into Postgres are the same in every
 //! shard schema and on every host. A column whose type lives in the schema (an enum,
 //! an extension's type) has another OID in every schema, and the driver would look it
-//! up with a named statement it keeps: such a table's statements are prepared per
-//! connection as before on direct connections, and refused behind a transaction
-//! pooler ([`crate::Error::PoolerUnsupported`]).
+//! up with a named statement it keeps: such a table's statements are prepared on the
+//! connection on direct connections, and refused behind a transaction pooler
+//! ([`crate::Error::Pooler`]).
 //!
 //! Every row that comes back is checked against the shard its statement was sent to:
 //! the row's `id` carries the shard that minted it ([`check_rows`]).
@@ -87,6 +91,16 @@ impl TableTypes {
             .collect()
     }
 
+    /// Whether every column `params` and `returned` name is known (a column added by a
+    /// migration after the types were read is not).
+    fn knows(&self, params: &[Param<'_>], returned: &[&str]) -> bool {
+        let named = params.iter().filter_map(|p| match p {
+            Param::Column(c) => Some(*c),
+            Param::Int8 => None,
+        });
+        named.chain(returned.iter().copied()).all(|c| self.0.contains_key(c))
+    }
+
     /// The first of `columns` whose type is not built in, for the error that names it.
     pub(crate) fn first_foreign<'c>(&self, columns: impl IntoIterator<Item = &'c str>) -> Option<&'c str> {
         columns.into_iter().find(|c| !matches!(self.0.get(*c), Some(Some(_))))
@@ -104,7 +118,11 @@ pub(crate) enum Param<'a> {
 }
 
 /// The column types of each table, learnt once per cluster handle (the same in every
-/// shard schema: see the module docs).
+/// shard schema: see the module docs), and read again when a statement names a column
+/// they lack (one added by a migration since). A column whose type a migration changes
+/// keeps its old type here until the handle is made again: its values are sent as the
+/// old type, which the server converts where an assignment cast exists and refuses
+/// otherwise.
 #[derive(Debug, Default)]
 pub(crate) struct TypeCache(std::sync::Mutex<HashMap<String, Arc<TableTypes>>>);
 
@@ -121,6 +139,38 @@ impl TypeCache {
         if let Some(t) = self.0.lock().ok().and_then(|m| m.get(table).cloned()) {
             return Ok(t);
         }
+        self.load(client, host, shard, schema, table).await
+    }
+
+    /// As [`TypeCache::get`], read again when they lack a column of `params` or
+    /// `returned`.
+    #[allow(clippy::too_many_arguments, reason = "get's arguments and the columns")]
+    pub(crate) async fn covering(
+        &self,
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+        params: &[Param<'_>],
+        returned: &[&str],
+    ) -> Result<Arc<TableTypes>> {
+        let types = self.get(client, host, shard, schema, table).await?;
+        if types.knows(params, returned) {
+            return Ok(types);
+        }
+        self.load(client, host, shard, schema, table).await
+    }
+
+    /// Reads `table`'s column types again, through `client` from `schema`.
+    pub(crate) async fn load(
+        &self,
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+    ) -> Result<Arc<TableTypes>> {
         let types = Arc::new(TableTypes::load(client, host, shard, schema, table).await?);
         if let Ok(mut m) = self.0.lock() {
             m.insert(table.to_owned(), Arc::clone(&types));
@@ -171,10 +221,12 @@ pub(crate) fn check_rows(
 }
 
 /// Runs `sql` (made for `route`'s schema) with `params` on `client`: unnamed, with the
-/// types of `kinds`, when the table's types allow it; otherwise prepared and cached on
-/// the connection on a direct connection, and refused behind a transaction pooler.
+/// types of `kinds`, when the table's types allow it and no statement cache is asked
+/// for ([`crate::ClusterOptions::statement_cache`]); otherwise prepared and kept on the
+/// connection (at most `statement_cache` of them) on a direct connection, and refused
+/// behind a transaction pooler.
 /// `returned` are the columns the statement returns. The caller checks the rows.
-#[allow(clippy::too_many_arguments)] // reason: one call shape for every typed statement
+#[allow(clippy::too_many_arguments, reason = "one call shape for every typed statement")]
 pub(crate) async fn run(
     cluster: &crate::Cluster,
     client: &deadpool_postgres::Object,
@@ -187,13 +239,15 @@ pub(crate) async fn run(
     kinds: &[Param<'_>],
 ) -> Result<Vec<Row>> {
     let (host, shard) = (&route.host, Some(route.shard));
-    let types = cluster.types().get(client, host, shard, &route.schema, table).await?;
+    let types = cluster.types().covering(client, host, shard, &route.schema, table, kinds, returned).await?;
+    let options = cluster.options();
+    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
     match types.of(kinds, returned) {
-        Some(t) => client
+        Some(t) if keep == 0 => client
             .query_typed(sql, &typed(params, &t))
             .await
             .map_err(|e| crate::statement_error(host, shard, what, e, &t, params)),
-        None if cluster.options().transaction_pooler => {
+        None if options.transaction_pooler => {
             let names = kinds.iter().filter_map(|k| match k {
                 Param::Column(c) => Some(*c),
                 Param::Int8 => None,
@@ -201,7 +255,12 @@ pub(crate) async fn run(
             let column = types.first_foreign(names.chain(returned.iter().copied())).unwrap_or("?");
             Err(schema_type_refused(host, table, column))
         }
-        None => {
+        _ => {
+            // Kept per connection (a type of the schema needs it, or the cache is on),
+            // at most `statement_cache` of them (one at least): past it, start again.
+            if client.statement_cache.size() >= keep.max(1) {
+                client.statement_cache.clear();
+            }
             let statement = client
                 .prepare_cached(sql)
                 .await
