@@ -57,8 +57,8 @@ pub struct ClusterOptions {
     /// transaction-mode pooler can be run by another client (another shard's
     /// statement of the same name) or be missing, so this is ignored when
     /// `transaction_pooler` is set. A kept statement saves the server parsing and
-    /// planning each call (a get by ID: 1.80× the latency of a prepared statement
-    /// without it, 1.01× with it, observed in `docs/benchmarks.md`); it is one per
+    /// planning each call (a get by ID: 1.58–1.80× the latency of a prepared
+    /// statement without it, 1.10× with it, observed in `docs/benchmarks.md`); it is one per
     /// statement shape and shard, about 12 KB each on the server, so past this many the
     /// connection's cache is emptied and starts again: at most
     /// `pool_size × statement_cache` per host and process.
