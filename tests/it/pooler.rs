@@ -296,7 +296,7 @@ pub(crate) async fn a_notification_lost_in_a_pooler_is_caught_by_the_map_check(
     let bouncer = Pgbouncer::start(&ctx.hosts()[0], PoolMode::Transaction, 2).await?;
     let text = f.config_text()?.replacen(
         "[catalog]\n",
-        &format!("[catalog]\nlisten_url = \"{}\"\n", bouncer.url(&f.db())),
+        &format!("[catalog]\nlisten_url = \"{}\"\n", bouncer.url(f.db())),
         1,
     );
     let config = f.config_from(&text)?;
