@@ -5,7 +5,10 @@
 //! - `get_many` of 100 IDs spread over every host vs a loop of 100 single gets (goal
 //!   ≥ 10× faster);
 //! - the time-window fan-out over every host vs the same reads one shard at a time, with
-//!   rows per second.
+//!   rows per second;
+//! - gets by ID through PgBouncer in `pool_mode = transaction` (one per host, the
+//!   installed `pgbouncer` or `SHARDLINE_PGBOUNCER`) vs direct connections: latency one
+//!   at a time, and throughput with 8 concurrent callers.
 //!
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench repo [-- SHARDS ROWS]
@@ -20,6 +23,7 @@ use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::Options;
 use shardline_repo::{Cluster, ClusterOptions, Entity as _, Id};
 use shardline_router::HostName;
+use shardline_testkit::pgbouncer::{Pgbouncer, PoolMode};
 use tokio_postgres::{Client, Statement};
 
 #[path = "common/mod.rs"]
@@ -78,12 +82,17 @@ async fn main() -> Result<(), BoxError> {
         }
     }
     let sample: Vec<Id> = ids.iter().step_by(ids.len() / 2000).copied().take(2000).collect();
+    let kept =
+        Cluster::connect(&config, ClusterOptions { statement_cache: 1024, ..ClusterOptions::default() })
+            .await?
+            .repo::<Photo>()?;
     for &id in &sample {
         photos.get(id).await?; // warm the pool and the statement caches
+        kept.get(id).await?;
     }
 
     // 1. One get by ID: alternate rounds of the two, the median round per call.
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let (mut ours, mut theirs, mut cached) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..7 {
         let t = Instant::now();
         for &id in &sample {
@@ -92,20 +101,31 @@ async fn main() -> Result<(), BoxError> {
         ours.push(t.elapsed() / u32::try_from(sample.len())?);
         let t = Instant::now();
         for &id in &sample {
+            assert!(kept.get(id).await?.is_some());
+        }
+        cached.push(t.elapsed() / u32::try_from(sample.len())?);
+        let t = Instant::now();
+        for &id in &sample {
             let route = cluster.route_id(id)?; // arithmetic on the ID: the rival needs the host too
             let row = direct[&route.host].query_opt(&prepared[&route.shard.get()], &[&id]).await?;
             assert!(row.is_some());
         }
         theirs.push(t.elapsed() / u32::try_from(sample.len())?);
     }
-    let (ours, theirs) = (median(ours), median(theirs));
+    let (ours, theirs, cached) = (median(ours), median(theirs), median(cached));
     println!("get by ID, one at a time (median of 7 rounds of {}):", sample.len());
     println!("  {:<56}{:>10}", "rival: tokio-postgres, prepared, on the right host", us(theirs));
     println!(
         "  {:<56}{:>10}   {:.3}x its latency",
-        "shardline Repo::get (decode, route, pool)",
+        "shardline Repo::get (decode, route, pool, unnamed)",
         us(ours),
         ours.as_secs_f64() / theirs.as_secs_f64()
+    );
+    println!(
+        "  {:<56}{:>10}   {:.3}x its latency",
+        "shardline Repo::get, statement_cache = 1024",
+        us(cached),
+        cached.as_secs_f64() / theirs.as_secs_f64()
     );
 
     // 2. 100 IDs spread over every host: one get_many vs a loop of gets.
@@ -178,6 +198,79 @@ async fn main() -> Result<(), BoxError> {
         rate(fan),
         serial.as_secs_f64() / fan.as_secs_f64()
     );
+
+    // 4. Behind PgBouncer in transaction mode, one per host, vs direct connections.
+    let mut bouncers = Vec::new();
+    for h in kit.hosts() {
+        bouncers.push(Pgbouncer::start(h, PoolMode::Transaction, 16).await?);
+    }
+    let mut text = format!(
+        "logical_shards = {shards}\ntransaction_pooler = true\n[catalog]\nurl = \"{}\"\n",
+        kit.hosts()[0].url("bench_repo")
+    );
+    for (i, (h, b)) in kit.hosts().iter().zip(&bouncers).enumerate() {
+        text.push_str(&format!(
+            "[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+            i + 1,
+            b.url("bench_repo"),
+            h.peer_url("bench_repo")
+        ));
+    }
+    let pooled_config = shardline_router::Config::from_toml(&text, "bench-pgbouncer.toml", &dir, &|_| None)?;
+    let pooled = Cluster::connect(&pooled_config, ClusterOptions::default()).await?.repo::<Photo>()?;
+    for &id in &sample {
+        pooled.get(id).await?; // warm the pools
+    }
+    let (mut via, mut straight) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        for &id in &sample {
+            assert!(pooled.get(id).await?.is_some());
+        }
+        via.push(t.elapsed() / u32::try_from(sample.len())?);
+        let t = Instant::now();
+        for &id in &sample {
+            assert!(photos.get(id).await?.is_some());
+        }
+        straight.push(t.elapsed() / u32::try_from(sample.len())?);
+    }
+    let (via, straight) = (median(via), median(straight));
+    let (via_rate, straight_rate) =
+        (rate_of(&pooled, &sample, 8).await?, rate_of(&photos, &sample, 8).await?);
+    println!("\nget by ID through {} (pool_mode = transaction, one per host):", bouncers[0].version());
+    println!(
+        "  {:<56}{:>10}   {:>8.0} gets/s (8 callers)",
+        "shardline Repo::get, direct",
+        us(straight),
+        straight_rate
+    );
+    println!(
+        "  {:<56}{:>10}   {:>8.0} gets/s (8 callers)   {:.2}x the throughput",
+        "shardline Repo::get, through PgBouncer",
+        us(via),
+        via_rate,
+        via_rate / straight_rate
+    );
     kit.shutdown().await?;
     Ok(())
+}
+
+/// Gets per second of `callers` concurrent loops over `sample`.
+async fn rate_of(
+    photos: &shardline_repo::Repo<Photo>,
+    sample: &[Id],
+    callers: usize,
+) -> Result<f64, BoxError> {
+    let t = Instant::now();
+    let runs = (0..callers).map(|_| async move {
+        for &id in sample {
+            photos.get(id).await?;
+        }
+        Ok::<_, shardline_repo::Error>(())
+    });
+    for r in futures::future::join_all(runs).await {
+        r?;
+    }
+    let n = f64::from(u32::try_from(sample.len() * callers)?);
+    Ok(n / t.elapsed().as_secs_f64())
 }

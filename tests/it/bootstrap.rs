@@ -45,6 +45,11 @@ impl Fixture {
         Ok(f)
     }
 
+    /// The fixture's database (the same name on every host).
+    pub(crate) fn db(&self) -> &str {
+        &self.db
+    }
+
     pub(crate) fn path(&self) -> PathBuf {
         self.dir.join("shardline.toml")
     }

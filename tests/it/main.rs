@@ -11,6 +11,7 @@ mod faults;
 mod ids;
 mod lifecycle;
 mod moves;
+mod pooler;
 mod promises;
 mod reliability;
 mod replication;

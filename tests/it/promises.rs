@@ -302,7 +302,7 @@ pub(crate) async fn errors_are_classified_by_where_they_happened(ctx: TestContex
 /// A Postgres enum of the shard schema, as an application maps it: every shard has its
 /// own copy of the type (`shard_0007.mood`), so its OID differs from shard to shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Mood(String);
+pub(crate) struct Mood(pub(crate) String);
 
 impl shardline_repo::tokio_postgres::types::ToSql for Mood {
     fn to_sql(
@@ -348,8 +348,8 @@ pub(crate) struct Feeling {
 #[shardline(entity = Feeling)]
 pub(crate) struct NewFeeling {
     #[shardline(user)]
-    user_id: i64,
-    mood: Mood,
+    pub(crate) user_id: i64,
+    pub(crate) mood: Mood,
 }
 
 shardline_testkit::register!(shared: an_enum_column_works_in_every_operation_across_64_shards);

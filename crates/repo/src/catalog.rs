@@ -278,7 +278,7 @@ impl Catalog {
     pub async fn cluster(&self) -> Result<Option<ClusterInfo>> {
         let exists: bool = self
             .client
-            .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
+            .query_typed_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
             .await
             .map_err(|e| Error::catalog("look for the catalog", e))?
             .get(0);
@@ -287,7 +287,7 @@ impl Catalog {
         }
         let row = self
             .client
-            .query_opt(
+            .query_typed_opt(
                 "SELECT format, logical_shards, schema_prefix, epoch_ms, map_version FROM shardline.cluster",
                 &[],
             )
@@ -309,6 +309,21 @@ impl Catalog {
         }))
     }
 
+    /// The map version the catalog holds: one small unnamed statement, the periodic
+    /// check of [`crate::ClusterOptions::map_check`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when the query fails; [`Error::NotInitialised`] before `init`.
+    pub async fn map_version(&self) -> Result<i64> {
+        self.client
+            .query_typed_opt("SELECT map_version FROM shardline.cluster", &[])
+            .await
+            .map_err(|e| Error::catalog("read the map version", e))?
+            .map(|r| r.get(0))
+            .ok_or(Error::NotInitialised)
+    }
+
     /// The shard map, read in one statement (one snapshot), validated.
     ///
     /// # Errors
@@ -316,9 +331,11 @@ impl Catalog {
     /// [`Error::NotInitialised`] before `init`; [`Error::InvalidCatalog`] when the stored
     /// map does not map every shard exactly once to a known host.
     pub async fn map(&self) -> Result<ShardMap> {
+        // Unnamed statements (one round trip, none kept): the catalog may be reached
+        // through a transaction-mode pooler.
         let row = self
             .client
-            .query_opt(
+            .query_typed_opt(
                 "SELECT c.logical_shards, c.map_version,
                         (SELECT coalesce(array_agg(name ORDER BY position), '{}') FROM shardline.hosts),
                         (SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM shardline.shards),

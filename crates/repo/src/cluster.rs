@@ -34,8 +34,39 @@ pub struct ClusterOptions {
     pub host_timeout: Duration,
     /// How many hosts a fan-out queries at once (default 16).
     pub fan_out: usize,
-    /// Reload the map on the catalog's `NOTIFY` (default true).
+    /// Reload the map on the catalog's `NOTIFY` (default true), and check the catalog's
+    /// map version every [`ClusterOptions::map_check`] in case a notification was lost.
+    /// When false, the handle reloads the map only when a statement finds its shard
+    /// moved, or on [`Cluster::refresh`].
     pub listen: bool,
+    /// With `listen`: how often the catalog's map version is read (one small query),
+    /// to catch a change whose notification never arrived (default 5 s). A `LISTEN`
+    /// through a transaction-mode pooler succeeds but receives nothing, and nothing
+    /// reports it: this check bounds how long a handle can hold an old map to about
+    /// `map_check` plus one catalog round trip, and logs a warning when it finds one.
+    /// Zero turns the check off.
+    pub map_check: Duration,
+    /// The hosts' URLs reach Postgres through a transaction-mode pooler (PgBouncer's
+    /// `pool_mode = transaction`) (default false; also set by the config's
+    /// `transaction_pooler`). Then shardline keeps no prepared statement across
+    /// transactions: a table with a column whose type lives in the shard's schema (an
+    /// enum) is refused with [`Error::Pooler`], and a statement that finds a prepared
+    /// statement missing or taken is reported as a pooler's doing. Every statement of
+    /// the request path is unnamed either way; see `docs/operations.md`, "Behind
+    /// PgBouncer".
+    pub transaction_pooler: bool,
+    /// Statements kept prepared per connection, at most (default 0: every statement of
+    /// the request path is unnamed, and none outlives it). Only for hosts reached
+    /// directly or through a session-mode pool: a kept statement behind a
+    /// transaction-mode pooler can be run by another client (another shard's
+    /// statement of the same name) or be missing, so this is ignored when
+    /// `transaction_pooler` is set. A kept statement saves the server parsing and
+    /// planning each call (a get by ID: 1.58–1.80× the latency of a prepared
+    /// statement without it, 1.10× with it, observed in `docs/benchmarks.md`); it is one per
+    /// statement shape and shard, about 12 KB each on the server, so past this many the
+    /// connection's cache is emptied and starts again: at most
+    /// `pool_size × statement_cache` per host and process.
+    pub statement_cache: usize,
     /// How long a statement that finds its shard fenced (a move is flipping it to
     /// another host) waits for the new map before it gives up (default 20 s). The
     /// fence normally lasts well under a second; a fence whose mover died is
@@ -52,6 +83,9 @@ impl Default for ClusterOptions {
             host_timeout: Duration::from_secs(5),
             fan_out: 16,
             listen: true,
+            map_check: Duration::from_secs(5),
+            transaction_pooler: false,
+            statement_cache: 0,
             move_wait: Duration::from_secs(20),
         }
     }
@@ -70,7 +104,12 @@ struct Inner {
     map: RwLock<Arc<ShardMap>>,
     pools: HashMap<HostName, Pool>,
     catalog_url: shardline_router::config::DbUrl,
+    /// Where the map listener connects: the config's `catalog.listen_url`, or the
+    /// catalog's URL.
+    listen_url: shardline_router::config::DbUrl,
     catalog: Mutex<Option<Catalog>>,
+    /// The column types of each table (see [`crate::statement`]).
+    types: crate::statement::TypeCache,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -94,7 +133,8 @@ impl Cluster {
     /// Catalog errors ([`Error::NotInitialised`], [`Error::Mismatch`], ...);
     /// [`Error::UnknownHost`] when the map places shards on a host the config lacks;
     /// [`Error::BadUrl`].
-    pub async fn connect(config: &Config, options: ClusterOptions) -> Result<Cluster> {
+    pub async fn connect(config: &Config, mut options: ClusterOptions) -> Result<Cluster> {
+        options.transaction_pooler |= config.transaction_pooler;
         let (catalog, info) = Catalog::open(config).await?;
         let map = catalog.map().await?;
         let mut pools = HashMap::new();
@@ -124,13 +164,15 @@ impl Cluster {
             map: RwLock::new(Arc::new(map)),
             pools,
             catalog_url: config.catalog.clone(),
+            listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
+            types: crate::statement::TypeCache::default(),
             options,
             listener: std::sync::Mutex::new(None),
         });
         let cluster = Cluster { inner };
         if cluster.inner.options.listen {
-            let listener = MapListener::start(&cluster.inner.catalog_url).await?;
+            let listener = MapListener::start(&cluster.inner.listen_url).await?;
             let task = tokio::spawn(listen(Arc::downgrade(&cluster.inner), listener));
             if let Ok(mut l) = cluster.inner.listener.lock() {
                 *l = Some(task);
@@ -154,9 +196,15 @@ impl Cluster {
         &self.inner.prefix
     }
 
-    /// The options the handle was made with.
+    /// The options the handle was made with (`transaction_pooler` set when the config
+    /// sets it).
     pub fn options(&self) -> &ClusterOptions {
         &self.inner.options
+    }
+
+    /// The column types of each table, learnt once.
+    pub(crate) fn types(&self) -> &crate::statement::TypeCache {
+        &self.inner.types
     }
 
     /// Where a user's rows live.
@@ -462,13 +510,15 @@ impl Cluster {
     async fn moves_of(&self, shards: &[i32]) -> Result<(bool, bool)> {
         let slot = self.inner.catalog.lock().await;
         let Some(c) = slot.as_ref() else { return Ok((false, false)) };
+        // Unnamed (one round trip, no statement kept): the catalog may be behind a
+        // transaction-mode pooler too.
         let row = c
             .client()
-            .query_one(
+            .query_typed_one(
                 "SELECT coalesce(bool_or(state = 'running'), false),
                         coalesce(bool_or(state <> 'running' AND updated_at > now() - interval '5 seconds'), false)
                    FROM shardline.moves WHERE shard = ANY($1)",
-                &[&shards],
+                &[(&shards, tokio_postgres::types::Type::INT4_ARRAY)],
             )
             .await
             .map_err(|e| Error::catalog("read the moves", e))?;
@@ -513,9 +563,28 @@ async fn refresh(inner: &Inner) -> Result<i64> {
     Ok(version)
 }
 
+/// The map version the catalog holds, read on the shared catalog connection (a new
+/// one when it is gone).
+async fn catalog_version(inner: &Inner) -> Result<i64> {
+    let mut slot = inner.catalog.lock().await;
+    if slot.as_ref().is_none_or(|c| c.client().is_closed()) {
+        *slot = Some(Catalog::from_client(catalog::connect(&inner.catalog_url, "catalog").await?));
+    }
+    match slot.as_ref() {
+        Some(c) => c.map_version().await,
+        None => Err(Error::NotInitialised),
+    }
+}
+
+/// Reloads the map on each notification, and every `map_check` (when no notification
+/// came) compares the held version with the catalog's: a change whose notification was
+/// lost (a `LISTEN` through a transaction pooler receives nothing) is found within
+/// `map_check` and logged.
 async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
+    let check = inner.upgrade().map_or(Duration::ZERO, |i| i.options.map_check);
+    let wait = if check.is_zero() { Duration::from_secs(3600) } else { check };
     loop {
-        let next = listener.next(Duration::from_secs(3600)).await;
+        let next = listener.next(wait).await;
         let Some(inner) = inner.upgrade() else { return };
         let held = inner.map.read().map(|m| m.version()).unwrap_or(0);
         match next {
@@ -525,7 +594,7 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 // The catalog connection ended: listen again, and reload in case a change
                 // was missed meanwhile.
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                match MapListener::start(&inner.catalog_url).await {
+                match MapListener::start(&inner.listen_url).await {
                     Ok(l) => listener = l,
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot listen for map changes; retrying");
@@ -533,7 +602,20 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                     }
                 }
             }
-            None => continue,
+            None if check.is_zero() => continue,
+            None => match catalog_version(&inner).await {
+                Ok(v) if v > held => tracing::warn!(
+                    held,
+                    catalog = v,
+                    "the shard map changed but no notification arrived (is the LISTEN connection \
+                     behind a transaction-mode pooler? give catalog.listen_url a direct URL); reloading"
+                ),
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the catalog's map version");
+                    continue;
+                }
+            },
         }
         if let Err(e) = refresh(&inner).await {
             tracing::warn!(error = %e, "cannot reload the shard map");

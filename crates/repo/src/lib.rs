@@ -49,6 +49,7 @@ pub mod entity;
 pub mod ids;
 pub mod repository;
 pub mod shard;
+mod statement;
 mod tls;
 
 pub use catalog::{Catalog, ClusterInfo};
@@ -264,6 +265,39 @@ pub enum Error {
         /// The transaction's shard.
         transaction: u16,
     },
+    /// A row came back from a statement with an ID minted by another shard than the one
+    /// the statement was sent to: the statement ran somewhere else than shardline sent
+    /// it (a misrouted connection, a schema renamed under it, or, behind a
+    /// transaction-mode pooler without [`ClusterOptions::transaction_pooler`], another
+    /// client's prepared statement of the same name). Never silent: a write that
+    /// returns such a row **was applied**, in the shard `found` (see
+    /// [`Error::outcome_unknown`]); read it back from there and repair.
+    #[error(
+        "host {host}: {what} was sent to shard {expected} but returned a row of shard {found} (id {id}): \
+         the statement ran in another shard than it was sent to; a write was applied there"
+    )]
+    Misrouted {
+        /// The host the statement was sent to.
+        host: String,
+        /// The operation.
+        what: &'static str,
+        /// The shard the statement named.
+        expected: u16,
+        /// The shard that minted the row's ID.
+        found: u32,
+        /// The row's ID.
+        id: i64,
+    },
+    /// Something the request path cannot do behind a transaction-mode pooler
+    /// ([`ClusterOptions::transaction_pooler`]), or a sign that a host is behind one
+    /// although the option is off. Nothing was applied.
+    #[error("host {host}: {reason}")]
+    Pooler {
+        /// The host.
+        host: String,
+        /// What cannot be done, and what to change.
+        reason: String,
+    },
     /// The config contradicts the catalog on a value fixed at `init`.
     #[error(
         "the config says {key} = {config}, but the cluster was initialised with {key} = {catalog}; \
@@ -339,7 +373,9 @@ impl Error {
             | Error::Timeout { host, .. }
             | Error::Pool { host, .. }
             | Error::Unsent { host, .. }
-            | Error::RolledBack { host, .. } => Some(host),
+            | Error::RolledBack { host, .. }
+            | Error::Misrouted { host, .. }
+            | Error::Pooler { host, .. } => Some(host),
             _ => None,
         }
     }
@@ -360,13 +396,19 @@ impl Error {
     /// a bad URL or argument, a routing error), or the server refused the statement with
     /// an error that rolled it back.
     ///
-    /// An [`Error::InsertMany`] is always `true`: some of its rows were applied.
+    /// An [`Error::InsertMany`] is always `true`: some of its rows were applied. An
+    /// [`Error::Misrouted`] is `true` too, and worse than unknown: its write was applied,
+    /// in the shard the error names, not the one it was meant for.
     pub fn outcome_unknown(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Decode { .. } | Error::Empty { .. } | Error::InsertMany { .. } => {
-                true
+            Error::Timeout { .. }
+            | Error::Decode { .. }
+            | Error::Empty { .. }
+            | Error::InsertMany { .. }
+            | Error::Misrouted { .. } => true,
+            Error::Unsent { .. } | Error::RolledBack { .. } | Error::Pool { .. } | Error::Pooler { .. } => {
+                false
             }
-            Error::Unsent { .. } | Error::RolledBack { .. } | Error::Pool { .. } => false,
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
@@ -388,7 +430,12 @@ impl Error {
                     || d.code().code().starts_with("08")
             }),
             // Running the whole batch again would insert the committed part twice.
-            Error::InsertMany { .. } | Error::Unsent { .. } | Error::RolledBack { .. } => false,
+            // A misrouted statement runs in the wrong shard again; a pooler's limits stay.
+            Error::InsertMany { .. }
+            | Error::Unsent { .. }
+            | Error::RolledBack { .. }
+            | Error::Misrouted { .. }
+            | Error::Pooler { .. } => false,
             Error::Host { sqlstate: None, source: Some(e), .. }
             | Error::Db { sqlstate: None, source: e, .. }
             | Error::Catalog { sqlstate: None, source: e, .. } => e.is_closed() || e.as_db_error().is_none(),

@@ -22,6 +22,7 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::cluster::{Cluster, Failed, Run};
 use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update};
 use crate::shard::Pinned;
+use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error};
 
 /// A row whose `values()` do not match its `COLUMNS` one to one is refused before
@@ -265,22 +266,30 @@ impl Cluster {
 }
 
 impl<E: Entity> Repo<E> {
-    /// Runs the statement `sql(schema)` with `params` on the shard's host (prepared
-    /// once per connection), within the host timeout, through the cluster's one retry
-    /// path for a stale map ([`Cluster::with_move_retry`]).
+    /// Runs the statement `sql(schema)` with `params` (of `kinds`) on the shard's host
+    /// as one unnamed statement ([`crate::statement`]), within the host timeout, through
+    /// the cluster's one retry path for a stale map ([`Cluster::with_move_retry`]). Every
+    /// row that comes back is checked to be of `shard` ([`check_rows`]). `returned` are
+    /// the columns the statement returns.
     async fn on_shard(
         &self,
         shard: LogicalShard,
         what: &'static str,
         sql: impl Fn(&SchemaName) -> String,
         params: &[&(dyn ToSql + Sync)],
+        kinds: &[Param<'_>],
+        returned: &[&str],
     ) -> Result<Vec<Row>> {
         let prefix = self.cluster.prefix();
         self.cluster
             .with_move_retry(|map, _| {
                 let route = map.route(shard, prefix);
                 let sql = sql(&route.schema);
-                async move { self.attempt(&route, what, &sql, params).await.map_err(|e| Failed::of(e, [shard])) }
+                async move {
+                    self.attempt(&route, what, &sql, params, kinds, returned)
+                        .await
+                        .map_err(|e| Failed::of(e, [shard]))
+                }
             })
             .await
     }
@@ -291,16 +300,25 @@ impl<E: Entity> Repo<E> {
         what: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
+        kinds: &[Param<'_>],
+        returned: &[&str],
     ) -> Result<Vec<Row>> {
         self.cluster
             .on_host(&route.host, self.cluster.options().host_timeout, |client| async move {
-                let statement = client
-                    .prepare_cached(sql)
-                    .await
-                    .map_err(|e| Error::host(&route.host, Some(route.shard), what, e))?;
-                client.query(&statement, params).await.map_err(|e| {
-                    statement_error(&route.host, Some(route.shard), what, e, statement.params(), params)
-                })
+                let rows = statement::run(
+                    &self.cluster,
+                    &client,
+                    route,
+                    E::TABLE,
+                    returned,
+                    what,
+                    sql,
+                    params,
+                    kinds,
+                )
+                .await?;
+                check_rows(self.cluster.layout(), &route.host, what, &[route.shard], &rows)?;
+                Ok(rows)
             })
             .await
     }
@@ -324,8 +342,17 @@ impl<E: Entity> Repo<E> {
         check_new_row::<N>()?;
         check_values::<N>(new)?;
         let shard = self.cluster.route_key(new.shard_key())?.shard;
-        let rows =
-            self.on_shard(shard, "insert", |s| self.sql.insert(s, N::COLUMNS, 1), &new.values()).await?;
+        let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
+        let rows = self
+            .on_shard(
+                shard,
+                "insert",
+                |s| self.sql.insert(s, N::COLUMNS, 1),
+                &new.values(),
+                &kinds,
+                E::COLUMNS,
+            )
+            .await?;
         Self::rows(&rows)?.pop().ok_or(Error::Empty { what: "insert" })
     }
 
@@ -472,19 +499,16 @@ impl<E: Entity> Repo<E> {
         if let Some(select) = self.across.get() {
             return Ok(select.clone());
         }
-        let statement = client
-            .prepare_cached(&self.sql.get(schema))
-            .await
-            .map_err(|e| Error::host(host, None, "describe", e))?;
+        let types =
+            self.cluster.types().covering(client, host, None, schema, E::TABLE, &[], E::COLUMNS).await?;
         let select = E::COLUMNS
             .iter()
-            .zip(statement.columns())
-            .map(|(c, col)| {
-                let ty = col.type_();
-                let of_schema = |t: &Type| t.schema() == schema.as_str();
-                let local = of_schema(ty)
-                    || matches!(ty.kind(), tokio_postgres::types::Kind::Array(e) if of_schema(e));
-                if local { format!("\"{c}\"::text AS \"{c}\"") } else { format!("\"{c}\"") }
+            .map(|c| {
+                if types.of(&[], &[c]).is_none() {
+                    format!("\"{c}\"::text AS \"{c}\"")
+                } else {
+                    format!("\"{c}\"")
+                }
             })
             .collect::<Vec<_>>()
             .join(", ");
@@ -501,11 +525,22 @@ impl<E: Entity> Repo<E> {
         client: &deadpool_postgres::Object,
         route: &Route,
     ) -> Result<Vec<Type>> {
-        /// Postgres's first OID for objects made after `initdb` (FirstNormalObjectId).
-        const FIRST_NORMAL_OID: u32 = 16_384;
         let key = N::COLUMNS.join(",");
         if let Some(t) = self.types.lock().ok().and_then(|m| m.get(&key).cloned()) {
             return Ok(t);
+        }
+        let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
+        let table = self
+            .cluster
+            .types()
+            .covering(client, &route.host, Some(route.shard), &route.schema, E::TABLE, &kinds, &[])
+            .await?;
+        if let Some(types) = table.of(&kinds, &[]) {
+            return Ok(types);
+        }
+        if self.cluster.options().transaction_pooler {
+            let column = table.first_foreign(N::COLUMNS.iter().copied()).unwrap_or("?");
+            return Err(statement::schema_type_refused(&route.host, E::TABLE, column));
         }
         let sql = self.sql.insert(&route.schema, N::COLUMNS, 1);
         let statement = client
@@ -513,7 +548,7 @@ impl<E: Entity> Repo<E> {
             .await
             .map_err(|e| Error::host(&route.host, Some(route.shard), "insert many", e))?;
         let types = statement.params().to_vec();
-        if types.iter().all(|t| t.oid() < FIRST_NORMAL_OID)
+        if types.iter().all(|t| t.oid() < statement::FIRST_NORMAL_OID)
             && let Ok(mut m) = self.types.lock()
         {
             m.insert(key, types.clone());
@@ -600,6 +635,14 @@ impl<E: Entity> Repo<E> {
             let p = usize::try_from(part).ok().filter(|p| *p < chunk.len());
             let (p, idx) =
                 p.map(|p| (p, chunk[p].1)).ok_or(Error::Empty { what: "insert many (a row of no part)" })?;
+            let route = chunk[p].0;
+            check_rows(
+                self.cluster.layout(),
+                &route.host,
+                "insert many",
+                &[route.shard],
+                std::slice::from_ref(row),
+            )?;
             // RETURNING gives rows in VALUES order; check it rather than trust it.
             let i = idx.get(taken[p]).copied().ok_or(Error::Empty { what: "insert many (too many rows)" })?;
             taken[p] += 1;
@@ -641,7 +684,9 @@ impl<E: Entity> Repo<E> {
     /// sent); [`Error::Host`]; [`Error::Timeout`].
     pub async fn get(&self, id: Id) -> Result<Option<E>> {
         let shard = self.cluster.route_id(id)?.shard;
-        let rows = self.on_shard(shard, "get", |s| self.sql.get(s), &[&id]).await?;
+        let rows = self
+            .on_shard(shard, "get", |s| self.sql.get(s), &[&id], &[Param::Column("id")], E::COLUMNS)
+            .await?;
         Ok(Self::rows(&rows)?.pop())
     }
 
@@ -671,16 +716,19 @@ impl<E: Entity> Repo<E> {
                     let names: Vec<&SchemaName> = schemas.keys().collect();
                     let params: Vec<(&(dyn ToSql + Sync), Type)> =
                         schemas.values().map(|(_, a)| (a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
-                    let (names, params, host_ref) = (&names, &params, &host);
+                    let shards: Vec<LogicalShard> = schemas.values().map(|(s, _)| *s).collect();
+                    let (names, params, host_ref, shards_ref) = (&names, &params, &host, &shards);
                     let work = |client: deadpool_postgres::Object| async move {
                         let first =
                             names.first().copied().ok_or(Error::Empty { what: "get many (no schema)" })?;
                         let sql =
                             self.sql.get_many(names, &self.across_select(&client, host_ref, first).await?);
-                        client
+                        let rows = client
                             .query_typed(&sql, params)
                             .await
-                            .map_err(|e| Error::host(host_ref, None, "get many", e))
+                            .map_err(|e| Error::host(host_ref, None, "get many", e))?;
+                        check_rows(layout, host_ref, "get many", shards_ref, &rows)?;
+                        Ok(rows)
                     };
                     self.cluster
                         .on_host(&host, timeout, work)
@@ -723,7 +771,11 @@ impl<E: Entity> Repo<E> {
         let shard = self.cluster.route_id(id)?.shard;
         let mut values: Vec<&(dyn ToSql + Sync)> = vec![&id];
         values.extend(set.iter().map(|(_, v)| *v));
-        let rows = self.on_shard(shard, "update", |s| self.sql.update(s, &columns), &values).await?;
+        let mut kinds = vec![Param::Column("id")];
+        kinds.extend(columns.iter().map(|c| Param::Column(c)));
+        let rows = self
+            .on_shard(shard, "update", |s| self.sql.update(s, &columns), &values, &kinds, E::COLUMNS)
+            .await?;
         Ok(Self::rows(&rows)?.pop())
     }
 
@@ -734,7 +786,9 @@ impl<E: Entity> Repo<E> {
     /// As [`Repo::get`].
     pub async fn delete(&self, id: Id) -> Result<bool> {
         let shard = self.cluster.route_id(id)?.shard;
-        let rows = self.on_shard(shard, "delete", |s| self.sql.delete(s), &[&id]).await?;
+        let rows = self
+            .on_shard(shard, "delete", |s| self.sql.delete(s), &[&id], &[Param::Column("id")], &["id"])
+            .await?;
         Ok(!rows.is_empty())
     }
 
@@ -774,7 +828,10 @@ impl<E: Entity> Repo<E> {
     ) -> Result<Page<E>> {
         let below = before.map_or(i64::MAX, i64::from);
         let n = i64::from(limit);
-        let rows = self.on_shard(shard, "page", |s| self.sql.page(s, column), &[&key, &below, &n]).await?;
+        let kinds = [Param::Column(column), Param::Column("id"), Param::Int8];
+        let rows = self
+            .on_shard(shard, "page", |s| self.sql.page(s, column), &[&key, &below, &n], &kinds, E::COLUMNS)
+            .await?;
         let rows = Self::rows(&rows)?;
         let next = if rows.len() == usize::try_from(limit).unwrap_or(usize::MAX) {
             rows.last().map(Entity::id)
@@ -820,6 +877,7 @@ impl<E: Entity> Repo<E> {
     ) -> Result<FanOut<E>, Failed<Error>> {
         let prefix = self.cluster.prefix();
         let timeout = self.cluster.options().host_timeout;
+        let layout = self.cluster.layout();
         let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
             .hosts()
             .iter()
@@ -829,7 +887,7 @@ impl<E: Entity> Repo<E> {
         let results = futures::stream::iter(hosts)
             .map(|(host, shards)| async move {
                 let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
-                let (schemas_ref, host_ref) = (&schemas, &host);
+                let (schemas_ref, host_ref, shards_ref) = (&schemas, &host, &shards);
                 let work = |client: deadpool_postgres::Object| async move {
                     let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
                     let select = self.across_select(&client, host_ref, first).await?;
@@ -838,6 +896,7 @@ impl<E: Entity> Repo<E> {
                         .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
                         .await
                         .map_err(|e| Error::host(host_ref, None, "fan-out", e))?;
+                    check_rows(layout, host_ref, "fan-out", shards_ref, &rows)?;
                     Self::rows(&rows)
                 };
                 let result = self.cluster.on_host(&host, timeout, work).await;

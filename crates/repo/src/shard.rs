@@ -43,6 +43,7 @@ use tokio_postgres::types::ToSql;
 use crate::cluster::{Cluster, Failed};
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::repository::Sql;
+use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
 
 /// A pooled connection inside a transaction. Dropped before [`Pinned::release`] (a
@@ -174,26 +175,25 @@ impl ShardTx<'_> {
         &self.route.host
     }
 
-    /// Runs one statement. `sql` is cached per connection only when `qualified` (its
-    /// text names the schema): the caller's own SQL resolves names through the
-    /// transaction's `search_path`, which differs from shard to shard on one pooled
-    /// connection, and a statement prepared in one shard is not valid in another (its
-    /// types, an enum of the schema say, are another shard's).
+    /// Runs one statement of the caller's SQL, prepared for this call only: it
+    /// resolves names through the transaction's `search_path`, which differs from shard
+    /// to shard on one pooled connection, so a statement prepared in one shard is not
+    /// valid in another (its types, an enum of the schema say, are another shard's).
+    /// The statement is closed when dropped here, before anything else is sent on the
+    /// connection (the driver queues the `Close` at once), so before `COMMIT`: behind a
+    /// transaction-mode pooler its name never outlives the transaction.
     async fn run(
         &mut self,
         what: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
         count_only: bool,
-        qualified: bool,
     ) -> Result<(Vec<Row>, u64)> {
         let route = &self.route;
         let client = self.client()?;
         let work = async {
-            let fail = |e| Error::host(&route.host, Some(route.shard), what, e);
-            let statement =
-                if qualified { client.prepare_cached(sql).await } else { client.prepare(sql).await }
-                    .map_err(fail)?;
+            let fail = |e| statement::pooler_hint(Error::host(&route.host, Some(route.shard), what, e));
+            let statement = client.prepare(sql).await.map_err(fail)?;
             let sent =
                 |e| statement_error(&route.host, Some(route.shard), what, e, statement.params(), params);
             if count_only {
@@ -211,13 +211,30 @@ impl ShardTx<'_> {
         result
     }
 
-    async fn rows_of(
+    /// Runs one of the typed operations' statements on table `E` as an unnamed
+    /// statement ([`crate::statement`]), and checks that every row it returns is of the
+    /// transaction's shard.
+    async fn rows_of<E: Entity>(
         &mut self,
         what: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
+        kinds: &[Param<'_>],
+        returned: &[&str],
     ) -> Result<Vec<Row>> {
-        Ok(self.run(what, sql, params, false, true).await?.0)
+        let (route, cluster) = (&self.route, self.cluster);
+        let client = self.client()?;
+        let work = async {
+            let rows =
+                statement::run(cluster, client, route, E::TABLE, returned, what, sql, params, kinds).await?;
+            check_rows(cluster.layout(), &route.host, what, &[route.shard], &rows)?;
+            Ok(rows)
+        };
+        let result = within(&route.host, self.timeout, work).await;
+        if matches!(&result, Err(e) if e.is_moved()) {
+            self.moved = true;
+        }
+        result
     }
 
     fn check_shard(&self, what: &'static str, shard: LogicalShard) -> Result<()> {
@@ -245,7 +262,9 @@ impl ShardTx<'_> {
         check_new_row::<N>()?;
         self.check_shard("insert", self.cluster.route_key(new.shard_key())?.shard)?;
         let sql = Sql::new::<N::Entity>()?.insert(&self.route.schema, N::COLUMNS, 1);
-        let rows = self.rows_of("insert", &sql, &new.values()).await?;
+        let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
+        let rows =
+            self.rows_of::<N::Entity>("insert", &sql, &new.values(), &kinds, N::Entity::COLUMNS).await?;
         Self::rows(&rows)?.pop().ok_or(Error::Empty { what: "insert" })
     }
 
@@ -258,7 +277,8 @@ impl ShardTx<'_> {
     pub async fn get<E: Entity>(&mut self, id: Id) -> Result<Option<E>> {
         self.check_shard("get", self.cluster.route_id(id)?.shard)?;
         let sql = Sql::new::<E>()?.get(&self.route.schema);
-        Ok(Self::rows(&self.rows_of("get", &sql, &[&id]).await?)?.pop())
+        Ok(Self::rows(&self.rows_of::<E>("get", &sql, &[&id], &[Param::Column("id")], E::COLUMNS).await?)?
+            .pop())
     }
 
     /// Sets `columns` of the row with `id`; returns it as it now is.
@@ -277,7 +297,9 @@ impl ShardTx<'_> {
         let sql = Sql::new::<E>()?.update(&self.route.schema, &columns);
         let mut values: Vec<&(dyn ToSql + Sync)> = vec![&id];
         values.extend(set.iter().map(|(_, v)| *v));
-        Ok(Self::rows(&self.rows_of("update", &sql, &values).await?)?.pop())
+        let mut kinds = vec![Param::Column("id")];
+        kinds.extend(columns.iter().map(|c| Param::Column(c)));
+        Ok(Self::rows(&self.rows_of::<E>("update", &sql, &values, &kinds, E::COLUMNS).await?)?.pop())
     }
 
     /// Deletes the row with `id`; returns whether there was one.
@@ -288,7 +310,7 @@ impl ShardTx<'_> {
     pub async fn delete<E: Entity>(&mut self, id: Id) -> Result<bool> {
         self.check_shard("delete", self.cluster.route_id(id)?.shard)?;
         let sql = Sql::new::<E>()?.delete(&self.route.schema);
-        Ok(!self.rows_of("delete", &sql, &[&id]).await?.is_empty())
+        Ok(!self.rows_of::<E>("delete", &sql, &[&id], &[Param::Column("id")], &["id"]).await?.is_empty())
     }
 
     /// Runs SQL of the caller's in this shard: unqualified names resolve in the shard's
@@ -298,7 +320,7 @@ impl ShardTx<'_> {
     ///
     /// [`Error::Host`] (with the SQLSTATE); [`Error::Timeout`].
     pub async fn query(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
-        Ok(self.run("query", sql, params, false, false).await?.0)
+        Ok(self.run("query", sql, params, false).await?.0)
     }
 
     /// As [`ShardTx::query`], returning how many rows the statement touched.
@@ -307,7 +329,7 @@ impl ShardTx<'_> {
     ///
     /// As [`ShardTx::query`].
     pub async fn execute(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
-        Ok(self.run("execute", sql, params, true, false).await?.1)
+        Ok(self.run("execute", sql, params, true).await?.1)
     }
 }
 

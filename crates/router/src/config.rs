@@ -5,12 +5,16 @@
 //! schema_prefix  = "shard_"        # schemas shard_0000 .. shard_1999
 //! migrations     = "migrations"    # .sql files applied to every shard schema, in file-name order
 //! app_roles      = ["app"]         # default []; roles granted the request path's privileges
+//! transaction_pooler = false       # default false; true when hosts' URLs go through a
+//!                                  # transaction-mode pooler (PgBouncer pool_mode = transaction)
 //!
 //! [id]
 //! epoch_ms = 1314220021721         # default: Instagram's
 //!
 //! [catalog]
 //! url = "postgres://shardline@catalog:5432/shardline"
+//! # listen_url = "..."             # the LISTEN connection; default: url. Direct, or a
+//! #                                # session-mode pool: never a transaction-mode pooler
 //!
 //! [[hosts]]
 //! name = "pg1"
@@ -60,6 +64,15 @@ pub struct Config {
     pub app_roles: Vec<RoleName>,
     /// The catalog database.
     pub catalog: DbUrl,
+    /// Where the catalog's `LISTEN` for map changes connects (`catalog.listen_url`;
+    /// default `None`: the catalog's URL). It must reach Postgres directly or through a
+    /// session-mode pool: through a transaction-mode pooler `LISTEN` succeeds but no
+    /// notification ever arrives.
+    pub listen_url: Option<DbUrl>,
+    /// The hosts' URLs reach Postgres through a transaction-mode pooler (PgBouncer's
+    /// `pool_mode = transaction`) (default false). See `docs/operations.md`, "Behind
+    /// PgBouncer".
+    pub transaction_pooler: bool,
     /// The physical hosts, in the order shards are first placed on them.
     pub hosts: Vec<HostConfig>,
 }
@@ -159,6 +172,7 @@ struct RawConfig {
     schema_prefix: Option<Spanned<String>>,
     migrations: Option<Spanned<String>>,
     app_roles: Option<Vec<Spanned<String>>>,
+    transaction_pooler: Option<bool>,
     id: Option<RawId>,
     catalog: Option<Spanned<RawUrl>>,
     hosts: Option<Spanned<Vec<Spanned<RawHost>>>>,
@@ -175,6 +189,8 @@ struct RawId {
 struct RawUrl {
     url: Option<Spanned<String>>,
     url_env: Option<Spanned<String>>,
+    listen_url: Option<Spanned<String>>,
+    listen_url_env: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -313,6 +329,7 @@ impl Config {
                 .with_epoch(*e.get_ref())
                 .map_err(|err| src.err(e.span().start, "id.epoch_ms", err.to_string()))?,
         };
+        let listen_url;
         let catalog = match raw.catalog {
             None => {
                 return Err(src.err(
@@ -328,6 +345,10 @@ impl Config {
                     .url(at, "catalog.url", c.url, c.url_env)?
                     .ok_or_else(|| src.err(at, "catalog", "needs url or url_env"))?;
                 url.tls().map_err(|m| src.err(at, "catalog.url", m))?;
+                listen_url = src.url(at, "catalog.listen_url", c.listen_url, c.listen_url_env)?;
+                if let Some(l) = &listen_url {
+                    l.tls().map_err(|m| src.err(at, "catalog.listen_url", m))?;
+                }
                 url
             }
         };
@@ -360,7 +381,17 @@ impl Config {
                 src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)?.unwrap_or_else(|| url.clone());
             hosts.push(HostConfig { name: host_name, url, peer_url });
         }
-        Ok(Config { logical_shards, schema_prefix, migrations, layout, app_roles, catalog, hosts })
+        Ok(Config {
+            logical_shards,
+            schema_prefix,
+            migrations,
+            layout,
+            app_roles,
+            catalog,
+            listen_url,
+            transaction_pooler: raw.transaction_pooler.unwrap_or(false),
+            hosts,
+        })
     }
 
     /// The first placement of the shards: contiguous, even ranges over the hosts in
@@ -465,6 +496,37 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.schema_prefix.as_str(), "shard_");
         assert_eq!(c.layout, Layout::INSTAGRAM);
         assert!(c.app_roles.is_empty());
+        assert!(!c.transaction_pooler);
+        assert_eq!(c.listen_url, None);
+    }
+
+    #[test]
+    fn a_pooled_deployment_loads_and_its_mistakes_name_their_line() {
+        let c = load(
+            "transaction_pooler = true\n[catalog]\nurl = \"postgres://u:pw@bouncer/db\"\n\
+             listen_url = \"postgres://u:pw@catalog/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+        )
+        .unwrap();
+        assert!(c.transaction_pooler);
+        assert_eq!(c.listen_url.as_ref().map(DbUrl::expose), Some("postgres://u:pw@catalog/db"));
+        assert_eq!(c.listen_url.map(|u| u.to_string()).as_deref(), Some("postgres://u:***@catalog/db"));
+        for (text, message) in [
+            (
+                "transaction_pooler = \"yes\"\n[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:1: toml: invalid type: string \"yes\", expected a boolean",
+            ),
+            (
+                "[catalog]\nurl = \"postgres://c/db\"\nlisten_url = \"postgres://c/db\"\nlisten_url_env = \"PG1_URL\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "catalog.listen_url_env: give catalog.listen_url or catalog.listen_url_env, not both",
+            ),
+            (
+                "[catalog]\nurl = \"postgres://c/db\"\nlisten_url = \"postgres://c/db?sslmode=on\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
+                "shardline.toml:1: catalog.listen_url: sslmode=\"on\" is not one of",
+            ),
+        ] {
+            let err = load(text).unwrap_err().to_string();
+            assert!(err.contains(message), "{text:?}: {err}");
+        }
     }
 
     #[test]

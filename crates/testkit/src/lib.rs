@@ -28,6 +28,8 @@
 //! - [`cluster`]: [`Cluster`], starting, healing and removing a set of hosts.
 //! - [`host`]: [`Host`], its URLs and fault handles; the [`HostControl`] trait.
 //! - [`backend`]: choosing a backend; the [`Backend`] trait.
+//! - [`pgbouncer`]: [`pgbouncer::Pgbouncer`], a PgBouncer (session or transaction
+//!   mode) in front of one host.
 //! - [`tls`]: certificates made on the spot; [`Host::require_tls`] makes a host
 //!   TLS-only.
 //! - [`harness`]: a test `main` with one runtime and one cluster per test binary,
@@ -59,6 +61,7 @@ mod error;
 pub mod harness;
 pub mod host;
 mod local;
+pub mod pgbouncer;
 pub mod tls;
 
 pub use backend::{Backend, BackendKind};

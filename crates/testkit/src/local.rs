@@ -445,7 +445,7 @@ fn running(pid: Pid) -> bool {
 /// `PR_SET_PDEATHSIG` (what `setpriv --pdeathsig` sets) fires when the *thread* that
 /// forked the child exits, not the process. Test threads and runtime workers come and
 /// go, so servers are forked from this thread, which only ends with the process.
-fn spawn_from_long_lived_thread(cmd: Command) -> io::Result<Child> {
+pub(crate) fn spawn_from_long_lived_thread(cmd: Command) -> io::Result<Child> {
     type Request = (Command, mpsc::Sender<io::Result<Child>>);
     static SPAWNER: OnceLock<io::Result<mpsc::Sender<Request>>> = OnceLock::new();
     let spawner = SPAWNER.get_or_init(|| {

@@ -1,0 +1,304 @@
+//! How the request path sends its statements, and the check of every row it gets back.
+//!
+//! By default every statement of [`crate::Repo`] and of [`crate::ShardTx`]'s typed
+//! operations is sent as an *unnamed* statement with its parameter types given
+//! ([`tokio_postgres::Client::query_typed`]): Parse, Bind, Describe, Execute and Sync in
+//! one message batch, one round trip, and no name that outlives it. So:
+//!
+//! - no prepared statement is kept on the server per shard: a connection holds none of
+//!   shardline's, whatever the number of shards (see `docs/operations.md`, "Behind
+//!   PgBouncer");
+//! - the statement is safe behind a transaction-mode pooler (PgBouncer's
+//!   `pool_mode = transaction`): it is one implicit transaction, and no other client can
+//!   run it, or find it missing, on the server connection it lands on.
+//!
+//! The price is that the server parses and plans each call. On direct connections,
+//! [`crate::ClusterOptions::statement_cache`] keeps up to that many statements
+//! prepared per connection instead (bounded: emptied when full).
+//!
+//! The parameter types come from the table's column types, read once per table with
+//! one catalog query ([`TableTypes`]); types built into Postgres are the same in every
+//! shard schema and on every host. A column whose type lives in the schema (an enum,
+//! an extension's type) has another OID in every schema, and the driver would look it
+//! up with a named statement it keeps: such a table's statements are prepared on the
+//! connection on direct connections, and refused behind a transaction pooler
+//! ([`crate::Error::Pooler`]).
+//!
+//! Every row that comes back is checked against the shard its statement was sent to:
+//! the row's `id` carries the shard that minted it ([`check_rows`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use shardline_id::{Id, Layout};
+use shardline_router::{HostName, LogicalShard, SchemaName};
+use tokio_postgres::Row;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::{Error, Result};
+
+/// Postgres's first OID for objects made after `initdb` (FirstNormalObjectId): types
+/// below it are built in, the same on every host and in every schema.
+pub(crate) const FIRST_NORMAL_OID: u32 = 16_384;
+
+/// The types of one table's columns, by name: `Some` for a type built into Postgres,
+/// `None` for a type of the schema (an enum) or one the driver does not know.
+#[derive(Debug, Default)]
+pub(crate) struct TableTypes(HashMap<String, Option<Type>>);
+
+impl TableTypes {
+    /// Reads the column types of `schema.table` with one unnamed statement. A missing
+    /// schema or table fails as the statement itself would (3F000 / 42P01), so a moved
+    /// shard is seen as moved.
+    pub(crate) async fn load(
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+    ) -> Result<TableTypes> {
+        let name = format!("{}.\"{table}\"", schema.quoted());
+        let rows = client
+            .query_typed(
+                "SELECT a.attname::text, a.atttypid::int8 FROM pg_catalog.pg_attribute a
+                  WHERE a.attrelid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                &[(&name, Type::TEXT)],
+            )
+            .await
+            .map_err(|e| Error::host(host, shard, "read the column types", e))?;
+        let mut types = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let column: String = row.get(0);
+            let oid = u32::try_from(row.get::<_, i64>(1)).ok();
+            let ty = oid.filter(|o| *o < FIRST_NORMAL_OID).and_then(Type::from_oid);
+            types.insert(column, ty);
+        }
+        Ok(TableTypes(types))
+    }
+
+    /// The types of `params`, or `None` when one of them, or one of `returned` (the
+    /// columns the statement returns), is not built in.
+    pub(crate) fn of(&self, params: &[Param<'_>], returned: &[&str]) -> Option<Vec<Type>> {
+        if returned.iter().any(|c| !matches!(self.0.get(*c), Some(Some(_)))) {
+            return None;
+        }
+        params
+            .iter()
+            .map(|p| match p {
+                Param::Column(c) => self.0.get(*c).cloned().flatten(),
+                Param::Int8 => Some(Type::INT8),
+            })
+            .collect()
+    }
+
+    /// Whether every column `params` and `returned` name is known (a column added by a
+    /// migration after the types were read is not).
+    fn knows(&self, params: &[Param<'_>], returned: &[&str]) -> bool {
+        let named = params.iter().filter_map(|p| match p {
+            Param::Column(c) => Some(*c),
+            Param::Int8 => None,
+        });
+        named.chain(returned.iter().copied()).all(|c| self.0.contains_key(c))
+    }
+
+    /// The first of `columns` whose type is not built in, for the error that names it.
+    pub(crate) fn first_foreign<'c>(&self, columns: impl IntoIterator<Item = &'c str>) -> Option<&'c str> {
+        columns.into_iter().find(|c| !matches!(self.0.get(*c), Some(Some(_))))
+    }
+}
+
+/// What a statement's parameter is: a value of a column (typed as the column), or a
+/// `bigint` (a limit).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Param<'a> {
+    /// A value compared with, or stored in, this column.
+    Column(&'a str),
+    /// A `bigint` that is no column's (`LIMIT $n`).
+    Int8,
+}
+
+/// The column types of each table, learnt once per cluster handle (the same in every
+/// shard schema: see the module docs), and read again when a statement names a column
+/// they lack (one added by a migration since). A column whose type a migration changes
+/// keeps its old type here until the handle is made again: its values are sent as the
+/// old type, which the server converts where an assignment cast exists and refuses
+/// otherwise.
+#[derive(Debug, Default)]
+pub(crate) struct TypeCache(std::sync::Mutex<HashMap<String, Arc<TableTypes>>>);
+
+impl TypeCache {
+    /// `table`'s column types, read through `client` from `schema` the first time.
+    pub(crate) async fn get(
+        &self,
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+    ) -> Result<Arc<TableTypes>> {
+        if let Some(t) = self.0.lock().ok().and_then(|m| m.get(table).cloned()) {
+            return Ok(t);
+        }
+        self.load(client, host, shard, schema, table).await
+    }
+
+    /// As [`TypeCache::get`], read again when they lack a column of `params` or
+    /// `returned`.
+    #[allow(clippy::too_many_arguments, reason = "get's arguments and the columns")]
+    pub(crate) async fn covering(
+        &self,
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+        params: &[Param<'_>],
+        returned: &[&str],
+    ) -> Result<Arc<TableTypes>> {
+        let types = self.get(client, host, shard, schema, table).await?;
+        if types.knows(params, returned) {
+            return Ok(types);
+        }
+        self.load(client, host, shard, schema, table).await
+    }
+
+    /// Reads `table`'s column types again, through `client` from `schema`.
+    pub(crate) async fn load(
+        &self,
+        client: &tokio_postgres::Client,
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        schema: &SchemaName,
+        table: &str,
+    ) -> Result<Arc<TableTypes>> {
+        let types = Arc::new(TableTypes::load(client, host, shard, schema, table).await?);
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(table.to_owned(), Arc::clone(&types));
+        }
+        Ok(types)
+    }
+}
+
+/// `params` paired with their types, as [`tokio_postgres::Client::query_typed`] takes
+/// them.
+pub(crate) fn typed<'p>(
+    params: &[&'p (dyn ToSql + Sync)],
+    types: &[Type],
+) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+    params.iter().zip(types).map(|(v, t)| (*v, t.clone())).collect()
+}
+
+/// Checks that every row's `id` was minted by one of `shards` (the shards whose
+/// schemas the statement named). A row of another shard means the statement ran
+/// somewhere else than it was sent: a misrouted connection, or another client's
+/// statement of the same name run by a transaction pooler.
+///
+/// # Errors
+///
+/// [`Error::Misrouted`] naming the host, the shard expected and the shard found.
+pub(crate) fn check_rows(
+    layout: Layout,
+    host: &HostName,
+    what: &'static str,
+    shards: &[LogicalShard],
+    rows: &[Row],
+) -> Result<()> {
+    for row in rows {
+        // A row without a bigint `id` is not checked here; decoding it fails elsewhere.
+        let Some(Ok(raw)) =
+            row.columns().iter().position(|c| c.name() == "id").map(|i| row.try_get::<_, i64>(i))
+        else {
+            continue;
+        };
+        let Ok(id) = Id::from_i64(raw) else { continue };
+        let found = layout.shard_of(id);
+        if !shards.iter().any(|s| u32::from(s.get()) == found) {
+            let expected = shards.first().map_or(0, |s| s.get());
+            return Err(Error::Misrouted { host: host.to_string(), what, expected, found, id: raw });
+        }
+    }
+    Ok(())
+}
+
+/// Runs `sql` (made for `route`'s schema) with `params` on `client`: unnamed, with the
+/// types of `kinds`, when the table's types allow it and no statement cache is asked
+/// for ([`crate::ClusterOptions::statement_cache`]); otherwise prepared and kept on the
+/// connection (at most `statement_cache` of them) on a direct connection, and refused
+/// behind a transaction pooler.
+/// `returned` are the columns the statement returns. The caller checks the rows.
+#[allow(clippy::too_many_arguments, reason = "one call shape for every typed statement")]
+pub(crate) async fn run(
+    cluster: &crate::Cluster,
+    client: &deadpool_postgres::Object,
+    route: &shardline_router::Route,
+    table: &str,
+    returned: &[&str],
+    what: &'static str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+    kinds: &[Param<'_>],
+) -> Result<Vec<Row>> {
+    let (host, shard) = (&route.host, Some(route.shard));
+    let types = cluster.types().covering(client, host, shard, &route.schema, table, kinds, returned).await?;
+    let options = cluster.options();
+    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
+    match types.of(kinds, returned) {
+        Some(t) if keep == 0 => client
+            .query_typed(sql, &typed(params, &t))
+            .await
+            .map_err(|e| crate::statement_error(host, shard, what, e, &t, params)),
+        None if options.transaction_pooler => {
+            let names = kinds.iter().filter_map(|k| match k {
+                Param::Column(c) => Some(*c),
+                Param::Int8 => None,
+            });
+            let column = types.first_foreign(names.chain(returned.iter().copied())).unwrap_or("?");
+            Err(schema_type_refused(host, table, column))
+        }
+        _ => {
+            // Kept per connection (a type of the schema needs it, or the cache is on),
+            // at most `statement_cache` of them (one at least): past it, start again.
+            if client.statement_cache.size() >= keep.max(1) {
+                client.statement_cache.clear();
+            }
+            let statement = client
+                .prepare_cached(sql)
+                .await
+                .map_err(|e| pooler_hint(crate::Error::host(host, shard, what, e)))?;
+            client.query(&statement, params).await.map_err(|e| {
+                pooler_hint(crate::statement_error(host, shard, what, e, statement.params(), params))
+            })
+        }
+    }
+}
+
+/// The error for a table whose column has a type of the shard's schema, behind a
+/// transaction pooler.
+pub(crate) fn schema_type_refused(host: &HostName, table: &str, column: &str) -> Error {
+    Error::Pooler {
+        host: host.to_string(),
+        reason: format!(
+            "column {table}.{column} has a type of the shard's schema (an enum, say): behind a \
+             transaction-mode pooler shardline sends only unnamed statements with built-in types \
+             (the driver looks such types up with a statement it keeps); use a built-in type \
+             (text with a CHECK constraint), or connect directly or through a session-mode pool"
+        ),
+    }
+}
+
+/// A prepared statement that was missing (26000) or already there (42P05): the sign of
+/// a transaction-mode pooler in front of a host that the cluster was not told of.
+pub(crate) fn pooler_hint(e: Error) -> Error {
+    match (&e, e.sqlstate()) {
+        (Error::Host { host, .. }, Some(code @ ("26000" | "42P05"))) => Error::Pooler {
+            host: host.clone(),
+            reason: format!(
+                "a prepared statement was {} on the server (SQLSTATE {code}): the host is behind a \
+                 transaction-mode pooler; set transaction_pooler = true in the config \
+                 (ClusterOptions::transaction_pooler)",
+                if code == "26000" { "missing" } else { "already there" }
+            ),
+        },
+        _ => e,
+    }
+}
