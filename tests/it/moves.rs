@@ -1181,11 +1181,19 @@ pub(crate) async fn a_transaction_minting_then_writing_through_the_fence_does_no
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 2).await?;
+    // Everything up to the fence first: creating the replication slot waits for every
+    // transaction with an XID to end, and `nextval` takes one whenever it writes WAL
+    // (one call in 32), so a transaction open across the slot's creation would hold the
+    // move up before its fence, by chance.
+    moves::run(&config, 0, "pg2", &MoveOptions::default().stopping_after(Step::CaughtUp)).await.unwrap_err();
     let (app, watch) = (f.client(&ctx, 0).await?, f.client(&ctx, 0).await?);
     app.batch_execute("BEGIN").await?;
     let id: i64 = app.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
     let c = config.clone();
-    let mover = tokio::spawn(async move { moves::run(&c, 0, "pg2", &MoveOptions::default()).await });
+    let mover = tokio::spawn(async move {
+        let mut done = moves::resume(&c, Some(0), &MoveOptions::default()).await?;
+        done.pop().ok_or(shardline_ops::Error::NoMove { shard: Some(0) })
+    });
     // Once the fence waits for the sequence (it holds the tables), the transaction writes.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
