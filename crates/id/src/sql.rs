@@ -145,7 +145,7 @@ impl ShardSql {
 
     /// The schema, quoted for SQL.
     pub fn quoted_schema(&self) -> String {
-        format!("\"{}\"", self.schema)
+        crate::ident::quote(&self.schema)
     }
 
     /// The sequence, schema-qualified and quoted.

@@ -110,6 +110,8 @@ struct Inner {
     catalog: Mutex<Option<Catalog>>,
     /// The column types of each table (see [`crate::statement`]).
     types: crate::statement::TypeCache,
+    /// Each entity's SQL, made once ([`Cluster::sql`]).
+    sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -167,6 +169,7 @@ impl Cluster {
             listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
             types: crate::statement::TypeCache::default(),
+            sqls: std::sync::Mutex::default(),
             options,
             listener: std::sync::Mutex::new(None),
         });
@@ -179,6 +182,24 @@ impl Cluster {
             }
         }
         Ok(cluster)
+    }
+
+    /// The SQL of entity `E`, made once per handle and shared by its repositories and
+    /// shard transactions.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidIdentifier`] when `E`'s names are not plain identifiers.
+    pub(crate) fn sql<E: crate::entity::Entity>(&self) -> Result<Arc<crate::repository::Sql>> {
+        let key = std::any::TypeId::of::<E>();
+        if let Some(sql) = self.inner.sqls.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(sql);
+        }
+        let sql = Arc::new(crate::repository::Sql::new::<E>()?);
+        if let Ok(mut m) = self.inner.sqls.lock() {
+            m.insert(key, Arc::clone(&sql));
+        }
+        Ok(sql)
     }
 
     /// The map as this handle knows it now.

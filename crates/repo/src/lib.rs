@@ -68,7 +68,7 @@ pub use tokio_postgres;
 #[non_exhaustive]
 pub enum Error {
     /// A statement on a shard failed.
-    #[error("shard {shard}: {what} failed (SQLSTATE {})", sqlstate.as_deref().unwrap_or("none"))]
+    #[error("shard {shard}: {what} failed (SQLSTATE {})", msg::sqlstate(sqlstate))]
     Db {
         /// The logical shard.
         shard: u32,
@@ -119,7 +119,7 @@ pub enum Error {
         source: tokio_postgres::Error,
     },
     /// A statement on the catalog failed.
-    #[error("catalog: {what} failed (SQLSTATE {}): {}", sqlstate.as_deref().unwrap_or("none"), error_chain(source))]
+    #[error("catalog: {what} failed (SQLSTATE {}): {}", msg::sqlstate(sqlstate), error_chain(source))]
     Catalog {
         /// What was being done.
         what: &'static str,
@@ -139,7 +139,12 @@ pub enum Error {
         reason: String,
     },
     /// A statement on a host failed.
-    #[error("host {host}{}: {what} failed (SQLSTATE {}): {}", shard.map(|s| format!(", shard {s}")).unwrap_or_default(), sqlstate.as_deref().unwrap_or("none"), source.as_ref().map_or_else(|| "no detail".to_owned(), |e| e.as_db_error().map_or_else(|| error_chain(e), |d| d.message().to_owned())))]
+    #[error(
+        "host {host}{}: {what} failed (SQLSTATE {}): {}",
+        msg::of_shard(shard),
+        msg::sqlstate(sqlstate),
+        msg::detail(source)
+    )]
     Host {
         /// The host.
         host: String,
@@ -203,7 +208,7 @@ pub enum Error {
     /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
-    #[error("insert many: the rows of {} committed, the part of {failed} failed", committed.join(", "))]
+    #[error("insert many: the rows of {} committed, the part of {failed} failed", msg::list(committed))]
     InsertMany {
         /// The hosts whose part of the batch committed.
         committed: Vec<String>,
@@ -520,3 +525,26 @@ const _: () = {
     const fn assert_send_sync<T: Send + Sync + 'static>() {}
     assert_send_sync::<Error>();
 };
+
+/// The pieces of [`Error`]'s messages, so no `#[error]` holds logic of its own.
+mod msg {
+    pub(super) fn sqlstate(s: &Option<String>) -> &str {
+        s.as_deref().unwrap_or("none")
+    }
+
+    pub(super) fn list(items: &[String]) -> String {
+        items.join(", ")
+    }
+
+    pub(super) fn of_shard(shard: &Option<u16>) -> String {
+        shard.map(|s| format!(", shard {s}")).unwrap_or_default()
+    }
+
+    /// The server's own message, else the driver's causes.
+    pub(super) fn detail(source: &Option<tokio_postgres::Error>) -> String {
+        source.as_ref().map_or_else(
+            || "no detail".to_owned(),
+            |e| e.as_db_error().map_or_else(|| super::error_chain(e), |d| d.message().to_owned()),
+        )
+    }
+}

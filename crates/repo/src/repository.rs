@@ -14,6 +14,7 @@ use std::time::SystemTime;
 
 use futures::StreamExt as _;
 use shardline_id::Id;
+use shardline_id::ident::quote;
 use shardline_router::{HostName, LogicalShard, Route, SchemaName, ShardMap};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
@@ -71,8 +72,8 @@ impl Sql {
     pub(crate) fn new<E: Entity>() -> Result<Sql> {
         check_entity::<E>()?;
         Ok(Sql {
-            table: format!("\"{}\"", E::TABLE),
-            columns: E::COLUMNS.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", "),
+            table: quote(E::TABLE),
+            columns: E::COLUMNS.iter().map(|c| quote(c)).collect::<Vec<_>>().join(", "),
         })
     }
 
@@ -86,7 +87,7 @@ impl Sql {
 
     /// `INSERT INTO schema.table (columns) VALUES ...` of `rows` rows, binds from `$(first+1)`.
     fn insert_values(&self, schema: &SchemaName, columns: &[&str], rows: usize, first: usize) -> String {
-        let names = columns.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
+        let names = columns.iter().map(|c| quote(c)).collect::<Vec<_>>().join(", ");
         let values = (0..rows)
             .map(|r| {
                 let row = (1..=columns.len()).map(|i| format!("${}", first + r * columns.len() + i));
@@ -138,7 +139,7 @@ impl Sql {
         let set = columns
             .iter()
             .enumerate()
-            .map(|(i, c)| format!("\"{c}\" = ${}", i + 2))
+            .map(|(i, c)| format!("{} = ${}", quote(c), i + 2))
             .collect::<Vec<_>>()
             .join(", ");
         format!("UPDATE {} SET {set} WHERE \"id\" = $1 RETURNING {}", self.qualified(schema), self.columns)
@@ -151,9 +152,10 @@ impl Sql {
     /// The rows whose `column` is `$1`, newest first, IDs below `$2`, at most `$3`.
     fn page(&self, schema: &SchemaName, column: &str) -> String {
         format!(
-            "SELECT {} FROM {} WHERE \"{column}\" = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
+            "SELECT {} FROM {} WHERE {} = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
             self.columns,
             self.qualified(schema),
+            quote(column),
         )
     }
 
@@ -257,7 +259,7 @@ impl Cluster {
     pub fn repo<E: Entity>(&self) -> Result<Repo<E>> {
         Ok(Repo {
             cluster: self.clone(),
-            sql: std::sync::Arc::new(Sql::new::<E>()?),
+            sql: self.sql::<E>()?,
             types: std::sync::Arc::default(),
             across: std::sync::Arc::default(),
             _entity: PhantomData,
@@ -505,9 +507,9 @@ impl<E: Entity> Repo<E> {
             .iter()
             .map(|c| {
                 if types.of(&[], &[c]).is_none() {
-                    format!("\"{c}\"::text AS \"{c}\"")
+                    format!("{}::text AS {}", quote(c), quote(c))
                 } else {
-                    format!("\"{c}\"")
+                    quote(c)
                 }
             })
             .collect::<Vec<_>>()

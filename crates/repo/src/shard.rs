@@ -42,7 +42,6 @@ use tokio_postgres::types::ToSql;
 
 use crate::cluster::{Cluster, Failed};
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
-use crate::repository::Sql;
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
 
@@ -261,7 +260,7 @@ impl ShardTx<'_> {
     pub async fn insert<N: NewRow>(&mut self, new: &N) -> Result<N::Entity> {
         check_new_row::<N>()?;
         self.check_shard("insert", self.cluster.route_key(new.shard_key())?.shard)?;
-        let sql = Sql::new::<N::Entity>()?.insert(&self.route.schema, N::COLUMNS, 1);
+        let sql = self.cluster.sql::<N::Entity>()?.insert(&self.route.schema, N::COLUMNS, 1);
         let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
         let rows =
             self.rows_of::<N::Entity>("insert", &sql, &new.values(), &kinds, N::Entity::COLUMNS).await?;
@@ -276,7 +275,7 @@ impl ShardTx<'_> {
     /// [`ShardTx::insert`].
     pub async fn get<E: Entity>(&mut self, id: Id) -> Result<Option<E>> {
         self.check_shard("get", self.cluster.route_id(id)?.shard)?;
-        let sql = Sql::new::<E>()?.get(&self.route.schema);
+        let sql = self.cluster.sql::<E>()?.get(&self.route.schema);
         Ok(Self::rows(&self.rows_of::<E>("get", &sql, &[&id], &[Param::Column("id")], E::COLUMNS).await?)?
             .pop())
     }
@@ -294,7 +293,7 @@ impl ShardTx<'_> {
     ) -> Result<Option<E>> {
         let columns = check_update::<E>(set)?;
         self.check_shard("update", self.cluster.route_id(id)?.shard)?;
-        let sql = Sql::new::<E>()?.update(&self.route.schema, &columns);
+        let sql = self.cluster.sql::<E>()?.update(&self.route.schema, &columns);
         let mut values: Vec<&(dyn ToSql + Sync)> = vec![&id];
         values.extend(set.iter().map(|(_, v)| *v));
         let mut kinds = vec![Param::Column("id")];
@@ -309,7 +308,7 @@ impl ShardTx<'_> {
     /// As [`ShardTx::get`].
     pub async fn delete<E: Entity>(&mut self, id: Id) -> Result<bool> {
         self.check_shard("delete", self.cluster.route_id(id)?.shard)?;
-        let sql = Sql::new::<E>()?.delete(&self.route.schema);
+        let sql = self.cluster.sql::<E>()?.delete(&self.route.schema);
         Ok(!self.rows_of::<E>("delete", &sql, &[&id], &[Param::Column("id")], &["id"]).await?.is_empty())
     }
 
