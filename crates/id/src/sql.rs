@@ -194,7 +194,7 @@ DECLARE
     target bigint;
     last bigint;
     retry_at text := current_setting('{retry_guc}', true);
-    lock_key bigint := ('{seq}'::regclass::oid::bigint) | ({lock_class}::bigint << 32);
+    lock_key bigint := ('{seq}'::regclass::oid::bigint) | (CAST({lock_class} AS bigint) << 32);
     v bigint;
 BEGIN
     IF now_ticks > {last_ticks} THEN
