@@ -71,6 +71,13 @@ pub(crate) async fn a_row_of_another_shard_is_an_error_naming_both_shards(ctx: T
          ALTER SCHEMA swap RENAME TO shard_0001",
     )
     .await?;
+    // Each schema's minter names its own schema in its body (the catch-up, the
+    // sequence): made again under the new names, each keeps minting its own shard's IDs,
+    // so the connection now lies about where a statement runs and nothing else does.
+    for (schema, shard) in [("shard_0000", 1), ("shard_0001", 0)] {
+        c.batch_execute(&shardline_id::sql::ShardSql::new(cluster.layout(), schema, shard)?.install())
+            .await?;
+    }
     // A single insert: applied (autocommit), in shard 1, and said so.
     let err = photos.insert(&photo(user, 1)).await.unwrap_err();
     let Error::Misrouted { ref host, expected, found, .. } = err else { panic!("{err:?}") };
