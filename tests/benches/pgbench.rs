@@ -20,7 +20,19 @@ const SCHEMA: &str = "shard_0005";
 const VARIANTS: &[(&str, &str)] = &[
     ("bigserial", "id bigserial PRIMARY KEY"),
     ("next_id()", "id bigint PRIMARY KEY DEFAULT shard_0005.next_id()"),
+    // The floor of any PL/pgSQL default: a function that only returns `nextval` of its
+    // own sequence. Not a minter: it shows what the call itself costs a one-row
+    // transaction, whatever the function does.
+    ("plpgsql nextval", "id bigint PRIMARY KEY DEFAULT shard_0005.plpgsql_nextval()"),
 ];
+
+/// The floor variant's function (see `VARIANTS`).
+const FLOOR_FUNCTION: &str = "CREATE SEQUENCE shard_0005.floor_seq;
+CREATE FUNCTION shard_0005.plpgsql_nextval() RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN nextval('shard_0005.floor_seq');
+END
+$$;";
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -53,6 +65,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let sql = ShardSql::new(Layout::INSTAGRAM, SCHEMA, 5)?;
     client.batch_execute(&format!("CREATE SCHEMA {SCHEMA}")).await?;
     client.batch_execute(&sql.install()).await?;
+    client.batch_execute(FLOOR_FUNCTION).await?;
     let dir = std::env::temp_dir().join(format!("shardline-pgbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let mut scripts = Vec::new();
@@ -72,13 +85,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         cluster.backend()
     );
     println!(
-        "{:>7} {:>9} {:>12} {:>12} {:>8} {:>10} {:>8}",
-        "clients", "protocol", "bigserial", "next_id()", "ratio", "duplicates", "stale"
+        "{:>7} {:>9} {:>12} {:>12} {:>8} {:>16} {:>8} {:>10} {:>8}",
+        "clients",
+        "protocol",
+        "bigserial",
+        "next_id()",
+        "ratio",
+        "plpgsql nextval",
+        "ratio",
+        "duplicates",
+        "stale"
     );
     let url = host.url("bench");
     for clients in [8, 32, 64] {
         for protocol in ["simple", "prepared"] {
-            let mut tps = [Vec::new(), Vec::new()];
+            let mut tps = [Vec::new(), Vec::new(), Vec::new()];
             for round in 0..rounds {
                 // Alternate which variant runs first.
                 for k in 0..VARIANTS.len() {
@@ -99,10 +120,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                 )
                 .await?;
             let (dups, stale): (i64, i64) = (row.get(0), row.get(1));
-            let (base, ours) = (median(tps[0].clone()), median(tps[1].clone()));
+            let (base, ours, floor) =
+                (median(tps[0].clone()), median(tps[1].clone()), median(tps[2].clone()));
             println!(
-                "{clients:>7} {protocol:>9} {base:>12.0} {ours:>12.0} {:>7.2}x {dups:>10} {stale:>8}",
-                ours / base
+                "{clients:>7} {protocol:>9} {base:>12.0} {ours:>12.0} {:>7.2}x {floor:>16.0} {:>7.2}x {dups:>10} {stale:>8}",
+                ours / base,
+                floor / base
             );
         }
     }
