@@ -49,7 +49,10 @@
 //!   sequence's OID) catches up as above; the others wait for it on the same advisory
 //!   key in shared mode (granted to all at once when it ends), not on the sequence one
 //!   by one. A one-statement transaction reaches the slow path before it took any value,
-//!   so it holds no `ROW EXCLUSIVE` lock while it waits.
+//!   so it holds no `ROW EXCLUSIVE` lock while it waits. A transaction that already took
+//!   a value here (the slow path marks it in the transaction-local
+//!   `shardline.minted_<schema>`) holds that lock: it neither catches up nor waits for
+//!   one, it mints from the sequence as it is.
 //! - **Giving way.** A catch-up that gives way while the lag is under half the bound
 //!   costs nothing (the value is still within it), and the next slow path tries again.
 //!   Only when the value minted is beyond the bound does the session stop trying for
@@ -60,10 +63,23 @@
 //! catch-up could not get the sequence's lock: another transaction that minted from the
 //! shard stayed open (or unscheduled) longer than [`CATCH_UP_LOCK_TIMEOUT_MS`] past the
 //! moment the sequence fell half the bound behind, or the caller's own transaction had
-//! minted before and another such caller waited for it. The fast path takes no lock
-//! beyond `nextval`'s own, so a move's fence (which takes the same `SHARE ROW EXCLUSIVE`
-//! lock and caps `MAXVALUE`) still waits for every minting transaction, and `nextval`
-//! past a capped `MAXVALUE` fails.
+//! minted before. The fast path takes no lock beyond `nextval`'s own, so a move's fence
+//! (which takes the same `SHARE ROW EXCLUSIVE` lock and caps `MAXVALUE`) still waits for
+//! every minting transaction, and `nextval` past a capped `MAXVALUE` fails.
+//!
+//! # The price of the wait
+//!
+//! While a catch-up waits for the sequence's lock, new `nextval`s on the shard queue
+//! behind it. So a transaction that minted and stays open stalls the shard's inserts for
+//! up to [`CATCH_UP_LOCK_TIMEOUT_MS`] once per catch-up attempt (every `max_lag_ms / 2`
+//! under steady load, at most once per [`CATCH_UP_RETRY_MS`] per session after a failed
+//! one). The wait was 20 ms until the idle-burst test, run on the container backend
+//! while two builds starved the containers of CPU, saw most catch-ups fail: 4,126 of
+//! 5,760 IDs of a 32-session burst more than 100 ms behind, the worst 2 s. At 200 ms the
+//! same run had 460–559 late, the worst 311–373 ms (observed, `SHARDLINE_TEST_BACKEND=
+//! docker cargo test -p shardline-tests --test it -- after_an_idle_gap`). It stays below
+//! Postgres's default `deadlock_timeout` (1 s), so the catch-up gives way before a
+//! deadlock check could abort anyone else's transaction.
 
 use crate::{Error, Layout, Result};
 
@@ -71,8 +87,9 @@ use crate::{Error, Layout, Result};
 /// up, by default: at most one catch-up per 100 ms under steady load.
 pub const DEFAULT_MAX_LAG_MS: i64 = 100;
 
-/// How long a catch-up waits for other minting transactions to finish, in ms.
-pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 20;
+/// How long a catch-up waits for other minting transactions to finish, in ms. Below
+/// Postgres's default `deadlock_timeout` (1 s): see the module doc for its price.
+pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 200;
 
 /// How long a session waits for another session's catch-up to end, in ms: that one waits
 /// at most [`CATCH_UP_LOCK_TIMEOUT_MS`] for its lock, so this is only ever reached when
@@ -168,6 +185,7 @@ impl ShardSql {
         let shard = self.shard;
         let retry_guc = format!("shardline.catch_up_retry_{}", self.schema);
         let lease_guc = format!("shardline.lease_{}", self.schema);
+        let minted_guc = format!("shardline.minted_{}", self.schema);
         // Catch up once the sequence lags by more than half the bound, so a lease (see the
         // module doc) granted by the slow path is good for at least half the bound.
         let catch_up_lag = lag / 2;
@@ -194,6 +212,9 @@ DECLARE
     target bigint;
     last bigint;
     retry_at text := current_setting('{retry_guc}', true);
+    -- Set (transaction-local) once this transaction took a value here: it then holds
+    -- nextval's ROW EXCLUSIVE lock, so it must not wait for a catch-up or do one.
+    minted text := current_setting('{minted_guc}', true);
     lock_key bigint := ('{seq}'::regclass::oid::bigint) | (CAST({lock_class} AS bigint) << 32);
     v bigint;
 BEGIN
@@ -205,6 +226,7 @@ BEGIN
     -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
     SELECT s.last_value INTO last FROM {seq} AS s;
     IF (last >> {seq_bits}) < now_ticks - {catch_up_lag}
+        AND coalesce(minted, '') = ''
         AND (coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms) THEN
         BEGIN
             IF pg_try_advisory_xact_lock(lock_key) THEN
@@ -240,6 +262,7 @@ BEGIN
         END;
     END IF;
     v := nextval('{seq}');
+    PERFORM set_config('{minted_guc}', '1', true);
     IF (v >> {seq_bits}) < now_ticks - {lag} THEN
         -- Gave way (or waited for a catch-up that did): mint from the lagging sequence
         -- for a while rather than stall every statement on the sequence's lock.
