@@ -16,7 +16,8 @@ use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
 
-/// Subscriptions, slots and publications of this test's database, per host.
+/// Subscriptions, slots and publications of this test's database, and what moves'
+/// change logs left (trigger functions, triggers, logged rows), per host.
 async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
     let mut out = Vec::new();
     for h in 0..3 {
@@ -26,11 +27,22 @@ async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError>
                 "SELECT (SELECT count(*) FROM pg_subscription s JOIN pg_database d ON d.oid = s.subdbid
                           WHERE d.datname = current_database())
                       + (SELECT count(*) FROM pg_replication_slots WHERE database = current_database())
-                      + (SELECT count(*) FROM pg_publication)",
+                      + (SELECT count(*) FROM pg_publication)
+                      + (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                          WHERE n.nspname = 'shardline' AND p.proname LIKE 'move\\_%')
+                      + (SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'shardline\\_move\\_%')",
                 &[],
             )
             .await?;
-        out.push(row.get(0));
+        let logged: i64 = c
+            .query_one(
+                "SELECT CASE WHEN to_regclass('shardline.move_changes') IS NULL THEN 0
+                        ELSE (xpath('/row/n/text()', query_to_xml('SELECT count(*) AS n FROM shardline.move_changes', false, true, '')))[1]::text::bigint END",
+                &[],
+            )
+            .await?
+            .get(0);
+        out.push(row.get::<_, i64>(0) + logged);
     }
     Ok(out)
 }
