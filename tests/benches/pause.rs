@@ -123,7 +123,9 @@ async fn main() -> Result<(), BoxError> {
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     println!("write pause (fence -> flip) against the shard's size; 3 hosts, {:?} backend", kit.backend());
     println!("4 writers x 250/s through the repository on the moving shard; each shard moved twice:");
-    println!("pg1 -> pg2 with the change log (default), then pg2 -> pg3 with the full verification in the fence");
+    println!(
+        "pg1 -> pg2 with the change log (default), then pg2 -> pg3 with the full verification in the fence"
+    );
     println!(
         "  {:>9} {:>9}  {:>10} {:>10} {:>9} {:>11}  {:>10} {:>11}  {:>7}",
         "photos", "rows", "pause", "compare", "recheck", "slowest wr", "full pause", "slowest wr", "ratio"
@@ -141,7 +143,8 @@ async fn main() -> Result<(), BoxError> {
         let (a, b) = (a.as_str(), b.as_str());
         let c = &c;
         fill(c, i64::from(shard), n).await?;
-        let (log, log_slow, log_writes) = one_move(&config, &cluster, shard, a, &MoveOptions::default()).await?;
+        let (log, log_slow, log_writes) =
+            one_move(&config, &cluster, shard, a, &MoveOptions::default()).await?;
         let full_opts = MoveOptions::default().verifying(Verification::Full);
         let (full, full_slow, _) = one_move(&config, &cluster, shard, b, &full_opts).await?;
         println!(
@@ -162,8 +165,9 @@ async fn main() -> Result<(), BoxError> {
     // running (a move stopped once caught up) and without (the move undone).
     let shard = 7u16;
     let photos = cluster.repo::<Photo>()?;
-    let batch: Vec<NewPhoto> =
-        (0..1000u64).map(|k| NewPhoto::numbered(i64::from(shard) + 8 * i64::try_from(k % 100).unwrap(), k)).collect();
+    let batch: Vec<NewPhoto> = (0..1000u64)
+        .map(|k| NewPhoto::numbered(i64::from(shard) + 8 * i64::try_from(k % 100).unwrap(), k))
+        .collect();
     let time_batches = || async {
         let t = Instant::now();
         for _ in 0..20 {

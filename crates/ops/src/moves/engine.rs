@@ -29,9 +29,9 @@ mod flip;
 mod undo;
 mod verify;
 
-use fence::Renewer;
 pub use changes::CHANGES_SQL;
 pub(crate) use changes::{drop_changes, logged_moves};
+use fence::Renewer;
 pub(crate) use flip::{drop_source_side, drop_subscription};
 pub(crate) use undo::finish_undone;
 use undo::undo;

@@ -37,8 +37,8 @@ pub mod preflight;
 mod subscription;
 
 pub use engine::{
-    AbortReport, CHANGES_SQL, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn, Verification,
-    abort, resume, run,
+    AbortReport, CHANGES_SQL, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn,
+    Verification, abort, resume, run,
 };
 pub use gc::{GcReport, gc};
 pub use journal::{Detail, MoveRecord, Precheck, State, Step, TableCheck, list};

@@ -237,7 +237,13 @@ async fn install(
 /// Ends move `id`'s change log on one host: its trigger functions dropped with their
 /// triggers (each waits for its table's writes in flight, within `lock_ms`, tried
 /// `attempts` times), its rows deleted. Nothing there: nothing done.
-pub(crate) async fn drop_changes(c: &Client, host: &HostName, id: i64, lock_ms: u128, attempts: u32) -> Result<()> {
+pub(crate) async fn drop_changes(
+    c: &Client,
+    host: &HostName,
+    id: i64,
+    lock_ms: u128,
+    attempts: u32,
+) -> Result<()> {
     let fail = on(host, "drop the move's change log");
     let functions: Vec<String> = c
         .query(
@@ -253,7 +259,9 @@ pub(crate) async fn drop_changes(c: &Client, host: &HostName, id: i64, lock_ms: 
     for f in functions {
         let mut attempt = 1;
         loop {
-            let sql = format!("BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; DROP FUNCTION IF EXISTS {f} CASCADE; COMMIT");
+            let sql = format!(
+                "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; DROP FUNCTION IF EXISTS {f} CASCADE; COMMIT"
+            );
             match c.batch_execute(&sql).await.map_err(&fail) {
                 Ok(()) => break,
                 Err(e) => {
@@ -312,7 +320,10 @@ pub(super) struct Logged {
 
 /// Reads host's change log for move `id` (see [`Logged`]).
 pub(super) async fn read_log(c: &Client, host: &HostName, id: i64, keyed: &[Keyed]) -> Result<Logged> {
-    let mut parts = vec!["SELECT c.tbl, NULL::text FROM shardline.move_changes c WHERE c.move_id = $1 AND c.key IS NULL".to_owned()];
+    let mut parts = vec![
+        "SELECT c.tbl, NULL::text FROM shardline.move_changes c WHERE c.move_id = $1 AND c.key IS NULL"
+            .to_owned(),
+    ];
     for k in keyed {
         parts.push(format!(
             "SELECT c.tbl, {}::text FROM shardline.move_changes c CROSS JOIN LATERAL jsonb_to_record(c.key) AS {}
@@ -322,10 +333,8 @@ pub(super) async fn read_log(c: &Client, host: &HostName, id: i64, keyed: &[Keye
             literal(&k.table)
         ));
     }
-    let rows = c
-        .query(&parts.join("\nUNION\n"), &[&id])
-        .await
-        .map_err(on(host, "read the move's change log"))?;
+    let rows =
+        c.query(&parts.join("\nUNION\n"), &[&id]).await.map_err(on(host, "read the move's change log"))?;
     let mut out = Logged::default();
     for r in rows {
         let (tbl, key): (String, Option<String>) = (r.get(0), r.get(1));
@@ -456,7 +465,11 @@ fn says_true(messages: &[tokio_postgres::SimpleQueryMessage]) -> bool {
 /// two, about a thousand rows each, from 256 to 16384 (few enough to aggregate in
 /// memory, small enough that the rows of a few differing buckets are quick to read).
 fn bucket_mask(rows: f64) -> i64 {
-    #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "a positive estimate, clamped")]
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a positive estimate, clamped"
+    )]
     let want = (rows.max(0.0) / 1024.0).clamp(256.0, 16384.0) as u64;
     i64::try_from(want.next_power_of_two()).unwrap_or(16384) - 1
 }
@@ -570,11 +583,17 @@ impl Mover<'_> {
         let mut differences = Vec::new();
         if differ.iter().any(|(_, d)| !d.is_empty()) {
             futures::try_join!(
-                async { src.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&source, "set the time zone")) },
-                async { dst.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&target, "set the time zone")) }
+                async {
+                    src.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&source, "set the time zone"))
+                },
+                async {
+                    dst.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&target, "set the time zone"))
+                }
             )?;
-            let (la, lb) =
-                futures::try_join!(read_log(src, &source, id, &src_keyed), read_log(dst, &target, id, &src_keyed))?;
+            let (la, lb) = futures::try_join!(
+                read_log(src, &source, id, &src_keyed),
+                read_log(dst, &target, id, &src_keyed)
+            )?;
             for (k, d) in &differ {
                 let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
                 let logged = |key: &String| {
@@ -672,7 +691,10 @@ impl Mover<'_> {
             triggers(dst, &target, &schema, id)
         )?;
         if !la.sentinel || !lb.sentinel {
-            tracing::warn!(id, "a change log lost its rows (crash recovery?); verifying every row inside the fence");
+            tracing::warn!(
+                id,
+                "a change log lost its rows (crash recovery?); verifying every row inside the fence"
+            );
             return Ok(out);
         }
         for k in keyed {
@@ -723,7 +745,10 @@ mod tests {
 
     #[test]
     fn keys_render_quoted() {
-        let k = Keyed { table: "t".into(), cols: vec![("id".into(), "bigint".into()), ("Odd\"".into(), "text".into())] };
+        let k = Keyed {
+            table: "t".into(),
+            cols: vec![("id".into(), "bigint".into()), ("Odd\"".into(), "text".into())],
+        };
         assert_eq!(k.json("t"), "jsonb_build_object('id', t.\"id\", 'Odd\"', t.\"Odd\"\"\")");
         assert_eq!(k.record(), "k(\"id\" bigint, \"Odd\"\"\" text)");
         assert_eq!(json_array([r#"{"id": 1}"#.to_owned()].iter()), r#"[{"id": 1}]"#);

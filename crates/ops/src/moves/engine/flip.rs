@@ -187,7 +187,10 @@ impl Mover<'_> {
         let mut rows = 0;
         for t in &mut self.detail.tables {
             let n: i64 = src
-                .query_one(&format!("SELECT count(*) FROM {}.{}", quote_ident(&moved), quote_ident(&t.table)), &[])
+                .query_one(
+                    &format!("SELECT count(*) FROM {}.{}", quote_ident(&moved), quote_ident(&t.table)),
+                    &[],
+                )
                 .await
                 .map_err(on(&source, format!("count {moved}.{}", t.table)))?
                 .get(0);
