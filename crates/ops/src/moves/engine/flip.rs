@@ -149,10 +149,11 @@ impl Mover<'_> {
     /// Drops the subscription (and with it the slot), the publication and the markers.
     /// A host that is down leaves its part to `shardline gc`, named in the journal.
     pub(super) async fn clean(&mut self) -> Result<()> {
-        if self.detail.precheck.is_some() && self.detail.rechecked_rows.is_some() {
-            if let Err(e) = self.count_moved().await {
-                tracing::warn!(id = self.id, error = %e, "cannot count the rows moved; the journal keeps the comparison's counts");
-            }
+        if self.detail.precheck.is_some()
+            && self.detail.rechecked_rows.is_some()
+            && let Err(e) = self.count_moved().await
+        {
+            tracing::warn!(id = self.id, error = %e, "cannot count the rows moved; the journal keeps the comparison's counts");
         }
         let mut pending = Vec::new();
         if let Err(e) = self.clean_target(false).await {
