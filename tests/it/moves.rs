@@ -16,7 +16,8 @@ use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
 
-/// Subscriptions, slots and publications of this test's database, per host.
+/// Subscriptions, slots and publications of this test's database, and what moves'
+/// change logs left (trigger functions, triggers, logged rows), per host.
 async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
     let mut out = Vec::new();
     for h in 0..3 {
@@ -26,11 +27,22 @@ async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError>
                 "SELECT (SELECT count(*) FROM pg_subscription s JOIN pg_database d ON d.oid = s.subdbid
                           WHERE d.datname = current_database())
                       + (SELECT count(*) FROM pg_replication_slots WHERE database = current_database())
-                      + (SELECT count(*) FROM pg_publication)",
+                      + (SELECT count(*) FROM pg_publication)
+                      + (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                          WHERE n.nspname = 'shardline' AND p.proname LIKE 'move\\_%')
+                      + (SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'shardline\\_move\\_%')",
                 &[],
             )
             .await?;
-        out.push(row.get(0));
+        let logged: i64 = c
+            .query_one(
+                "SELECT CASE WHEN to_regclass('shardline.move_changes') IS NULL THEN 0
+                        ELSE (xpath('/row/n/text()', query_to_xml('SELECT count(*) AS n FROM shardline.move_changes', false, true, '')))[1]::text::bigint END",
+                &[],
+            )
+            .await?
+            .get(0);
+        out.push(row.get::<_, i64>(0) + logged);
     }
     Ok(out)
 }
@@ -840,10 +852,13 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     // source at steps 0, 2, 4, 6; the target at 1, 3, 5, and at 7, where the source's
     // privileges are carried to it once more before the flip): 12. Ended undone: the 8
     // aborts (4 with the source down, finished once it is back; 4 with the target down,
-    // at once) and the 3 resumes that failed while fenced with the source up (the target
-    // dead after caught_up, synced and verified): 11; the other 7 completed.
+    // at once) and the 2 resumes that failed while fenced with the source up (the target
+    // dead after synced and verified): 10; the other 8 completed. (With the target dead
+    // after caught_up, the resume fails in the comparison before the fence, which needs
+    // the target: nothing is fenced, so the move stays running and completes once the
+    // target is back.)
     assert_eq!(failed_while_down, 12, "recoveries that failed while the host was down");
-    assert_eq!(undone_count, 11, "moves that ended undone");
+    assert_eq!(undone_count, 10, "moves that ended undone");
     // A mover that dies halfway through an undo (journaled as begun, the target's copy
     // perhaps gone) leaves a move that must not be resumed: resume refuses and says to
     // abort, and abort finishes the undo.
@@ -1651,6 +1666,152 @@ pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_
     assert_eq!(moves::list(&config).await?[0].state, State::Done);
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([41, 40, 40]), "one copy, every row");
     assert_eq!(cluster.repo::<Photo>()?.get(first.id).await?.map(|p| p.id), Some(first.id));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_target_corrupted_after_the_comparison_before_the_fence_does_not_flip);
+/// The whole shard is compared before the fence; from then on only the keys the change
+/// logs hold are read again inside it. A copy changed behind the move's back at that
+/// point (acted on through the `on_compared` drill, right after the comparison passed)
+/// is caught by the change log on the target: an updated photo, a deleted comment and an
+/// inserted like stop the move before the flip, named, and it is undone, leaving
+/// nothing behind. A change made with the target's trigger disabled (so not logged) is
+/// caught by the comparison itself, before anything is fenced.
+pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_does_not_flip(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let made = seed(&cluster, 0, 6, 2).await?;
+    let pg2 = Arc::new(f.client(&ctx, 1).await?);
+    let done: Arc<std::sync::Mutex<Option<Result<i64, String>>>> = Arc::default();
+    let (photo_id, comment_of, liked) = (i64::from(made[3].id), i64::from(made[5].id), i64::from(made[7].id));
+    let hook: moves::HookFn = {
+        let (pg2, done) = (pg2.clone(), done.clone());
+        Arc::new(move || {
+            let (pg2, done) = (pg2.clone(), done.clone());
+            Box::pin(async move {
+                let corrupt = async {
+                    pg2.execute(
+                        "UPDATE shard_0000.photos SET caption = 'tampered' WHERE id = $1",
+                        &[&photo_id],
+                    )
+                    .await?;
+                    let gone: i64 = pg2
+                        .query_one(
+                            "DELETE FROM shard_0000.comments WHERE photo_id = $1 RETURNING id",
+                            &[&comment_of],
+                        )
+                        .await?
+                        .get(0);
+                    pg2.execute(
+                        "INSERT INTO shard_0000.likes (photo_id, user_id) VALUES ($1, 999)",
+                        &[&liked],
+                    )
+                    .await?;
+                    Ok::<_, tokio_postgres::Error>(gone)
+                };
+                let r = corrupt.await.map_err(|e| e.to_string());
+                if let Ok(mut d) = done.lock() {
+                    *d = Some(r);
+                }
+            })
+        })
+    };
+    let err = moves::run(&config, 0, "pg2", &MoveOptions::default().on_compared(hook)).await.unwrap_err();
+    let gone = done.lock().map_err(|e| e.to_string())?.clone().ok_or("the drill ran")??;
+    let text = err.to_string();
+    assert!(matches!(err, OpsError::Verify { .. }), "{text}");
+    assert!(text.contains(&format!("photos: 1 differing key(s) (id): ({photo_id})")), "{text}");
+    assert!(text.contains(&format!("comments: 1 differing key(s) (id): ({gone})")), "{text}");
+    assert!(
+        text.contains(&format!("likes: 1 differing key(s) (photo_id, user_id): ({liked},999)")),
+        "{text}"
+    );
+    // Caught inside the fence (the source was fenced, then unfenced), from the logs.
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::RolledBack);
+    assert_eq!(journal[0].step, Step::SequenceCarried);
+    assert_eq!(journal[0].detail.rechecked_rows, Some(3), "only the three keys written were read again");
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([40, 40, 40]));
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+
+    // Not logged: the target's trigger disabled while the copy is changed. The
+    // comparison finds a key in no change log and stops the move before the fence.
+    moves::run(&config, 0, "pg2", &MoveOptions::default().stopping_after(Step::CaughtUp)).await.unwrap_err();
+    let id = moves::list(&config).await?.into_iter().map(|m| m.id).max().ok_or("a move")?;
+    pg2.batch_execute(&format!(
+        "ALTER TABLE shard_0000.photos DISABLE TRIGGER shardline_move_{id};
+         UPDATE shard_0000.photos SET caption = 'unlogged' WHERE id = {photo_id};
+         ALTER TABLE shard_0000.photos ENABLE ALWAYS TRIGGER shardline_move_{id};"
+    ))
+    .await?;
+    let err = moves::resume(&config, Some(0), &MoveOptions::default()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, OpsError::Verify { .. }), "{text}");
+    assert!(text.contains(&format!("photos: 1 differing key(s) (id): ({photo_id})")), "{text}");
+    let journal = moves::list(&config).await?;
+    let last = journal.iter().max_by_key(|m| m.id).ok_or("a move")?;
+    assert_eq!((last.state, last.step), (State::RolledBack, Step::CaughtUp), "never fenced");
+    assert_eq!(last.detail.fence_mark, None);
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([40, 40, 40]));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    // Untouched, it moves.
+    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    assert_eq!((report.rows, report.rechecked_rows), (120, 0), "{report}");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: the_fence_reads_only_the_rows_written_during_the_move);
+/// The pause does not grow with the shard, shown by what it reads (not by a clock):
+/// two shards, one ten times the other, each given the same writes through the
+/// repository after its change log started (3 photos inserted, 2 captions changed, a
+/// like added); each move's verification inside the fence reads exactly those 6 rows,
+/// while the comparison before the fence covered every row. The rival (the full
+/// verification inside the fence) reads every row.
+pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let small = seed(&cluster, 0, 6, 2).await?;
+    let large = seed(&cluster, 1, 6, 20).await?;
+    for (shard, made, rows) in [(0u16, &small, 120), (1, &large, 1200)] {
+        moves::run(&config, shard, "pg3", &MoveOptions::default().stopping_after(Step::CaughtUp))
+            .await
+            .unwrap_err();
+        let photos = cluster.repo::<Photo>()?;
+        let user = i64::from(shard);
+        for n in 0..3 {
+            photos.insert(&photo(user, 500 + n)).await?;
+        }
+        for p in &made[..2] {
+            photos.update(p.id, &[("caption", &"changed during the move")]).await?;
+        }
+        cluster.repo::<Like>()?.insert(&NewLike { photo_id: made[2].id, user_id: 4242 }).await?;
+        let report = moves::resume(&config, Some(shard), &MoveOptions::default()).await?;
+        let r = report.first().ok_or("a report")?;
+        assert_eq!(r.rows, rows + 4, "{r}");
+        assert_eq!(r.rechecked_rows, 6, "the fence read the 6 rows written during the move: {r}");
+        let pre = moves::list(&config)
+            .await?
+            .into_iter()
+            .find(|m| m.id == r.id)
+            .and_then(|m| m.detail.precheck)
+            .ok_or("the comparison journaled")?;
+        let compared: i64 = pre.tables.values().map(|t| t.0).sum();
+        assert_eq!(compared, rows + 4, "the comparison before the fence covered every row");
+    }
+    // The rival reads every row inside the fence.
+    let full =
+        moves::run(&config, 0, "pg1", &MoveOptions::default().verifying(moves::Verification::Full)).await?;
+    assert_eq!((full.rechecked_rows, full.compare_ms), (124, 0), "{full}");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }

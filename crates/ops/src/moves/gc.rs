@@ -7,6 +7,8 @@
 //! - The target's copy of a rolled-back move that could not be dropped then (the
 //!   target was down), if the map does not place the shard there.
 //! - Marker rows of moves no longer running.
+//! - Change logs (triggers, their functions, the logged keys) of moves no longer
+//!   running.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -216,6 +218,15 @@ async fn gc_host(
                 .await
                 .map_err(fail("delete a marker"))?;
         }
+    }
+    // Change logs (trigger functions with their triggers, rows) of moves no longer
+    // running.
+    let mut logged = super::engine::logged_moves(c, host).await?;
+    logged.sort_unstable();
+    logged.dedup();
+    for id in logged.into_iter().filter(|&id| !live(id)) {
+        super::engine::drop_changes(c, host, id, 500, 10).await?;
+        report.dropped.push(format!("{host}: change log of move {id}"));
     }
     // Old source schemas of done moves, after their grace period.
     for m in moves.iter().filter(|m| m.state == State::Done && m.source == host.as_str()) {

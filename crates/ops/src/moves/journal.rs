@@ -2,6 +2,8 @@
 //! written after each step is done, so an interrupted move is resumed or undone from
 //! exactly where it stopped.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use shardline_repo::Catalog;
 use shardline_router::Config;
@@ -199,6 +201,33 @@ pub struct Detail {
     /// An undo began (the source answered, and the target's copy may already be
     /// gone): the move can only be finished by `--abort`, never resumed.
     pub undoing: bool,
+    /// The comparison of the whole shard made before the fence, with the move's change
+    /// log running (see `docs/moves.md`); the fence then rechecks only the logged keys.
+    /// `None`: the verification inside the fence reads every row.
+    pub precheck: Option<Precheck>,
+    /// Rows (distinct keys) the verification inside the fence read through the change
+    /// logs, plus the rows of tables it had to read in full.
+    pub rechecked_rows: Option<i64>,
+}
+
+/// The comparison before the fence: what it saw, and the change log it relied on.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct Precheck {
+    /// Per keyed table: rows on the source and on the target in the compared snapshots.
+    pub tables: BTreeMap<String, (i64, i64)>,
+    /// Per keyed table: the OIDs of the change log's triggers on the source, as they
+    /// were when the snapshots were taken. The fence trusts a table's log only while
+    /// the same triggers are there, enabled always.
+    pub source_triggers: BTreeMap<String, Vec<u32>>,
+    /// The same on the target.
+    pub target_triggers: BTreeMap<String, Vec<u32>>,
+    /// Keys that differed between the snapshots and were in a change log (rows in
+    /// flight); the fence rechecks them with every other logged key.
+    pub in_flight: i64,
+    /// How long the comparison took, in ms.
+    pub ms: u64,
 }
 
 /// One move, as the journal holds it.

@@ -37,8 +37,9 @@ pub mod preflight;
 mod subscription;
 
 pub use engine::{
-    AbortReport, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn, abort, resume, run,
+    AbortReport, CHANGES_SQL, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn,
+    Verification, abort, resume, run,
 };
 pub use gc::{GcReport, gc};
-pub use journal::{Detail, MoveRecord, State, Step, TableCheck, list};
+pub use journal::{Detail, MoveRecord, Precheck, State, Step, TableCheck, list};
 pub use preflight::{Preflight, Problem, preflight};

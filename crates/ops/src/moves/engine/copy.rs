@@ -201,6 +201,11 @@ impl Mover<'_> {
         }
         self.build_indexes().await?;
         self.detail.copy_ms = Some(ms(started.elapsed()));
+        // The change log starts before the catch-up, so the marker below also brings
+        // over everything the source committed before its triggers.
+        if self.options.verification == Verification::ChangeLog {
+            self.start_change_log().await?;
+        }
         loop {
             let round = Instant::now();
             let n: i64 = self

@@ -87,6 +87,11 @@ impl Mover<'_> {
             if matches!(self.fence_decision().await?, Some(Some(_))) {
                 return Err(Error::LeaseExpired { id, shard: self.shard.get() });
             }
+            // The whole shard compared while writes go on; the fence then rechecks only
+            // what the change logs hold.
+            if self.options.verification == Verification::ChangeLog {
+                self.compare().await?;
+            }
             let src = self.src().await?;
             let tables: Vec<String> = src
                 .query(

@@ -149,6 +149,12 @@ impl Mover<'_> {
     /// Drops the subscription (and with it the slot), the publication and the markers.
     /// A host that is down leaves its part to `shardline gc`, named in the journal.
     pub(super) async fn clean(&mut self) -> Result<()> {
+        if self.detail.precheck.is_some()
+            && self.detail.rechecked_rows.is_some()
+            && let Err(e) = self.count_moved().await
+        {
+            tracing::warn!(id = self.id, error = %e, "cannot count the rows moved; the journal keeps the comparison's counts");
+        }
         let mut pending = Vec::new();
         if let Err(e) = self.clean_target(false).await {
             pending.push(format!("{}: subscription {} ({e})", self.target, self.name()));
@@ -172,8 +178,32 @@ impl Mover<'_> {
         Ok(())
     }
 
+    /// The rows moved, counted on the source's copy, frozen since the fence (equal to
+    /// the target's at the fence, as verified), for the journal and the report: a
+    /// verification through the change logs does not count rows inside the fence.
+    pub(super) async fn count_moved(&mut self) -> Result<()> {
+        let (source, moved) = (self.source.clone(), self.moved.clone());
+        self.src().await?;
+        let Some(src) = self.src.as_ref() else { return Err(Error::Busy) };
+        let mut rows = 0;
+        for t in &mut self.detail.tables {
+            let n: i64 = src
+                .query_one(
+                    &format!("SELECT count(*) FROM {}.{}", quote_ident(&moved), quote_ident(&t.table)),
+                    &[],
+                )
+                .await
+                .map_err(on(&source, format!("count {moved}.{}", t.table)))?
+                .get(0);
+            (t.source_rows, t.target_rows) = (n, n);
+            rows += n;
+        }
+        self.detail.rows = rows;
+        Ok(())
+    }
+
     /// On the target: the subscription (detached from its slot if the source is down),
-    /// the marker; with `drop_schema`, the schema and its ledger rows too.
+    /// the marker, the change log; with `drop_schema`, the schema and its ledger rows too.
     pub(super) async fn clean_target(&mut self, drop_schema: bool) -> Result<()> {
         let (name, target, id, schema) = (self.name(), self.target.clone(), self.id, self.schema.clone());
         let dst = self.dst().await?;
@@ -188,6 +218,9 @@ impl Mover<'_> {
                 }
             })
             .map_err(on(&target, "delete the marker"))?;
+        // With the subscription gone nothing writes a copy being dropped, so its
+        // triggers go at once.
+        drop_changes(dst, &target, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await?;
         if drop_schema {
             dst.batch_execute(&format!(
                 "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
@@ -232,7 +265,7 @@ pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -
 }
 
 /// Drops, on the source, publication and slot `name`, the table-sync slots of
-/// subscription `oid`, and move `id`'s marker. A slot still in use is released first
+/// subscription `oid`, and move `id`'s marker and change log. A slot still in use is released first
 /// (its WAL sender ended).
 pub(crate) async fn drop_source_side(
     c: &Client,
@@ -277,5 +310,12 @@ pub(crate) async fn drop_source_side(
             if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) { Ok(0) } else { Err(e) }
         })
         .map_err(on(host, "delete the marker"))?;
-    Ok(())
+    drop_changes(c, host, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await
 }
+
+/// How long dropping a change log's trigger waits for its table's writes in flight,
+/// per attempt (the shard may be live again there: a short wait, tried again).
+const CLEANUP_LOCK_MS: u128 = 500;
+
+/// Attempts at dropping a change log's trigger.
+const CLEANUP_ATTEMPTS: u32 = 10;
