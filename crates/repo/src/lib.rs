@@ -52,7 +52,7 @@ pub mod shard;
 mod statement;
 mod tls;
 
-pub use catalog::{Catalog, ClusterInfo};
+pub use catalog::{Catalog, ClusterInfo, Prepared};
 pub use cluster::{Cluster, ClusterOptions};
 pub use entity::{Entity, NewRow, ShardKey};
 pub use repository::{FanOut, Many, Missing, Page, Repo};
@@ -324,7 +324,10 @@ impl Error {
         Error::Db { shard, what, sqlstate, source }
     }
 
-    pub(crate) fn catalog(what: &'static str, source: tokio_postgres::Error) -> Self {
+    /// The error for a statement on the catalog that failed while doing `what`, its
+    /// SQLSTATE read from `source`. For the owners of catalog tables outside this crate
+    /// (`shardline_ops::moves::journal`), so every catalog failure has one shape.
+    pub fn catalog(what: &'static str, source: tokio_postgres::Error) -> Self {
         let sqlstate = source.code().map(|c| c.code().to_owned());
         Error::Catalog { what, sqlstate, source }
     }

@@ -21,6 +21,7 @@ use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
+use super::journal;
 use crate::converge::MINTER;
 use crate::grants::{self, GRANTS, shard_grants};
 use crate::migrations::checksum;
@@ -140,20 +141,8 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
     if target_name == source {
         checks.add(None, "target", format!("shard {shard} is already on {source}"));
     }
-    let running: i64 = catalog
-        .client()
-        .query_one(
-            "SELECT count(*) FROM shardline.moves WHERE shard = $1 AND state = 'running'",
-            &[&i32::from(shard.get())],
-        )
-        .await
-        .map_err(|e| shardline_repo::Error::Catalog {
-            what: "read the moves",
-            sqlstate: e.code().map(|c| c.code().to_owned()),
-            source: e,
-        })?
-        .get(0);
-    if running > 0 {
+    let running = journal::is_running(&catalog, shard).await?;
+    if running {
         checks.add(None, "journal", format!("a move of shard {shard} is running; finish it with `shardline move --resume {shard}` or undo it with `--abort {shard}`"));
     }
 
