@@ -196,7 +196,7 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
             Err(shardline_repo::Error::Connect { source, .. }) => {
                 down.push((name.to_string(), shardline_repo::error_chain(&source)))
             }
-            Err(e) => down.push((name.to_string(), e.to_string())),
+            Err(e) => down.push((name.to_string(), shardline_repo::error_chain(&e))),
         }
     }
     if down.is_empty() { Ok(ok) } else { Err(Error::Unreachable { hosts: down }) }

@@ -432,7 +432,7 @@ impl Cluster {
                 Ok((true, _)) => {}
                 Err(e) => {
                     // The catalog cannot tell: the source can, once the lease is out.
-                    tracing::debug!(shards = ?ids, error = %e, "cannot read the catalog while a shard is fenced");
+                    tracing::debug!(shards = ?ids, error = %crate::error_chain(&e), "cannot read the catalog while a shard is fenced");
                     if !catalog_failed {
                         catalog_failed = true;
                         resolve_at = resolve_at.min(tokio::time::Instant::now());
@@ -474,7 +474,7 @@ impl Cluster {
             let row = match tokio::time::timeout(self.inner.options.host_timeout, asked).await {
                 Ok(Ok(row)) => row,
                 Ok(Err(e)) => {
-                    tracing::warn!(shard = shard.get(), host = %from, error = %e, "cannot resolve the shard's fence");
+                    tracing::warn!(shard = shard.get(), host = %from, error = %crate::error_chain(&e), "cannot resolve the shard's fence");
                     continue;
                 }
                 Err(_) => {
@@ -502,7 +502,7 @@ impl Cluster {
                             resolved |= self.refresh().await.is_ok() && self.map().host_of(*shard) != from;
                         }
                         Err(e) => {
-                            tracing::warn!(shard = shard.get(), move_id = id, error = %e, "cannot complete the move's flip");
+                            tracing::warn!(shard = shard.get(), move_id = id, error = %crate::error_chain(&e), "cannot complete the move's flip");
                         }
                     }
                 }
@@ -601,7 +601,7 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 match MapListener::start(&inner.listen_url).await {
                     Ok(l) => listener = l,
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot listen for map changes; retrying");
+                        tracing::warn!(error = %crate::error_chain(&e), "cannot listen for map changes; retrying");
                         continue;
                     }
                 }
@@ -616,13 +616,13 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 ),
                 Ok(_) => continue,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the catalog's map version");
+                    tracing::warn!(error = %crate::error_chain(&e), "cannot read the catalog's map version");
                     continue;
                 }
             },
         }
         if let Err(e) = refresh(&inner).await {
-            tracing::warn!(error = %e, "cannot reload the shard map");
+            tracing::warn!(error = %crate::error_chain(&e), "cannot reload the shard map");
         }
     }
 }

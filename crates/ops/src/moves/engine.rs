@@ -646,8 +646,9 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                 mover.step.pauses_writes() || (mover.step == Step::CaughtUp && mover.fence_started.is_some());
             let verify = matches!(e, Error::Verify { .. } | Error::LeaseExpired { .. });
             if fenced || verify {
-                tracing::warn!(id = mover.id, error = %e, "the move failed while the shard was fenced; undoing it");
-                if let Err(undo) = undo(&mut mover, &e.to_string()).await {
+                let said = shardline_repo::error_chain(&e);
+                tracing::warn!(id = mover.id, error = %said, "the move failed while the shard was fenced; undoing it");
+                if let Err(undo) = undo(&mut mover, &said).await {
                     if matches!(undo, Error::FlipDecided { .. }) {
                         tracing::error!(
                             id = mover.id,
@@ -655,17 +656,18 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                         );
                         record_error(
                             &mover,
-                            &format!("{e}; the flip is decided: `shardline move --resume` finishes it"),
+                            &format!("{said}; the flip is decided: `shardline move --resume` finishes it"),
                         )
                         .await;
                         return Err(e);
                     }
+                    let undo = shardline_repo::error_chain(&undo);
                     tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
-                    record_error(&mover, &format!("{e}; undoing it failed too: {undo}")).await;
+                    record_error(&mover, &format!("{said}; undoing it failed too: {undo}")).await;
                     return Err(e);
                 }
             } else {
-                record_error(&mover, &e.to_string()).await;
+                record_error(&mover, &shardline_repo::error_chain(&e)).await;
             }
             Err(e)
         }

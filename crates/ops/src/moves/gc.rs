@@ -68,7 +68,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             )),
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(id = m.id, error = %e, "cannot finish undoing a move whose lease ran out");
+                tracing::warn!(id = m.id, error = %shardline_repo::error_chain(&e), "cannot finish undoing a move whose lease ran out");
             }
         }
     }
@@ -81,7 +81,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
         let c = match shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await {
             Ok(c) => c,
             Err(e) => {
-                report.unreachable.push(format!("{} ({e})", host.name));
+                report.unreachable.push(format!("{} ({})", host.name, shardline_repo::error_chain(&e)));
                 continue;
             }
         };

@@ -165,7 +165,7 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
         Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
             Ok(c) => Some(c),
             Err(e) => {
-                checks.add(Some(&source), "reachable", e.to_string());
+                checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
                 None
             }
         },
@@ -179,7 +179,7 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
 
     if let Some(t) = target_config.filter(|_| target_name != source) {
         match connect(&t.url, &format!("host {}", t.name)).await {
-            Err(e) => checks.add(Some(&target_name), "reachable", e.to_string()),
+            Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
             Ok(c) => {
                 let peer = source_config.map(|s| s.peer_url.expose().to_owned());
                 check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;

@@ -79,7 +79,7 @@ impl Mover<'_> {
             match self.flip_catalog().await {
                 Ok(()) => return Ok(()),
                 Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
-                    tracing::warn!(id = self.id, error = %e, "the flip is decided but the catalog failed; trying again");
+                    tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "the flip is decided but the catalog failed; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     if self.catalog.is_closed()
                         && let Ok((catalog, _)) = Catalog::open(self.config).await
@@ -113,10 +113,20 @@ impl Mover<'_> {
     pub(super) async fn clean(&mut self) -> Result<()> {
         let mut pending = Vec::new();
         if let Err(e) = self.clean_target(false).await {
-            pending.push(format!("{}: subscription {} ({e})", self.target, self.name()));
+            pending.push(format!(
+                "{}: subscription {} ({})",
+                self.target,
+                self.name(),
+                shardline_repo::error_chain(&e)
+            ));
         }
         if let Err(e) = self.clean_source().await {
-            pending.push(format!("{}: publication and slots of {} ({e})", self.source, self.name()));
+            pending.push(format!(
+                "{}: publication and slots of {} ({})",
+                self.source,
+                self.name(),
+                shardline_repo::error_chain(&e)
+            ));
         }
         self.detail.cleanup_pending = pending;
         let detail = self.detail_json()?;

@@ -27,7 +27,7 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
         }
         Ok(_) => {}
         Err(e) => {
-            tracing::warn!(id = mover.id, error = %e, "cannot read the map; unfencing on the source's decision alone");
+            tracing::warn!(id = mover.id, error = %shardline_repo::error_chain(&e), "cannot read the map; unfencing on the source's decision alone");
         }
     }
     // The source first: while it cannot be reached nothing is touched, and the move
@@ -52,10 +52,11 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     let mut target_left = false;
     if let Err(e) = mover.clean_target(true).await {
         pending.push(format!(
-            "{}: subscription {} and schema {} ({e})",
+            "{}: subscription {} and schema {} ({})",
             mover.target,
             mover.name(),
-            mover.schema
+            mover.schema,
+            shardline_repo::error_chain(&e)
         ));
         target_left = true;
     }
