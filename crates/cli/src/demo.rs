@@ -368,7 +368,9 @@ async fn worker(
             Ok(()) => local.latencies[op].push(t.elapsed()),
             Err(e) => {
                 local.errors[op] += 1;
-                local.first_error.get_or_insert_with(|| format!("{}: {e}", OPS[op]));
+                local
+                    .first_error
+                    .get_or_insert_with(|| format!("{}: {}", OPS[op], shardline_repo::error_chain(&e)));
             }
         }
         n += 1;

@@ -248,10 +248,17 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
             Err(e) => {
                 failed += 1;
                 if !opt.json {
-                    writeln!(out, "shard {:>4} {} -> {}: FAILED: {e}", m.shard, m.from, m.to)?;
+                    writeln!(
+                        out,
+                        "shard {:>4} {} -> {}: FAILED: {}",
+                        m.shard,
+                        m.from,
+                        m.to,
+                        shardline_repo::error_chain(e)
+                    )?;
                 }
                 json.push(
-                    serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "error": e.to_string()}),
+                    serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "error": shardline_repo::error_chain(e)}),
                 );
             }
         }

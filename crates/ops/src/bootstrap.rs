@@ -12,13 +12,14 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use shardline_repo::catalog::{self, Catalog, LOCK_KEY, SCHEMA_SQL};
+use shardline_repo::catalog::{self, Catalog};
 use shardline_router::{Config, HostName, LogicalShard, ShardMap};
 use tokio_postgres::Client;
 
 use crate::converge::{self, Done, HostPlan, Inputs};
 use crate::grants;
 use crate::migrations::{self, Migration};
+use crate::moves::journal;
 use crate::{Error, Result, describe};
 
 /// How `init` and `migrate` work.
@@ -167,13 +168,7 @@ impl fmt::Display for Report {
 
 /// The catalog's transaction-spanning lock, released when the connection closes.
 async fn lock(catalog: &Catalog) -> Result<()> {
-    let got: bool = catalog
-        .client()
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK_KEY])
-        .await
-        .map_err(|e| catalog_err("take the catalog lock", &e))?
-        .get(0);
-    if got { Ok(()) } else { Err(Error::Busy) }
+    if catalog.try_lock().await? { Ok(()) } else { Err(Error::Busy) }
 }
 
 fn catalog_err(what: &str, e: &tokio_postgres::Error) -> Error {
@@ -201,7 +196,7 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
             Err(shardline_repo::Error::Connect { source, .. }) => {
                 down.push((name.to_string(), shardline_repo::error_chain(&source)))
             }
-            Err(e) => down.push((name.to_string(), e.to_string())),
+            Err(e) => down.push((name.to_string(), shardline_repo::error_chain(&e))),
         }
     }
     if down.is_empty() { Ok(ok) } else { Err(Error::Unreachable { hosts: down }) }
@@ -226,11 +221,16 @@ async fn check_roles(config: &Config, hosts: &[(HostName, Vec<Client>)], catalog
     let servers = hosts
         .iter()
         .filter_map(|(name, clients)| clients.first().map(|c| (name.to_string(), c)))
-        .chain(std::iter::once(("catalog".to_owned(), catalog.client())));
+        .map(|(at, c)| (at, Some(c)))
+        .chain(std::iter::once(("catalog".to_owned(), None)));
     let checks = servers.map(|(at, c)| {
         let roles = &roles;
         async move {
-            let missing = grants::missing_roles(c, roles).await.map_err(|e| {
+            let missing = match c {
+                Some(c) => grants::missing_roles(c, roles).await,
+                None => grants::catalog_missing_roles(catalog, roles).await,
+            };
+            let missing = missing.map_err(|e| {
                 let (sqlstate, message) = describe(&e);
                 Error::Host { host: at.clone(), what: "look for the app_roles".into(), sqlstate, message }
             })?;
@@ -249,11 +249,9 @@ async fn check_roles(config: &Config, hosts: &[(HostName, Vec<Client>)], catalog
 
 /// Lets the config's `app_roles` read what routing needs from the catalog.
 async fn grant_catalog(catalog: &Catalog, config: &Config) -> Result<()> {
-    let sql = grants::catalog_grants(&config.app_roles);
-    if sql.is_empty() {
-        return Ok(());
-    }
-    catalog.client().batch_execute(&sql).await.map_err(|e| catalog_err("grant app_roles the catalog", &e))
+    grants::grant_catalog(catalog, &config.app_roles)
+        .await
+        .map_err(|e| catalog_err("grant app_roles the catalog", &e))
 }
 
 /// `wal_level` of each host that is not `logical`, as warnings.
@@ -281,92 +279,15 @@ fn check_hosts(map: &ShardMap, config: &Config) -> Result<()> {
 }
 
 /// Creates the catalog if needed, checks it against the config, adds new hosts, and
-/// places the shards on the first run. One transaction: on any refusal nothing changes.
+/// places the shards on the first run ([`Catalog::prepare`]: one transaction, on any
+/// refusal nothing changes); then the journal of moves and its flip function, by their
+/// owner ([`journal::install`], idempotent).
 async fn prepare_catalog(catalog: &Catalog, config: &Config, report: &mut Report) -> Result<()> {
-    let c = catalog.client();
-    let exists: bool = c
-        .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
-        .await
-        .map_err(|e| catalog_err("look for the catalog", &e))?
-        .get(0);
-    c.batch_execute("BEGIN").await.map_err(|e| catalog_err("begin", &e))?;
-    let result = async {
-        if !exists {
-            c.batch_execute(SCHEMA_SQL).await.map_err(|e| catalog_err("create the catalog schema", &e))?;
-        }
-        c.batch_execute(crate::moves::engine::COMPLETE_FLIP_SQL)
-            .await
-            .map_err(|e| catalog_err("install shardline.complete_flip", &e))?;
-        match catalog.cluster().await? {
-            Some(info) => info.check(config)?,
-            None => {
-                c.execute(
-                    "INSERT INTO shardline.cluster (format, logical_shards, schema_prefix, epoch_ms) VALUES ($1, $2, $3, $4)",
-                    &[
-                        &catalog::FORMAT,
-                        &i32::from(config.logical_shards.get()),
-                        &config.schema_prefix.as_str(),
-                        &config.layout.epoch_ms(),
-                    ],
-                )
-                .await
-                .map_err(|e| catalog_err("record the cluster's parameters", &e))?;
-                report.catalog_created = true;
-            }
-        }
-        let known: HashSet<String> = c
-            .query("SELECT name FROM shardline.hosts", &[])
-            .await
-            .map_err(|e| catalog_err("read the hosts", &e))?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let new: Vec<String> =
-            config.hosts.iter().map(|h| h.name.to_string()).filter(|h| !known.contains(h)).collect();
-        if !new.is_empty() {
-            c.execute(
-                "INSERT INTO shardline.hosts (name, position)
-                 SELECT name, (SELECT coalesce(max(position), 0) FROM shardline.hosts) + ord
-                 FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)",
-                &[&new],
-            )
-            .await
-            .map_err(|e| catalog_err("add hosts", &e))?;
-        }
-        let placed: i64 = c
-            .query_one("SELECT count(*) FROM shardline.shards", &[])
-            .await
-            .map_err(|e| catalog_err("count the shards", &e))?
-            .get(0);
-        if placed == 0 {
-            let map = config.even_map()?;
-            let (shards, hosts): (Vec<i32>, Vec<String>) = config
-                .logical_shards
-                .shards()
-                .map(|s| (i32::from(s.get()), map.host_of(s).to_string()))
-                .unzip();
-            c.execute(
-                "INSERT INTO shardline.shards (shard, host) SELECT * FROM unnest($1::integer[], $2::text[])",
-                &[&shards, &hosts],
-            )
-            .await
-            .map_err(|e| catalog_err("place the shards", &e))?;
-            report.shards_placed = shards.len();
-        } else if !report.catalog_created {
-            // Hosts added to the config after the first run get no shards: only moves
-            // change the map.
-            report.hosts_added = new;
-        }
-        check_hosts(&catalog.map().await?, config)
-    }
-    .await;
-    match result {
-        Ok(()) => c.batch_execute("COMMIT").await.map_err(|e| catalog_err("commit", &e)),
-        Err(e) => {
-            let _ = c.batch_execute("ROLLBACK").await;
-            Err(e)
-        }
-    }
+    let prepared = catalog.prepare(config, |map| check_hosts(map, config)).await?;
+    report.catalog_created = prepared.catalog_created;
+    report.shards_placed = prepared.shards_placed;
+    report.hosts_added = prepared.hosts_added;
+    journal::install(catalog).await
 }
 
 /// `shardline init`: creates the catalog, places the shards over the config's hosts
@@ -441,7 +362,7 @@ async fn run(
     check_hosts(&map, config)?;
     // A fenced shard's schema is renamed on its host: converging now would build an
     // empty one in its place. Moves finish (or are undone) first.
-    if let Some(m) = crate::moves::journal::running(catalog.client(), None).await?.into_iter().next() {
+    if let Some(m) = journal::running(&catalog, None).await?.into_iter().next() {
         return Err(Error::MoveRunning { shard: m.shard });
     }
     let info = catalog.cluster().await?.ok_or(shardline_repo::Error::NotInitialised)?;
@@ -537,32 +458,12 @@ async fn record_states(
     pending: &HashSet<u16>,
     migrations: &[Migration],
 ) -> Result<()> {
-    let ready: Vec<i32> = plans
-        .iter()
-        .flat_map(|p| &p.shards)
-        .map(|s| s.get())
-        .filter(|s| !pending.contains(s))
-        .map(i32::from)
-        .collect();
+    let ready: Vec<LogicalShard> =
+        plans.iter().flat_map(|p| &p.shards).copied().filter(|s| !pending.contains(&s.get())).collect();
     let last: Option<&str> = migrations.last().map(|m| m.name.as_str());
-    let c = catalog.client();
-    c.execute(
-        "UPDATE shardline.shards SET ready = true, migration = $2, updated_at = now()
-         WHERE shard = ANY($1) AND (NOT ready OR migration IS DISTINCT FROM $2)",
-        &[&ready, &last],
-    )
-    .await
-    .map_err(|e| catalog_err("record the shards' state", &e))?;
-    let (names, sums): (Vec<&str>, Vec<&str>) =
-        migrations.iter().map(|m| (m.name.as_str(), m.checksum.as_str())).unzip();
-    c.execute(
-        "INSERT INTO shardline.migrations (name, checksum) SELECT * FROM unnest($1::text[], $2::text[])
-         ON CONFLICT (name) DO NOTHING",
-        &[&names, &sums],
-    )
-    .await
-    .map_err(|e| catalog_err("record the migrations", &e))?;
-    Ok(())
+    let files: Vec<(&str, &str)> =
+        migrations.iter().map(|m| (m.name.as_str(), m.checksum.as_str())).collect();
+    Ok(catalog.record_states(&ready, last, &files).await?)
 }
 
 #[cfg(test)]

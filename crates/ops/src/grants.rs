@@ -23,6 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use shardline_id::ident::quote as quote_ident;
+use shardline_repo::Catalog;
 use shardline_router::{HostName, RoleName, SchemaName};
 use tokio_postgres::Client;
 
@@ -82,6 +83,34 @@ pub fn host_grants(roles: &[RoleName]) -> String {
     }
     let to = roles.iter().map(RoleName::quoted).collect::<Vec<_>>().join(", ");
     format!("GRANT USAGE ON SCHEMA shardline TO {to}")
+}
+
+/// The catalog's connection, for this module's two statements there (the roles'
+/// existence and [`catalog_grants`]): privileges are this module's, wherever they are.
+#[expect(clippy::disallowed_methods, reason = "grants owns the application roles' privileges on the catalog")]
+fn catalog_client(catalog: &Catalog) -> &Client {
+    catalog.lend()
+}
+
+/// Which of `roles` do not exist on the catalog's server.
+pub(crate) async fn catalog_missing_roles(
+    catalog: &Catalog,
+    roles: &[String],
+) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
+    missing_roles(catalog_client(catalog), roles).await
+}
+
+/// Grants `roles` what routing reads in the catalog ([`catalog_grants`]); nothing when
+/// `roles` is empty.
+pub(crate) async fn grant_catalog(
+    catalog: &Catalog,
+    roles: &[RoleName],
+) -> std::result::Result<(), tokio_postgres::Error> {
+    let sql = catalog_grants(roles);
+    if sql.is_empty() {
+        return Ok(());
+    }
+    catalog_client(catalog).batch_execute(&sql).await
 }
 
 /// Which of `roles` do not exist on `client`'s server.

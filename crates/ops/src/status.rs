@@ -94,9 +94,10 @@ pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
                 return status;
             };
             let read = async {
-                let client =
-                    catalog::connect(&h.url, &format!("host {host}")).await.map_err(|e| e.to_string())?;
-                read_host(&client, &schemas, names).await.map_err(|e| e.to_string())
+                let client = catalog::connect(&h.url, &format!("host {host}"))
+                    .await
+                    .map_err(|e| shardline_repo::error_chain(&e))?;
+                read_host(&client, &schemas, names).await.map_err(|e| shardline_repo::error_chain(&e))
             };
             match tokio::time::timeout(timeout, read).await {
                 Ok(Ok((present, behind, wal, tables))) => {

@@ -1,6 +1,9 @@
 //! The catalog: a `shardline` schema in a small database of its own (or any database
 //! the config names), holding the cluster's fixed parameters, the hosts, the shard map
-//! with its version, a per-shard record of migrations, and the journal of moves.
+//! with its version, and a per-shard record of migrations. The journal of moves
+//! (`shardline.moves`) lives in the same schema but is not this module's: its DDL and
+//! every write on it belong to `shardline_ops::moves::journal`; repo only reads it
+//! through `Catalog::moves_of` (see docs/architecture.md, "Who owns what").
 //!
 //! Every change to the map (a shard placed, moved or removed) bumps
 //! `shardline.cluster.map_version` and sends `NOTIFY shardline_map, '<version>'`, by
@@ -10,7 +13,7 @@ use std::time::Duration;
 
 use shardline_id::Layout;
 use shardline_router::config::DbUrl;
-use shardline_router::{Config, HostName, SchemaPrefix, ShardCount, ShardMap};
+use shardline_router::{Config, HostName, LogicalShard, SchemaPrefix, ShardCount, ShardMap};
 use tokio_postgres::Client;
 
 use crate::{Error, Result};
@@ -28,7 +31,9 @@ pub const FORMAT: i32 = 1;
 /// catalog, so that two of them never work on one cluster at once ("shardlin").
 pub const LOCK_KEY: i64 = 0x7368_6172_646c_696e;
 
-/// The catalog's tables, created if missing. Idempotent.
+/// The tables this module owns (parameters, hosts, map, migrations) and the map's
+/// trigger, created if missing. Idempotent. The journal of moves is created by its
+/// owner, `shardline_ops::moves::journal`, right after (`init`).
 pub const SCHEMA_SQL: &str = r#"
 CREATE SCHEMA IF NOT EXISTS shardline;
 
@@ -65,21 +70,6 @@ CREATE TABLE IF NOT EXISTS shardline.migrations (
     first_seen timestamptz NOT NULL DEFAULT now()
 );
 COMMENT ON TABLE shardline.migrations IS 'shardline: every migration file ever applied, with its checksum';
-
-CREATE TABLE IF NOT EXISTS shardline.moves (
-    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    shard      integer NOT NULL,
-    source     text NOT NULL REFERENCES shardline.hosts (name),
-    target     text NOT NULL REFERENCES shardline.hosts (name),
-    step       text NOT NULL,
-    state      text NOT NULL CHECK (state IN ('running', 'done', 'failed', 'rolled_back')),
-    detail     jsonb NOT NULL DEFAULT '{}',
-    error      text,
-    started_at timestamptz NOT NULL DEFAULT now(),
-    updated_at timestamptz NOT NULL DEFAULT now()
-);
-CREATE UNIQUE INDEX IF NOT EXISTS moves_one_running_per_shard ON shardline.moves (shard) WHERE state = 'running';
-COMMENT ON TABLE shardline.moves IS 'shardline: the journal of shard moves, one row per move, its step updated as it goes';
 
 CREATE OR REPLACE FUNCTION shardline.map_changed() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
@@ -230,6 +220,18 @@ fn with_defaults(mut config: tokio_postgres::Config) -> tokio_postgres::Config {
     config
 }
 
+/// What [`Catalog::prepare`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Prepared {
+    /// The catalog's parameters were recorded (its first `init`).
+    pub catalog_created: bool,
+    /// Shards placed (first run only).
+    pub shards_placed: usize,
+    /// Hosts new to the catalog, added with no shards (not on the first run).
+    pub hosts_added: Vec<String>,
+}
+
 /// A connection to the catalog.
 #[derive(Debug)]
 pub struct Catalog {
@@ -264,9 +266,257 @@ impl Catalog {
         Catalog { client }
     }
 
-    /// The connection, for statements this type does not wrap.
-    pub fn client(&self) -> &Client {
+    /// The connection, lent to the owners of what lives in the catalog but is not
+    /// this crate's: `shardline_ops::moves::journal` (the journal of moves: its DDL,
+    /// every statement on it, and the flip's transaction, which writes the map through
+    /// [`Catalog::flip_shard`] on this same connection) and `shardline_ops::grants`
+    /// (the application roles' privileges on the catalog). Nothing else calls it:
+    /// clippy's `disallowed_methods` (clippy.toml) refuses any other caller, and each
+    /// owner says why with an `#[expect]`.
+    pub fn lend(&self) -> &Client {
         &self.client
+    }
+
+    /// Whether the connection has ended (a new [`Catalog`] is needed).
+    pub fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
+    /// Takes the cluster's advisory lock ([`LOCK_KEY`]) exclusively for this session,
+    /// as `init` and `migrate` do: whether it was free. Held until the connection
+    /// closes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when the statement fails.
+    pub async fn try_lock(&self) -> Result<bool> {
+        Ok(self
+            .client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&LOCK_KEY])
+            .await
+            .map_err(|e| Error::catalog("take the catalog lock", e))?
+            .get(0))
+    }
+
+    /// Takes, for this session, the cluster's lock shared (so `init` and `migrate` wait
+    /// for moves, and moves for them) and move `id`'s own lock (one process per move).
+    /// Returns whether each was had, `(cluster, move)`; when not both, gives back the
+    /// one it took, so that trying again takes each once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when a statement fails.
+    pub async fn try_lock_move(&self, id: i64) -> Result<(bool, bool)> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT pg_try_advisory_lock_shared($1), pg_try_advisory_lock(hashtextextended('shardline move ' || $2::bigint, 0))",
+                &[&LOCK_KEY, &id],
+            )
+            .await
+            .map_err(|e| Error::catalog("take the move's lock", e))?;
+        let (cluster, this): (bool, bool) = (row.get(0), row.get(1));
+        if !(cluster && this) {
+            self.client
+                .execute(
+                    "SELECT CASE WHEN $1 THEN pg_advisory_unlock_shared($2) END,
+                            CASE WHEN $3 THEN pg_advisory_unlock(hashtextextended('shardline move ' || $4::bigint, 0)) END",
+                    &[&cluster, &LOCK_KEY, &this, &id],
+                )
+                .await
+                .map_err(|e| Error::catalog("take the move's lock", e))?;
+        }
+        Ok((cluster, this))
+    }
+
+    /// `init`'s part in the catalog, in one transaction: creates this module's tables
+    /// ([`SCHEMA_SQL`]) when there is no catalog yet, checks the stored parameters
+    /// against `config` (or records them), adds the config's hosts the catalog does not
+    /// know, and on the first run places every shard over the config's hosts
+    /// ([`Config::even_map`]). `check` sees the resulting map before the commit; on any
+    /// refusal (its own or `check`'s) nothing changes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Mismatch`]; [`Error::InvalidCatalog`]; [`Error::Catalog`] when a
+    /// statement fails; `check`'s error.
+    pub async fn prepare<E: From<Error>>(
+        &self,
+        config: &Config,
+        check: impl FnOnce(&ShardMap) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Prepared, E> {
+        let c = &self.client;
+        let exists: bool = c
+            .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
+            .await
+            .map_err(|e| Error::catalog("look for the catalog", e))?
+            .get(0);
+        c.batch_execute("BEGIN").await.map_err(|e| Error::catalog("begin", e))?;
+        let result = async {
+            let mut prepared = Prepared::default();
+            if !exists {
+                c.batch_execute(SCHEMA_SQL).await.map_err(|e| Error::catalog("create the catalog schema", e))?;
+            }
+            match self.cluster().await? {
+                Some(info) => info.check(config)?,
+                None => {
+                    c.execute(
+                        "INSERT INTO shardline.cluster (format, logical_shards, schema_prefix, epoch_ms) VALUES ($1, $2, $3, $4)",
+                        &[
+                            &FORMAT,
+                            &i32::from(config.logical_shards.get()),
+                            &config.schema_prefix.as_str(),
+                            &config.layout.epoch_ms(),
+                        ],
+                    )
+                    .await
+                    .map_err(|e| Error::catalog("record the cluster's parameters", e))?;
+                    prepared.catalog_created = true;
+                }
+            }
+            let known: std::collections::HashSet<String> = c
+                .query("SELECT name FROM shardline.hosts", &[])
+                .await
+                .map_err(|e| Error::catalog("read the hosts", e))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let new: Vec<String> =
+                config.hosts.iter().map(|h| h.name.to_string()).filter(|h| !known.contains(h)).collect();
+            if !new.is_empty() {
+                c.execute(
+                    "INSERT INTO shardline.hosts (name, position)
+                     SELECT name, (SELECT coalesce(max(position), 0) FROM shardline.hosts) + ord
+                     FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)",
+                    &[&new],
+                )
+                .await
+                .map_err(|e| Error::catalog("add hosts", e))?;
+            }
+            let placed: i64 = c
+                .query_one("SELECT count(*) FROM shardline.shards", &[])
+                .await
+                .map_err(|e| Error::catalog("count the shards", e))?
+                .get(0);
+            if placed == 0 {
+                let map = config.even_map().map_err(Error::from)?;
+                let (shards, hosts): (Vec<i32>, Vec<String>) = config
+                    .logical_shards
+                    .shards()
+                    .map(|s| (i32::from(s.get()), map.host_of(s).to_string()))
+                    .unzip();
+                c.execute(
+                    "INSERT INTO shardline.shards (shard, host) SELECT * FROM unnest($1::integer[], $2::text[])",
+                    &[&shards, &hosts],
+                )
+                .await
+                .map_err(|e| Error::catalog("place the shards", e))?;
+                prepared.shards_placed = shards.len();
+            } else if !prepared.catalog_created {
+                // Hosts added to the config after the first run get no shards: only moves
+                // change the map.
+                prepared.hosts_added = new;
+            }
+            check(&self.map().await?)?;
+            Ok::<_, E>(prepared)
+        }
+        .await;
+        match result {
+            Ok(prepared) => {
+                c.batch_execute("COMMIT").await.map_err(|e| Error::catalog("commit", e))?;
+                Ok(prepared)
+            }
+            Err(e) => {
+                let _ = c.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Records, after `init` or `migrate`, that the shards `ready` are up to date with
+    /// migration `last`, and every migration file's checksum (`(name, checksum)`; a name
+    /// already known keeps its first checksum). Writes only rows that differ.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when a statement fails.
+    pub async fn record_states(
+        &self,
+        ready: &[LogicalShard],
+        last: Option<&str>,
+        migrations: &[(&str, &str)],
+    ) -> Result<()> {
+        let ready: Vec<i32> = ready.iter().map(|s| i32::from(s.get())).collect();
+        self.client
+            .execute(
+                "UPDATE shardline.shards SET ready = true, migration = $2, updated_at = now()
+                 WHERE shard = ANY($1) AND (NOT ready OR migration IS DISTINCT FROM $2)",
+                &[&ready, &last],
+            )
+            .await
+            .map_err(|e| Error::catalog("record the shards' state", e))?;
+        let (names, sums): (Vec<&str>, Vec<&str>) = migrations.iter().copied().unzip();
+        self.client
+            .execute(
+                "INSERT INTO shardline.migrations (name, checksum) SELECT * FROM unnest($1::text[], $2::text[])
+                 ON CONFLICT (name) DO NOTHING",
+                &[&names, &sums],
+            )
+            .await
+            .map_err(|e| Error::catalog("record the migrations", e))?;
+        Ok(())
+    }
+
+    /// The map's one write for a move: places `shard` on `to` when the map has it on
+    /// `from` (or already on `to`); returns the rows changed (0 when the map has it
+    /// elsewhere). The trigger bumps the version and notifies the routers at commit.
+    /// A move's flip runs it inside the journal's transaction on this connection
+    /// (`shardline_ops::moves::journal`), so the map and the journal change together.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when the statement fails.
+    pub async fn flip_shard(&self, shard: LogicalShard, from: &HostName, to: &HostName) -> Result<u64> {
+        self.client
+            .execute(
+                "UPDATE shardline.shards SET host = $2, updated_at = now() WHERE shard = $1 AND host IN ($2, $3)",
+                &[&i32::from(shard.get()), &to.as_str(), &from.as_str()],
+            )
+            .await
+            .map_err(|e| Error::catalog("flip the map", e))
+    }
+
+    /// The one read of the journal of moves outside its owner
+    /// (`shardline_ops::moves::journal`, which creates and writes `shardline.moves`):
+    /// whether a move of any of `shards` is running, and whether one ended in the last
+    /// five seconds. A router waiting on a fenced shard asks it; the application roles
+    /// may `SELECT` the journal for it (`shardline_ops::grants`). Unnamed (one round
+    /// trip, no statement kept): the catalog may be behind a transaction-mode pooler.
+    pub(crate) async fn moves_of(&self, shards: &[LogicalShard]) -> Result<(bool, bool)> {
+        let shards: Vec<i32> = shards.iter().map(|s| i32::from(s.get())).collect();
+        let row = self
+            .client
+            .query_typed_one(
+                "SELECT coalesce(bool_or(state = 'running'), false),
+                        coalesce(bool_or(state <> 'running' AND updated_at > now() - interval '5 seconds'), false)
+                   FROM shardline.moves WHERE shard = ANY($1)",
+                &[(&shards, tokio_postgres::types::Type::INT4_ARRAY)],
+            )
+            .await
+            .map_err(|e| Error::catalog("read the moves", e))?;
+        Ok((row.get(0), row.get(1)))
+    }
+
+    /// `shardline.complete_flip(id, token)`, the function the journal's owner installs
+    /// in the catalog (`shardline_ops::moves::journal::COMPLETE_FLIP_SQL`): whether it
+    /// flipped.
+    pub(crate) async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
+        let row = self
+            .client
+            .query_one("SELECT shardline.complete_flip($1, $2)", &[&id, &token])
+            .await
+            .map_err(|e| Error::catalog("complete a move's flip", e))?;
+        Ok(row.get(0))
     }
 
     /// The cluster's parameters, or `None` before the first `init`.

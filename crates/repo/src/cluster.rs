@@ -414,6 +414,7 @@ impl Cluster {
         let mut catalog_failed = false;
         let mut pause = Duration::from_millis(2);
         let ids: Vec<i32> = shards.iter().map(|(s, _)| i32::from(s.get())).collect();
+        let logical: Vec<LogicalShard> = shards.iter().map(|(s, _)| *s).collect();
         loop {
             let catalog = match self.refresh().await {
                 Ok(_) => {
@@ -421,7 +422,7 @@ impl Cluster {
                     if shards.iter().any(|(s, from)| map.host_of(*s) != from) {
                         return Ok(true);
                     }
-                    self.moves_of(&ids).await
+                    self.moves_of(&logical).await
                 }
                 Err(e) => Err(e),
             };
@@ -431,7 +432,7 @@ impl Cluster {
                 Ok((true, _)) => {}
                 Err(e) => {
                     // The catalog cannot tell: the source can, once the lease is out.
-                    tracing::debug!(shards = ?ids, error = %e, "cannot read the catalog while a shard is fenced");
+                    tracing::debug!(shards = ?ids, error = %crate::error_chain(&e), "cannot read the catalog while a shard is fenced");
                     if !catalog_failed {
                         catalog_failed = true;
                         resolve_at = resolve_at.min(tokio::time::Instant::now());
@@ -473,7 +474,7 @@ impl Cluster {
             let row = match tokio::time::timeout(self.inner.options.host_timeout, asked).await {
                 Ok(Ok(row)) => row,
                 Ok(Err(e)) => {
-                    tracing::warn!(shard = shard.get(), host = %from, error = %e, "cannot resolve the shard's fence");
+                    tracing::warn!(shard = shard.get(), host = %from, error = %crate::error_chain(&e), "cannot resolve the shard's fence");
                     continue;
                 }
                 Err(_) => {
@@ -501,7 +502,7 @@ impl Cluster {
                             resolved |= self.refresh().await.is_ok() && self.map().host_of(*shard) != from;
                         }
                         Err(e) => {
-                            tracing::warn!(shard = shard.get(), move_id = id, error = %e, "cannot complete the move's flip");
+                            tracing::warn!(shard = shard.get(), move_id = id, error = %crate::error_chain(&e), "cannot complete the move's flip");
                         }
                     }
                 }
@@ -514,36 +515,18 @@ impl Cluster {
     /// `shardline.complete_flip(id, token)` in the catalog: whether it flipped.
     async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
         let slot = self.inner.catalog.lock().await;
-        let c = match slot.as_ref() {
-            Some(c) if !c.client().is_closed() => c,
-            _ => return Err(Error::NotInitialised),
-        };
-        let row = c
-            .client()
-            .query_one("SELECT shardline.complete_flip($1, $2)", &[&id, &token])
-            .await
-            .map_err(|e| Error::catalog("complete a move's flip", e))?;
-        Ok(row.get(0))
+        match slot.as_ref() {
+            Some(c) if !c.is_closed() => c.complete_flip(id, token).await,
+            _ => Err(Error::NotInitialised),
+        }
     }
 
     /// Whether a move of any of `shards` is running, and whether one ended in the last
-    /// few seconds.
-    async fn moves_of(&self, shards: &[i32]) -> Result<(bool, bool)> {
+    /// few seconds ([`Catalog::moves_of`]).
+    async fn moves_of(&self, shards: &[LogicalShard]) -> Result<(bool, bool)> {
         let slot = self.inner.catalog.lock().await;
         let Some(c) = slot.as_ref() else { return Ok((false, false)) };
-        // Unnamed (one round trip, no statement kept): the catalog may be behind a
-        // transaction-mode pooler too.
-        let row = c
-            .client()
-            .query_typed_one(
-                "SELECT coalesce(bool_or(state = 'running'), false),
-                        coalesce(bool_or(state <> 'running' AND updated_at > now() - interval '5 seconds'), false)
-                   FROM shardline.moves WHERE shard = ANY($1)",
-                &[(&shards, tokio_postgres::types::Type::INT4_ARRAY)],
-            )
-            .await
-            .map_err(|e| Error::catalog("read the moves", e))?;
-        Ok((row.get(0), row.get(1)))
+        c.moves_of(shards).await
     }
 }
 
@@ -559,7 +542,7 @@ fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, Pool>) -> Result<()> {
 async fn refresh(inner: &Inner) -> Result<i64> {
     let mut slot = inner.catalog.lock().await;
     let map = match slot.as_ref() {
-        Some(c) if !c.client().is_closed() => c.map().await,
+        Some(c) if !c.is_closed() => c.map().await,
         _ => Err(Error::NotInitialised),
     };
     let map = match map {
@@ -588,7 +571,7 @@ async fn refresh(inner: &Inner) -> Result<i64> {
 /// one when it is gone).
 async fn catalog_version(inner: &Inner) -> Result<i64> {
     let mut slot = inner.catalog.lock().await;
-    if slot.as_ref().is_none_or(|c| c.client().is_closed()) {
+    if slot.as_ref().is_none_or(Catalog::is_closed) {
         *slot = Some(Catalog::from_client(catalog::connect(&inner.catalog_url, "catalog").await?));
     }
     match slot.as_ref() {
@@ -618,7 +601,7 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 match MapListener::start(&inner.listen_url).await {
                     Ok(l) => listener = l,
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot listen for map changes; retrying");
+                        tracing::warn!(error = %crate::error_chain(&e), "cannot listen for map changes; retrying");
                         continue;
                     }
                 }
@@ -633,13 +616,13 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 ),
                 Ok(_) => continue,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the catalog's map version");
+                    tracing::warn!(error = %crate::error_chain(&e), "cannot read the catalog's map version");
                     continue;
                 }
             },
         }
         if let Err(e) = refresh(&inner).await {
-            tracing::warn!(error = %e, "cannot reload the shard map");
+            tracing::warn!(error = %crate::error_chain(&e), "cannot reload the shard map");
         }
     }
 }

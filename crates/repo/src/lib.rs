@@ -52,7 +52,7 @@ pub mod shard;
 mod statement;
 mod tls;
 
-pub use catalog::{Catalog, ClusterInfo};
+pub use catalog::{Catalog, ClusterInfo, Prepared};
 pub use cluster::{Cluster, ClusterOptions};
 pub use entity::{Entity, NewRow, ShardKey};
 pub use repository::{FanOut, Many, Missing, Page, Repo};
@@ -110,7 +110,7 @@ pub enum Error {
         message: String,
     },
     /// A server that cannot be reached or refuses the connection.
-    #[error("{target} is unreachable: {}", error_chain(source))]
+    #[error("{target} is unreachable")]
     Connect {
         /// What was being reached: `catalog` or `host pg1`.
         target: String,
@@ -119,7 +119,7 @@ pub enum Error {
         source: tokio_postgres::Error,
     },
     /// A statement on the catalog failed.
-    #[error("catalog: {what} failed (SQLSTATE {}): {}", msg::sqlstate(sqlstate), error_chain(source))]
+    #[error("catalog: {what} failed (SQLSTATE {})", msg::sqlstate(sqlstate))]
     Catalog {
         /// What was being done.
         what: &'static str,
@@ -139,12 +139,7 @@ pub enum Error {
         reason: String,
     },
     /// A statement on a host failed.
-    #[error(
-        "host {host}{}: {what} failed (SQLSTATE {}): {}",
-        msg::of_shard(shard),
-        msg::sqlstate(sqlstate),
-        msg::detail(source)
-    )]
+    #[error("host {host}{}: {what} failed (SQLSTATE {})", msg::of_shard(shard), msg::sqlstate(sqlstate))]
     Host {
         /// The host.
         host: String,
@@ -237,7 +232,7 @@ pub enum Error {
         name: String,
     },
     /// A row that does not map onto its entity.
-    #[error("a row of {table} does not match its entity: {source}")]
+    #[error("a row of {table} does not match its entity")]
     Decode {
         /// The table.
         table: &'static str,
@@ -324,7 +319,10 @@ impl Error {
         Error::Db { shard, what, sqlstate, source }
     }
 
-    pub(crate) fn catalog(what: &'static str, source: tokio_postgres::Error) -> Self {
+    /// The error for a statement on the catalog that failed while doing `what`, its
+    /// SQLSTATE read from `source`. For the owners of catalog tables outside this crate
+    /// (`shardline_ops::moves::journal`), so every catalog failure has one shape.
+    pub fn catalog(what: &'static str, source: tokio_postgres::Error) -> Self {
         let sqlstate = source.code().map(|c| c.code().to_owned());
         Error::Catalog { what, sqlstate, source }
     }
@@ -538,13 +536,5 @@ mod msg {
 
     pub(super) fn of_shard(shard: &Option<u16>) -> String {
         shard.map(|s| format!(", shard {s}")).unwrap_or_default()
-    }
-
-    /// The server's own message, else the driver's causes.
-    pub(super) fn detail(source: &Option<tokio_postgres::Error>) -> String {
-        source.as_ref().map_or_else(
-            || "no detail".to_owned(),
-            |e| e.as_db_error().map_or_else(|| super::error_chain(e), |d| d.message().to_owned()),
-        )
     }
 }

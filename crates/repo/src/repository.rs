@@ -920,11 +920,11 @@ impl<E: Entity> Repo<E> {
                     None => moved = Some((e, shards)),
                 },
                 Err(e) => {
-                    tracing::warn!(%host, error = %e, "fan-out: host missing from the result");
+                    tracing::warn!(%host, error = %crate::error_chain(&e), "fan-out: host missing from the result");
                     missing.push(Missing {
                         host: host.to_string(),
                         shards: shards.iter().map(|s| s.get()).collect(),
-                        error: e.to_string(),
+                        error: crate::error_chain(&e),
                     });
                 }
             }

@@ -10,11 +10,11 @@ use shardline_id::Layout;
 use shardline_id::ident::quote as quote_ident;
 use shardline_id::sql::ShardSql;
 use shardline_repo::Catalog;
-use shardline_repo::catalog::{LOCK_KEY, connect};
+use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
-use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck, catalog_err};
+use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck};
 use super::preflight::{self, host_err, quote_literal};
 use super::subscription;
 use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
@@ -128,38 +128,7 @@ REVOKE ALL ON FUNCTION shardline.resolve_fence(text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION shardline.resolve_fence(text) TO PUBLIC;
 "#;
 
-/// `shardline.complete_flip(move, token)` in the catalog: flips the map for a move
-/// whose source decided `flip` (its data verified, its ID sequence carried), when the
-/// mover did not get to it. `token` is the proof: the source's `flip_token`, which
-/// exists only once the source decided, and whose SHA-256 the mover journaled before
-/// deciding (`detail.flip_check`). It flips only a running move journaled `verified`,
-/// from its source to its target, with the journal, in one transaction; returns
-/// whether it did.
-///
-/// SECURITY DEFINER, EXECUTE for PUBLIC: without the token it does nothing.
-pub const COMPLETE_FLIP_SQL: &str = r#"
-CREATE OR REPLACE FUNCTION shardline.complete_flip(move bigint, token text) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
-DECLARE
-    m record;
-BEGIN
-    SELECT id, shard, source, target, detail INTO m FROM shardline.moves
-     WHERE id = move AND state = 'running' AND step = 'verified' FOR UPDATE;
-    IF NOT FOUND OR token IS NULL OR m.detail->>'flip_check' IS NULL
-       OR encode(sha256(convert_to(token, 'UTF8')), 'hex') <> m.detail->>'flip_check' THEN
-        RETURN false;
-    END IF;
-    UPDATE shardline.shards SET host = m.target, updated_at = now() WHERE shard = m.shard AND host = m.source;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-    UPDATE shardline.moves SET step = 'flipped', error = NULL, updated_at = now() WHERE id = move;
-    RETURN true;
-END
-$fn$;
-REVOKE ALL ON FUNCTION shardline.complete_flip(bigint, text) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION shardline.complete_flip(bigint, text) TO PUBLIC;
-"#;
+pub use super::journal::COMPLETE_FLIP_SQL;
 
 /// What a move reports as it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -493,28 +462,10 @@ async fn lock_move(catalog: &Catalog, id: i64) -> Result<()> {
     const WAIT: Duration = Duration::from_secs(3);
     let deadline = Instant::now() + WAIT;
     loop {
-        let row = catalog
-            .client()
-            .query_one(
-                "SELECT pg_try_advisory_lock_shared($1), pg_try_advisory_lock(hashtextextended('shardline move ' || $2::bigint, 0))",
-                &[&LOCK_KEY, &id],
-            )
-            .await
-            .map_err(catalog_err("take the move's lock"))?;
-        let (cluster, this): (bool, bool) = (row.get(0), row.get(1));
+        let (cluster, this) = catalog.try_lock_move(id).await?;
         if cluster && this {
             return Ok(());
         }
-        // Give back what was taken, so a retry takes each lock once.
-        catalog
-            .client()
-            .execute(
-                "SELECT CASE WHEN $1 THEN pg_advisory_unlock_shared($2) END,
-                        CASE WHEN $3 THEN pg_advisory_unlock(hashtextextended('shardline move ' || $4::bigint, 0)) END",
-                &[&cluster, &LOCK_KEY, &this, &id],
-            )
-            .await
-            .map_err(catalog_err("take the move's lock"))?;
         if Instant::now() >= deadline {
             return Err(if cluster { Error::MoveBusy { id } } else { Error::Busy });
         }
@@ -644,16 +595,7 @@ impl<'a> Mover<'a> {
     /// Writes the step done (and the detail) to the journal.
     async fn journal(&mut self, step: Step) -> Result<()> {
         let detail = self.detail_json()?;
-        let n = self
-            .catalog
-            .client()
-            .execute(
-                "UPDATE shardline.moves SET step = $2, detail = $3::text::jsonb, error = NULL, updated_at = now()
-                  WHERE id = $1 AND state = 'running'",
-                &[&self.id, &step.as_str(), &detail],
-            )
-            .await
-            .map_err(catalog_err("write the journal"))?;
+        let n = journal::step_done(&self.catalog, self.id, step, &detail).await?;
         if n != 1 {
             return Err(Error::Journal {
                 id: self.id,
@@ -732,12 +674,7 @@ pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOption
     let (catalog, info) = Catalog::open(config).await?;
     // The ID first, so the journal's first row already names everything the move
     // will make (a mover killed right after it leaves nothing unnamed).
-    let id: i64 = catalog
-        .client()
-        .query_one("SELECT nextval(pg_get_serial_sequence('shardline.moves', 'id'))", &[])
-        .await
-        .map_err(catalog_err("number the move"))?
-        .get(0);
+    let id = journal::next_id(&catalog).await?;
     let detail = Detail {
         schema: check.schema.to_string(),
         moved_schema: moved_name(&check.schema, id),
@@ -746,42 +683,10 @@ pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOption
         bytes: check.bytes,
         ..Detail::default()
     };
-    catalog
-        .client()
-        .execute(
-            "INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
-             VALUES ($1, $2, $3, $4, 'started', 'running', $5::text::jsonb)",
-            &[
-                &id,
-                &i32::from(check.shard.get()),
-                &check.source.as_str(),
-                &check.target.as_str(),
-                &serde_json::to_string(&detail).map_err(|e| Error::Journal { id, message: e.to_string() })?,
-            ],
-        )
-        .await
-        .map_err(|e| {
-            if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
-                Error::MoveRunning { shard }
-            } else {
-                catalog_err("journal the move")(e)
-            }
-        })?;
+    journal::start(&catalog, id, check.shard, &check.source, &check.target, &detail).await?;
     lock_move(&catalog, id).await?;
-    let missing: bool = catalog
-        .client()
-        .query_one("SELECT to_regprocedure('shardline.complete_flip(bigint,text)') IS NULL", &[])
-        .await
-        .map_err(catalog_err("look for shardline.complete_flip"))?
-        .get(0);
-    if missing {
-        catalog
-            .client()
-            .batch_execute(COMPLETE_FLIP_SQL)
-            .await
-            .map_err(catalog_err("install shardline.complete_flip"))?;
-    }
-    let record = journal::by_id(catalog.client(), id).await?;
+    journal::ensure_complete_flip(&catalog).await?;
+    let record = journal::by_id(&catalog, id).await?;
     let mover = Mover::load(config, options, catalog, info.layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
@@ -796,8 +701,9 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                 mover.step.pauses_writes() || (mover.step == Step::CaughtUp && mover.fence_started.is_some());
             let verify = matches!(e, Error::Verify { .. } | Error::LeaseExpired { .. });
             if fenced || verify {
-                tracing::warn!(id = mover.id, error = %e, "the move failed while the shard was fenced; undoing it");
-                if let Err(undo) = undo(&mut mover, &e.to_string()).await {
+                let said = shardline_repo::error_chain(&e);
+                tracing::warn!(id = mover.id, error = %said, "the move failed while the shard was fenced; undoing it");
+                if let Err(undo) = undo(&mut mover, &said).await {
                     if matches!(undo, Error::FlipDecided { .. }) {
                         tracing::error!(
                             id = mover.id,
@@ -805,17 +711,18 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                         );
                         record_error(
                             &mover,
-                            &format!("{e}; the flip is decided: `shardline move --resume` finishes it"),
+                            &format!("{said}; the flip is decided: `shardline move --resume` finishes it"),
                         )
                         .await;
                         return Err(e);
                     }
+                    let undo = shardline_repo::error_chain(&undo);
                     tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
-                    record_error(&mover, &format!("{e}; undoing it failed too: {undo}")).await;
+                    record_error(&mover, &format!("{said}; undoing it failed too: {undo}")).await;
                     return Err(e);
                 }
             } else {
-                record_error(&mover, &e.to_string()).await;
+                record_error(&mover, &shardline_repo::error_chain(&e)).await;
             }
             Err(e)
         }
@@ -823,14 +730,7 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
 }
 
 async fn record_error(mover: &Mover<'_>, error: &str) {
-    let _ = mover
-        .catalog
-        .client()
-        .execute(
-            "UPDATE shardline.moves SET error = $2, updated_at = now() WHERE id = $1",
-            &[&mover.id, &error],
-        )
-        .await;
+    journal::record_error(&mover.catalog, mover.id, error).await;
 }
 
 /// Installs [`RESOLVE_SQL`] on a host where it is missing (`init` replaces it
@@ -856,7 +756,7 @@ async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
 /// on it; a step's failure, as [`run`].
 pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) -> Result<Vec<MoveReport>> {
     let (catalog, info) = Catalog::open(config).await?;
-    let records = journal::running(catalog.client(), shard).await?;
+    let records = journal::running(&catalog, shard).await?;
     if records.is_empty() {
         return Err(Error::NoMove { shard });
     }
@@ -865,7 +765,7 @@ pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) 
         let (catalog, _) = Catalog::open(config).await?;
         lock_move(&catalog, record.id).await?;
         // Read again under the lock: another process may have moved it on.
-        let record = journal::by_id(catalog.client(), record.id).await?;
+        let record = journal::by_id(&catalog, record.id).await?;
         if record.state != State::Running {
             continue;
         }
@@ -887,13 +787,13 @@ pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) 
 /// (the move stays journaled; abort again when it is back).
 pub async fn abort(config: &Config, shard: u16) -> Result<AbortReport> {
     let (catalog, info) = Catalog::open(config).await?;
-    let record = journal::running(catalog.client(), Some(shard))
+    let record = journal::running(&catalog, Some(shard))
         .await?
         .into_iter()
         .next()
         .ok_or(Error::NoMove { shard: Some(shard) })?;
     lock_move(&catalog, record.id).await?;
-    let record = journal::by_id(catalog.client(), record.id).await?;
+    let record = journal::by_id(&catalog, record.id).await?;
     if record.state != State::Running {
         return Err(Error::NoMove { shard: Some(shard) });
     }

@@ -19,7 +19,7 @@ use shardline_router::{Config, HostName, LogicalShard};
 use tokio_postgres::Client;
 
 use super::engine::{drop_source_side, drop_subscription};
-use super::journal::{self, MoveRecord, State, catalog_err};
+use super::journal::{self, MoveRecord, State};
 use super::preflight::host_err;
 use crate::Result;
 use shardline_id::ident::{literal as quote_literal, quote as quote_ident};
@@ -62,7 +62,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let mut report = GcReport::default();
     // Moves whose fence's lease ran out and was undone on the source (by a router),
     // their mover gone: finish undoing them, so the journal agrees.
-    for m in journal::running(catalog.client(), None).await? {
+    for m in journal::running(&catalog, None).await? {
         match super::engine::finish_undone(config, &m).await {
             Ok(true) => report.dropped.push(format!(
                 "{}: fence of move {} (its lease ran out; the move is undone)",
@@ -70,30 +70,20 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             )),
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(id = m.id, error = %e, "cannot finish undoing a move whose lease ran out");
+                tracing::warn!(id = m.id, error = %shardline_repo::error_chain(&e), "cannot finish undoing a move whose lease ran out");
             }
         }
     }
-    let moves = journal::all(catalog.client()).await?;
+    let moves = journal::all(&catalog).await?;
     let map = catalog.map().await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
-    let old: Vec<i64> = catalog
-        .client()
-        .query(
-            "SELECT id FROM shardline.moves WHERE state = 'done' AND updated_at <= now() - make_interval(secs => $1::bigint)",
-            &[&grace_s],
-        )
-        .await
-        .map_err(catalog_err("read the moves"))?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let old = journal::done_before(&catalog, grace_s).await?;
     let by_id: HashMap<i64, &MoveRecord> = moves.iter().map(|m| (m.id, m)).collect();
     for host in &config.hosts {
         let c = match shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await {
             Ok(c) => c,
             Err(e) => {
-                report.unreachable.push(format!("{} ({e})", host.name));
+                report.unreachable.push(format!("{} ({})", host.name, shardline_repo::error_chain(&e)));
                 continue;
             }
         };
@@ -111,18 +101,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
                 .iter()
                 .any(|d| d.starts_with(&format!("{}: schema {} ", m.target, m.detail.schema)));
         if dropped_source || dropped_target {
-            catalog
-                .client()
-                .execute(
-                    "UPDATE shardline.moves SET detail = detail || jsonb_build_object(
-                         'source_dropped', (detail->>'source_dropped')::boolean IS TRUE OR $2,
-                         'target_schema_left', (detail->>'target_schema_left')::boolean IS TRUE AND NOT $3,
-                         'cleanup_pending', CASE WHEN $3 THEN '[]'::jsonb ELSE detail->'cleanup_pending' END)
-                      WHERE id = $1",
-                    &[&m.id, &dropped_source, &dropped_target],
-                )
-                .await
-                .map_err(catalog_err("write the journal"))?;
+            journal::record_dropped(&catalog, m.id, dropped_source, dropped_target).await?;
         }
     }
     Ok(report)

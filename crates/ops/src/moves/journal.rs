@@ -1,15 +1,81 @@
 //! The journal of moves, `shardline.moves` in the catalog: one row per move, its step
 //! written after each step is done, so an interrupted move is resumed or undone from
 //! exactly where it stopped.
+//!
+//! This module owns the table: its DDL ([`SCHEMA_SQL`]), the catalog function that
+//! completes a decided flip ([`COMPLETE_FLIP_SQL`]), and every statement on it. The
+//! flip's transaction is here too: it writes the map through
+//! [`Catalog::flip_shard`] (the map is `shardline_repo::catalog`'s) and the journal, on
+//! the catalog's one connection. Outside this module only the router reads the journal,
+//! through one narrow query of its own (`shardline_repo::Catalog::moves_of`).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use shardline_repo::Catalog;
-use shardline_router::Config;
+use shardline_router::{Config, HostName, LogicalShard};
 use tokio_postgres::Client;
 
 use crate::{Error, Result};
+
+/// The journal's table, created if missing (`init`, every run). Idempotent: a catalog
+/// made before this module owned it has the same table, and keeps it.
+pub const SCHEMA_SQL: &str = r#"
+CREATE TABLE IF NOT EXISTS shardline.moves (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    shard      integer NOT NULL,
+    source     text NOT NULL REFERENCES shardline.hosts (name),
+    target     text NOT NULL REFERENCES shardline.hosts (name),
+    step       text NOT NULL,
+    state      text NOT NULL CHECK (state IN ('running', 'done', 'failed', 'rolled_back')),
+    detail     jsonb NOT NULL DEFAULT '{}',
+    error      text,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE UNIQUE INDEX IF NOT EXISTS moves_one_running_per_shard ON shardline.moves (shard) WHERE state = 'running';
+COMMENT ON TABLE shardline.moves IS 'shardline: the journal of shard moves, one row per move, its step updated as it goes';
+"#;
+
+/// `shardline.complete_flip(move, token)` in the catalog: flips the map for a move
+/// whose source decided `flip` (its data verified, its ID sequence carried), when the
+/// mover did not get to it. `token` is the proof: the source's `flip_token`, which
+/// exists only once the source decided, and whose SHA-256 the mover journaled before
+/// deciding (`detail.flip_check`). It flips only a running move journaled `verified`,
+/// from its source to its target, with the journal, in one transaction; returns
+/// whether it did.
+///
+/// SECURITY DEFINER, EXECUTE for PUBLIC: without the token it does nothing.
+pub const COMPLETE_FLIP_SQL: &str = r#"
+CREATE OR REPLACE FUNCTION shardline.complete_flip(move bigint, token text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    m record;
+BEGIN
+    SELECT id, shard, source, target, detail INTO m FROM shardline.moves
+     WHERE id = move AND state = 'running' AND step = 'verified' FOR UPDATE;
+    IF NOT FOUND OR token IS NULL OR m.detail->>'flip_check' IS NULL
+       OR encode(sha256(convert_to(token, 'UTF8')), 'hex') <> m.detail->>'flip_check' THEN
+        RETURN false;
+    END IF;
+    UPDATE shardline.shards SET host = m.target, updated_at = now() WHERE shard = m.shard AND host = m.source;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE shardline.moves SET step = 'flipped', error = NULL, updated_at = now() WHERE id = move;
+    RETURN true;
+END
+$fn$;
+REVOKE ALL ON FUNCTION shardline.complete_flip(bigint, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION shardline.complete_flip(bigint, text) TO PUBLIC;
+"#;
+
+/// The catalog's connection, lent to this module alone in ops for the journal's
+/// statements ([`Catalog::lend`]).
+#[expect(clippy::disallowed_methods, reason = "the journal of moves is this module's table in the catalog")]
+fn client(catalog: &Catalog) -> &Client {
+    catalog.lend()
+}
 
 /// The steps of a move, in order. The journal holds the last step **done**.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -285,13 +351,7 @@ impl std::fmt::Display for MoveRecord {
 }
 
 pub(crate) fn catalog_err(what: &'static str) -> impl Fn(tokio_postgres::Error) -> Error {
-    move |e| {
-        Error::Repo(shardline_repo::Error::Catalog {
-            what,
-            sqlstate: e.code().map(|c| c.code().to_owned()),
-            source: e,
-        })
-    }
+    move |e| Error::Repo(shardline_repo::Error::catalog(what, e))
 }
 
 const SELECT: &str = "SELECT id, shard, source, target, step, state, detail::text, error,
@@ -320,16 +380,49 @@ fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
     })
 }
 
+/// Creates the journal ([`SCHEMA_SQL`]) when it is missing, and installs (replaces)
+/// [`COMPLETE_FLIP_SQL`], as one implicit transaction (one simple query). `init` runs
+/// it every time, after the catalog's own tables; a catalog whose journal exists keeps
+/// it untouched.
+pub(crate) async fn install(catalog: &Catalog) -> Result<()> {
+    let c = client(catalog);
+    let missing: bool = c
+        .query_one("SELECT to_regclass('shardline.moves') IS NULL", &[])
+        .await
+        .map_err(catalog_err("look for the journal of moves"))?
+        .get(0);
+    let sql =
+        if missing { format!("{SCHEMA_SQL}\n{COMPLETE_FLIP_SQL}") } else { COMPLETE_FLIP_SQL.to_owned() };
+    c.batch_execute(&sql).await.map_err(catalog_err("create the journal of moves"))
+}
+
+/// Installs [`COMPLETE_FLIP_SQL`] where it is missing (a catalog made by an older
+/// `init`).
+pub(crate) async fn ensure_complete_flip(catalog: &Catalog) -> Result<()> {
+    let c = client(catalog);
+    let missing: bool = c
+        .query_one("SELECT to_regprocedure('shardline.complete_flip(bigint,text)') IS NULL", &[])
+        .await
+        .map_err(catalog_err("look for shardline.complete_flip"))?
+        .get(0);
+    if missing {
+        c.batch_execute(COMPLETE_FLIP_SQL).await.map_err(catalog_err("install shardline.complete_flip"))?;
+    }
+    Ok(())
+}
+
 /// Every move in the journal, oldest first.
-pub(crate) async fn all(client: &Client) -> Result<Vec<MoveRecord>> {
-    let rows =
-        client.query(&format!("{SELECT} ORDER BY id"), &[]).await.map_err(catalog_err("read the moves"))?;
+pub(crate) async fn all(catalog: &Catalog) -> Result<Vec<MoveRecord>> {
+    let rows = client(catalog)
+        .query(&format!("{SELECT} ORDER BY id"), &[])
+        .await
+        .map_err(catalog_err("read the moves"))?;
     rows.iter().map(record).collect()
 }
 
 /// The running moves, of one shard or of all.
-pub(crate) async fn running(client: &Client, shard: Option<u16>) -> Result<Vec<MoveRecord>> {
-    let rows = client
+pub(crate) async fn running(catalog: &Catalog, shard: Option<u16>) -> Result<Vec<MoveRecord>> {
+    let rows = client(catalog)
         .query(
             &format!("{SELECT} WHERE state = 'running' AND ($1::int IS NULL OR shard = $1) ORDER BY id"),
             &[&shard.map(i32::from)],
@@ -339,14 +432,197 @@ pub(crate) async fn running(client: &Client, shard: Option<u16>) -> Result<Vec<M
     rows.iter().map(record).collect()
 }
 
+/// Whether a move of `shard` is running.
+pub(crate) async fn is_running(catalog: &Catalog, shard: LogicalShard) -> Result<bool> {
+    let running: i64 = client(catalog)
+        .query_one(
+            "SELECT count(*) FROM shardline.moves WHERE shard = $1 AND state = 'running'",
+            &[&i32::from(shard.get())],
+        )
+        .await
+        .map_err(catalog_err("read the moves"))?
+        .get(0);
+    Ok(running > 0)
+}
+
 /// One move by ID.
-pub(crate) async fn by_id(client: &Client, id: i64) -> Result<MoveRecord> {
-    let row = client
+pub(crate) async fn by_id(catalog: &Catalog, id: i64) -> Result<MoveRecord> {
+    let row = client(catalog)
         .query_opt(&format!("{SELECT} WHERE id = $1"), &[&id])
         .await
         .map_err(catalog_err("read the move"))?
         .ok_or(Error::Journal { id, message: "not in the journal".into() })?;
     record(&row)
+}
+
+/// A new move's ID, taken before its row is written (so the row already names
+/// everything the move will make).
+pub(crate) async fn next_id(catalog: &Catalog) -> Result<i64> {
+    Ok(client(catalog)
+        .query_one("SELECT nextval(pg_get_serial_sequence('shardline.moves', 'id'))", &[])
+        .await
+        .map_err(catalog_err("number the move"))?
+        .get(0))
+}
+
+/// Journals move `id` as started and running. [`Error::MoveRunning`] when the shard
+/// has a running move already (the journal's unique index).
+pub(crate) async fn start(
+    catalog: &Catalog,
+    id: i64,
+    shard: LogicalShard,
+    source: &HostName,
+    target: &HostName,
+    detail: &Detail,
+) -> Result<()> {
+    let detail = serde_json::to_string(detail).map_err(|e| Error::Journal { id, message: e.to_string() })?;
+    client(catalog)
+        .execute(
+            "INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
+             VALUES ($1, $2, $3, $4, 'started', 'running', $5::text::jsonb)",
+            &[&id, &i32::from(shard.get()), &source.as_str(), &target.as_str(), &detail],
+        )
+        .await
+        .map_err(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+                Error::MoveRunning { shard: shard.get() }
+            } else {
+                catalog_err("journal the move")(e)
+            }
+        })?;
+    Ok(())
+}
+
+/// Journals `step` done, with `detail`, for running move `id`; returns the rows written
+/// (0 when the move is no longer running).
+pub(crate) async fn step_done(catalog: &Catalog, id: i64, step: Step, detail: &str) -> Result<u64> {
+    client(catalog)
+        .execute(
+            "UPDATE shardline.moves SET step = $2, detail = $3::text::jsonb, error = NULL, updated_at = now()
+              WHERE id = $1 AND state = 'running'",
+            &[&id, &step.as_str(), &detail],
+        )
+        .await
+        .map_err(catalog_err("write the journal"))
+}
+
+/// Writes move `id`'s detail; with `running`, only while it runs. Returns the rows
+/// written.
+pub(crate) async fn write_detail(catalog: &Catalog, id: i64, detail: &str, running: bool) -> Result<u64> {
+    let sql = if running {
+        "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1 AND state = 'running'"
+    } else {
+        "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1"
+    };
+    client(catalog).execute(sql, &[&id, &detail]).await.map_err(catalog_err("write the journal"))
+}
+
+/// Writes why move `id` stopped. Best effort: the move's own error is what matters.
+pub(crate) async fn record_error(catalog: &Catalog, id: i64, error: &str) {
+    let _ = client(catalog)
+        .execute("UPDATE shardline.moves SET error = $2, updated_at = now() WHERE id = $1", &[&id, &error])
+        .await;
+}
+
+/// The flip: in one transaction on the catalog's connection, the map places `shard`
+/// on `target` ([`Catalog::flip_shard`], only from `source`) and running move `id` is
+/// journaled [`Step::Flipped`] with `detail`. Refused (nothing changes) when the map no
+/// longer places the shard on the source, or the move no longer runs.
+pub(crate) async fn flip(
+    catalog: &Catalog,
+    id: i64,
+    shard: LogicalShard,
+    source: &HostName,
+    target: &HostName,
+    detail: &str,
+) -> Result<()> {
+    let c = client(catalog);
+    let result = async {
+        c.batch_execute("BEGIN").await.map_err(catalog_err("begin the flip"))?;
+        let n = catalog.flip_shard(shard, source, target).await?;
+        let j = c
+            .execute(
+                "UPDATE shardline.moves SET step = 'flipped', detail = $2::text::jsonb, error = NULL, updated_at = now()
+                  WHERE id = $1 AND state = 'running'",
+                &[&id, &detail],
+            )
+            .await
+            .map_err(catalog_err("write the journal"))?;
+        if n != 1 || j != 1 {
+            return Err(Error::Journal {
+                id,
+                message: "the map no longer places the shard on the source, or the move is no longer running".into(),
+            });
+        }
+        c.batch_execute("COMMIT").await.map_err(catalog_err("commit the flip"))
+    }
+    .await;
+    if result.is_err() {
+        let _ = c.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+/// Journals running move `id` done ([`Step::Cleaned`]), with `detail`.
+pub(crate) async fn done(catalog: &Catalog, id: i64, detail: &str) -> Result<()> {
+    client(catalog)
+        .execute(
+            "UPDATE shardline.moves SET step = 'cleaned', state = 'done', detail = $2::text::jsonb, updated_at = now()
+              WHERE id = $1 AND state = 'running'",
+            &[&id, &detail],
+        )
+        .await
+        .map_err(catalog_err("write the journal"))?;
+    Ok(())
+}
+
+/// Journals running move `id` rolled back, for `reason`, with `detail`.
+pub(crate) async fn rolled_back(catalog: &Catalog, id: i64, reason: &str, detail: &str) -> Result<()> {
+    client(catalog)
+        .execute(
+            "UPDATE shardline.moves SET state = 'rolled_back', error = $2, detail = $3::text::jsonb, updated_at = now()
+              WHERE id = $1 AND state = 'running'",
+            &[&id, &reason, &detail],
+        )
+        .await
+        .map_err(catalog_err("write the journal"))?;
+    Ok(())
+}
+
+/// The moves done at least `grace_s` seconds ago (their old schemas may go).
+pub(crate) async fn done_before(catalog: &Catalog, grace_s: i64) -> Result<Vec<i64>> {
+    Ok(client(catalog)
+        .query(
+            "SELECT id FROM shardline.moves WHERE state = 'done' AND updated_at <= now() - make_interval(secs => $1::bigint)",
+            &[&grace_s],
+        )
+        .await
+        .map_err(catalog_err("read the moves"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// Journals what `gc` dropped for move `id`: the source's old schema, and/or the
+/// target's copy a rollback left (then nothing is pending any more).
+pub(crate) async fn record_dropped(
+    catalog: &Catalog,
+    id: i64,
+    dropped_source: bool,
+    dropped_target: bool,
+) -> Result<()> {
+    client(catalog)
+        .execute(
+            "UPDATE shardline.moves SET detail = detail || jsonb_build_object(
+                 'source_dropped', (detail->>'source_dropped')::boolean IS TRUE OR $2,
+                 'target_schema_left', (detail->>'target_schema_left')::boolean IS TRUE AND NOT $3,
+                 'cleanup_pending', CASE WHEN $3 THEN '[]'::jsonb ELSE detail->'cleanup_pending' END)
+              WHERE id = $1",
+            &[&id, &dropped_source, &dropped_target],
+        )
+        .await
+        .map_err(catalog_err("write the journal"))?;
+    Ok(())
 }
 
 /// `shardline moves`: every move in the journal, oldest first.
@@ -356,7 +632,7 @@ pub(crate) async fn by_id(client: &Client, id: i64) -> Result<MoveRecord> {
 /// The catalog unreachable or not initialised; a journal row this version cannot read.
 pub async fn list(config: &Config) -> Result<Vec<MoveRecord>> {
     let (catalog, _) = Catalog::open(config).await?;
-    all(catalog.client()).await
+    all(&catalog).await
 }
 
 #[cfg(test)]

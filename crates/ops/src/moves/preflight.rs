@@ -21,6 +21,7 @@ use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
+use super::journal;
 use crate::converge::MINTER;
 use crate::grants::{self, GRANTS, shard_grants};
 use crate::migrations::checksum;
@@ -140,20 +141,8 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
     if target_name == source {
         checks.add(None, "target", format!("shard {shard} is already on {source}"));
     }
-    let running: i64 = catalog
-        .client()
-        .query_one(
-            "SELECT count(*) FROM shardline.moves WHERE shard = $1 AND state = 'running'",
-            &[&i32::from(shard.get())],
-        )
-        .await
-        .map_err(|e| shardline_repo::Error::Catalog {
-            what: "read the moves",
-            sqlstate: e.code().map(|c| c.code().to_owned()),
-            source: e,
-        })?
-        .get(0);
-    if running > 0 {
+    let running = journal::is_running(&catalog, shard).await?;
+    if running {
         checks.add(None, "journal", format!("a move of shard {shard} is running; finish it with `shardline move --resume {shard}` or undo it with `--abort {shard}`"));
     }
 
@@ -176,7 +165,7 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
         Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
             Ok(c) => Some(c),
             Err(e) => {
-                checks.add(Some(&source), "reachable", e.to_string());
+                checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
                 None
             }
         },
@@ -190,7 +179,7 @@ pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Pref
 
     if let Some(t) = target_config.filter(|_| target_name != source) {
         match connect(&t.url, &format!("host {}", t.name)).await {
-            Err(e) => checks.add(Some(&target_name), "reachable", e.to_string()),
+            Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
             Ok(c) => {
                 let peer = source_config.map(|s| s.peer_url.expose().to_owned());
                 check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;

@@ -126,7 +126,7 @@ impl Mover<'_> {
                         break fenced.mark;
                     }
                     Err(e) if is_lock_conflict(&e) && attempt < attempts => {
-                        tracing::warn!(id, attempt, error = %e, "fence: the shard's tables or ID sequence are busy; trying again");
+                        tracing::warn!(id, attempt, error = %shardline_repo::error_chain(&e), "fence: the shard's tables or ID sequence are busy; trying again");
                         attempt += 1;
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -270,7 +270,7 @@ impl Renewer {
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        tracing::warn!(id, host = %source, error = %e, "cannot renew the fence's lease");
+                        tracing::warn!(id, host = %source, error = %shardline_repo::error_chain(&e), "cannot renew the fence's lease");
                         client = None;
                     }
                 }

@@ -41,15 +41,7 @@ impl Mover<'_> {
         let (token, check): (String, String) = (row.get(0), row.get(1));
         self.detail.flip_check = Some(check);
         let detail = self.detail_json()?;
-        let j = self
-            .catalog
-            .client()
-            .execute(
-                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1 AND state = 'running'",
-                &[&id, &detail],
-            )
-            .await
-            .map_err(catalog_err("write the journal"))?;
+        let j = journal::write_detail(&self.catalog, id, &detail, true).await?;
         if j != 1 {
             return Err(Error::Journal {
                 id,
@@ -87,9 +79,9 @@ impl Mover<'_> {
             match self.flip_catalog().await {
                 Ok(()) => return Ok(()),
                 Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
-                    tracing::warn!(id = self.id, error = %e, "the flip is decided but the catalog failed; trying again");
+                    tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "the flip is decided but the catalog failed; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
-                    if self.catalog.client().is_closed()
+                    if self.catalog.is_closed()
                         && let Ok((catalog, _)) = Catalog::open(self.config).await
                         && lock_move(&catalog, self.id).await.is_ok()
                     {
@@ -108,38 +100,8 @@ impl Mover<'_> {
         };
         self.detail.pause_ms = Some(pause);
         let detail = self.detail_json()?;
-        let c = self.catalog.client();
-        let shard = i32::from(self.shard.get());
-        let result = async {
-            c.batch_execute("BEGIN").await.map_err(catalog_err("begin the flip"))?;
-            let n = c
-                .execute(
-                    "UPDATE shardline.shards SET host = $2, updated_at = now() WHERE shard = $1 AND host IN ($2, $3)",
-                    &[&shard, &self.target.as_str(), &self.source.as_str()],
-                )
-                .await
-                .map_err(catalog_err("flip the map"))?;
-            let j = c
-                .execute(
-                    "UPDATE shardline.moves SET step = 'flipped', detail = $2::text::jsonb, error = NULL, updated_at = now()
-                      WHERE id = $1 AND state = 'running'",
-                    &[&self.id, &detail],
-                )
-                .await
-                .map_err(catalog_err("write the journal"))?;
-            if n != 1 || j != 1 {
-                return Err(Error::Journal {
-                    id: self.id,
-                    message: "the map no longer places the shard on the source, or the move is no longer running".into(),
-                });
-            }
-            c.batch_execute("COMMIT").await.map_err(catalog_err("commit the flip"))
-        }
-        .await;
-        if let Err(e) = result {
-            let _ = c.batch_execute("ROLLBACK").await;
-            return Err(e);
-        }
+        journal::flip(&self.catalog, self.id, self.shard, &self.source, &self.target, &detail).await?;
+        let shard = self.shard.get();
         self.step = Step::Flipped;
         tracing::info!(id = self.id, shard = shard, pause_ms = pause, "move flipped");
         self.report(MoveProgress::Step { id: self.id, step: Step::Flipped });
@@ -157,22 +119,24 @@ impl Mover<'_> {
         }
         let mut pending = Vec::new();
         if let Err(e) = self.clean_target(false).await {
-            pending.push(format!("{}: subscription {} ({e})", self.target, self.name()));
+            pending.push(format!(
+                "{}: subscription {} ({})",
+                self.target,
+                self.name(),
+                shardline_repo::error_chain(&e)
+            ));
         }
         if let Err(e) = self.clean_source().await {
-            pending.push(format!("{}: publication and slots of {} ({e})", self.source, self.name()));
+            pending.push(format!(
+                "{}: publication and slots of {} ({})",
+                self.source,
+                self.name(),
+                shardline_repo::error_chain(&e)
+            ));
         }
         self.detail.cleanup_pending = pending;
         let detail = self.detail_json()?;
-        self.catalog
-            .client()
-            .execute(
-                "UPDATE shardline.moves SET step = 'cleaned', state = 'done', detail = $2::text::jsonb, updated_at = now()
-                  WHERE id = $1 AND state = 'running'",
-                &[&self.id, &detail],
-            )
-            .await
-            .map_err(catalog_err("write the journal"))?;
+        journal::done(&self.catalog, self.id, &detail).await?;
         self.step = Step::Cleaned;
         self.report(MoveProgress::Step { id: self.id, step: Step::Cleaned });
         Ok(())

@@ -27,7 +27,7 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
         }
         Ok(_) => {}
         Err(e) => {
-            tracing::warn!(id = mover.id, error = %e, "cannot read the map; unfencing on the source's decision alone");
+            tracing::warn!(id = mover.id, error = %shardline_repo::error_chain(&e), "cannot read the map; unfencing on the source's decision alone");
         }
     }
     // The source first: while it cannot be reached nothing is touched, and the move
@@ -46,24 +46,17 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     if !mover.detail.undoing {
         mover.detail.undoing = true;
         let detail = mover.detail_json()?;
-        mover
-            .catalog
-            .client()
-            .execute(
-                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1",
-                &[&mover.id, &detail],
-            )
-            .await
-            .map_err(catalog_err("write the journal"))?;
+        journal::write_detail(&mover.catalog, mover.id, &detail, false).await?;
     }
     let mut pending = Vec::new();
     let mut target_left = false;
     if let Err(e) = mover.clean_target(true).await {
         pending.push(format!(
-            "{}: subscription {} and schema {} ({e})",
+            "{}: subscription {} and schema {} ({})",
             mover.target,
             mover.name(),
-            mover.schema
+            mover.schema,
+            shardline_repo::error_chain(&e)
         ));
         target_left = true;
     }
@@ -71,16 +64,7 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     mover.detail.cleanup_pending = pending.clone();
     mover.detail.target_schema_left = target_left;
     let detail = mover.detail_json()?;
-    mover
-        .catalog
-        .client()
-        .execute(
-            "UPDATE shardline.moves SET state = 'rolled_back', error = $2, detail = $3::text::jsonb, updated_at = now()
-              WHERE id = $1 AND state = 'running'",
-            &[&mover.id, &reason, &detail],
-        )
-        .await
-        .map_err(catalog_err("write the journal"))?;
+    journal::rolled_back(&mover.catalog, mover.id, reason, &detail).await?;
     Ok(AbortReport {
         id: mover.id,
         shard: mover.shard.get(),
@@ -164,7 +148,7 @@ pub(crate) async fn finish_undone(config: &Config, record: &MoveRecord) -> Resul
     if lock_move(&catalog, record.id).await.is_err() {
         return Ok(false);
     }
-    let record = journal::by_id(catalog.client(), record.id).await?;
+    let record = journal::by_id(&catalog, record.id).await?;
     if record.state != State::Running {
         return Ok(false);
     }
