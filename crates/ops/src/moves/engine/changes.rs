@@ -631,15 +631,7 @@ impl Mover<'_> {
         // Journaled before the fence: a verification inside the fence relies only on a
         // comparison the journal holds.
         let detail = self.detail_json()?;
-        let j = self
-            .catalog
-            .client()
-            .execute(
-                "UPDATE shardline.moves SET detail = $2::text::jsonb, updated_at = now() WHERE id = $1 AND state = 'running'",
-                &[&id, &detail],
-            )
-            .await
-            .map_err(catalog_err("write the journal"))?;
+        let j = journal::write_detail(&self.catalog, self.id, &detail, true).await?;
         if j != 1 {
             return Err(Error::Journal {
                 id,
