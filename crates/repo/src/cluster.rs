@@ -34,6 +34,18 @@ pub struct ClusterOptions {
     pub host_timeout: Duration,
     /// How many hosts a fan-out queries at once (default 16).
     pub fan_out: usize,
+    /// Shards per statement of a fan-out ([`crate::Repo::created_between`],
+    /// [`crate::Repo::get_many`]) (default 16). A host's shards are read in statements
+    /// of at most this many shards, each its own implicit transaction, pipelined on one
+    /// connection: a statement locks every table it names and the table's indexes until
+    /// it ends, and Postgres's shared lock table holds only
+    /// `max_locks_per_transaction` (64 by default) × `max_connections` (and background
+    /// processes) locks for the whole server. One statement over a host's ~700 shards
+    /// (table, primary key and one index each: ~2,100 locks) would let a few concurrent
+    /// fan-outs fill it, and then every query on the host fails with "out of shared
+    /// memory" (SQLSTATE 53200). With 16 shards of 3 relations a statement holds 48
+    /// locks at most. See `docs/operations.md`, "Lock table".
+    pub fan_out_batch: usize,
     /// Reload the map on the catalog's `NOTIFY` (default true), and check the catalog's
     /// map version every [`ClusterOptions::map_check`] in case a notification was lost.
     /// When false, the handle reloads the map only when a statement finds its shard
@@ -82,6 +94,7 @@ impl Default for ClusterOptions {
             connect_timeout: Duration::from_secs(5),
             host_timeout: Duration::from_secs(5),
             fan_out: 16,
+            fan_out_batch: 16,
             listen: true,
             map_check: Duration::from_secs(5),
             transaction_pooler: false,
