@@ -165,3 +165,56 @@ async fn fan_outs_on_a_stock_host(kit: &shardline_testkit::Cluster) -> Result<()
     assert!(during > 0, "single-shard queries ran while the fan-outs did");
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_failed_statement_of_a_fan_out_names_its_shards_only);
+/// A fan-out reads a host's shards in statements of `fan_out_batch` shards: when one of
+/// them fails (here a shard whose table is gone), exactly its shards are listed as
+/// missing, and the rows of every other shard, on that host too, are returned.
+pub(crate) async fn a_failed_statement_of_a_fan_out_names_its_shards_only(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 12).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let o = ClusterOptions { fan_out_batch: 2, listen: false, ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let start = SystemTime::now() - Duration::from_secs(1);
+    let new: Vec<NewPhoto> = (0..48)
+        .map(|u| NewPhoto { user_id: u, url: format!("https://cdn/{u}.jpg"), caption: String::new() })
+        .collect();
+    let made = photos.insert_many(&new).await?;
+    let end = SystemTime::now() + Duration::from_secs(1);
+    let whole = photos.created_between(start, end, 1000).await?;
+    assert!(whole.is_complete());
+    assert_eq!(whole.rows.len(), 48);
+
+    let broken = cluster.route_user(5);
+    let host = usize::from(broken.host.as_str() == "pg2");
+    let map = cluster.map();
+    let on_host: Vec<_> = map.shards_of(&broken.host).collect();
+    let batch: Vec<u16> = on_host
+        .chunks(2)
+        .find(|c| c.contains(&broken.shard))
+        .map(|c| c.iter().map(|s| s.get()).collect())
+        .unwrap();
+    assert_eq!(batch.len(), 2, "the broken shard shares its statement with another");
+    f.client(&ctx, host)
+        .await?
+        .batch_execute(&format!("ALTER TABLE {}.photos RENAME TO photos_gone", broken.schema.quoted()))
+        .await?;
+
+    let part = photos.created_between(start, end, 1000).await?;
+    assert_eq!(part.missing.len(), 1, "{:?}", part.missing);
+    assert_eq!(part.missing[0].host, broken.host.as_str());
+    assert_eq!(part.missing[0].shards, batch);
+    let expected: Vec<Id> = {
+        let mut ids: Vec<Id> = made
+            .iter()
+            .filter(|p| !batch.contains(&u16::try_from(cluster.layout().decode(p.id).shard).unwrap()))
+            .map(|p| p.id)
+            .collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        ids
+    };
+    assert_eq!(part.rows.iter().map(|p| p.id).collect::<Vec<_>>(), expected);
+    assert_eq!(expected.len(), 48 - 8, "4 rows in each of the 2 shards are missing, no other");
+    Ok(())
+}
