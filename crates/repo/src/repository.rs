@@ -917,14 +917,32 @@ impl<E: Entity> Repo<E> {
                 let work = |client: deadpool_postgres::Object| async move {
                     let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
                     let select = self.across_select(&client, host_ref, first).await?;
+                    // With a statement cache (direct connections only), each batch's
+                    // statement is kept prepared on the connection: after its first
+                    // runs the server reuses a generic plan instead of planning every
+                    // shard's branch again.
+                    let options = self.cluster.options();
+                    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
+                    if keep > 0 && client.statement_cache.size() + schemas_ref.len().div_ceil(batch) > keep {
+                        client.statement_cache.clear();
+                    }
                     let (client, select) = (&client, &select);
                     let parts = schemas_ref.chunks(batch).zip(shards_ref.chunks(batch));
                     let statements = parts.map(|(schemas, shards)| async move {
                         let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>(), select);
-                        let rows = client
-                            .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
-                            .await
-                            .map_err(|e| Error::host(host_ref, None, "fan-out", e))?;
+                        let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
+                        let rows = if keep > 0 {
+                            let statement = client
+                                .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
+                                .await
+                                .map_err(failed)?;
+                            client.query(&statement, &[&lo, &hi, &n]).await.map_err(failed)?
+                        } else {
+                            client
+                                .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
+                                .await
+                                .map_err(failed)?
+                        };
                         check_rows(layout, host_ref, "fan-out", shards, &rows)?;
                         Self::rows(&rows)
                     });
