@@ -238,6 +238,51 @@ async fn main() -> Result<(), BoxError> {
         ms(looped) / ms(many),
         ms(fair) / ms(many)
     );
+
+    // 3. One backend's memory after it has read every shard of its host (as a pooled
+    // connection does, over time, with fan-outs): its catalog caches keep an entry per
+    // table and index it opened, for as long as the connection lives.
+    let c = kit.hosts()[0].connect(db).await?;
+    let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+    let before = backend_memory(&c, pid).await?;
+    let map = base.map();
+    let schemas: Vec<String> =
+        map.shards_of(&config.hosts[0].name).map(|s| base.prefix().schema(s).quoted()).collect();
+    for chunk in schemas.chunks(64) {
+        let sql = chunk
+            .iter()
+            .map(|s| format!("(SELECT id FROM {s}.photos ORDER BY id DESC LIMIT 1)"))
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        c.query(&sql, &[]).await?;
+    }
+    let after = backend_memory(&c, pid).await?;
+    println!(
+        "\none backend after reading photos in each of the {} shards of its host (64 per statement):",
+        schemas.len()
+    );
+    println!(
+        "  memory contexts {:.1} MB -> {:.1} MB ({:.1} KB per shard); RssAnon {} -> {}",
+        before.0 / 1e6,
+        after.0 / 1e6,
+        (after.0 - before.0) / 1e3 / f64::from(u32::try_from(schemas.len())?),
+        before.1.map_or_else(|| "n/a".to_owned(), |k| format!("{:.1} MB", k / 1e3)),
+        after.1.map_or_else(|| "n/a".to_owned(), |k| format!("{:.1} MB", k / 1e3)),
+    );
     kit.shutdown().await?;
     Ok(())
+}
+
+/// A backend's memory: the bytes of its memory contexts, and its private resident
+/// memory in KB (`RssAnon` of `/proc/<pid>/status`, local backend only).
+async fn backend_memory(c: &Client, pid: i32) -> Result<(f64, Option<f64>), BoxError> {
+    let contexts: i64 =
+        c.query_one("SELECT sum(total_bytes)::int8 FROM pg_backend_memory_contexts", &[]).await?.get(0);
+    let rss = std::fs::read_to_string(format!("/proc/{pid}/status")).ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("RssAnon:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|k| k.parse::<f64>().ok())
+    });
+    Ok((contexts as f64, rss))
 }
