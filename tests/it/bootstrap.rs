@@ -45,6 +45,37 @@ impl Fixture {
         Ok(f)
     }
 
+    /// A fixture over every host of `kit` (a cluster of the test's own, started with
+    /// settings of its own), on a new database `db`, with the catalog in its first
+    /// host's database.
+    pub(crate) async fn on_kit(
+        kit: &shardline_testkit::Cluster,
+        db: &str,
+        shards: u16,
+    ) -> Result<Fixture, BoxError> {
+        kit.create_database(db).await?;
+        let dir = std::env::temp_dir().join(format!("shardline-it-{}-{db}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("migrations"))?;
+        let f = Fixture { db: db.to_owned(), dir, hosts: kit.hosts().len() };
+        for entry in std::fs::read_dir(examples())? {
+            let entry = entry?;
+            std::fs::copy(entry.path(), f.dir.join("migrations").join(entry.file_name()))?;
+        }
+        let first = kit.hosts().first().ok_or("the kit has no host")?;
+        let mut text = format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{}\"\n", first.url(db));
+        for (i, h) in kit.hosts().iter().enumerate() {
+            text.push_str(&format!(
+                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+                i + 1,
+                h.url(db),
+                h.peer_url(db)
+            ));
+        }
+        std::fs::write(f.path(), text)?;
+        Ok(f)
+    }
+
     /// The fixture's database (the same name on every host).
     pub(crate) fn db(&self) -> &str {
         &self.db

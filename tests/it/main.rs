@@ -7,6 +7,7 @@
 
 mod bootstrap;
 mod cluster;
+mod fanout;
 mod faults;
 mod ids;
 mod lifecycle;

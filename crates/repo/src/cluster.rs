@@ -34,6 +34,18 @@ pub struct ClusterOptions {
     pub host_timeout: Duration,
     /// How many hosts a fan-out queries at once (default 16).
     pub fan_out: usize,
+    /// Shards per statement of a fan-out ([`crate::Repo::created_between`],
+    /// [`crate::Repo::get_many`]) (default 16). A host's shards are read in statements
+    /// of at most this many shards, each its own implicit transaction, pipelined on one
+    /// connection: a statement locks every table it names and the table's indexes until
+    /// it ends, and Postgres's shared lock table holds only
+    /// `max_locks_per_transaction` (64 by default) × `max_connections` (and background
+    /// processes) locks for the whole server. One statement over a host's ~700 shards
+    /// (table, primary key and one index each: ~2,100 locks) would let a few concurrent
+    /// fan-outs fill it, and then every query on the host fails with "out of shared
+    /// memory" (SQLSTATE 53200). With 16 shards of 3 relations a statement holds 48
+    /// locks at most. See `docs/operations.md`, "Lock table".
+    pub fan_out_batch: usize,
     /// Reload the map on the catalog's `NOTIFY` (default true), and check the catalog's
     /// map version every [`ClusterOptions::map_check`] in case a notification was lost.
     /// When false, the handle reloads the map only when a statement finds its shard
@@ -65,7 +77,11 @@ pub struct ClusterOptions {
     /// statement without it, 1.10× with it, observed in `docs/benchmarks.md`); it is one per
     /// statement shape and shard, about 12 KB each on the server, so past this many the
     /// connection's cache is emptied and starts again: at most
-    /// `pool_size × statement_cache` per host and process.
+    /// `pool_size × statement_cache` per host and process. A fan-out then keeps its
+    /// statement of each batch of shards ([`ClusterOptions::fan_out_batch`]) too, and
+    /// the server reuses a generic plan for it instead of planning every shard's branch
+    /// on each call (6–9× less server CPU per fan-out, observed in
+    /// `docs/benchmarks.md`, "Fan-out at 2000 shards").
     pub statement_cache: usize,
     /// How long a statement that finds its shard fenced (a move is flipping it to
     /// another host) waits for the new map before it gives up (default 20 s). The
@@ -82,6 +98,7 @@ impl Default for ClusterOptions {
             connect_timeout: Duration::from_secs(5),
             host_timeout: Duration::from_secs(5),
             fan_out: 16,
+            fan_out_batch: 16,
             listen: true,
             map_check: Duration::from_secs(5),
             transaction_pooler: false,

@@ -694,7 +694,8 @@ impl<E: Entity> Repo<E> {
 
     /// The rows with `ids`, one round trip per host (not per ID, not per shard), in the
     /// caller's order: one entry per ID asked, also when an ID is asked more than once,
-    /// with the IDs not found.
+    /// with the IDs not found. A host's shards are read in statements of at most
+    /// [`crate::ClusterOptions::fan_out_batch`] shards, pipelined on one connection.
     ///
     /// # Errors
     ///
@@ -714,28 +715,44 @@ impl<E: Entity> Repo<E> {
                     let schemas = by_host.entry(route.host).or_default();
                     schemas.entry(route.schema).or_insert_with(|| (shard, Vec::new())).1.push(i64::from(id));
                 }
+                let batch = self.cluster.options().fan_out_batch.max(1);
                 let queries = by_host.into_iter().map(|(host, schemas)| async move {
                     let names: Vec<&SchemaName> = schemas.keys().collect();
                     let params: Vec<(&(dyn ToSql + Sync), Type)> =
                         schemas.values().map(|(_, a)| (a as &(dyn ToSql + Sync), Type::INT8_ARRAY)).collect();
                     let shards: Vec<LogicalShard> = schemas.values().map(|(s, _)| *s).collect();
                     let (names, params, host_ref, shards_ref) = (&names, &params, &host, &shards);
+                    // A statement per `fan_out_batch` shards, all sent at once on one
+                    // connection: each is its own implicit transaction, so the locks it
+                    // takes are released as it ends (see `ClusterOptions::fan_out_batch`).
                     let work = |client: deadpool_postgres::Object| async move {
                         let first =
                             names.first().copied().ok_or(Error::Empty { what: "get many (no schema)" })?;
-                        let sql =
-                            self.sql.get_many(names, &self.across_select(&client, host_ref, first).await?);
-                        let rows = client
-                            .query_typed(&sql, params)
-                            .await
-                            .map_err(|e| Error::host(host_ref, None, "get many", e))?;
-                        check_rows(layout, host_ref, "get many", shards_ref, &rows)?;
-                        Ok(rows)
+                        let select = self.across_select(&client, host_ref, first).await?;
+                        let (client, select) = (&client, &select);
+                        let parts =
+                            names.chunks(batch).zip(params.chunks(batch)).zip(shards_ref.chunks(batch));
+                        let statements = parts.map(|((names, params), shards)| async move {
+                            let sql = self.sql.get_many(names, select);
+                            let rows = client
+                                .query_typed(&sql, params)
+                                .await
+                                .map_err(|e| Error::host(host_ref, None, "get many", e))?;
+                            check_rows(layout, host_ref, "get many", shards, &rows)?;
+                            Ok::<_, Error>(rows)
+                        });
+                        Ok(futures::future::join_all(statements).await)
                     };
-                    self.cluster
+                    let results = self
+                        .cluster
                         .on_host(&host, timeout, work)
                         .await
-                        .map_err(|e| Failed::of(e, schemas.values().map(|(s, _)| *s)))
+                        .map_err(|e| Failed::of(e, shards.iter().copied()))?;
+                    let mut rows = Vec::new();
+                    for (result, part) in results.into_iter().zip(shards.chunks(batch)) {
+                        rows.extend(result.map_err(|e| Failed::of(e, part.iter().copied()))?);
+                    }
+                    Ok::<_, Failed<Error>>(rows)
                 });
                 let mut found = HashMap::new();
                 for rows in futures::future::join_all(queries).await {
@@ -844,9 +861,12 @@ impl<E: Entity> Repo<E> {
     }
 
     /// The newest rows created in `[from, to]` across every shard, at most `limit`: the
-    /// window's ID range, one query per host in parallel (at most
-    /// [`crate::ClusterOptions::fan_out`] at once, each within the host timeout), merged
-    /// by ID. A host that fails or times out does not fail the call: its shards are
+    /// window's ID range, one round trip per host in parallel (at most
+    /// [`crate::ClusterOptions::fan_out`] hosts at once, each within the host timeout),
+    /// merged by ID. A host's shards are read in statements of at most
+    /// [`crate::ClusterOptions::fan_out_batch`] shards, pipelined on one connection, so
+    /// a fan-out holds few locks at a time; a statement that fails lists its shards, and
+    /// only those, in [`FanOut::missing`] (one entry per host). A host that fails or times out does not fail the call: its shards are
     /// listed in [`FanOut::missing`], never silently left out. A host that finds one of
     /// its shards fenced by a move is asked again once the move flips (or ends).
     ///
@@ -886,20 +906,47 @@ impl<E: Entity> Repo<E> {
             .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
             .filter(|(_, s)| !s.is_empty())
             .collect();
+        let batch = self.cluster.options().fan_out_batch.max(1);
         let results = futures::stream::iter(hosts)
             .map(|(host, shards)| async move {
                 let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
                 let (schemas_ref, host_ref, shards_ref) = (&schemas, &host, &shards);
+                // A statement per `fan_out_batch` shards, all sent at once on one
+                // connection: each is its own implicit transaction, so the locks it takes
+                // are released as it ends (see `ClusterOptions::fan_out_batch`).
                 let work = |client: deadpool_postgres::Object| async move {
                     let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
                     let select = self.across_select(&client, host_ref, first).await?;
-                    let sql = self.sql.window(&schemas_ref.iter().collect::<Vec<_>>(), &select);
-                    let rows = client
-                        .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
-                        .await
-                        .map_err(|e| Error::host(host_ref, None, "fan-out", e))?;
-                    check_rows(layout, host_ref, "fan-out", shards_ref, &rows)?;
-                    Self::rows(&rows)
+                    // With a statement cache (direct connections only), each batch's
+                    // statement is kept prepared on the connection: after its first
+                    // runs the server reuses a generic plan instead of planning every
+                    // shard's branch again.
+                    let options = self.cluster.options();
+                    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
+                    if keep > 0 && client.statement_cache.size() + schemas_ref.len().div_ceil(batch) > keep {
+                        client.statement_cache.clear();
+                    }
+                    let (client, select) = (&client, &select);
+                    let parts = schemas_ref.chunks(batch).zip(shards_ref.chunks(batch));
+                    let statements = parts.map(|(schemas, shards)| async move {
+                        let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>(), select);
+                        let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
+                        let rows = if keep > 0 {
+                            let statement = client
+                                .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
+                                .await
+                                .map_err(failed)?;
+                            client.query(&statement, &[&lo, &hi, &n]).await.map_err(failed)?
+                        } else {
+                            client
+                                .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
+                                .await
+                                .map_err(failed)?
+                        };
+                        check_rows(layout, host_ref, "fan-out", shards, &rows)?;
+                        Self::rows(&rows)
+                    });
+                    Ok(futures::future::join_all(statements).await)
                 };
                 let result = self.cluster.on_host(&host, timeout, work).await;
                 (host, shards, result)
@@ -911,22 +958,37 @@ impl<E: Entity> Repo<E> {
         let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
         let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
         for (host, shards, result) in results {
-            match result {
-                Ok(rows) => lists.push(rows.into_iter()),
-                // A shard fenced by a move: wait for the flip (as a single statement
-                // would), then ask every host once more.
-                Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
-                    Some((_, all)) => all.extend(shards),
-                    None => moved = Some((e, shards)),
-                },
-                Err(e) => {
-                    tracing::warn!(%host, error = %crate::error_chain(&e), "fan-out: host missing from the result");
-                    missing.push(Missing {
-                        host: host.to_string(),
-                        shards: shards.iter().map(|s| s.get()).collect(),
-                        error: crate::error_chain(&e),
-                    });
+            // Each statement's shards with its rows; a host that failed as a whole (no
+            // connection, a timeout) fails every shard of it.
+            let parts: Vec<(&[LogicalShard], Result<Vec<E>>)> = match result {
+                Ok(per_statement) => shards.chunks(batch).zip(per_statement).collect(),
+                Err(e) => vec![(&shards[..], Err(e))],
+            };
+            let mut failed: Option<(Error, Vec<LogicalShard>)> = None;
+            for (part, result) in parts {
+                match result {
+                    Ok(rows) => lists.push(rows.into_iter()),
+                    // A shard fenced by a move: wait for the flip (as a single statement
+                    // would), then ask every host once more.
+                    Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
+                        Some((_, all)) => all.extend_from_slice(part),
+                        None => moved = Some((e, part.to_vec())),
+                    },
+                    // The host's failed statements are reported together, with the first
+                    // one's error: every shard they named, and only those, is missing.
+                    Err(e) => match failed.as_mut() {
+                        Some((_, all)) => all.extend_from_slice(part),
+                        None => failed = Some((e, part.to_vec())),
+                    },
                 }
+            }
+            if let Some((e, failed)) = failed {
+                tracing::warn!(%host, shards = failed.len(), error = %crate::error_chain(&e), "fan-out: shards missing from the result");
+                missing.push(Missing {
+                    host: host.to_string(),
+                    shards: failed.iter().map(|s| s.get()).collect(),
+                    error: crate::error_chain(&e),
+                });
             }
         }
         match moved {

@@ -81,9 +81,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
 
-    /// Starts the server of host number `index` (0-based; named `pg{index+1}`), waits
-    /// until it accepts connections and returns it.
-    async fn start_host(&self, index: usize) -> Result<Host>;
+    /// Starts the server of host number `index` (0-based; named `pg{index+1}`) with
+    /// `settings` (every `-c key=value` it runs with), waits until it accepts
+    /// connections and returns it.
+    async fn start_host(&self, index: usize, settings: &[(String, String)]) -> Result<Host>;
 
     /// Releases what the backend holds beside its hosts (network, directories). Called
     /// after every host was removed.

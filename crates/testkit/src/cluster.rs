@@ -43,9 +43,32 @@ impl Cluster {
     ///
     /// As [`Cluster::start`].
     pub async fn start_on(backend: Option<BackendKind>, hosts: usize) -> Result<Cluster> {
+        Cluster::start_configured(backend, hosts, &[]).await
+    }
+
+    /// As [`Cluster::start`], with `overrides` of the kit's [`crate::server_settings`]
+    /// (a key of both takes the override's value; a new key is added). For a host with
+    /// Postgres's stock limits, pass [`crate::stock_limits`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Cluster::start`].
+    pub async fn start_with(hosts: usize, overrides: &[(&str, &str)]) -> Result<Cluster> {
+        let overrides: Vec<(String, String)> =
+            overrides.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        Cluster::start_configured(BackendKind::from_env()?, hosts, &overrides).await
+    }
+
+    async fn start_configured(
+        backend: Option<BackendKind>,
+        hosts: usize,
+        overrides: &[(String, String)],
+    ) -> Result<Cluster> {
         let began = Instant::now();
         let backend = choose(backend).await?;
-        let started = try_join_all((0..hosts).map(|i| backend.start_host(i))).await;
+        let settings = crate::settings_with(overrides);
+        let settings = &settings;
+        let started = try_join_all((0..hosts).map(|i| backend.start_host(i, settings))).await;
         let hosts = match started {
             Ok(hosts) => hosts,
             Err(e) => {

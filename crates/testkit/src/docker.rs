@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 
 use crate::backend::{Backend, BackendKind};
 use crate::host::{Endpoint, Host, HostControl};
-use crate::{Error, Result, server_settings};
+use crate::{Error, Result};
 
 /// Label carried by every container the kit starts: the pid of the test process, so a
 /// later run can remove what a killed run left behind.
@@ -65,13 +65,13 @@ impl Backend for DockerBackend {
         BackendKind::Docker
     }
 
-    async fn start_host(&self, index: usize) -> Result<Host> {
+    async fn start_host(&self, index: usize, settings: &[(String, String)]) -> Result<Host> {
         let name = format!("pg{}", index + 1);
         let container_name = format!("{}-{name}", self.run);
         let port = crate::free_port()?;
         let (repo, tag) = split_image(&self.image);
         let mut cmd = vec!["postgres".to_owned()];
-        for (key, value) in server_settings() {
+        for (key, value) in settings {
             cmd.push("-c".into());
             cmd.push(format!("{key}={value}"));
         }

@@ -97,6 +97,37 @@ pub fn server_settings() -> &'static [(&'static str, &'static str)] {
     ]
 }
 
+/// Overrides of [`server_settings`] that give a host Postgres's stock limits on
+/// connections, background processes and locks: `max_connections=100`,
+/// `max_locks_per_transaction=64`, and the defaults of the settings that also size the
+/// shared lock table (`max_worker_processes`, `max_wal_senders`). The shared lock
+/// table then holds `64 × (100 + 3 + 1 + 8 + 10)` = 7,808 locks, as on a server
+/// installed with its defaults. For [`Cluster::start_with`].
+pub fn stock_limits() -> &'static [(&'static str, &'static str)] {
+    &[
+        ("max_connections", "100"),
+        ("max_locks_per_transaction", "64"),
+        ("max_worker_processes", "8"),
+        ("max_wal_senders", "10"),
+        ("max_replication_slots", "10"),
+        ("max_logical_replication_workers", "4"),
+    ]
+}
+
+/// [`server_settings`] with `overrides` applied: a key of both takes the override's
+/// value, a key only in `overrides` is added.
+pub(crate) fn settings_with(overrides: &[(String, String)]) -> Vec<(String, String)> {
+    let mut all: Vec<(String, String)> =
+        server_settings().iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    for (key, value) in overrides {
+        match all.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1.clone_from(value),
+            None => all.push((key.clone(), value.clone())),
+        }
+    }
+    all
+}
+
 /// A TCP port on loopback that nothing listens on right now.
 pub(crate) fn free_port() -> Result<u16> {
     std::net::TcpListener::bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ use tokio::sync::{Mutex, OnceCell};
 
 use crate::backend::{Backend, BackendKind, PG_BIN_ENV};
 use crate::host::{Endpoint, Host, HostControl};
-use crate::{Error, Result, server_settings};
+use crate::{Error, Result};
 
 /// Where the binaries are when `SHARDLINE_PG_BIN` is unset (Debian's PostgreSQL 15).
 const DEFAULT_BIN: &str = "/usr/lib/postgresql/15/bin";
@@ -179,7 +179,7 @@ impl Backend for LocalBackend {
         BackendKind::Local
     }
 
-    async fn start_host(&self, index: usize) -> Result<Host> {
+    async fn start_host(&self, index: usize, settings: &[(String, String)]) -> Result<Host> {
         let name = format!("pg{}", index + 1);
         let template = self.template().await?;
         let dir = self.base.join(&name);
@@ -194,6 +194,7 @@ impl Backend for LocalBackend {
             dir,
             port,
             user: self.user,
+            settings: settings.to_vec(),
             child: Mutex::new(None),
         };
         control.spawn().await?;
@@ -225,6 +226,8 @@ struct LocalHost {
     log: PathBuf,
     port: u16,
     user: Option<(u32, u32)>,
+    /// Every `-c key=value` the server runs with.
+    settings: Vec<(String, String)>,
     /// The postmaster, while it runs.
     child: Mutex<Option<Child>>,
 }
@@ -255,7 +258,7 @@ impl LocalHost {
             // Dynamic shared memory in the data directory rather than /dev/shm, so a
             // killed server leaves nothing outside the directory the kit removes.
             .args(["-c", "dynamic_shared_memory_type=mmap"]);
-        for (key, value) in server_settings() {
+        for (key, value) in &self.settings {
             cmd.arg("-c").arg(format!("{key}={value}"));
         }
         // The server's own libpq (subscriptions) looks for client certificates under

@@ -1,0 +1,220 @@
+//! Fan-outs over hundreds of shards of one host, on a host with Postgres's stock limits
+//! (`max_connections = 100`, `max_locks_per_transaction = 64`): concurrent fan-outs
+//! neither fail nor make the host's other queries fail.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
+use shardline_id::Id;
+use shardline_repo::{Cluster, ClusterOptions};
+use shardline_testkit::harness::{TestContext, TestResult};
+
+use crate::bootstrap::{BoxError, Fixture, options, quiet};
+
+/// Shards on the one host: more than the 667 a host of the README's demo holds.
+const SHARDS: u16 = 720;
+/// Concurrent `created_between` fan-outs.
+const WINDOWS: usize = 16;
+/// Concurrent `get_many` calls, each over an ID of every shard.
+const MANYS: usize = 4;
+
+shardline_testkit::register!(exclusive: concurrent_fan_outs_leave_the_lock_table_to_other_queries);
+/// The shared lock table of a stock host holds 64 × 122 = 7,808 locks. A statement
+/// over every shard of the host would lock 3 × 720 relations (table, primary key, user
+/// index) until it ends: a few at once would fill the table, and then every query on
+/// the host fails with "out of shared memory" (53200). Sixteen `created_between` and
+/// four `get_many` over every shard run at once, while another handle reads and writes
+/// single shards: every one of them succeeds, complete.
+pub(crate) async fn concurrent_fan_outs_leave_the_lock_table_to_other_queries(
+    _ctx: TestContext,
+) -> TestResult {
+    let kit = shardline_testkit::Cluster::start_with(1, shardline_testkit::stock_limits()).await?;
+    let result = fan_outs_on_a_stock_host(&kit).await;
+    let down = kit.shutdown().await;
+    result?;
+    down?;
+    Ok(())
+}
+
+async fn fan_outs_on_a_stock_host(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let admin = kit.hosts()[0].connect("postgres").await?;
+    for (setting, stock) in [("max_connections", "100"), ("max_locks_per_transaction", "64")] {
+        let value: String = admin.query_one(&format!("SHOW {setting}"), &[]).await?.get(0);
+        assert_eq!(value, stock, "the host runs with the stock {setting}");
+    }
+    let f = Fixture::on_kit(kit, "fanout_locks", SHARDS).await?;
+    shardline_ops::init(&f.config()?, &options(4), &quiet).await?;
+    // Speed is not what this test is about: a slow fan-out must not pass for a failed one.
+    let o = ClusterOptions {
+        pool_size: WINDOWS + MANYS,
+        host_timeout: Duration::from_secs(60),
+        ..ClusterOptions::default()
+    };
+    let fanning = Cluster::connect(&f.config()?, o.clone()).await?;
+    let single = Cluster::connect(&f.config()?, ClusterOptions { pool_size: 4, ..o }).await?;
+    let photos = fanning.repo::<Photo>()?;
+
+    // Two rows in every shard.
+    let start = SystemTime::now() - Duration::from_secs(1);
+    let new: Vec<NewPhoto> = (0..i64::from(SHARDS) * 2)
+        .map(|u| NewPhoto { user_id: u, url: format!("https://cdn/{u}.jpg"), caption: String::new() })
+        .collect();
+    let made = photos.insert_many(&new).await?;
+    let mut ids: Vec<Id> = made.iter().map(|p| p.id).collect();
+    ids.sort_unstable_by(|a, b| b.cmp(a));
+    let newest: Vec<Id> = ids[..100].to_vec();
+    let one_per_shard: Vec<Id> = made[..usize::from(SHARDS)].iter().map(|p| p.id).collect();
+    let shards_asked: std::collections::HashSet<u32> =
+        one_per_shard.iter().map(|id| fanning.layout().decode(*id).shard).collect();
+    assert_eq!(shards_asked.len(), usize::from(SHARDS), "get_many spans every shard");
+    let end = SystemTime::now() + Duration::from_secs(1);
+
+    let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Barrier::new(WINDOWS + MANYS + 1));
+    let mut fan_outs = Vec::new();
+    for i in 0..WINDOWS + MANYS {
+        let (photos, failures, in_flight, gate) =
+            (photos.clone(), failures.clone(), in_flight.clone(), gate.clone());
+        let (newest, asked) = (newest.clone(), one_per_shard.clone());
+        in_flight.fetch_add(1, Ordering::SeqCst);
+        fan_outs.push(tokio::spawn(async move {
+            gate.wait().await;
+            for _ in 0..2 {
+                let failed = if i < WINDOWS {
+                    match photos.created_between(start, end, 100).await {
+                        Ok(w)
+                            if w.is_complete() && w.rows.iter().map(|p| p.id).eq(newest.iter().copied()) =>
+                        {
+                            None
+                        }
+                        Ok(w) => Some(format!(
+                            "created_between: {} rows, missing {:?}",
+                            w.rows.len(),
+                            w.missing.first().map(|m| &m.error)
+                        )),
+                        Err(e) => Some(format!("created_between: {}", shardline_repo::error_chain(&e))),
+                    }
+                } else {
+                    match photos.get_many(&asked).await {
+                        Ok(m) if m.missing.is_empty() && m.rows.iter().all(Option::is_some) => None,
+                        Ok(m) => Some(format!("get_many: {} IDs missing", m.missing.len())),
+                        Err(e) => Some(format!("get_many: {}", shardline_repo::error_chain(&e))),
+                    }
+                };
+                if let Some(f) = failed {
+                    failures.lock().unwrap().push(f);
+                }
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        }));
+    }
+
+    // Single-shard reads and writes from another handle while the fan-outs run (the
+    // writes are comments, so the window's newest photos stay the same).
+    let others = single.repo::<Photo>()?;
+    let comments = single.repo::<Comment>()?;
+    let (mut ran, mut during, mut other_failed) = (0_usize, 0_usize, 0_usize);
+    gate.wait().await;
+    while in_flight.load(Ordering::SeqCst) > 0 {
+        let user = i64::try_from(ran).unwrap_or(0) % i64::from(SHARDS);
+        let done = match ran % 3 {
+            0 => others.get(made[usize::try_from(user).unwrap_or(0)].id).await.map(|p| p.is_some()),
+            1 => others.page_of_user(user, None, 10).await.map(|p| !p.rows.is_empty()),
+            _ => comments
+                .insert(&NewComment {
+                    photo_id: made[usize::try_from(user).unwrap_or(0)].id,
+                    user_id: user,
+                    body: "nice".into(),
+                })
+                .await
+                .map(|_| true),
+        };
+        match done {
+            Ok(true) => {}
+            Ok(false) => {
+                other_failed += 1;
+                failures.lock().unwrap().push(format!("single-shard query {ran}: no row"));
+            }
+            Err(e) => {
+                other_failed += 1;
+                failures
+                    .lock()
+                    .unwrap()
+                    .push(format!("single-shard query {ran}: {}", shardline_repo::error_chain(&e)));
+            }
+        }
+        ran += 1;
+        if in_flight.load(Ordering::SeqCst) > 0 {
+            during += 1;
+        }
+    }
+    for t in fan_outs {
+        t.await?;
+    }
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} of {} fan-outs and {other_failed} of {ran} single-shard queries failed, first: {:?}",
+        failures.len() - other_failed,
+        2 * (WINDOWS + MANYS),
+        failures.iter().take(3).collect::<Vec<_>>()
+    );
+    assert!(during > 0, "single-shard queries ran while the fan-outs did");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_failed_statement_of_a_fan_out_names_its_shards_only);
+/// A fan-out reads a host's shards in statements of `fan_out_batch` shards: when one of
+/// them fails (here a shard whose table is gone), exactly its shards are listed as
+/// missing, and the rows of every other shard, on that host too, are returned.
+pub(crate) async fn a_failed_statement_of_a_fan_out_names_its_shards_only(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 12).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let o = ClusterOptions { fan_out_batch: 2, listen: false, ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let start = SystemTime::now() - Duration::from_secs(1);
+    let new: Vec<NewPhoto> = (0..48)
+        .map(|u| NewPhoto { user_id: u, url: format!("https://cdn/{u}.jpg"), caption: String::new() })
+        .collect();
+    let made = photos.insert_many(&new).await?;
+    let end = SystemTime::now() + Duration::from_secs(1);
+    let whole = photos.created_between(start, end, 1000).await?;
+    assert!(whole.is_complete());
+    assert_eq!(whole.rows.len(), 48);
+
+    let broken = cluster.route_user(5);
+    let host = usize::from(broken.host.as_str() == "pg2");
+    let map = cluster.map();
+    let on_host: Vec<_> = map.shards_of(&broken.host).collect();
+    let batch: Vec<u16> = on_host
+        .chunks(2)
+        .find(|c| c.contains(&broken.shard))
+        .map(|c| c.iter().map(|s| s.get()).collect())
+        .unwrap();
+    assert_eq!(batch.len(), 2, "the broken shard shares its statement with another");
+    f.client(&ctx, host)
+        .await?
+        .batch_execute(&format!("ALTER TABLE {}.photos RENAME TO photos_gone", broken.schema.quoted()))
+        .await?;
+
+    let part = photos.created_between(start, end, 1000).await?;
+    assert_eq!(part.missing.len(), 1, "{:?}", part.missing);
+    assert_eq!(part.missing[0].host, broken.host.as_str());
+    assert_eq!(part.missing[0].shards, batch);
+    let expected: Vec<Id> = {
+        let mut ids: Vec<Id> = made
+            .iter()
+            .filter(|p| !batch.contains(&u16::try_from(cluster.layout().decode(p.id).shard).unwrap()))
+            .map(|p| p.id)
+            .collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        ids
+    };
+    assert_eq!(part.rows.iter().map(|p| p.id).collect::<Vec<_>>(), expected);
+    assert_eq!(expected.len(), 48 - 8, "4 rows in each of the 2 shards are missing, no other");
+    Ok(())
+}
