@@ -218,3 +218,50 @@ pub(crate) async fn a_failed_statement_of_a_fan_out_names_its_shards_only(ctx: T
     assert_eq!(expected.len(), 48 - 8, "4 rows in each of the 2 shards are missing, no other");
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_connection_past_its_uses_is_replaced);
+/// `connection_max_uses`: a pooled connection handed out that many times is closed
+/// when it comes back, and the next request gets a new backend; by default the same
+/// backend serves request after request.
+pub(crate) async fn a_connection_past_its_uses_is_replaced(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 2).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let pg2 = f.client(&ctx, 1).await?;
+    // The pool's connections on pg2 (the catalog, and so the map's listener, is on pg1).
+    let backends = || async {
+        let rows = pg2
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await?;
+        Ok::<_, BoxError>(rows.iter().map(|r| r.get::<_, i32>(0)).collect::<Vec<_>>())
+    };
+    for (uses, renewed) in [(None, false), (Some(2), true)] {
+        let o = ClusterOptions { pool_size: 1, connection_max_uses: uses, ..ClusterOptions::default() };
+        let cluster = Cluster::connect(&f.config()?, o).await?;
+        let photos = cluster.repo::<Photo>()?;
+        let user = (0..).find(|u| cluster.route_user(*u).host.as_str() == "pg2").unwrap();
+        let made = photos
+            .insert(&NewPhoto { user_id: user, url: "https://cdn/a.jpg".into(), caption: String::new() })
+            .await?;
+        let first = backends().await?;
+        assert_eq!(first.len(), 1, "one pooled connection on pg2");
+        photos.get(made.id).await?; // the connection's second use
+        photos.get(made.id).await?; // a third: a new connection when the bound is 2
+        let mut now = backends().await?;
+        // The old backend ends once the server has seen its connection close.
+        while renewed && now.contains(&first[0]) {
+            tokio::task::yield_now().await;
+            now = backends().await?;
+        }
+        assert_eq!(now.len(), 1, "uses {uses:?}: {now:?}");
+        assert_eq!(now[0] != first[0], renewed, "uses {uses:?}: a new backend");
+        drop(photos);
+        drop(cluster);
+        while !backends().await?.is_empty() {
+            tokio::task::yield_now().await;
+        }
+    }
+    Ok(())
+}

@@ -83,6 +83,17 @@ pub struct ClusterOptions {
     /// on each call (6–9× less server CPU per fan-out, observed in
     /// `docs/benchmarks.md`, "Fan-out at 2000 shards").
     pub statement_cache: usize,
+    /// How long a pooled connection is kept, at most (default 30 min; `None`: for
+    /// ever). A server backend keeps the catalog entries of every table and index it
+    /// has opened until it ends, and a pooled connection that serves fan-outs opens every
+    /// shard of its host: its memory grows with the shards (see `docs/operations.md`,
+    /// "Lock table"). A connection past this age is closed when it
+    /// comes back to the pool, and a new one is made on demand.
+    pub connection_max_lifetime: Option<Duration>,
+    /// How many times a pooled connection is handed out, at most (default `None`: no
+    /// bound); past it, it is closed when it comes back to the pool. As
+    /// [`ClusterOptions::connection_max_lifetime`], by use rather than by age.
+    pub connection_max_uses: Option<usize>,
     /// How long a statement that finds its shard fenced (a move is flipping it to
     /// another host) waits for the new map before it gives up (default 20 s). The
     /// fence normally lasts well under a second; a fence whose mover died is
@@ -104,6 +115,8 @@ impl Default for ClusterOptions {
             transaction_pooler: false,
             statement_cache: 0,
             move_wait: Duration::from_secs(20),
+            connection_max_lifetime: Some(Duration::from_secs(30 * 60)),
+            connection_max_uses: None,
         }
     }
 }
@@ -163,8 +176,20 @@ impl Cluster {
             pg.connect_timeout(options.connect_timeout);
             let manager =
                 Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+            let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
             let pool = Pool::builder(manager)
                 .max_size(options.pool_size.max(1))
+                // Checked as a connection is handed out again: one past its lifetime or
+                // its uses is closed (the pool makes a new one).
+                .pre_recycle(deadpool_postgres::Hook::sync_fn(move |_, metrics| {
+                    if lifetime.is_some_and(|l| metrics.age() >= l)
+                        || uses.is_some_and(|u| metrics.recycle_count + 1 >= u)
+                    {
+                        Err(deadpool_postgres::HookError::message("past its lifetime or uses"))
+                    } else {
+                        Ok(())
+                    }
+                }))
                 .runtime(Runtime::Tokio1)
                 .wait_timeout(Some(options.host_timeout))
                 .create_timeout(Some(options.connect_timeout))
