@@ -37,6 +37,8 @@
 
 use std::path::PathBuf;
 
+use shardline_router::{HostName, LogicalShard};
+
 pub mod bootstrap;
 pub mod converge;
 pub mod grants;
@@ -83,7 +85,7 @@ pub enum Error {
     #[error("{} unreachable, so nothing was changed: {}", msg::hosts_are(hosts), msg::each_with_why(hosts))]
     Unreachable {
         /// Each unreachable host, with why.
-        hosts: Vec<(String, String)>,
+        hosts: Vec<(HostName, String)>,
     },
     /// A role the config's `app_roles` names is missing on a server (roles are per
     /// server); nothing was changed.
@@ -99,7 +101,8 @@ pub enum Error {
     /// A statement on a host (not inside a migration) failed.
     #[error("host {host}: {what} failed (SQLSTATE {}): {message}", msg::sqlstate(sqlstate))]
     Host {
-        /// The host.
+        /// The host's name, or `catalog` for a statement on the catalog: not a
+        /// [`HostName`], since it names the catalog too.
         host: String,
         /// What was being done, naming the shard when there is one.
         what: String,
@@ -115,7 +118,7 @@ pub enum Error {
     #[error("host {host} holds {shards} shard(s) in the catalog but is not in the config; add it back")]
     HostMissing {
         /// The host.
-        host: String,
+        host: HostName,
         /// How many shards it holds.
         shards: usize,
     },
@@ -133,7 +136,7 @@ pub enum Error {
     )]
     MoveRunning {
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// Another process is working on this move.
     #[error("another shardline process is working on move {id}; wait for it, or stop it first")]
@@ -145,7 +148,7 @@ pub enum Error {
     #[error("no move{} is running", msg::of_shard(shard))]
     NoMove {
         /// The shard asked for, if any.
-        shard: Option<u16>,
+        shard: Option<LogicalShard>,
     },
     /// The move has flipped: it can only be finished.
     #[error(
@@ -155,7 +158,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// The fence's lease ran out with nothing decided (the mover died or lost the
     /// source), and the shard was unfenced on the source: the move is undone.
@@ -166,7 +169,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// The source decided to flip (the copy verified, the fence kept for good): the
     /// move can only be finished.
@@ -177,7 +180,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// An undo of the move began and did not finish (a host died under it): the
     /// target's copy may be gone, so the move cannot go on; `--abort` finishes the undo.
@@ -188,7 +191,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// Verification found differences; the move was undone (the shard stays on the
     /// source).
@@ -200,7 +203,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
         /// Per table: the differing primary keys.
         differences: Vec<String>,
     },
@@ -218,7 +221,7 @@ pub enum Error {
     #[error("host {host}: timed out after {after:?} waiting for {what}")]
     Timeout {
         /// The host waited on.
-        host: String,
+        host: HostName,
         /// What was awaited.
         what: String,
         /// How long it waited.
@@ -264,11 +267,11 @@ impl Error {
 #[non_exhaustive]
 pub struct FailedStatement {
     /// The logical shard.
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// Its schema.
     pub schema: String,
     /// Its host.
-    pub host: String,
+    pub host: HostName,
     /// The migration file.
     pub file: String,
     /// 1-based index of the statement in the file.
@@ -312,15 +315,17 @@ const _: () = {
 mod msg {
     use std::fmt::Display;
 
+    use shardline_router::{HostName, LogicalShard};
+
     pub(super) fn sqlstate(s: &Option<String>) -> &str {
         s.as_deref().unwrap_or("none")
     }
 
-    pub(super) fn hosts_are(hosts: &[(String, String)]) -> &'static str {
+    pub(super) fn hosts_are(hosts: &[(HostName, String)]) -> &'static str {
         if hosts.len() == 1 { "a host is" } else { "hosts are" }
     }
 
-    pub(super) fn each_with_why(hosts: &[(String, String)]) -> String {
+    pub(super) fn each_with_why(hosts: &[(HostName, String)]) -> String {
         hosts.iter().map(|(h, e)| format!("{h}: {e}")).collect::<Vec<_>>().join("; ")
     }
 
@@ -340,7 +345,7 @@ mod msg {
         items.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
     }
 
-    pub(super) fn of_shard(shard: &Option<u16>) -> String {
+    pub(super) fn of_shard(shard: &Option<LogicalShard>) -> String {
         shard.map(|s| format!(" of shard {s}")).unwrap_or_default()
     }
 }

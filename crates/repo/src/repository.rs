@@ -222,9 +222,9 @@ pub struct Page<E> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Missing {
     /// The host that failed.
-    pub host: String,
+    pub host: HostName,
     /// The shards it holds, all missing from the result.
-    pub shards: Vec<u16>,
+    pub shards: Vec<LogicalShard>,
     /// What went wrong.
     pub error: String,
 }
@@ -412,9 +412,9 @@ impl<E: Entity> Repo<E> {
             error
         } else {
             Error::InsertMany {
-                committed: committed.iter().map(ToString::to_string).collect(),
+                committed,
                 committed_rows: out.iter().enumerate().filter(|(_, r)| r.is_some()).map(|(i, _)| i).collect(),
-                failed: error.host_name().unwrap_or("a host").to_owned(),
+                failed: error.host_name().cloned(),
                 source: Box::new(error),
             }
         })
@@ -921,11 +921,7 @@ impl<E: Entity> Repo<E> {
                 },
                 Err(e) => {
                     tracing::warn!(%host, error = %crate::error_chain(&e), "fan-out: host missing from the result");
-                    missing.push(Missing {
-                        host: host.to_string(),
-                        shards: shards.iter().map(|s| s.get()).collect(),
-                        error: crate::error_chain(&e),
-                    });
+                    missing.push(Missing { host: host.clone(), shards, error: crate::error_chain(&e) });
                 }
             }
         }
