@@ -24,11 +24,13 @@
 //! ```no_run
 //! # async fn ops(config: &shardline_router::Config) -> Result<(), shardline_ops::Error> {
 //! use shardline_ops::moves::{self, MoveOptions};
+//! use shardline_router::{HostName, LogicalShard};
 //!
 //! // Create the catalog and every shard schema (idempotent).
 //! shardline_ops::init(config, &shardline_ops::Options::default(), &|_| {}).await?;
 //! // Move shard 5 to pg2, online; the report has the rows, copy time and write pause.
-//! let report = moves::run(config, 5, "pg2", &MoveOptions::default()).await?;
+//! let (shard, to) = (LogicalShard::bounded(5)?, HostName::new("pg2")?);
+//! let report = moves::run(config, shard, &to, &MoveOptions::default()).await?;
 //! println!("{report}");
 //! # Ok(())
 //! # }

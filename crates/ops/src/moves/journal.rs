@@ -367,7 +367,7 @@ fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
     let shard: i32 = row.get(1);
     let host = |i: usize| {
         let name: String = row.get(i);
-        HostName::new(&name).map_err(|e| bad(format!("host {name:?}: {e}")))
+        HostName::new(&name).map_err(|e| bad(e.to_string()))
     };
     let step: String = row.get(4);
     let state: String = row.get(5);
