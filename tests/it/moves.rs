@@ -47,6 +47,33 @@ async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError>
     Ok(out)
 }
 
+shardline_testkit::register!(shared: a_journal_row_naming_no_possible_shard_is_an_error_naming_the_move);
+pub(crate) async fn a_journal_row_naming_no_possible_shard_is_an_error_naming_the_move(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    // The journal's one decoding turns its integer into a shard: a value no cluster can
+    // have is an error naming the move, not a panic and not a wrong shard.
+    let id: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(
+            "INSERT INTO shardline.moves (shard, source, target, step, state)
+             VALUES (9000, 'pg1', 'pg2', 'started', 'failed') RETURNING id",
+            &[],
+        )
+        .await?
+        .get(0);
+    let err = moves::list(&config).await.unwrap_err();
+    assert!(matches!(&err, OpsError::Journal { id: i, .. } if *i == id), "{err:?}");
+    assert_eq!(err.to_string(), format!("move {id}: logical shard 9000 is out of range 0..8192"));
+    let said = cli(&f, &["moves"]).await.unwrap_err();
+    assert!(said.contains(&format!("move {id}: logical shard 9000 is out of range 0..8192")), "{said}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_moves_preflight_lists_every_problem_and_changes_nothing);
 pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     ctx: TestContext,
@@ -263,6 +290,9 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     let json: serde_json::Value = serde_json::from_str(&cli(&f, &["moves", "--json"]).await?)?;
     assert_eq!(json[0]["state"], "done");
     assert_eq!(json[0]["detail"]["rows"], 300);
+    // A shard is a number and a host a string in the JSON, as when they were plain values.
+    assert_eq!(json[0]["shard"], 0);
+    assert_eq!((json[0]["source"].as_str(), json[0]["target"].as_str()), (Some("pg1"), Some("pg2")));
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
 
     // gc keeps the old schema through its grace period, then drops it with its ledger.
@@ -623,6 +653,7 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     let one: serde_json::Value =
         serde_json::from_str(&cli(&f, &["rebalance", "--plan", "--max-moves", "1", "--json"]).await?)?;
     assert_eq!(one["moves"].as_array().map(Vec::len), Some(1));
+    assert!(one["moves"][0]["shard"].is_u64() && one["moves"][0]["to"] == "pg3", "{one}");
 
     let said = cli(&f, &["rebalance", "--apply", "--parallel", "2"]).await?;
     assert_eq!(said.lines().filter(|l| l.contains("-> pg3: 60 rows")).count(), plan.moves.len(), "{said}");
