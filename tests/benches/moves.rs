@@ -20,6 +20,7 @@ use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::Options;
 use shardline_ops::moves::{self, MoveOptions};
 use shardline_repo::{Cluster, ClusterOptions};
+use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
@@ -115,7 +116,9 @@ async fn main() -> Result<(), BoxError> {
 
     // 1. Copy throughput: the move vs pg_dump | psql of the same schema.
     let t = Instant::now();
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report =
+        moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg2")?, &MoveOptions::default())
+            .await?;
     let whole = t.elapsed();
     let copy = Duration::from_millis(report.copy_ms);
     let moved = format!("shard_0000_moved_{}", report.id);
@@ -175,7 +178,13 @@ async fn main() -> Result<(), BoxError> {
         let load = writers(&cluster, i64::from(count), i64::from(shard), rate, &stop);
         tokio::time::sleep(Duration::from_secs(2)).await;
         let move_start = Instant::now();
-        let r = moves::run(&config, shard, to, &MoveOptions::default()).await?;
+        let r = moves::run(
+            &config,
+            LogicalShard::bounded(i64::from(shard))?,
+            &HostName::new(to)?,
+            &MoveOptions::default(),
+        )
+        .await?;
         let move_end = Instant::now();
         tokio::time::sleep(Duration::from_millis(500)).await;
         stop.store(true, Ordering::Relaxed);

@@ -21,6 +21,7 @@ use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::Options;
 use shardline_ops::moves::{self, MoveOptions, Step, Verification};
 use shardline_repo::{Cluster, ClusterOptions};
+use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
@@ -95,7 +96,8 @@ async fn one_move(
     let load = writers(cluster, 8, i64::from(shard), 250, &stop);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let start = Instant::now();
-    let r = moves::run(config, shard, to, options).await?;
+    let r =
+        moves::run(config, LogicalShard::bounded(i64::from(shard))?, &HostName::new(to)?, options).await?;
     let end = Instant::now();
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::Relaxed);
@@ -182,9 +184,16 @@ async fn main() -> Result<(), BoxError> {
     };
     let (base_many, base_one) = time_batches().await;
     let to = if cluster.route_user(i64::from(shard)).host.as_str() == "pg1" { "pg2" } else { "pg1" };
-    let _ = moves::run(&config, shard, to, &MoveOptions::default().stopping_after(Step::CaughtUp)).await;
+    let moving = LogicalShard::bounded(i64::from(shard))?;
+    let _ = moves::run(
+        &config,
+        moving,
+        &HostName::new(to)?,
+        &MoveOptions::default().stopping_after(Step::CaughtUp),
+    )
+    .await;
     let (log_many, log_one) = time_batches().await;
-    moves::abort(&config, shard).await?;
+    moves::abort(&config, moving).await?;
     println!("the change log's cost to writers (shard {shard}, same process, same connections):");
     println!(
         "  20 x insert_many(1000): {:.0} ms without, {:.0} ms with the triggers: {:.2}x",

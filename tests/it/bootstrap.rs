@@ -403,7 +403,7 @@ pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues
 
     let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err();
     let OpsError::Migration(failed) = &err else { panic!("expected a migration failure, got {err:?}") };
-    assert_eq!((failed.shard, failed.schema.as_str(), failed.host.as_str()), (5, "shard_0005", "pg2"));
+    assert_eq!((failed.shard.get(), failed.schema.as_str(), failed.host.as_str()), (5, "shard_0005", "pg2"));
     assert_eq!((failed.file.as_str(), failed.index, failed.line), ("0003_captions.sql", 2, 4));
     assert_eq!(failed.sqlstate.as_deref(), Some("23514"));
     assert!(failed.statement.starts_with("ALTER TABLE photos"), "{}", failed.statement);

@@ -18,7 +18,19 @@ mod reliability;
 mod replication;
 mod repo;
 
+use shardline_router::{HostName, LogicalShard};
 use shardline_testkit::harness::Harness;
+
+/// Shard `n`, a test's literal: checked against the most shards a cluster can have
+/// here, against the cluster's count by the call it is given to.
+fn shard(n: u16) -> LogicalShard {
+    LogicalShard::bounded(i64::from(n)).unwrap()
+}
+
+/// Host `name`, a test's literal.
+fn host(name: &str) -> HostName {
+    HostName::new(name).unwrap()
+}
 
 fn main() {
     Harness::new(3).registered().run()

@@ -47,6 +47,33 @@ async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError>
     Ok(out)
 }
 
+shardline_testkit::register!(shared: a_journal_row_naming_no_possible_shard_is_an_error_naming_the_move);
+pub(crate) async fn a_journal_row_naming_no_possible_shard_is_an_error_naming_the_move(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    // The journal's one decoding turns its integer into a shard: a value no cluster can
+    // have is an error naming the move, not a panic and not a wrong shard.
+    let id: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(
+            "INSERT INTO shardline.moves (shard, source, target, step, state)
+             VALUES (9000, 'pg1', 'pg2', 'started', 'failed') RETURNING id",
+            &[],
+        )
+        .await?
+        .get(0);
+    let err = moves::list(&config).await.unwrap_err();
+    assert!(matches!(&err, OpsError::Journal { id: i, .. } if *i == id), "{err:?}");
+    assert_eq!(err.to_string(), format!("move {id}: logical shard 9000 is out of range 0..8192"));
+    let said = cli(&f, &["moves"]).await.unwrap_err();
+    assert!(said.contains(&format!("move {id}: logical shard 9000 is out of range 0..8192")), "{said}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_moves_preflight_lists_every_problem_and_changes_nothing);
 pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     ctx: TestContext,
@@ -56,7 +83,7 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     let config = f.config()?;
 
     // A healthy cluster: the move can go ahead; the target reached the source.
-    let ok = preflight(&config, 0, "pg2").await?;
+    let ok = preflight(&config, crate::shard(0), &crate::host("pg2")).await?;
     assert!(ok.is_ok(), "{ok}");
     assert_eq!((ok.source.as_str(), ok.target.as_str(), ok.schema.as_str()), ("pg1", "pg2", "shard_0000"));
     assert!(ok.bytes > 0);
@@ -74,9 +101,9 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     )
     .await?;
     f.migration("0005_tags.sql", "CREATE TABLE tags (id bigint PRIMARY KEY DEFAULT next_id(), tag text);")?;
-    let bad = preflight(&f.config()?, 0, "pg2").await?;
+    let bad = preflight(&f.config()?, crate::shard(0), &crate::host("pg2")).await?;
     let found: Vec<(Option<&str>, &str)> =
-        bad.problems.iter().map(|p| (p.host.as_deref(), p.check)).collect();
+        bad.problems.iter().map(|p| (p.host.as_ref().map(|h| h.as_str()), p.check)).collect();
     assert_eq!(
         found,
         vec![
@@ -99,15 +126,15 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     assert!(out.contains("pre-flight: 4 problem(s):"), "{out}");
 
     // The target itself: unknown, or where the shard already is.
-    let unknown = preflight(&f.config()?, 0, "pg9").await?;
+    let unknown = preflight(&f.config()?, crate::shard(0), &crate::host("pg9")).await?;
     assert_eq!(
         unknown.problems[0].to_string(),
         "target: pg9 is not a host of the config (hosts: pg1, pg2, pg3)"
     );
-    let same = preflight(&f.config()?, 0, "pg1").await?;
+    let same = preflight(&f.config()?, crate::shard(0), &crate::host("pg1")).await?;
     assert!(same.problems.iter().any(|p| p.to_string() == "target: shard 0 is already on pg1"), "{same}");
     // An out-of-range shard is an error, not a problem list.
-    let err = preflight(&f.config()?, 6, "pg2").await.unwrap_err().to_string();
+    let err = preflight(&f.config()?, crate::shard(6), &crate::host("pg2")).await.unwrap_err().to_string();
     assert_eq!(err, "logical shard 6 is out of range 0..6");
 
     // The target cannot reach the source at its peer URL: said, without the password.
@@ -119,9 +146,9 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
         text.replacen(&first_peer, "peer_url = \"postgresql://postgres:sekret@127.0.0.1:1/nowhere\"", 1),
     )?;
     // Shard 2 is on pg2: pg1's peer URL does not matter to its move.
-    let cut = preflight(&f.config()?, 2, "pg1").await?;
+    let cut = preflight(&f.config()?, crate::shard(2), &crate::host("pg1")).await?;
     assert!(cut.is_ok(), "pg1's peer URL only matters when pg1 is the source: {cut}");
-    let cut = preflight(&f.config()?, 1, "pg3").await?;
+    let cut = preflight(&f.config()?, crate::shard(1), &crate::host("pg3")).await?;
     let reach: Vec<String> =
         cut.problems.iter().filter(|p| p.check == "reaches the source").map(ToString::to_string).collect();
     assert_eq!(reach.len(), 1, "{cut}");
@@ -207,7 +234,7 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     let before_max = made.iter().map(|p| p.id).max().ok_or("photos")?;
     let shard1_before = counts(&f, &ctx, 0, "shard_0001").await?;
 
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
     assert_eq!(
         (report.source.as_str(), report.target.as_str(), report.rows),
         ("pg1", "pg2", 300),
@@ -263,6 +290,9 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     let json: serde_json::Value = serde_json::from_str(&cli(&f, &["moves", "--json"]).await?)?;
     assert_eq!(json[0]["state"], "done");
     assert_eq!(json[0]["detail"]["rows"], 300);
+    // A shard is a number and a host a string in the JSON, as when they were plain values.
+    assert_eq!(json[0]["shard"], 0);
+    assert_eq!((json[0]["source"].as_str(), json[0]["target"].as_str()), (Some("pg1"), Some("pg2")));
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
 
     // gc keeps the old schema through its grace period, then drops it with its ledger.
@@ -316,7 +346,7 @@ pub(crate) async fn writes_go_on_during_a_move_and_none_is_lost(ctx: TestContext
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::Relaxed);
     let (mut acked, mut slowest) = (Vec::new(), Duration::ZERO);
@@ -371,7 +401,7 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
     for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
         let other = if on == "pg1" { "pg2" } else { "pg1" };
         let stopping = MoveOptions::default().stopping_after(step);
-        let err = moves::run(&config, 0, other, &stopping).await.unwrap_err();
+        let err = moves::run(&config, crate::shard(0), &crate::host(other), &stopping).await.unwrap_err();
         assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
         let running = moves::list(&config).await?.into_iter().filter(|m| m.state == State::Running).count();
         assert_eq!(running, 1, "{step}");
@@ -381,7 +411,7 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
                 let said = cli(&f, &["move", "--abort", "0"]).await?;
                 assert!(said.starts_with("move ") && said.contains(&format!("stays on {on}")), "{said}");
             } else {
-                let undone = moves::abort(&config, 0).await?;
+                let undone = moves::abort(&config, crate::shard(0)).await?;
                 assert_eq!(undone.unfenced, step.pauses_writes(), "{step}");
             }
             assert_eq!(counts(&f, &ctx, host_index(on), "shard_0000").await?, Some(expected), "{step}");
@@ -391,15 +421,15 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
             assert_eq!(cluster.route_user(0).host.as_str(), on);
             assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?, Some(p));
             expected[0] += 1;
-            let err = moves::run(&config, 0, other, &stopping).await.unwrap_err();
+            let err = moves::run(&config, crate::shard(0), &crate::host(other), &stopping).await.unwrap_err();
             assert!(matches!(err, OpsError::Interrupted { .. }), "{err}");
         } else {
-            let err = moves::abort(&config, 0).await.unwrap_err();
+            let err = moves::abort(&config, crate::shard(0)).await.unwrap_err();
             assert!(matches!(err, OpsError::Flipped { .. }), "{err}");
         }
         // Finish it.
         let done = if i % 2 == 0 {
-            moves::resume(&config, Some(0), &MoveOptions::default()).await?
+            moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await?
         } else {
             let said = cli(&f, &["move", "--resume", "--json"]).await?;
             serde_json::from_str::<serde_json::Value>(&said)?
@@ -431,7 +461,7 @@ pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: 
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let made = seed(&cluster, 0, 6, 2).await?;
     let stopping = MoveOptions::default().stopping_after(Step::SequenceCarried);
-    moves::run(&config, 0, "pg2", &stopping).await.unwrap_err();
+    moves::run(&config, crate::shard(0), &crate::host("pg2"), &stopping).await.unwrap_err();
     // Corrupt the copy: one photo changed, one comment gone.
     let pg2 = f.client(&ctx, 1).await?;
     pg2.execute("UPDATE shard_0000.photos SET caption = 'tampered' WHERE id = $1", &[&made[3].id]).await?;
@@ -439,7 +469,7 @@ pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: 
         .query_one("DELETE FROM shard_0000.comments WHERE photo_id = $1 RETURNING id", &[&made[5].id])
         .await?
         .get(0);
-    let err = moves::resume(&config, Some(0), &MoveOptions::default()).await.unwrap_err();
+    let err = moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await.unwrap_err();
     let text = err.to_string();
     assert!(matches!(err, OpsError::Verify { .. }), "{text}");
     assert!(text.contains(&format!("photos: 1 differing key(s) (id): ({})", made[3].id)), "{text}");
@@ -485,7 +515,9 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
         )
         .await?;
     let c = Arc::new(config.clone());
-    let mover = tokio::spawn(async move { moves::run(&c, 2, "pg3", &MoveOptions::default()).await });
+    let mover = tokio::spawn(async move {
+        moves::run(&c, crate::shard(2), &crate::host("pg3"), &MoveOptions::default()).await
+    });
     let watch = f.client(&ctx, 2).await?;
     let deadline = Instant::now() + Duration::from_secs(120);
     let seen: (i64, i64) = loop {
@@ -518,7 +550,7 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
         "      target killed mid-copy: photos' file {} bytes, {} rows copied (uncommitted)",
         seen.0, seen.1
     );
-    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{err}");
     assert_eq!(moves::list(&config).await?[0].state, State::Running);
     pg3.start().await?;
@@ -526,7 +558,7 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     // rather than at the harness's time limit.
     let mut bounded = MoveOptions::default();
     bounded.copy_timeout = Duration::from_secs(120);
-    moves::resume(&config, Some(2), &bounded).await?;
+    moves::resume(&config, Some(crate::shard(2)), &bounded).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40 + BULK, 40, 40]));
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
@@ -544,12 +576,12 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
 
     // 2. The source dies while the shard is fenced: abort needs it, and says so; once it
     //    is back, abort unfences it.
-    moves::run(&config, 2, "pg2", &stop_after(Step::Fenced)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::Fenced)).await.unwrap_err();
     pg3.kill().await?;
-    let err = moves::abort(&config, 2).await.unwrap_err();
+    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{err}");
     pg3.start().await?;
-    let undone = moves::abort(&config, 2).await?;
+    let undone = moves::abort(&config, crate::shard(2)).await?;
     assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{undone}");
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
     assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
@@ -559,9 +591,9 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
 
     // 3. The target dies while the shard is fenced: abort unfences the source at once and
     //    leaves the target's part, named, to gc.
-    moves::run(&config, 2, "pg2", &stop_after(Step::Synced)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::Synced)).await.unwrap_err();
     pg2.kill().await?;
-    let undone = moves::abort(&config, 2).await?;
+    let undone = moves::abort(&config, crate::shard(2)).await?;
     assert!(undone.unfenced && !undone.cleanup_pending.is_empty(), "{undone}");
     fresh.repo::<Photo>()?.insert(&photo(2, 51)).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([42, 40, 40]));
@@ -577,9 +609,9 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
 
     // 4. The source dies after the flip: resume finishes on the target and leaves the
     //    source's publication and slot to gc.
-    moves::run(&config, 2, "pg2", &stop_after(Step::Flipped)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::Flipped)).await.unwrap_err();
     pg3.kill().await?;
-    let done = moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    let done = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
     assert!(!done[0].cleanup_pending.is_empty(), "{}", done[0]);
     assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([42, 40, 40]));
     fresh.repo::<Photo>()?.insert(&photo(2, 52)).await?;
@@ -621,6 +653,7 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     let one: serde_json::Value =
         serde_json::from_str(&cli(&f, &["rebalance", "--plan", "--max-moves", "1", "--json"]).await?)?;
     assert_eq!(one["moves"].as_array().map(Vec::len), Some(1));
+    assert!(one["moves"][0]["shard"].is_u64() && one["moves"][0]["to"] == "pg3", "{one}");
 
     let said = cli(&f, &["rebalance", "--apply", "--parallel", "2"]).await?;
     assert_eq!(said.lines().filter(|l| l.contains("-> pg3: 60 rows")).count(), plan.moves.len(), "{said}");
@@ -660,7 +693,9 @@ pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx:
         // The mover dies (its task dropped mid-await: every connection closes, as when
         // the process is killed) just after it journals `after`, inside the next step.
         let c = config.clone();
-        let mover = tokio::spawn(async move { moves::run(&c, 0, other, &MoveOptions::default()).await });
+        let mover = tokio::spawn(async move {
+            moves::run(&c, crate::shard(0), &crate::host(other), &MoveOptions::default()).await
+        });
         let deadline = Instant::now() + Duration::from_secs(60);
         while !mover.is_finished() && Instant::now() < deadline {
             let step: Option<String> = catalog
@@ -684,10 +719,10 @@ pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx:
             steps_hit.insert(last.step);
             // Odd kills are undone (when still possible), even ones resumed.
             if i % 2 == 1 && last.step < Step::Flipped {
-                moves::abort(&config, 0).await?;
+                moves::abort(&config, crate::shard(0)).await?;
                 assert_eq!(counts(&f, &ctx, host_index(other), "shard_0000").await?, None, "kill {i}");
             } else {
-                moves::resume(&config, Some(0), &MoveOptions::default()).await?;
+                moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await?;
                 on = other;
             }
         } else if last.state == State::Done {
@@ -785,16 +820,23 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
                 step.as_str(),
                 if victim_is_source { "source" } else { "target" }
             );
-            moves::run(&config, 2, other, &MoveOptions::default().stopping_after(step)).await.unwrap_err();
+            moves::run(
+                &config,
+                crate::shard(2),
+                &crate::host(other),
+                &MoveOptions::default().stopping_after(step),
+            )
+            .await
+            .unwrap_err();
             let host = &ctx.hosts()[host_index(victim)];
             host.kill().await?;
             // Each host dies before an abort at some steps and before a resume at others.
             let abort = step < Step::Flipped && (i + usize::from(victim_is_source)) % 2 == 0;
             let recover = || async {
                 if abort {
-                    moves::abort(&config, 2).await.map(|_| ())
+                    moves::abort(&config, crate::shard(2)).await.map(|_| ())
                 } else {
-                    moves::resume(&config, Some(2), &MoveOptions::default()).await.map(|_| ())
+                    moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.map(|_| ())
                 }
             };
             let latest = || async {
@@ -863,7 +905,14 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     // perhaps gone) leaves a move that must not be resumed: resume refuses and says to
     // abort, and abort finishes the undo.
     let other = if on == "pg2" { "pg3" } else { "pg2" };
-    moves::run(&config, 2, other, &MoveOptions::default().stopping_after(Step::Fenced)).await.unwrap_err();
+    moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host(other),
+        &MoveOptions::default().stopping_after(Step::Fenced),
+    )
+    .await
+    .unwrap_err();
     f.client(&ctx, 0)
         .await?
         .execute(
@@ -871,10 +920,10 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
             &[],
         )
         .await?;
-    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
-    assert!(matches!(err, OpsError::Undoing { shard: 2, .. }), "{err}");
+    let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::Undoing { shard, .. } if shard == 2), "{err}");
     assert!(err.to_string().contains("shardline move --abort 2"), "{err}");
-    assert!(moves::abort(&config, 2).await?.unfenced);
+    assert!(moves::abort(&config, crate::shard(2)).await?.unfenced);
     assert_eq!(counts(&f, &ctx, host_index(on), "shard_0002").await?, Some(expected));
     eprintln!(
         "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down, \
@@ -990,7 +1039,7 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     while calls.load(Ordering::Relaxed) < 20 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
 
     // At once after the flip, the target mints, while a reservation the fence did not
     // wait for would still be minting on the source: rows through the repository, bare
@@ -1087,7 +1136,14 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     assert!(source_max <= row.get::<_, i64>(0));
 
     // Fenced, then undone: the cap is lifted with the rename, and the shard mints again.
-    moves::run(&config, 0, "pg1", &MoveOptions::default().stopping_after(Step::Fenced)).await.unwrap_err();
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg1"),
+        &MoveOptions::default().stopping_after(Step::Fenced),
+    )
+    .await
+    .unwrap_err();
     let max: i64 = pg2
         .query_one("SELECT max_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%'", &[])
         .await?
@@ -1100,7 +1156,7 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
         .await?
         .get(0);
     assert_eq!(max, last, "fenced: capped at its last value");
-    assert!(moves::abort(&config, 0).await?.unfenced);
+    assert!(moves::abort(&config, crate::shard(0)).await?.unfenced);
     let max: i64 = pg2
         .query_one("SELECT max_value FROM pg_sequences WHERE schemaname = 'shard_0000'", &[])
         .await?
@@ -1150,9 +1206,9 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
         ),
     ];
     for (n, (corrupt, said)) in cases.into_iter().enumerate() {
-        moves::run(&config, 0, "pg2", &stopping).await.unwrap_err();
+        moves::run(&config, crate::shard(0), &crate::host("pg2"), &stopping).await.unwrap_err();
         pg2.batch_execute(corrupt).await?;
-        let err = match moves::resume(&config, Some(0), &MoveOptions::default()).await {
+        let err = match moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await {
             Ok(done) => return Err(format!("{corrupt}: the move flipped: {}", done[0]).into()),
             Err(e) => e,
         };
@@ -1170,7 +1226,7 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
         assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     }
     // Untouched, it moves, every copy of every row with it.
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
     let check = report.tables.iter().find(|t| t.table == "events").ok_or("events verified")?;
     assert!(check.matches && check.source_rows == 5 && check.target_rows == 5, "{report}");
     let rows: Vec<String> = pg2
@@ -1200,14 +1256,21 @@ pub(crate) async fn a_transaction_minting_then_writing_through_the_fence_does_no
     // transaction with an XID to end, and `nextval` takes one whenever it writes WAL
     // (one call in 32), so a transaction open across the slot's creation would hold the
     // move up before its fence, by chance.
-    moves::run(&config, 0, "pg2", &MoveOptions::default().stopping_after(Step::CaughtUp)).await.unwrap_err();
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::CaughtUp),
+    )
+    .await
+    .unwrap_err();
     let (app, watch) = (f.client(&ctx, 0).await?, f.client(&ctx, 0).await?);
     app.batch_execute("BEGIN").await?;
     let id: i64 = app.query_one("SELECT shard_0000.next_id()", &[]).await?.get(0);
     let c = config.clone();
     let mover = tokio::spawn(async move {
-        let mut done = moves::resume(&c, Some(0), &MoveOptions::default()).await?;
-        done.pop().ok_or(shardline_ops::Error::NoMove { shard: Some(0) })
+        let mut done = moves::resume(&c, Some(crate::shard(0)), &MoveOptions::default()).await?;
+        done.pop().ok_or(shardline_ops::Error::NoMove { shard: Some(crate::shard(0)) })
     });
     // Once the fence waits for the sequence (it holds the tables), the transaction writes.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1346,13 +1409,13 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
 
     // 1. Inside the fence: its LOCK TABLE waits behind a test transaction on the source.
     let case = "source pg2 killed while the fence waits for the shard's lock";
-    moves::run(&config, 2, "pg3", &stop_after(Step::CaughtUp)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg3"), &stop_after(Step::CaughtUp)).await.unwrap_err();
     let holder = f.client(&ctx, 1).await?;
     holder.batch_execute("BEGIN; LOCK TABLE shard_0002.photos IN ROW EXCLUSIVE MODE").await?;
     let mut patient = MoveOptions::default();
     patient.lock_timeout = Duration::from_secs(120);
     let c = config.clone();
-    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &patient).await });
+    let mover = tokio::spawn(async move { moves::resume(&c, Some(crate::shard(2)), &patient).await });
     let watch = f.client(&ctx, 1).await?;
     until_seen(
         &watch,
@@ -1368,25 +1431,28 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     let err = mover.await?.unwrap_err();
     assert!(err.to_string().contains("pg2"), "{case}: the move fails naming the source: {err}");
     assert_eq!(latest_state(&config).await?, State::Running, "{case}");
-    let err = moves::abort(&config, 2).await.unwrap_err();
+    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
     assert!(err.to_string().contains("pg2"), "{case}: abort needs the source: {err}");
     assert_eq!(latest_state(&config).await?, State::Running, "{case}");
     pg2.start().await?;
-    moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
     assert_eq!(latest_state(&config).await?, State::Done, "{case}");
     one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
 
     // 2. Inside the verification: its checksum on the source waits behind a test
     //    transaction's lock on the fenced copy; the source dies.
     let case = "source pg3 killed while the verification's checksum runs on it";
-    moves::run(&config, 2, "pg2", &stop_after(Step::SequenceCarried)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::SequenceCarried))
+        .await
+        .unwrap_err();
     let id = moves::list(&config).await?.into_iter().map(|m| m.id).max().ok_or("a move")?;
     let holder = f.client(&ctx, 2).await?;
     holder
         .batch_execute(&format!("BEGIN; LOCK TABLE shard_0002_moved_{id}.comments IN ACCESS EXCLUSIVE MODE"))
         .await?;
     let c = config.clone();
-    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &MoveOptions::default()).await });
+    let mover =
+        tokio::spawn(async move { moves::resume(&c, Some(crate::shard(2)), &MoveOptions::default()).await });
     let watch = f.client(&ctx, 2).await?;
     until_seen(&watch, waiting_checksum, &mover, "the source's checksum").await?;
     pg3.kill().await?;
@@ -1395,10 +1461,10 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     assert!(err.to_string().contains("pg3"), "{case}: the move fails naming the source: {err}");
     // It could not be undone at once (that needs the source): it stays, for abort.
     assert_eq!(latest_state(&config).await?, State::Running, "{case}");
-    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
+    let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{case}: resume needs the source: {err}");
     pg3.start().await?;
-    let undone = moves::abort(&config, 2).await?;
+    let undone = moves::abort(&config, crate::shard(2)).await?;
     assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{case}: {undone}");
     one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
 
@@ -1406,11 +1472,14 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     //    transaction's lock on the copy; the target dies. The move is undone at once
     //    (the source answers): writes resume on the source while the target is down.
     let case = "target pg2 killed while the verification's checksum runs on it";
-    moves::run(&config, 2, "pg2", &stop_after(Step::SequenceCarried)).await.unwrap_err();
+    moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::SequenceCarried))
+        .await
+        .unwrap_err();
     let holder = f.client(&ctx, 1).await?;
     holder.batch_execute("BEGIN; LOCK TABLE shard_0002.comments IN ACCESS EXCLUSIVE MODE").await?;
     let c = config.clone();
-    let mover = tokio::spawn(async move { moves::resume(&c, Some(2), &MoveOptions::default()).await });
+    let mover =
+        tokio::spawn(async move { moves::resume(&c, Some(crate::shard(2)), &MoveOptions::default()).await });
     let watch = f.client(&ctx, 1).await?;
     until_seen(&watch, waiting_checksum, &mover, "the target's checksum").await?;
     pg2.kill().await?;
@@ -1466,8 +1535,8 @@ async fn assert_undone_on_source(
     acknowledged: &[Photo],
 ) -> Result<(), BoxError> {
     let config = f.config()?;
-    let err = moves::resume(&config, Some(2), &MoveOptions::default()).await.unwrap_err();
-    assert!(matches!(err, OpsError::LeaseExpired { shard: 2, .. }), "{err}");
+    let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::LeaseExpired { shard, .. } if shard == 2), "{err}");
     let journal = moves::list(&config).await?;
     assert_eq!(journal.last().map(|m| m.state), Some(State::RolledBack), "{journal:?}");
     let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -1500,10 +1569,14 @@ pub(crate) async fn a_fence_whose_mover_died_is_undone_by_a_router_when_its_leas
         Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     seed(&cluster, 2, 6, 2).await?;
 
-    let died =
-        moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Fenced))
-            .await
-            .unwrap_err();
+    let died = moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host("pg3"),
+        &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Fenced),
+    )
+    .await
+    .unwrap_err();
     let since = Instant::now();
     assert!(matches!(died, OpsError::Interrupted { step: Step::Fenced, .. }), "{died}");
     assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source is fenced");
@@ -1533,9 +1606,14 @@ pub(crate) async fn a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
 
-    let lost = moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).losing_fence_reply())
-        .await
-        .unwrap_err();
+    let lost = moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host("pg3"),
+        &MoveOptions::default().with_lease(LEASE).losing_fence_reply(),
+    )
+    .await
+    .unwrap_err();
     let since = Instant::now();
     assert!(matches!(lost, OpsError::Interrupted { step: Step::CaughtUp, .. }), "{lost}");
     assert_eq!(moves::list(&config).await?[0].step, Step::CaughtUp, "the fence is not journaled");
@@ -1567,8 +1645,8 @@ pub(crate) async fn a_fence_outliving_the_catalog_is_undone_on_its_source_when_i
 
     moves::run(
         &config,
-        2,
-        "pg3",
+        crate::shard(2),
+        &crate::host("pg3"),
         &MoveOptions::default().with_lease(LEASE).stopping_after(Step::SequenceCarried),
     )
     .await
@@ -1622,9 +1700,14 @@ pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
-    moves::run(&config, 2, "pg3", &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Verified))
-        .await
-        .unwrap_err();
+    moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host("pg3"),
+        &MoveOptions::default().with_lease(LEASE).stopping_after(Step::Verified),
+    )
+    .await
+    .unwrap_err();
     let (catalog, source) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
     let id: i64 =
         catalog.query_one("SELECT id FROM shardline.moves WHERE state = 'running'", &[]).await?.get(0);
@@ -1653,15 +1736,15 @@ pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_
         source.query_one("SELECT outcome FROM shardline.resolve_fence('shard_0002')", &[]).await?.get(0);
     assert_eq!(outcome, "flip");
     assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source stays fenced");
-    let err = moves::abort(&config, 2).await.unwrap_err();
-    assert!(matches!(err, OpsError::FlipDecided { id: i, shard: 2 } if i == id), "{err}");
+    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
+    assert!(matches!(err, OpsError::FlipDecided { id: i, shard } if i == id && shard == 2), "{err}");
 
     let (first, took) = timed_insert(&cluster, 100).await?;
     assert!(took <= LEASE_SLACK, "the write got through after {took:?}");
     assert_eq!(cluster.route_user(2).host.as_str(), "pg3");
     assert_eq!(homes_of_shard_2(&f, &ctx, "pg3").await?, vec![2]);
     assert_eq!(moves::list(&config).await?[0].step, Step::Flipped);
-    let done = moves::resume(&config, Some(2), &MoveOptions::default()).await?;
+    let done = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
     assert_eq!(done.len(), 1);
     assert_eq!(moves::list(&config).await?[0].state, State::Done);
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([41, 40, 40]), "one copy, every row");
@@ -1721,7 +1804,10 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
             })
         })
     };
-    let err = moves::run(&config, 0, "pg2", &MoveOptions::default().on_compared(hook)).await.unwrap_err();
+    let err =
+        moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default().on_compared(hook))
+            .await
+            .unwrap_err();
     let gone = done.lock().map_err(|e| e.to_string())?.clone().ok_or("the drill ran")??;
     let text = err.to_string();
     assert!(matches!(err, OpsError::Verify { .. }), "{text}");
@@ -1743,7 +1829,14 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
 
     // Not logged: the target's trigger disabled while the copy is changed. The
     // comparison finds a key in no change log and stops the move before the fence.
-    moves::run(&config, 0, "pg2", &MoveOptions::default().stopping_after(Step::CaughtUp)).await.unwrap_err();
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::CaughtUp),
+    )
+    .await
+    .unwrap_err();
     let id = moves::list(&config).await?.into_iter().map(|m| m.id).max().ok_or("a move")?;
     pg2.batch_execute(&format!(
         "ALTER TABLE shard_0000.photos DISABLE TRIGGER shardline_move_{id};
@@ -1751,7 +1844,7 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
          ALTER TABLE shard_0000.photos ENABLE ALWAYS TRIGGER shardline_move_{id};"
     ))
     .await?;
-    let err = moves::resume(&config, Some(0), &MoveOptions::default()).await.unwrap_err();
+    let err = moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await.unwrap_err();
     let text = err.to_string();
     assert!(matches!(err, OpsError::Verify { .. }), "{text}");
     assert!(text.contains(&format!("photos: 1 differing key(s) (id): ({photo_id})")), "{text}");
@@ -1762,7 +1855,7 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
     assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([40, 40, 40]));
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     // Untouched, it moves.
-    let report = moves::run(&config, 0, "pg2", &MoveOptions::default()).await?;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
     assert_eq!((report.rows, report.rechecked_rows), (120, 0), "{report}");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
@@ -1783,9 +1876,14 @@ pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: T
     let small = seed(&cluster, 0, 6, 2).await?;
     let large = seed(&cluster, 1, 6, 20).await?;
     for (shard, made, rows) in [(0u16, &small, 120), (1, &large, 1200)] {
-        moves::run(&config, shard, "pg3", &MoveOptions::default().stopping_after(Step::CaughtUp))
-            .await
-            .unwrap_err();
+        moves::run(
+            &config,
+            crate::shard(shard),
+            &crate::host("pg3"),
+            &MoveOptions::default().stopping_after(Step::CaughtUp),
+        )
+        .await
+        .unwrap_err();
         let photos = cluster.repo::<Photo>()?;
         let user = i64::from(shard);
         for n in 0..3 {
@@ -1795,7 +1893,7 @@ pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: T
             photos.update(p.id, &[("caption", &"changed during the move")]).await?;
         }
         cluster.repo::<Like>()?.insert(&NewLike { photo_id: made[2].id, user_id: 4242 }).await?;
-        let report = moves::resume(&config, Some(shard), &MoveOptions::default()).await?;
+        let report = moves::resume(&config, Some(crate::shard(shard)), &MoveOptions::default()).await?;
         let r = report.first().ok_or("a report")?;
         assert_eq!(r.rows, rows + 4, "{r}");
         assert_eq!(r.rechecked_rows, 6, "the fence read the 6 rows written during the move: {r}");
@@ -1809,8 +1907,13 @@ pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: T
         assert_eq!(compared, rows + 4, "the comparison before the fence covered every row");
     }
     // The rival reads every row inside the fence.
-    let full =
-        moves::run(&config, 0, "pg1", &MoveOptions::default().verifying(moves::Verification::Full)).await?;
+    let full = moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg1"),
+        &MoveOptions::default().verifying(moves::Verification::Full),
+    )
+    .await?;
     assert_eq!((full.rechecked_rows, full.compare_ms), (124, 0), "{full}");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())

@@ -81,7 +81,7 @@ pub(crate) async fn a_row_of_another_shard_is_an_error_naming_both_shards(ctx: T
     // A single insert: applied (autocommit), in shard 1, and said so.
     let err = photos.insert(&photo(user, 1)).await.unwrap_err();
     let Error::Misrouted { ref host, expected, found, .. } = err else { panic!("{err:?}") };
-    assert_eq!((host.as_str(), expected, found), ("pg1", 0, 1));
+    assert_eq!((host.as_str(), expected.get(), found), ("pg1", 0, 1));
     assert!(err.outcome_unknown() && !err.is_retryable(), "a misrouted write was applied: {err}");
     assert!(err.to_string().contains("was sent to shard 0 but returned a row of shard 1"), "{err}");
     let in_shard_1: i64 =
@@ -89,16 +89,16 @@ pub(crate) async fn a_row_of_another_shard_is_an_error_naming_both_shards(ctx: T
     assert_eq!(in_shard_1, 1, "the misrouted insert is in shard 1's table, as the error says");
     // A read that finds that row: refused, naming it.
     let err = photos.page_of_user(user, None, 10).await.unwrap_err();
-    assert!(matches!(err, Error::Misrouted { expected: 0, found: 1, .. }), "{err:?}");
+    assert!(matches!(err, Error::Misrouted { expected, found: 1, .. } if expected == 0), "{err:?}");
     // A batch and a transaction: rolled back whole, nothing more applied.
     let err = photos.insert_many(&[photo(user, 2), photo(user, 3)]).await.unwrap_err();
-    assert!(matches!(err, Error::Misrouted { expected: 0, found: 1, .. }), "{err:?}");
+    assert!(matches!(err, Error::Misrouted { expected, found: 1, .. } if expected == 0), "{err:?}");
     let shard = cluster.route_user(user).shard;
     let err = cluster
         .transaction(shard, |tx| Box::pin(async move { tx.insert(&photo(user, 4)).await }))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Misrouted { expected: 0, found: 1, .. }), "{err:?}");
+    assert!(matches!(err, Error::Misrouted { expected, found: 1, .. } if expected == 0), "{err:?}");
     let in_shard_1: i64 =
         c.query_one("SELECT count(*) FROM shard_0000.photos WHERE user_id = $1", &[&user]).await?.get(0);
     assert_eq!(in_shard_1, 1, "the batch and the transaction were rolled back");

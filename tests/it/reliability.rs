@@ -452,8 +452,12 @@ pub(crate) async fn tls_only_hosts_work_verified_and_bad_certificates_are_refuse
         let catalog = connect(&config.catalog, "catalog").await?;
         assert!(catalog.query_one(encrypted, &[]).await?.get::<_, bool>(0), "the catalog is encrypted");
         // Moves off and onto the TLS-only host: replication crosses TLS too.
-        let off = shardline_ops::moves::run(&config, 4, "pg2", &MoveOptions::default()).await?;
-        let onto = shardline_ops::moves::run(&config, 0, "pg3", &MoveOptions::default()).await?;
+        let off =
+            shardline_ops::moves::run(&config, crate::shard(4), &crate::host("pg2"), &MoveOptions::default())
+                .await?;
+        let onto =
+            shardline_ops::moves::run(&config, crate::shard(0), &crate::host("pg3"), &MoveOptions::default())
+                .await?;
         assert_eq!((off.rows > 0, onto.rows > 0), (true, true), "{off:?} {onto:?}");
         cluster.refresh().await?;
         for p in &saved {
@@ -905,7 +909,7 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     // pre-flight problem, named by the target host; nothing changes.
     create_role(&f, &ctx, 1, &lonely).await?;
     pg1.batch_execute(&format!("GRANT SELECT ON shard_0001.photos TO \"{lonely}\"")).await?;
-    let check = moves::preflight(&f.config()?, 1, "pg2").await?;
+    let check = moves::preflight(&f.config()?, crate::shard(1), &crate::host("pg2")).await?;
     assert_eq!(check.problems.len(), 1, "{check}");
     assert!(
         check.problems[0]
@@ -913,14 +917,21 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
             .starts_with(&format!("pg2: roles: {lonely} hold privileges on shard_0001")),
         "{check}"
     );
-    let err = moves::run(&f.config()?, 1, "pg2", &MoveOptions::default()).await.unwrap_err();
+    let err = moves::run(&f.config()?, crate::shard(1), &crate::host("pg2"), &MoveOptions::default())
+        .await
+        .unwrap_err();
     assert!(matches!(err, shardline_ops::Error::Preflight(_)), "{err}");
 
     // The move, with more changes on the source once the target is built: the reader
     // gets a column of another table, and the app may no longer delete tags.
-    let stopped = moves::run(&f.config()?, 0, "pg2", &MoveOptions::default().stopping_after(Step::Prepared))
-        .await
-        .unwrap_err();
+    let stopped = moves::run(
+        &f.config()?,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::Prepared),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(stopped, shardline_ops::Error::Interrupted { .. }), "{stopped}");
     pg1.batch_execute(&format!(
         "GRANT SELECT (body) ON shard_0000.comments TO \"{reader}\";
@@ -934,7 +945,7 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     );
     assert!(before.iter().any(|l| l.starts_with("comments.body ")), "{before:#?}");
     // The app goes on reading and writing the shard on its new host.
-    let mut resumed = moves::resume(&f.config()?, Some(0), &MoveOptions::default()).await?;
+    let mut resumed = moves::resume(&f.config()?, Some(crate::shard(0)), &MoveOptions::default()).await?;
     let report = resumed.pop().ok_or("no move resumed")?;
     assert_eq!((report.source.as_str(), report.target.as_str()), ("pg1", "pg2"));
     let moved = format!("shard_0000_moved_{}", report.id);

@@ -228,7 +228,10 @@ pub(crate) async fn a_fan_out_names_the_shards_of_a_dead_or_hung_host(ctx: TestC
     let took = t.elapsed();
     assert!(took < Duration::from_secs(4), "a hung host held the fan-out for {took:?}");
     assert_eq!(part.missing.len(), 1, "{:?}", part.missing);
-    assert_eq!((part.missing[0].host.as_str(), part.missing[0].shards.clone()), ("pg3", vec![6, 7, 8]));
+    assert_eq!(
+        (part.missing[0].host.as_str(), part.missing[0].shards.iter().map(|s| s.get()).collect::<Vec<_>>()),
+        ("pg3", vec![6, 7, 8])
+    );
     assert_eq!(part.rows.len(), 60, "the other hosts' rows are all there");
     assert!(part.rows.iter().all(|p| cluster.layout().decode(p.id).shard < 6));
     let err = photos.get(part.rows[0].id).await; // pg1/pg2 still answer
@@ -277,7 +280,7 @@ pub(crate) async fn insert_many_is_one_statement_per_host(ctx: TestContext) -> T
     assert_eq!(err.sqlstate(), Some("23514"), "{err}");
     match &err {
         Error::InsertMany { committed, source, .. } => {
-            assert_eq!(committed, &vec!["pg1".to_owned(), "pg3".to_owned()]);
+            assert_eq!(committed, &["pg1", "pg3"]);
             assert!(source.to_string().starts_with("host pg2"), "{source}");
         }
         other => panic!("expected InsertMany, got {other:?}"),
@@ -348,7 +351,10 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
         .transaction(shard, |tx| Box::pin(async move { tx.insert(&photo(7, 3)).await }))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::WrongShard { shard: 3, transaction: 2, .. }), "{err:?}");
+    assert!(
+        matches!(err, Error::WrongShard { shard, transaction, .. } if shard == 3 && transaction == 2),
+        "{err:?}"
+    );
     let err = cluster
         .transaction(shard, |tx| Box::pin(async move { tx.get::<Photo>(other.id).await }))
         .await

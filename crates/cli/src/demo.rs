@@ -19,7 +19,7 @@ use clap::Args;
 use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
 use shardline_ops::moves::{MoveOptions, MoveReport};
 use shardline_repo::{Cluster, ClusterOptions, Id};
-use shardline_router::Config;
+use shardline_router::{Config, HostName};
 use shardline_testkit::BackendKind;
 
 use crate::UsageError;
@@ -245,11 +245,11 @@ async fn run(
     // Meanwhile: move the hot shard; then a new host joins and takes a few shards.
     let mut moves: Vec<MoveReport> = Vec::new();
     tokio::time::sleep(Duration::from_secs(opt.seconds) / 4).await;
-    let to = format!(
+    let to = HostName::new(&format!(
         "pg{}",
         (hosts.min(hot.host.as_str().trim_start_matches("pg").parse::<usize>().unwrap_or(1))) % hosts + 1
-    );
-    let moved = shardline_ops::moves::run(&config, hot.shard.get(), &to, &MoveOptions::default()).await?;
+    ))?;
+    let moved = shardline_ops::moves::run(&config, hot.shard, &to, &MoveOptions::default()).await?;
     writeln!(
         out,
         "  moved the hot shard {} {} -> {}: {} rows in {} ms of copy, write pause {} ms",

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardline_ops::moves::{MoveOptions, MoveProgress, Step};
-use shardline_router::Config;
+use shardline_router::{Config, HostName, LogicalShard};
 
 use crate::UsageError;
 use crate::cluster::{bytes, runtime};
@@ -133,10 +133,13 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.stop_after = opt.stop_after;
     options.lease = opt.lease;
     options.progress = Some(f);
+    // The cluster's own count is checked by the move (pre-flight, journal).
+    let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
     let need_shard =
-        || opt.shard.ok_or_else(|| UsageError("which shard? e.g. `shardline move 5 --to pg2`".into()));
+        || shard.ok_or_else(|| UsageError("which shard? e.g. `shardline move 5 --to pg2`".into()));
     if let Some(to) = &opt.to {
         let shard = need_shard()?;
+        let to = &HostName::new(to)?;
         if opt.dry_run {
             let pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
             if opt.json {
@@ -163,7 +166,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
             writeln!(out, "{report}")?;
         }
     } else if opt.resume {
-        let result = rt.block_on(shardline_ops::moves::resume(config, opt.shard, &options));
+        let result = rt.block_on(shardline_ops::moves::resume(config, shard, &options));
         bar.finish_and_clear();
         let reports = result?;
         if opt.json {

@@ -75,7 +75,7 @@ pub struct Report {
     /// Shards placed on hosts by this run (all of them on the first `init`, else 0).
     pub shards_placed: usize,
     /// Hosts new to the catalog, added with no shards.
-    pub hosts_added: Vec<String>,
+    pub hosts_added: Vec<HostName>,
     /// Shard schemas created.
     pub schemas_created: usize,
     /// ID minters installed or updated.
@@ -138,7 +138,7 @@ impl fmt::Display for Report {
             writeln!(
                 f,
                 "added host(s) {} with no shards; move shards onto them",
-                self.hosts_added.join(", ")
+                self.hosts_added.iter().map(HostName::as_str).collect::<Vec<_>>().join(", ")
             )?;
         }
         if self.schemas_created > 0 || self.minters_installed > 0 {
@@ -194,9 +194,9 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
         match r {
             Ok(clients) => ok.push((name, clients)),
             Err(shardline_repo::Error::Connect { source, .. }) => {
-                down.push((name.to_string(), shardline_repo::error_chain(&source)))
+                down.push((name.clone(), shardline_repo::error_chain(&source)))
             }
-            Err(e) => down.push((name.to_string(), shardline_repo::error_chain(&e))),
+            Err(e) => down.push((name.clone(), shardline_repo::error_chain(&e))),
         }
     }
     if down.is_empty() { Ok(ok) } else { Err(Error::Unreachable { hosts: down }) }
@@ -272,7 +272,7 @@ fn check_hosts(map: &ShardMap, config: &Config) -> Result<()> {
     for host in map.hosts() {
         let shards = map.shards_of(host).count();
         if shards > 0 && config.host(host).is_none() {
-            return Err(Error::HostMissing { host: host.to_string(), shards });
+            return Err(Error::HostMissing { host: host.clone(), shards });
         }
     }
     Ok(())
@@ -383,7 +383,7 @@ async fn run(
                 .await
                 .unwrap_or_else(|_| {
                     Err(Error::Timeout {
-                        host: name.to_string(),
+                        host: name.clone(),
                         what: "reading what its shards need".into(),
                         after: options.shard_timeout,
                     })

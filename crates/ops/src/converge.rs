@@ -242,7 +242,7 @@ pub(crate) async fn apply_shard(
     inputs: &Inputs<'_>,
 ) -> Result<()> {
     let q = w.schema.quoted();
-    let shard = w.shard.get();
+    let shard = w.shard;
     let mut batch: Vec<(Origin, String)> = vec![(
         Origin::Ours("begin the shard's transaction"),
         format!(
@@ -300,7 +300,7 @@ pub(crate) async fn apply_shard(
             Error::Migration(Box::new(crate::FailedStatement {
                 shard,
                 schema: w.schema.to_string(),
-                host: host.to_string(),
+                host: host.clone(),
                 file: m.name.clone(),
                 index: statement + 1,
                 line: s.line,
@@ -333,7 +333,7 @@ pub(crate) async fn run_host(
                     .await
                     .unwrap_or_else(|_| {
                         Err(Error::Timeout {
-                            host: plan.host.to_string(),
+                            host: plan.host.clone(),
                             what: format!("shard {}'s transaction (whole or not at all)", w.shard),
                             after: inputs.shard_timeout,
                         })

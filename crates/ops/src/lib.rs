@@ -24,11 +24,13 @@
 //! ```no_run
 //! # async fn ops(config: &shardline_router::Config) -> Result<(), shardline_ops::Error> {
 //! use shardline_ops::moves::{self, MoveOptions};
+//! use shardline_router::{HostName, LogicalShard};
 //!
 //! // Create the catalog and every shard schema (idempotent).
 //! shardline_ops::init(config, &shardline_ops::Options::default(), &|_| {}).await?;
 //! // Move shard 5 to pg2, online; the report has the rows, copy time and write pause.
-//! let report = moves::run(config, 5, "pg2", &MoveOptions::default()).await?;
+//! let (shard, to) = (LogicalShard::bounded(5)?, HostName::new("pg2")?);
+//! let report = moves::run(config, shard, &to, &MoveOptions::default()).await?;
 //! println!("{report}");
 //! # Ok(())
 //! # }
@@ -36,6 +38,8 @@
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
+
+use shardline_router::{HostName, LogicalShard};
 
 pub mod bootstrap;
 pub mod converge;
@@ -83,7 +87,7 @@ pub enum Error {
     #[error("{} unreachable, so nothing was changed: {}", msg::hosts_are(hosts), msg::each_with_why(hosts))]
     Unreachable {
         /// Each unreachable host, with why.
-        hosts: Vec<(String, String)>,
+        hosts: Vec<(HostName, String)>,
     },
     /// A role the config's `app_roles` names is missing on a server (roles are per
     /// server); nothing was changed.
@@ -99,7 +103,8 @@ pub enum Error {
     /// A statement on a host (not inside a migration) failed.
     #[error("host {host}: {what} failed (SQLSTATE {}): {message}", msg::sqlstate(sqlstate))]
     Host {
-        /// The host.
+        /// The host's name, or `catalog` for a statement on the catalog: not a
+        /// [`HostName`], since it names the catalog too.
         host: String,
         /// What was being done, naming the shard when there is one.
         what: String,
@@ -115,7 +120,7 @@ pub enum Error {
     #[error("host {host} holds {shards} shard(s) in the catalog but is not in the config; add it back")]
     HostMissing {
         /// The host.
-        host: String,
+        host: HostName,
         /// How many shards it holds.
         shards: usize,
     },
@@ -133,7 +138,7 @@ pub enum Error {
     )]
     MoveRunning {
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// Another process is working on this move.
     #[error("another shardline process is working on move {id}; wait for it, or stop it first")]
@@ -145,7 +150,7 @@ pub enum Error {
     #[error("no move{} is running", msg::of_shard(shard))]
     NoMove {
         /// The shard asked for, if any.
-        shard: Option<u16>,
+        shard: Option<LogicalShard>,
     },
     /// The move has flipped: it can only be finished.
     #[error(
@@ -155,7 +160,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// The fence's lease ran out with nothing decided (the mover died or lost the
     /// source), and the shard was unfenced on the source: the move is undone.
@@ -166,7 +171,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// The source decided to flip (the copy verified, the fence kept for good): the
     /// move can only be finished.
@@ -177,7 +182,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// An undo of the move began and did not finish (a host died under it): the
     /// target's copy may be gone, so the move cannot go on; `--abort` finishes the undo.
@@ -188,7 +193,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// Verification found differences; the move was undone (the shard stays on the
     /// source).
@@ -200,7 +205,7 @@ pub enum Error {
         /// The move.
         id: i64,
         /// The shard.
-        shard: u16,
+        shard: LogicalShard,
         /// Per table: the differing primary keys.
         differences: Vec<String>,
     },
@@ -218,7 +223,7 @@ pub enum Error {
     #[error("host {host}: timed out after {after:?} waiting for {what}")]
     Timeout {
         /// The host waited on.
-        host: String,
+        host: HostName,
         /// What was awaited.
         what: String,
         /// How long it waited.
@@ -264,11 +269,11 @@ impl Error {
 #[non_exhaustive]
 pub struct FailedStatement {
     /// The logical shard.
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// Its schema.
     pub schema: String,
     /// Its host.
-    pub host: String,
+    pub host: HostName,
     /// The migration file.
     pub file: String,
     /// 1-based index of the statement in the file.
@@ -312,15 +317,17 @@ const _: () = {
 mod msg {
     use std::fmt::Display;
 
+    use shardline_router::{HostName, LogicalShard};
+
     pub(super) fn sqlstate(s: &Option<String>) -> &str {
         s.as_deref().unwrap_or("none")
     }
 
-    pub(super) fn hosts_are(hosts: &[(String, String)]) -> &'static str {
+    pub(super) fn hosts_are(hosts: &[(HostName, String)]) -> &'static str {
         if hosts.len() == 1 { "a host is" } else { "hosts are" }
     }
 
-    pub(super) fn each_with_why(hosts: &[(String, String)]) -> String {
+    pub(super) fn each_with_why(hosts: &[(HostName, String)]) -> String {
         hosts.iter().map(|(h, e)| format!("{h}: {e}")).collect::<Vec<_>>().join("; ")
     }
 
@@ -340,7 +347,7 @@ mod msg {
         items.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
     }
 
-    pub(super) fn of_shard(shard: &Option<u16>) -> String {
+    pub(super) fn of_shard(shard: &Option<LogicalShard>) -> String {
         shard.map(|s| format!(" of shard {s}")).unwrap_or_default()
     }
 }

@@ -21,11 +21,11 @@ use crate::{Error, Result};
 #[non_exhaustive]
 pub struct PlannedMove {
     /// The shard.
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// From.
-    pub from: String,
+    pub from: HostName,
     /// To.
-    pub to: String,
+    pub to: HostName,
     /// Its bytes.
     pub bytes: i64,
 }
@@ -35,7 +35,7 @@ pub struct PlannedMove {
 #[non_exhaustive]
 pub struct HostLoad {
     /// The host.
-    pub host: String,
+    pub host: HostName,
     /// Shards now.
     pub shards_before: usize,
     /// Bytes now.
@@ -93,7 +93,7 @@ pub async fn plan(config: &Config, max_moves: usize) -> Result<Plan> {
         if !shards.is_empty() {
             let h = config
                 .host(host)
-                .ok_or_else(|| Error::HostMissing { host: host.to_string(), shards: shards.len() })?;
+                .ok_or_else(|| Error::HostMissing { host: host.clone(), shards: shards.len() })?;
             let c = shardline_repo::catalog::connect(&h.url, &format!("host {host}")).await?;
             let schemas: Vec<String> =
                 shards.iter().map(|s| config.schema_prefix.schema(*s).as_str().to_owned()).collect();
@@ -154,12 +154,12 @@ pub fn plan_from(sizes: &BTreeMap<HostName, Vec<(LogicalShard, i64)>>, max_moves
             entry.0.push((shard, bytes));
             entry.1 += bytes;
         }
-        moves.push(PlannedMove { shard: shard.get(), from: heavy.to_string(), to: light.to_string(), bytes });
+        moves.push(PlannedMove { shard, from: heavy.clone(), to: light.clone(), bytes });
     }
     let hosts = sizes
         .iter()
         .map(|(h, s)| HostLoad {
-            host: h.to_string(),
+            host: h.clone(),
             shards_before: s.len(),
             bytes_before: s.iter().map(|x| x.1).sum(),
             shards_after: load.get(h).map_or(0, |l| l.0.len()),
@@ -232,7 +232,7 @@ mod tests {
         sizes.insert(h("b"), shards(&count, &[(3, 100), (4, 100), (5, 50)]));
         let plan = plan_from(&sizes, 10);
         // Gap 600: moving shard 1 (300) leaves 550 against 550.
-        assert_eq!(plan.moves.first().map(|m| m.shard), Some(1), "{plan}");
+        assert_eq!(plan.moves.first().map(|m| m.shard.get()), Some(1), "{plan}");
         assert!(plan.hosts.iter().all(|l| l.bytes_after == 550), "{plan}");
     }
 }

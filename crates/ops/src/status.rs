@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 use shardline_repo::Catalog;
 use shardline_repo::catalog;
-use shardline_router::Config;
+use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
 use crate::migrations;
@@ -33,7 +33,7 @@ pub struct Status {
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct HostStatus {
     /// Its name.
-    pub name: String,
+    pub name: HostName,
     /// Whether it answered.
     pub reachable: bool,
     /// Why not, when it did not.
@@ -80,7 +80,7 @@ pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
             let schemas: Vec<String> =
                 map.shards_of(host).map(|s| prefix.schema(s).as_str().to_owned()).collect();
             let mut status = HostStatus {
-                name: host.to_string(),
+                name: host.clone(),
                 reachable: false,
                 error: None,
                 shards: schemas.len(),

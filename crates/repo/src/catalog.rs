@@ -229,7 +229,7 @@ pub struct Prepared {
     /// Shards placed (first run only).
     pub shards_placed: usize,
     /// Hosts new to the catalog, added with no shards (not on the first run).
-    pub hosts_added: Vec<String>,
+    pub hosts_added: Vec<HostName>,
 }
 
 /// A connection to the catalog.
@@ -381,14 +381,15 @@ impl Catalog {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
-            let new: Vec<String> =
-                config.hosts.iter().map(|h| h.name.to_string()).filter(|h| !known.contains(h)).collect();
+            let new: Vec<HostName> =
+                config.hosts.iter().map(|h| h.name.clone()).filter(|h| !known.contains(h.as_str())).collect();
             if !new.is_empty() {
+                let names: Vec<&str> = new.iter().map(HostName::as_str).collect();
                 c.execute(
                     "INSERT INTO shardline.hosts (name, position)
                      SELECT name, (SELECT coalesce(max(position), 0) FROM shardline.hosts) + ord
                      FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)",
-                    &[&new],
+                    &[&names],
                 )
                 .await
                 .map_err(|e| Error::catalog("add hosts", e))?;

@@ -195,7 +195,7 @@ impl Cluster {
                 .create_timeout(Some(options.connect_timeout))
                 .build()
                 .map_err(|e| Error::Pool {
-                    host: h.name.to_string(),
+                    host: h.name.clone(),
                     message: e.to_string(),
                     timed_out: false,
                 })?;
@@ -318,10 +318,10 @@ impl Cluster {
     ///
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
-        let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.to_string() })?;
+        let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.clone() })?;
         pool.get().await.map_err(|e| {
             let message = e.to_string();
-            let pool_error = |timed_out| Error::Pool { host: host.to_string(), message, timed_out };
+            let pool_error = |timed_out| Error::Pool { host: host.clone(), message, timed_out };
             match e {
                 deadpool_postgres::PoolError::Backend(source) => {
                     match catalog::connect_error(&format!("host {host}"), source) {
@@ -396,7 +396,7 @@ impl Cluster {
             Ok(client) => client?,
             Err(_) => {
                 return Err(Error::Pool {
-                    host: host.to_string(),
+                    host: host.clone(),
                     message: format!("no connection could be had within {after:?}"),
                     timed_out: true,
                 });
@@ -404,7 +404,7 @@ impl Cluster {
         };
         tokio::time::timeout_at(deadline, work(client))
             .await
-            .map_err(|_| Error::Timeout { host: host.to_string(), after })?
+            .map_err(|_| Error::Timeout { host: host.clone(), after })?
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -575,7 +575,7 @@ impl Cluster {
 fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, Pool>) -> Result<()> {
     for host in map.hosts() {
         if !pools.contains_key(host) && map.shards_of(host).next().is_some() {
-            return Err(Error::UnknownHost { host: host.to_string() });
+            return Err(Error::UnknownHost { host: host.clone() });
         }
     }
     Ok(())

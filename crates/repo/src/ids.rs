@@ -7,6 +7,8 @@ use shardline_id::sql::check_identifier;
 use shardline_id::{Id, Layout};
 use tokio::sync::Mutex;
 
+use shardline_router::LogicalShard;
+
 use crate::{Error, Result};
 
 /// Values reserved per round trip by default.
@@ -26,7 +28,7 @@ pub const DEFAULT_MAX_AHEAD_MS: i64 = 1000;
 /// borrowed future milliseconds) it sleeps asynchronously until it is not.
 #[derive(Debug)]
 pub struct ShardIdGenerator<C = SystemClock> {
-    shard: u32,
+    shard: LogicalShard,
     reserve_sql: String,
     block: i32,
     max_ahead_ms: i64,
@@ -40,7 +42,7 @@ impl ShardIdGenerator<SystemClock> {
     /// # Errors
     ///
     /// When the schema is not a plain identifier or the shard does not fit the layout.
-    pub fn new(layout: Layout, schema: &str, shard: u32) -> Result<Self> {
+    pub fn new(layout: Layout, schema: &str, shard: LogicalShard) -> Result<Self> {
         ShardIdGenerator::with_clock(layout, schema, shard, SystemClock)
     }
 }
@@ -51,7 +53,7 @@ impl<C: Clock> ShardIdGenerator<C> {
     /// # Errors
     ///
     /// As [`ShardIdGenerator::new`].
-    pub fn with_clock(layout: Layout, schema: &str, shard: u32, clock: C) -> Result<Self> {
+    pub fn with_clock(layout: Layout, schema: &str, shard: LogicalShard, clock: C) -> Result<Self> {
         check_identifier(schema)?;
         Ok(ShardIdGenerator {
             shard,
@@ -59,7 +61,7 @@ impl<C: Clock> ShardIdGenerator<C> {
             block: DEFAULT_BLOCK,
             max_ahead_ms: DEFAULT_MAX_AHEAD_MS,
             clock,
-            blocks: Mutex::new(ReservedBlocks::new(layout, shard)?),
+            blocks: Mutex::new(ReservedBlocks::new(layout, u32::from(shard.get()))?),
         })
     }
 

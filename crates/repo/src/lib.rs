@@ -59,6 +59,7 @@ pub use repository::{FanOut, Many, Missing, Page, Repo};
 pub use shard::{ShardResult, ShardTx};
 pub use shardline_derive::{Entity, NewRow};
 pub use shardline_id::Id;
+use shardline_router::{HostName, LogicalShard};
 
 /// The driver this crate runs on, re-exported so versions cannot drift.
 pub use tokio_postgres;
@@ -71,7 +72,7 @@ pub enum Error {
     #[error("shard {shard}: {what} failed (SQLSTATE {})", msg::sqlstate(sqlstate))]
     Db {
         /// The logical shard.
-        shard: u32,
+        shard: LogicalShard,
         /// What was being done.
         what: &'static str,
         /// The SQLSTATE, when the server sent one.
@@ -85,7 +86,7 @@ pub enum Error {
     #[error("shard {shard}: reserve_ids returned no values")]
     EmptyReservation {
         /// The logical shard.
-        shard: u32,
+        shard: LogicalShard,
     },
     /// An ID could not be made or checked.
     #[error(transparent)]
@@ -142,9 +143,9 @@ pub enum Error {
     #[error("host {host}{}: {what} failed (SQLSTATE {})", msg::of_shard(shard), msg::sqlstate(sqlstate))]
     Host {
         /// The host.
-        host: String,
+        host: HostName,
         /// The logical shard, when the statement was for one.
-        shard: Option<u16>,
+        shard: Option<LogicalShard>,
         /// What was being done.
         what: &'static str,
         /// The SQLSTATE, when the server sent one.
@@ -157,7 +158,7 @@ pub enum Error {
     #[error("host {host} did not answer within {after:?} (a write may or may not have been applied)")]
     Timeout {
         /// The host.
-        host: String,
+        host: HostName,
         /// The timeout.
         after: std::time::Duration,
     },
@@ -165,7 +166,7 @@ pub enum Error {
     #[error("host {host}: no connection: {message}")]
     Pool {
         /// The host.
-        host: String,
+        host: HostName,
         /// The pool's reason (a connect failure or a wait timeout).
         message: String,
         /// Whether the pool gave up waiting (rather than failing to connect).
@@ -177,9 +178,9 @@ pub enum Error {
     #[error("host {host}: {what}: parameter {parameter} could not be sent as {expected}")]
     Unsent {
         /// The host.
-        host: String,
+        host: HostName,
         /// The logical shard, when the statement was for one.
-        shard: Option<u16>,
+        shard: Option<LogicalShard>,
         /// What was being done.
         what: &'static str,
         /// The parameter, counted from 1 (0 when the number of values was wrong).
@@ -196,23 +197,28 @@ pub enum Error {
     #[error("host {host}, shard {shard}: the transaction was rolled back: a statement inside it failed")]
     RolledBack {
         /// The host.
-        host: String,
+        host: HostName,
         /// The logical shard.
-        shard: u16,
+        shard: LogicalShard,
     },
     /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
-    #[error("insert many: the rows of {} committed, the part of {failed} failed", msg::list(committed))]
+    #[error(
+        "insert many: the rows of {} committed, the part of {} failed",
+        msg::list(committed),
+        msg::host_or_any(failed)
+    )]
     InsertMany {
         /// The hosts whose part of the batch committed.
-        committed: Vec<String>,
+        committed: Vec<HostName>,
         /// The rows that committed, as indices into the batch given: the rest were not
         /// applied, except where `source` says its outcome is unknown.
         committed_rows: Vec<usize>,
         /// The host whose part failed (`source` says how; when another failed part's
-        /// outcome is unknown, that one is reported).
-        failed: String,
+        /// outcome is unknown, that one is reported); `None` when the failure names no
+        /// host.
+        failed: Option<HostName>,
         /// The failure of the first host that did not commit.
         #[source]
         source: Box<Error>,
@@ -221,7 +227,7 @@ pub enum Error {
     #[error("the shard map places shards on host {host}, which the config does not name")]
     UnknownHost {
         /// The host.
-        host: String,
+        host: HostName,
     },
     /// A table or column name that is not a plain SQL identifier.
     #[error("{what} {name:?} is not a plain SQL identifier (lowercase ASCII letters, digits, _)")]
@@ -261,9 +267,9 @@ pub enum Error {
         /// The operation.
         what: &'static str,
         /// The shard of the row or ID.
-        shard: u16,
+        shard: LogicalShard,
         /// The transaction's shard.
-        transaction: u16,
+        transaction: LogicalShard,
     },
     /// A row came back from a statement with an ID minted by another shard than the one
     /// the statement was sent to: the statement ran somewhere else than shardline sent
@@ -278,12 +284,13 @@ pub enum Error {
     )]
     Misrouted {
         /// The host the statement was sent to.
-        host: String,
+        host: HostName,
         /// The operation.
         what: &'static str,
         /// The shard the statement named.
-        expected: u16,
-        /// The shard that minted the row's ID.
+        expected: LogicalShard,
+        /// The shard field of the row's ID, as the ID layout reads it: it may name no
+        /// shard of this cluster, so it stays the raw field.
         found: u32,
         /// The row's ID.
         id: i64,
@@ -294,7 +301,7 @@ pub enum Error {
     #[error("host {host}: {reason}")]
     Pooler {
         /// The host.
-        host: String,
+        host: HostName,
         /// What cannot be done, and what to change.
         reason: String,
     },
@@ -314,7 +321,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn db(shard: u32, what: &'static str, source: tokio_postgres::Error) -> Self {
+    pub(crate) fn db(shard: LogicalShard, what: &'static str, source: tokio_postgres::Error) -> Self {
         let sqlstate = source.code().map(|c| c.code().to_owned());
         Error::Db { shard, what, sqlstate, source }
     }
@@ -328,19 +335,13 @@ impl Error {
     }
 
     pub(crate) fn host(
-        host: &shardline_router::HostName,
-        shard: Option<shardline_router::LogicalShard>,
+        host: &HostName,
+        shard: Option<LogicalShard>,
         what: &'static str,
         source: tokio_postgres::Error,
     ) -> Self {
         let sqlstate = source.code().map(|c| c.code().to_owned());
-        Error::Host {
-            host: host.to_string(),
-            shard: shard.map(|s| s.get()),
-            what,
-            sqlstate,
-            source: Some(source),
-        }
+        Error::Host { host: host.clone(), shard, what, sqlstate, source: Some(source) }
     }
 
     /// The SQLSTATE of a database error, if any.
@@ -370,7 +371,7 @@ impl Error {
     }
 
     /// The host the error is about, when it is about one.
-    pub(crate) fn host_name(&self) -> Option<&str> {
+    pub(crate) fn host_name(&self) -> Option<&HostName> {
         match self {
             Error::Host { host, .. }
             | Error::Timeout { host, .. }
@@ -457,19 +458,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Runs `work` on `host` within `after`; past it, [`Error::Timeout`] naming the host. The
 /// one place a host's statements are timed.
 pub(crate) async fn within<T>(
-    host: &shardline_router::HostName,
+    host: &HostName,
     after: std::time::Duration,
     work: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
-    tokio::time::timeout(after, work).await.map_err(|_| Error::Timeout { host: host.to_string(), after })?
+    tokio::time::timeout(after, work).await.map_err(|_| Error::Timeout { host: host.clone(), after })?
 }
 
 /// The error of a statement that failed on `host`: [`Error::Unsent`] when a parameter
 /// could not be encoded for the type the server expects (found by encoding the values
 /// again, so by what failed, not by the driver's message), else [`Error::Host`].
 pub(crate) fn statement_error(
-    host: &shardline_router::HostName,
-    shard: Option<shardline_router::LogicalShard>,
+    host: &HostName,
+    shard: Option<LogicalShard>,
     what: &'static str,
     source: tokio_postgres::Error,
     types: &[tokio_postgres::types::Type],
@@ -478,14 +479,7 @@ pub(crate) fn statement_error(
     if source.as_db_error().is_none() && !source.is_closed() {
         let unsent =
             |parameter: usize, expected: String, source: Box<dyn std::error::Error + Send + Sync>| {
-                Error::Unsent {
-                    host: host.to_string(),
-                    shard: shard.map(|s| s.get()),
-                    what,
-                    parameter,
-                    expected,
-                    source,
-                }
+                Error::Unsent { host: host.clone(), shard, what, parameter, expected, source }
             };
         if types.len() != params.len() {
             let why = format!("the statement takes {} parameters, {} were given", types.len(), params.len());
@@ -526,15 +520,21 @@ const _: () = {
 
 /// The pieces of [`Error`]'s messages, so no `#[error]` holds logic of its own.
 mod msg {
+    use shardline_router::{HostName, LogicalShard};
+
     pub(super) fn sqlstate(s: &Option<String>) -> &str {
         s.as_deref().unwrap_or("none")
     }
 
-    pub(super) fn list(items: &[String]) -> String {
-        items.join(", ")
+    pub(super) fn list<T: std::fmt::Display>(items: &[T]) -> String {
+        items.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     }
 
-    pub(super) fn of_shard(shard: &Option<u16>) -> String {
+    pub(super) fn host_or_any(host: &Option<HostName>) -> String {
+        host.as_ref().map_or_else(|| "a host".to_owned(), ToString::to_string)
+    }
+
+    pub(super) fn of_shard(shard: &Option<LogicalShard>) -> String {
         shard.map(|s| format!(", shard {s}")).unwrap_or_default()
     }
 }

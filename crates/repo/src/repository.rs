@@ -222,9 +222,9 @@ pub struct Page<E> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Missing {
     /// The host that failed.
-    pub host: String,
+    pub host: HostName,
     /// The shards it holds, all missing from the result.
-    pub shards: Vec<u16>,
+    pub shards: Vec<LogicalShard>,
     /// What went wrong.
     pub error: String,
 }
@@ -412,9 +412,9 @@ impl<E: Entity> Repo<E> {
             error
         } else {
             Error::InsertMany {
-                committed: committed.iter().map(ToString::to_string).collect(),
+                committed,
                 committed_rows: out.iter().enumerate().filter(|(_, r)| r.is_some()).map(|(i, _)| i).collect(),
-                failed: error.host_name().unwrap_or("a host").to_owned(),
+                failed: error.host_name().cloned(),
                 source: Box::new(error),
             }
         })
@@ -984,11 +984,7 @@ impl<E: Entity> Repo<E> {
             }
             if let Some((e, failed)) = failed {
                 tracing::warn!(%host, shards = failed.len(), error = %crate::error_chain(&e), "fan-out: shards missing from the result");
-                missing.push(Missing {
-                    host: host.to_string(),
-                    shards: failed.iter().map(|s| s.get()).collect(),
-                    error: crate::error_chain(&e),
-                });
+                missing.push(Missing { host: host.clone(), shards: failed, error: crate::error_chain(&e) });
             }
         }
         match moved {

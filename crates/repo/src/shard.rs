@@ -130,7 +130,7 @@ impl ShardTx<'_> {
                 Ok(())
             }
             Err(e) if e.sqlstate() == Some("25P02") => {
-                let rolled_back = Error::RolledBack { host: host.to_string(), shard: shard.get() };
+                let rolled_back = Error::RolledBack { host: host.clone(), shard };
                 let _ = self.rollback().await;
                 Err(rolled_back)
             }
@@ -240,7 +240,7 @@ impl ShardTx<'_> {
         if shard == self.route.shard {
             Ok(())
         } else {
-            Err(Error::WrongShard { what, shard: shard.get(), transaction: self.route.shard.get() })
+            Err(Error::WrongShard { what, shard, transaction: self.route.shard })
         }
     }
 

@@ -203,6 +203,8 @@ pub(crate) fn check_rows(
     shards: &[LogicalShard],
     rows: &[Row],
 ) -> Result<()> {
+    // Every caller names the shards its statement was sent to: at least one.
+    let Some(&expected) = shards.first() else { return Ok(()) };
     for row in rows {
         // A row without a bigint `id` is not checked here; decoding it fails elsewhere.
         let Some(Ok(raw)) =
@@ -213,8 +215,7 @@ pub(crate) fn check_rows(
         let Ok(id) = Id::from_i64(raw) else { continue };
         let found = layout.shard_of(id);
         if !shards.iter().any(|s| u32::from(s.get()) == found) {
-            let expected = shards.first().map_or(0, |s| s.get());
-            return Err(Error::Misrouted { host: host.to_string(), what, expected, found, id: raw });
+            return Err(Error::Misrouted { host: host.clone(), what, expected, found, id: raw });
         }
     }
     Ok(())
@@ -276,7 +277,7 @@ pub(crate) async fn run(
 /// transaction pooler.
 pub(crate) fn schema_type_refused(host: &HostName, table: &str, column: &str) -> Error {
     Error::Pooler {
-        host: host.to_string(),
+        host: host.clone(),
         reason: format!(
             "column {table}.{column} has a type of the shard's schema (an enum, say): behind a \
              transaction-mode pooler shardline sends only unnamed statements with built-in types \

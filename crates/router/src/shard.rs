@@ -25,9 +25,49 @@ impl LogicalShard {
             .ok_or(Error::ShardOutOfRange { shard: n, count: count.get() })
     }
 
+    /// A shard number checked only against [`MAX_LOGICAL_SHARDS`], for where the
+    /// cluster's count is not at hand: a number read back from a table (the journal of
+    /// moves) or given on a command line. Check it against the cluster's count with
+    /// [`LogicalShard::within`] before routing to it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShardOutOfRange`] when `n` is negative or not below
+    /// [`MAX_LOGICAL_SHARDS`].
+    pub fn bounded(n: i64) -> Result<Self> {
+        u16::try_from(n)
+            .ok()
+            .filter(|&n| n < MAX_LOGICAL_SHARDS)
+            .map(LogicalShard)
+            .ok_or(Error::ShardOutOfRange { shard: n, count: MAX_LOGICAL_SHARDS })
+    }
+
+    /// This shard, checked to be one of `count`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShardOutOfRange`] when it is not below `count`.
+    pub fn within(self, count: ShardCount) -> Result<Self> {
+        LogicalShard::new(i64::from(self.0), count)
+    }
+
     /// The shard number.
     pub const fn get(self) -> u16 {
         self.0
+    }
+}
+
+impl PartialEq<u16> for LogicalShard {
+    fn eq(&self, other: &u16) -> bool {
+        self.0 == *other
+    }
+}
+
+/// A shard serializes as its number (`5`), so JSON output keeps the shape it had when
+/// shards were plain integers.
+impl serde::Serialize for LogicalShard {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_u16(self.0)
     }
 }
 
@@ -179,9 +219,28 @@ impl HostName {
     }
 }
 
+/// A host name serializes as its string (`"pg1"`).
+impl serde::Serialize for HostName {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl PartialEq<str> for HostName {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for HostName {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
 impl fmt::Display for HostName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.pad(&self.0)
     }
 }
 
@@ -236,5 +295,27 @@ impl RoleName {
 impl fmt::Display for RoleName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bounded_shard_is_checked_against_the_widest_count_then_the_cluster_s() {
+        assert_eq!(LogicalShard::bounded(8191).map(LogicalShard::get), Ok(8191));
+        for bad in [-1, 8192, i64::from(u16::MAX) + 1] {
+            assert_eq!(
+                LogicalShard::bounded(bad),
+                Err(Error::ShardOutOfRange { shard: bad, count: MAX_LOGICAL_SHARDS })
+            );
+        }
+        let count = ShardCount::new(16).unwrap();
+        assert_eq!(LogicalShard::bounded(15).and_then(|s| s.within(count)).map(LogicalShard::get), Ok(15));
+        assert_eq!(
+            LogicalShard::bounded(16).and_then(|s| s.within(count)),
+            Err(Error::ShardOutOfRange { shard: 16, count: 16 })
+        );
     }
 }

@@ -301,13 +301,13 @@ pub struct MoveReport {
     /// The move's ID in the journal.
     pub id: i64,
     /// The shard.
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// Its schema.
     pub schema: String,
     /// Where it was.
-    pub source: String,
+    pub source: HostName,
     /// Where it is now.
-    pub target: String,
+    pub target: HostName,
     /// Rows moved (counted at verification).
     pub rows: i64,
     /// Bytes of its tables and indexes on the source.
@@ -381,9 +381,9 @@ pub struct AbortReport {
     /// The move.
     pub id: i64,
     /// The shard, back on its source (it never left the map).
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// The source host.
-    pub source: String,
+    pub source: HostName,
     /// Whether the source's schema had to be unfenced (renamed back).
     pub unfenced: bool,
     /// What is left for `shardline gc`.
@@ -439,7 +439,7 @@ async fn host_client(config: &Config, name: &HostName) -> Result<Client> {
         .hosts
         .iter()
         .find(|h| h.name == *name)
-        .ok_or_else(|| Error::HostMissing { host: name.to_string(), shards: 0 })?;
+        .ok_or_else(|| Error::HostMissing { host: name.clone(), shards: 0 })?;
     Ok(connect(&h.url, &format!("host {name}")).await?)
 }
 
@@ -500,7 +500,7 @@ impl<'a> Mover<'a> {
         layout: Layout,
         record: MoveRecord,
     ) -> Result<Mover<'a>> {
-        let shard = LogicalShard::new(i64::from(record.shard), config.logical_shards)?;
+        let shard = record.shard.within(config.logical_shards)?;
         let schema = config.schema_prefix.schema(shard);
         Ok(Mover {
             config,
@@ -510,8 +510,8 @@ impl<'a> Mover<'a> {
             shard,
             moved: moved_name(&schema, record.id),
             schema,
-            source: HostName::new(&record.source)?,
-            target: HostName::new(&record.target)?,
+            source: record.source,
+            target: record.target,
             step: record.step,
             detail: record.detail,
             layout,
@@ -555,7 +555,7 @@ impl<'a> Mover<'a> {
         match tokio::time::timeout(limit, check).await {
             Ok(r) => r.map(drop),
             Err(_) => Err(Error::Timeout {
-                host: source.to_string(),
+                host: source.clone(),
                 what: "check that the source answers".into(),
                 after: limit,
             }),
@@ -637,10 +637,10 @@ impl<'a> Mover<'a> {
         }
         Ok(MoveReport {
             id: self.id,
-            shard: self.shard.get(),
+            shard: self.shard,
             schema: self.schema.to_string(),
-            source: self.source.to_string(),
-            target: self.target.to_string(),
+            source: self.source.clone(),
+            target: self.target.clone(),
             rows: self.detail.rows,
             bytes: self.detail.bytes,
             copy_ms: self.detail.copy_ms.unwrap_or(0),
@@ -666,7 +666,12 @@ impl<'a> Mover<'a> {
 /// `init` or `migrate` runs; a step's failure, naming the host and SQLSTATE;
 /// [`Error::Verify`] with the differing keys; [`Error::Interrupted`] when
 /// `options.stop_after` asked for it.
-pub async fn run(config: &Config, shard: u16, target: &str, options: &MoveOptions) -> Result<MoveReport> {
+pub async fn run(
+    config: &Config,
+    shard: LogicalShard,
+    target: &HostName,
+    options: &MoveOptions,
+) -> Result<MoveReport> {
     let check = preflight::preflight(config, shard, target).await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
@@ -754,7 +759,11 @@ async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
 ///
 /// [`Error::NoMove`] when there is none; [`Error::MoveBusy`] when another process works
 /// on it; a step's failure, as [`run`].
-pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) -> Result<Vec<MoveReport>> {
+pub async fn resume(
+    config: &Config,
+    shard: Option<LogicalShard>,
+    options: &MoveOptions,
+) -> Result<Vec<MoveReport>> {
     let (catalog, info) = Catalog::open(config).await?;
     let records = journal::running(&catalog, shard).await?;
     if records.is_empty() {
@@ -785,7 +794,7 @@ pub async fn resume(config: &Config, shard: Option<u16>, options: &MoveOptions) 
 ///
 /// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable
 /// (the move stays journaled; abort again when it is back).
-pub async fn abort(config: &Config, shard: u16) -> Result<AbortReport> {
+pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> {
     let (catalog, info) = Catalog::open(config).await?;
     let record = journal::running(&catalog, Some(shard))
         .await?

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use shardline_repo::Catalog;
-use shardline_router::{Config, HostName, LogicalShard};
+use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
 use super::engine::{drop_source_side, drop_subscription};
@@ -157,7 +157,7 @@ async fn gc_host(
         .iter()
         .map(|r| r.get(0))
         .collect();
-    for m in moves.iter().filter(|m| m.state != State::Running && m.source == host.as_str()) {
+    for m in moves.iter().filter(|m| m.state != State::Running && m.source == *host) {
         let name = m.detail.name.clone();
         if name.is_empty() {
             continue;
@@ -208,7 +208,7 @@ async fn gc_host(
         report.dropped.push(format!("{host}: change log of move {id}"));
     }
     // Old source schemas of done moves, after their grace period.
-    for m in moves.iter().filter(|m| m.state == State::Done && m.source == host.as_str()) {
+    for m in moves.iter().filter(|m| m.state == State::Done && m.source == *host) {
         let moved = &m.detail.moved_schema;
         if moved.is_empty() {
             continue;
@@ -237,9 +237,9 @@ async fn gc_host(
     // The target's copy of a rolled-back move, left because the target was down.
     for m in moves
         .iter()
-        .filter(|m| m.state == State::RolledBack && m.target == host.as_str() && m.detail.target_schema_left)
+        .filter(|m| m.state == State::RolledBack && m.target == *host && m.detail.target_schema_left)
     {
-        let Ok(shard) = LogicalShard::new(i64::from(m.shard), map.count()) else { continue };
+        let Ok(shard) = m.shard.within(map.count()) else { continue };
         let someone_else =
             moves.iter().any(|o| o.state == State::Running && o.shard == m.shard && o.target == m.target);
         if map.host_of(shard) == host || someone_else {

@@ -303,11 +303,11 @@ pub struct MoveRecord {
     /// The move's ID.
     pub id: i64,
     /// The logical shard.
-    pub shard: u16,
+    pub shard: LogicalShard,
     /// Where it was.
-    pub source: String,
+    pub source: HostName,
     /// Where it goes.
-    pub target: String,
+    pub target: HostName,
     /// The last step done.
     pub step: Step,
     /// Running, done or rolled back.
@@ -359,18 +359,24 @@ const SELECT: &str = "SELECT id, shard, source, target, step, state, detail::tex
         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
    FROM shardline.moves";
 
+/// The one decoding of a row of `shardline.moves`: its integers and names become a
+/// [`LogicalShard`] and [`HostName`]s here, or [`Error::Journal`] says which is bad.
 fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
     let id: i64 = row.get(0);
     let bad = |what: String| Error::Journal { id, message: what };
     let shard: i32 = row.get(1);
+    let host = |i: usize| {
+        let name: String = row.get(i);
+        HostName::new(&name).map_err(|e| bad(e.to_string()))
+    };
     let step: String = row.get(4);
     let state: String = row.get(5);
     let detail: String = row.get(6);
     Ok(MoveRecord {
         id,
-        shard: u16::try_from(shard).map_err(|_| bad(format!("shard {shard} is out of range")))?,
-        source: row.get(2),
-        target: row.get(3),
+        shard: LogicalShard::bounded(i64::from(shard)).map_err(|e| bad(e.to_string()))?,
+        source: host(2)?,
+        target: host(3)?,
         step: Step::parse(&step).ok_or_else(|| bad(format!("unknown step {step:?}")))?,
         state: State::parse(&state).ok_or_else(|| bad(format!("unknown state {state:?}")))?,
         detail: serde_json::from_str(&detail).map_err(|e| bad(format!("unreadable detail: {e}")))?,
@@ -421,11 +427,11 @@ pub(crate) async fn all(catalog: &Catalog) -> Result<Vec<MoveRecord>> {
 }
 
 /// The running moves, of one shard or of all.
-pub(crate) async fn running(catalog: &Catalog, shard: Option<u16>) -> Result<Vec<MoveRecord>> {
+pub(crate) async fn running(catalog: &Catalog, shard: Option<LogicalShard>) -> Result<Vec<MoveRecord>> {
     let rows = client(catalog)
         .query(
             &format!("{SELECT} WHERE state = 'running' AND ($1::int IS NULL OR shard = $1) ORDER BY id"),
-            &[&shard.map(i32::from)],
+            &[&shard.map(|s| i32::from(s.get()))],
         )
         .await
         .map_err(catalog_err("read the moves"))?;
@@ -485,7 +491,7 @@ pub(crate) async fn start(
         .await
         .map_err(|e| {
             if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
-                Error::MoveRunning { shard: shard.get() }
+                Error::MoveRunning { shard }
             } else {
                 catalog_err("journal the move")(e)
             }

@@ -33,7 +33,7 @@ use crate::{Error, Result, describe};
 #[non_exhaustive]
 pub struct Problem {
     /// The host it is on, if it is on one.
-    pub host: Option<String>,
+    pub host: Option<HostName>,
     /// What was checked (`wal_level`, `replica identity`, ...).
     pub check: &'static str,
     /// What is wrong, and what to do.
@@ -101,7 +101,7 @@ struct Checks {
 
 impl Checks {
     fn add(&mut self, host: Option<&HostName>, check: &'static str, message: impl Into<String>) {
-        self.problems.push(Problem { host: host.map(ToString::to_string), check, message: message.into() });
+        self.problems.push(Problem { host: host.cloned(), check, message: message.into() });
     }
 }
 
@@ -118,13 +118,13 @@ pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -
 /// Only what stops the checks themselves: the catalog unreachable or not initialised, a
 /// shard out of range, a statement failing. An unreachable source or target is a
 /// [`Problem`], not an error.
-pub async fn preflight(config: &Config, shard: u16, target: &str) -> Result<Preflight> {
+pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) -> Result<Preflight> {
     let (catalog, _) = Catalog::open(config).await?;
     let map = catalog.map().await?;
-    let shard = LogicalShard::new(i64::from(shard), map.count())?;
+    let shard = shard.within(map.count())?;
     let schema = config.schema_prefix.schema(shard);
     let source = map.host_of(shard).clone();
-    let target_name = HostName::new(target)?;
+    let target_name = target.clone();
     let mut checks = Checks { problems: Vec::new() };
 
     let target_config = config.hosts.iter().find(|h| h.name == target_name);

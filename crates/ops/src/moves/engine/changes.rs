@@ -499,7 +499,7 @@ impl Mover<'_> {
         let started = Instant::now();
         let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let schema = self.schema.as_str().to_owned();
-        let shard = self.shard.get();
+        let shard = self.shard;
         self.start_change_log().await?;
         // Everything the source committed before its triggers (unlogged there) reaches
         // the target before the snapshots are taken.

@@ -108,7 +108,7 @@ impl Mover<'_> {
             .iter()
             .find(|h| h.name == self.source)
             .map(|h| h.peer_url.expose().to_owned())
-            .ok_or_else(|| Error::HostMissing { host: self.source.to_string(), shards: 0 })?;
+            .ok_or_else(|| Error::HostMissing { host: self.source.clone(), shards: 0 })?;
         // The slot first, made on the source by a session that holds no transaction
         // ID. Left to CREATE SUBSCRIPTION, it would be made while the target's DDL
         // transaction waits; two moves in opposite directions would then each wait for
@@ -192,7 +192,7 @@ impl Mover<'_> {
             }
             if Instant::now() > deadline {
                 return Err(Error::Timeout {
-                    host: target.to_string(),
+                    host: target.clone(),
                     what: format!("the initial copy ({ready} of {tables} tables done)"),
                     after: self.options.copy_timeout,
                 });
@@ -287,7 +287,7 @@ impl Mover<'_> {
             let now = Instant::now();
             if now > deadline {
                 return Err(Error::Timeout {
-                    host: target.to_string(),
+                    host: target.clone(),
                     what: format!("{what}: the source's change {n} to reach the target (it has {seen:?})"),
                     after: now - started,
                 });

@@ -32,7 +32,7 @@ impl Mover<'_> {
             return Ok(());
         }
         let (source, id) = (self.source.clone(), self.id);
-        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        let lost = Error::LeaseExpired { id, shard: self.shard };
         match self.fence_decision().await? {
             None => Ok(()),
             Some(Some(d)) if d == "flip" => Ok(()),
@@ -85,7 +85,7 @@ impl Mover<'_> {
         } else if live {
             // A fence undone once (its lease ran out) is not tried again.
             if matches!(self.fence_decision().await?, Some(Some(_))) {
-                return Err(Error::LeaseExpired { id, shard: self.shard.get() });
+                return Err(Error::LeaseExpired { id, shard: self.shard });
             }
             // The whole shard compared while writes go on; the fence then rechecks only
             // what the change logs hold.
@@ -248,7 +248,7 @@ impl Renewer {
             .iter()
             .find(|h| h.name == *source)
             .map(|h| h.url.clone())
-            .ok_or_else(|| Error::HostMissing { host: source.to_string(), shards: 0 })?;
+            .ok_or_else(|| Error::HostMissing { host: source.clone(), shards: 0 })?;
         let source = source.clone();
         let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
         let every = (lease / 4).max(Duration::from_millis(50));

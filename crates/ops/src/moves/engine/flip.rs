@@ -11,7 +11,7 @@ impl Mover<'_> {
     /// `shardline.complete_flip` can check it. Already decided (a resumed move): done.
     pub(super) async fn decide_flip(&mut self) -> Result<()> {
         let (source, id) = (self.source.clone(), self.id);
-        let lost = Error::LeaseExpired { id, shard: self.shard.get() };
+        let lost = Error::LeaseExpired { id, shard: self.shard };
         match self.fence_decision().await? {
             Some(Some(d)) if d == "flip" => {
                 self.renewer = None;

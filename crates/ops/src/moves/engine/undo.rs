@@ -10,7 +10,7 @@ use super::*;
 /// waits for it (`--abort` or `gc` finish it).
 pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortReport> {
     if mover.step >= Step::Flipped {
-        return Err(Error::Flipped { id: mover.id, shard: mover.shard.get() });
+        return Err(Error::Flipped { id: mover.id, shard: mover.shard });
     }
     // The map, when it can be read, must still place the shard on the source: only then
     // is the target's copy nobody's.
@@ -67,8 +67,8 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     journal::rolled_back(&mover.catalog, mover.id, reason, &detail).await?;
     Ok(AbortReport {
         id: mover.id,
-        shard: mover.shard.get(),
-        source: source.to_string(),
+        shard: mover.shard,
+        source: source.clone(),
         unfenced,
         cleanup_pending: pending,
     })
@@ -81,7 +81,7 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
 pub(super) async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> Result<bool> {
     let (source, schema, moved, id) =
         (mover.source.clone(), mover.schema.clone(), mover.moved.clone(), mover.id);
-    let shard = mover.shard.get();
+    let shard = mover.shard;
     let layout_max = mover.layout.max_sequence_value();
     let journaled_max = mover.detail.sequence_max;
     let src = mover.src().await?;

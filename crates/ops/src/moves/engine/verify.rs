@@ -24,7 +24,7 @@ impl Mover<'_> {
         if src_tables.iter().map(|t| &t.0).ne(dst_tables.iter().map(|t| &t.0)) {
             return Err(Error::Verify {
                 id,
-                shard: self.shard.get(),
+                shard: self.shard,
                 differences: vec![format!(
                     "the tables differ: [{}] on {source}, [{}] on {target}",
                     src_tables.iter().map(|t| t.0.as_str()).collect::<Vec<_>>().join(", "),
@@ -37,7 +37,7 @@ impl Mover<'_> {
         if src_idx != dst_idx {
             return Err(Error::Verify {
                 id,
-                shard: self.shard.get(),
+                shard: self.shard,
                 differences: vec![format!(
                     "the indexes differ: [{}] on {source}, [{}] on {target}",
                     src_idx.join(", "),
@@ -116,7 +116,7 @@ impl Mover<'_> {
         self.detail.tables = checks;
         if !differences.is_empty() {
             self.detail.differences.clone_from(&differences);
-            return Err(Error::Verify { id, shard: self.shard.get(), differences });
+            return Err(Error::Verify { id, shard: self.shard, differences });
         }
         self.detail.rows = rows;
         self.journal(Step::Verified).await
