@@ -274,6 +274,10 @@ pub struct Detail {
     /// Rows (distinct keys) the verification inside the fence read through the change
     /// logs, plus the rows of tables it had to read in full.
     pub rechecked_rows: Option<i64>,
+    /// Where the write pause went, fence to flip, in order: each sub-step's name and
+    /// its duration in µs (measured by this mover; empty for a pause a resumed mover
+    /// only finished).
+    pub pause_steps: Vec<(String, u64)>,
 }
 
 /// The comparison before the fence: what it saw, and the change log it relied on.

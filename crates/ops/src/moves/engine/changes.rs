@@ -510,12 +510,13 @@ fn bucket_mask(rows: f64) -> i64 {
     i64::try_from(want.next_power_of_two()).unwrap_or(16384) - 1
 }
 
-/// The rounds before the fence stop once the keys logged since the last one began are
-/// at most this many (what the fence then rechecks, plus what is written until it).
+/// The rounds before the fence stop, by default, once the keys logged since the last
+/// one began are at most this many (what the fence then rechecks, plus what is written
+/// until it).
 pub(super) const SMALL_ROUND: i64 = 256;
 
-/// At most this many rounds before the fence (writes faster than a round reads them
-/// never converge; the fence then rechecks what the last round left).
+/// By default, at most this many rounds before the fence (writes faster than a round
+/// reads them never converge; the fence then rechecks what the last round left).
 pub(super) const MAX_ROUNDS: i32 = 6;
 
 impl Mover<'_> {
@@ -723,18 +724,21 @@ impl Mover<'_> {
     /// since the round began (a row in flight, taken by the next round or read inside
     /// the fence), else the move fails with [`Error::Verify`] before the fence. The
     /// rounds go on until the keys logged since the last one began are at most
-    /// [`SMALL_ROUND`], or [`MAX_ROUNDS`] ran. Returns them, in order.
+    /// `round_keys`, or `max_rounds` ran (see [`MoveOptions`]). Returns them, in order.
     pub(super) async fn rounds(&mut self, keyed: &[Keyed]) -> Result<Vec<Round>> {
         let (source, target, id, shard) =
             (self.source.clone(), self.target.clone(), self.id, self.shard.get());
         let schema = self.schema.as_str().to_owned();
         let mut out = Vec::new();
-        for n in 1..=MAX_ROUNDS {
+        for n in 1..=self.options.max_rounds.max(1) {
             let started = Instant::now();
             let take = "UPDATE shardline.move_changes SET round = $2
                          WHERE move_id = $1 AND key IS NOT NULL AND round IS NULL";
             self.dst().await?.execute(take, &[&id, &n]).await.map_err(on(&target, "take a round's keys"))?;
             self.src().await?.execute(take, &[&id, &n]).await.map_err(on(&source, "take a round's keys"))?;
+            if let Some(hook) = &self.options.on_round {
+                hook().await;
+            }
             // Everything the source committed before it took its keys is on the target.
             let mark: i64 = self
                 .src()
@@ -834,7 +838,7 @@ impl Mover<'_> {
             let pending = i64::try_from(pending).unwrap_or(i64::MAX);
             out.push(Round { keys, in_flight, pending, ms: ms(started.elapsed()) });
             tracing::debug!(id, round = n, keys, in_flight, pending, "a round before the fence");
-            if pending <= SMALL_ROUND {
+            if pending <= self.options.round_keys {
                 break;
             }
         }

@@ -71,6 +71,8 @@ impl Mover<'_> {
         let lock_ms = self.options.lock_timeout.as_millis();
         let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
         self.fence_started = None;
+        self.lap_at = None;
+        self.detail.pause_steps.clear();
         let (live, fenced) = self.source_schemas().await?;
         let src = self.src().await?;
         let mark = if !live && fenced {
@@ -120,9 +122,12 @@ impl Mover<'_> {
                             return Err(Error::Interrupted { id, step: self.step });
                         }
                         self.fence_started = Some(started);
+                        self.lap_at = Some(started);
+                        self.lap("fence transaction");
                         self.detail.fence_sequence = Some(fenced.last_value);
                         self.detail.sequence_max = Some(fenced.old_max);
                         self.hold_lease().await?;
+                        self.lap("lease");
                         break fenced.mark;
                     }
                     Err(e) if is_lock_conflict(&e) && attempt < attempts => {

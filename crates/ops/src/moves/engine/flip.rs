@@ -74,6 +74,7 @@ impl Mover<'_> {
     /// so does `--resume`).
     pub(super) async fn flip(&mut self) -> Result<()> {
         self.decide_flip().await?;
+        self.lap("decide the flip");
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
             match self.flip_catalog().await {
@@ -99,6 +100,8 @@ impl Mover<'_> {
             None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
         };
         self.detail.pause_ms = Some(pause);
+        self.lap("flip");
+        self.lap_at = None;
         let detail = self.detail_json()?;
         journal::flip(&self.catalog, self.id, self.shard, &self.source, &self.target, &detail).await?;
         let shard = self.shard.get();
