@@ -522,6 +522,9 @@ struct Mover<'a> {
     fence_started: Option<Instant>,
     /// The end of the last sub-step of the pause timed (see [`Mover::lap`]).
     lap_at: Option<Instant>,
+    /// The flip's proof, made before the fence (its SHA-256 journaled with `fenced`),
+    /// so deciding the flip inside the pause is one statement.
+    flip_token: Option<String>,
     renewer: Option<Renewer>,
 }
 
@@ -552,6 +555,7 @@ impl<'a> Mover<'a> {
             dst: None,
             fence_started: None,
             lap_at: None,
+            flip_token: None,
             renewer: None,
         })
     }
