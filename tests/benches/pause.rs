@@ -161,6 +161,24 @@ async fn main() -> Result<(), BoxError> {
             ms(full_slow),
             full.pause_ms as f64 / log.pause_ms.max(1) as f64,
         );
+        // What the journal says of the change log's move: its rounds before the fence
+        // and where the pause went.
+        let detail = moves::list(&config).await?.into_iter().find(|m| m.id == log.id).map(|m| m.detail);
+        if let Some(d) = detail {
+            if let Some(pre) = &d.precheck {
+                let rounds: Vec<String> =
+                    pre.rounds.iter().map(|r| format!("{} keys/{} ms", r.keys, r.ms)).collect();
+                println!(
+                    "      rounds before the fence: {} ({}); {} keys left for the fence",
+                    pre.rounds.len(),
+                    rounds.join(", "),
+                    pre.rounds.last().map_or(0, |r| r.pending)
+                );
+            }
+            let steps: Vec<String> =
+                d.pause_steps.iter().map(|(what, us)| format!("{what} {:.1}", *us as f64 / 1e3)).collect();
+            println!("      pause (ms): {}", steps.join(", "));
+        }
     }
 
     // What the triggers cost a writer: the same batch inserts with the change log

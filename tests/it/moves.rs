@@ -1865,8 +1865,9 @@ shardline_testkit::register!(shared: the_fence_reads_only_the_rows_written_durin
 /// The pause does not grow with the shard, shown by what it reads (not by a clock):
 /// two shards, one ten times the other, each given the same writes through the
 /// repository after its change log started (3 photos inserted, 2 captions changed, a
-/// like added); each move's verification inside the fence reads exactly those 6 rows,
-/// while the comparison before the fence covered every row. The rival (the full
+/// like added); each move's round before the fence reads exactly those 6 rows, and the
+/// fence none (nothing was written since), while the comparison before the fence
+/// covered every row. The rival (the full
 /// verification inside the fence) reads every row.
 pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
@@ -1896,13 +1897,15 @@ pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: T
         let report = moves::resume(&config, Some(crate::shard(shard)), &MoveOptions::default()).await?;
         let r = report.first().ok_or("a report")?;
         assert_eq!(r.rows, rows + 4, "{r}");
-        assert_eq!(r.rechecked_rows, 6, "the fence read the 6 rows written during the move: {r}");
         let pre = moves::list(&config)
             .await?
             .into_iter()
             .find(|m| m.id == r.id)
             .and_then(|m| m.detail.precheck)
             .ok_or("the comparison journaled")?;
+        let rounds: Vec<(i64, i64)> = pre.rounds.iter().map(|x| (x.keys, x.pending)).collect();
+        assert_eq!(rounds, [(6, 0)], "one round before the fence read the 6 rows written during the move");
+        assert_eq!(r.rechecked_rows, 0, "nothing was written since, so the fence read nothing again: {r}");
         let compared: i64 = pre.tables.values().map(|t| t.0).sum();
         assert_eq!(compared, rows + 4, "the comparison before the fence covered every row");
     }
@@ -1915,6 +1918,78 @@ pub(crate) async fn the_fence_reads_only_the_rows_written_during_the_move(ctx: T
     )
     .await?;
     assert_eq!((full.rechecked_rows, full.compare_ms), (124, 0), "{full}");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: rounds_before_the_fence_leave_it_only_the_keys_written_since_the_last);
+/// Rounds before the fence, shown by what they read (not by a clock): a writer inserts
+/// two photos through the repository in every round, right after the round took its
+/// keys (the `on_round` drill). Asked to go on until no key is left, at most three
+/// rounds, the move runs three: the first reads the five photos written once the change
+/// log started, each later one the two its predecessor's writer left, and the fence
+/// rechecks exactly the two written during the last round.
+pub(crate) async fn rounds_before_the_fence_leave_it_only_the_keys_written_since_the_last(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::CaughtUp),
+    )
+    .await
+    .unwrap_err();
+    let photos = cluster.repo::<Photo>()?;
+    for n in 0..5 {
+        photos.insert(&photo(0, 600 + n)).await?;
+    }
+    let written: Arc<std::sync::Mutex<Vec<Result<i64, String>>>> = Arc::default();
+    let hook: moves::HookFn = {
+        let (cluster, written) = (cluster.clone(), written.clone());
+        Arc::new(move || {
+            let (cluster, written) = (cluster.clone(), written.clone());
+            Box::pin(async move {
+                let write = async {
+                    let photos = cluster.repo::<Photo>()?;
+                    let mut ids = 0;
+                    for n in 0..2 {
+                        ids += i64::from(photos.insert(&photo(0, 700 + n)).await?.id);
+                    }
+                    Ok::<_, BoxError>(ids)
+                };
+                let r = write.await.map_err(|e| e.to_string());
+                if let Ok(mut w) = written.lock() {
+                    w.push(r);
+                }
+            })
+        })
+    };
+    let options = MoveOptions::default().with_rounds(0, 3).on_round(hook);
+    let report = moves::resume(&config, Some(crate::shard(0)), &options).await?;
+    let r = report.first().ok_or("a report")?;
+    let writes = written.lock().map_err(|e| e.to_string())?.clone();
+    assert_eq!(writes.len(), 3, "the writer ran once per round");
+    for w in writes {
+        w?;
+    }
+    let pre = moves::list(&config)
+        .await?
+        .into_iter()
+        .find(|m| m.id == r.id)
+        .and_then(|m| m.detail.precheck)
+        .ok_or("the comparison journaled")?;
+    let read: Vec<(i64, i64)> = pre.rounds.iter().map(|x| (x.keys, x.pending)).collect();
+    assert_eq!(read, [(5, 2), (2, 2), (2, 2)], "each round read what was written since the last: {pre:?}");
+    assert_eq!(pre.verified_round, 3);
+    assert_eq!(r.rechecked_rows, 2, "the fence rechecked only the two photos of the last round: {r}");
+    assert_eq!(r.rows, 120 + 5 + 6, "{r}");
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }

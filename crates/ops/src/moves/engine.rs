@@ -216,6 +216,14 @@ pub struct MoveOptions {
     /// Drill: run and awaited right after the comparison before the fence passed (and
     /// was journaled), before the fence. For tests that change a copy at that point.
     pub on_compared: Option<HookFn>,
+    /// The rounds before the fence stop once at most this many keys were logged since
+    /// the last one began (default 256; see `docs/moves.md`).
+    pub round_keys: i64,
+    /// At most this many rounds before the fence (default 6).
+    pub max_rounds: i32,
+    /// Drill: run and awaited in every round before the fence, right after it took its
+    /// keys. For tests that write at that point.
+    pub on_round: Option<HookFn>,
 }
 
 impl Default for MoveOptions {
@@ -232,6 +240,9 @@ impl Default for MoveOptions {
             progress: None,
             verification: Verification::default(),
             on_compared: None,
+            round_keys: changes::SMALL_ROUND,
+            max_rounds: changes::MAX_ROUNDS,
+            on_round: None,
         }
     }
 }
@@ -267,6 +278,23 @@ impl MoveOptions {
         self
     }
 
+    /// These options, with rounds before the fence until at most `keys` keys are left,
+    /// `max` rounds at most (see [`MoveOptions::round_keys`]).
+    #[must_use]
+    pub fn with_rounds(mut self, keys: i64, max: i32) -> Self {
+        self.round_keys = keys;
+        self.max_rounds = max;
+        self
+    }
+
+    /// These options, running `hook` in every round before the fence (see
+    /// [`MoveOptions::on_round`]).
+    #[must_use]
+    pub fn on_round(mut self, hook: HookFn) -> Self {
+        self.on_round = Some(hook);
+        self
+    }
+
     /// These options, stopping right after the fence commits (see
     /// [`MoveOptions::lose_fence_reply`]).
     #[must_use]
@@ -290,6 +318,9 @@ impl std::fmt::Debug for MoveOptions {
             .field("progress", &self.progress.is_some())
             .field("verification", &self.verification)
             .field("on_compared", &self.on_compared.is_some())
+            .field("round_keys", &self.round_keys)
+            .field("max_rounds", &self.max_rounds)
+            .field("on_round", &self.on_round.is_some())
             .finish()
     }
 }
@@ -489,6 +520,11 @@ struct Mover<'a> {
     src: Option<Client>,
     dst: Option<Client>,
     fence_started: Option<Instant>,
+    /// The end of the last sub-step of the pause timed (see [`Mover::lap`]).
+    lap_at: Option<Instant>,
+    /// The flip's proof, made before the fence (its SHA-256 journaled with `fenced`),
+    /// so deciding the flip inside the pause is one statement.
+    flip_token: Option<String>,
     renewer: Option<Renewer>,
 }
 
@@ -518,8 +554,21 @@ impl<'a> Mover<'a> {
             src: None,
             dst: None,
             fence_started: None,
+            lap_at: None,
+            flip_token: None,
             renewer: None,
         })
+    }
+
+    /// Records, while the shard is fenced by this mover, the time since the last
+    /// sub-step of the pause as sub-step `what` (`detail.pause_steps`).
+    fn lap(&mut self, what: &str) {
+        if let Some(at) = self.lap_at {
+            let now = Instant::now();
+            let us = u64::try_from(now.duration_since(at).as_micros()).unwrap_or(u64::MAX);
+            self.detail.pause_steps.push((what.to_owned(), us));
+            self.lap_at = Some(now);
+        }
     }
 
     fn name(&self) -> String {
@@ -594,8 +643,10 @@ impl<'a> Mover<'a> {
 
     /// Writes the step done (and the detail) to the journal.
     async fn journal(&mut self, step: Step) -> Result<()> {
+        self.lap(&step.to_string());
         let detail = self.detail_json()?;
         let n = journal::step_done(&self.catalog, self.id, step, &detail).await?;
+        self.lap(&format!("journal {step}"));
         if n != 1 {
             return Err(Error::Journal {
                 id: self.id,
@@ -630,6 +681,7 @@ impl<'a> Mover<'a> {
                 Step::Verified => {
                     // Grants made on the source during the move, before the map moves.
                     self.carry_privileges(self.moved.clone()).await?;
+                    self.lap("grants");
                     self.flip().await?
                 }
                 Step::Flipped | Step::Cleaned => self.clean().await?,

@@ -274,6 +274,10 @@ pub struct Detail {
     /// Rows (distinct keys) the verification inside the fence read through the change
     /// logs, plus the rows of tables it had to read in full.
     pub rechecked_rows: Option<i64>,
+    /// Where the write pause went, fence to flip, in order: each sub-step's name and
+    /// its duration in µs (measured by this mover; empty for a pause a resumed mover
+    /// only finished).
+    pub pause_steps: Vec<(String, u64)>,
 }
 
 /// The comparison before the fence: what it saw, and the change log it relied on.
@@ -292,7 +296,30 @@ pub struct Precheck {
     /// Keys that differed between the snapshots and were in a change log (rows in
     /// flight); the fence rechecks them with every other logged key.
     pub in_flight: i64,
-    /// How long the comparison took, in ms.
+    /// How long the comparison took, in ms (its rounds included).
+    pub ms: u64,
+    /// The rounds after the comparison, outside the fence, in order (see
+    /// `docs/moves.md`, "Rounds before the fence").
+    pub rounds: Vec<Round>,
+    /// The last round whose keys were all verified: the fence rechecks only the keys
+    /// logged that no round up to this one took (`0`: every logged key).
+    pub verified_round: i32,
+}
+
+/// One round before the fence: the keys logged since the previous one, read on both
+/// sides once the target had caught up to a marker.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct Round {
+    /// Distinct keys the round read on both sides.
+    pub keys: i64,
+    /// Of those, keys that differed and were logged again since the round began (rows
+    /// in flight, read again by a later round or inside the fence).
+    pub in_flight: i64,
+    /// Distinct keys logged since the round began, counted at its end.
+    pub pending: i64,
+    /// How long it took, in ms.
     pub ms: u64,
 }
 

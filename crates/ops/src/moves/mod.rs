@@ -41,5 +41,5 @@ pub use engine::{
     Verification, abort, resume, run,
 };
 pub use gc::{GcReport, gc};
-pub use journal::{Detail, MoveRecord, Precheck, State, Step, TableCheck, list};
+pub use journal::{Detail, MoveRecord, Precheck, Round, State, Step, TableCheck, list};
 pub use preflight::{Preflight, Problem, preflight};

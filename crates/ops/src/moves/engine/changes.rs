@@ -16,19 +16,27 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use shardline_id::ident::literal;
 
 use super::*;
-use crate::moves::journal::Precheck;
+use crate::moves::journal::{Precheck, Round};
 
 /// The change log's table, on every host a move touches. A row per key written
 /// (`key` the key's columns as JSON); `key IS NULL` with `tbl = ''` is the log's
 /// sentinel, written when the log starts (an unlogged table is emptied by crash
 /// recovery: without the sentinel the log is not trusted), and with a table's name a
-/// TRUNCATE of that table.
+/// TRUNCATE of that table. `round` is NULL until a round before the fence takes the
+/// row (see [`Mover::rounds`]): the round's number, once it read the key on both sides.
 pub const CHANGES_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
 CREATE UNLOGGED TABLE IF NOT EXISTS shardline.move_changes (
     move_id bigint NOT NULL,
     tbl     text NOT NULL,
-    key     jsonb
+    key     jsonb,
+    round   int
 );
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = 'shardline.move_changes'::regclass
+                      AND attname = 'round' AND NOT attisdropped) THEN
+        ALTER TABLE shardline.move_changes ADD COLUMN round int;
+    END IF;
+END $$;
 COMMENT ON TABLE shardline.move_changes IS 'shardline: the keys written to a moving shard''s tables since its move''s change log started, for the verification inside the fence';";
 
 /// A table of the shard with a primary key.
@@ -318,8 +326,35 @@ pub(super) struct Logged {
     pub(super) sentinel: bool,
 }
 
-/// Reads host's change log for move `id` (see [`Logged`]).
-pub(super) async fn read_log(c: &Client, host: &HostName, id: i64, keyed: &[Keyed]) -> Result<Logged> {
+/// Which keys of a change log to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Which {
+    /// The keys no round up to and including this one verified: taken by no round, or
+    /// by a later one (`0`: every key).
+    After(i32),
+    /// The keys round `n` took.
+    Round(i32),
+}
+
+impl Which {
+    /// The condition on the log's row `c`.
+    fn sql(self) -> String {
+        match self {
+            Which::After(n) => format!("(c.round IS NULL OR c.round > {n})"),
+            Which::Round(n) => format!("c.round = {n}"),
+        }
+    }
+}
+
+/// Reads host's change log for move `id` (see [`Logged`]): the keys `which` says, the
+/// TRUNCATEs and the sentinel.
+pub(super) async fn read_log(
+    c: &Client,
+    host: &HostName,
+    id: i64,
+    keyed: &[Keyed],
+    which: Which,
+) -> Result<Logged> {
     let mut parts = vec![
         "SELECT c.tbl, NULL::text FROM shardline.move_changes c WHERE c.move_id = $1 AND c.key IS NULL"
             .to_owned(),
@@ -327,10 +362,11 @@ pub(super) async fn read_log(c: &Client, host: &HostName, id: i64, keyed: &[Keye
     for k in keyed {
         parts.push(format!(
             "SELECT c.tbl, {}::text FROM shardline.move_changes c CROSS JOIN LATERAL jsonb_to_record(c.key) AS {}
-              WHERE c.move_id = $1 AND c.tbl = {} AND c.key IS NOT NULL",
+              WHERE c.move_id = $1 AND c.tbl = {} AND c.key IS NOT NULL AND {}",
             k.json("k"),
             k.record(),
-            literal(&k.table)
+            literal(&k.table),
+            which.sql()
         ));
     }
     let rows =
@@ -474,6 +510,15 @@ fn bucket_mask(rows: f64) -> i64 {
     i64::try_from(want.next_power_of_two()).unwrap_or(16384) - 1
 }
 
+/// The rounds before the fence stop, by default, once the keys logged since the last
+/// one began are at most this many (what the fence then rechecks, plus what is written
+/// until it).
+pub(super) const SMALL_ROUND: i64 = 256;
+
+/// By default, at most this many rounds before the fence (writes faster than a round
+/// reads them never converge; the fence then rechecks what the last round left).
+pub(super) const MAX_ROUNDS: i32 = 6;
+
 impl Mover<'_> {
     /// Starts the change log on the target, then on the source (so every write the
     /// source logs is applied where the target logs it too).
@@ -501,6 +546,20 @@ impl Mover<'_> {
         let schema = self.schema.as_str().to_owned();
         let shard = self.shard;
         self.start_change_log().await?;
+        // A comparison started again (a resumed move) trusts no earlier round: every
+        // logged key is taken again by this one's rounds, or read inside the fence.
+        let untake =
+            "UPDATE shardline.move_changes SET round = NULL WHERE move_id = $1 AND round IS NOT NULL";
+        self.dst()
+            .await?
+            .execute(untake, &[&id])
+            .await
+            .map_err(on(&target, "reset the change log's rounds"))?;
+        self.src()
+            .await?
+            .execute(untake, &[&id])
+            .await
+            .map_err(on(&source, "reset the change log's rounds"))?;
         // Everything the source committed before its triggers (unlogged there) reaches
         // the target before the snapshots are taken.
         let n: i64 = self
@@ -591,8 +650,8 @@ impl Mover<'_> {
                 }
             )?;
             let (la, lb) = futures::try_join!(
-                read_log(src, &source, id, &src_keyed),
-                read_log(dst, &target, id, &src_keyed)
+                read_log(src, &source, id, &src_keyed, Which::After(0)),
+                read_log(dst, &target, id, &src_keyed, Which::After(0))
             )?;
             for (k, d) in &differ {
                 let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
@@ -621,12 +680,17 @@ impl Mover<'_> {
             self.detail.differences.clone_from(&differences);
             return Err(Error::Verify { id, shard, differences });
         }
+        let compared_ms = ms(started.elapsed());
+        let rounds = self.rounds(&src_keyed).await?;
+        let verified_round = i32::try_from(rounds.len()).unwrap_or(i32::MAX);
         self.detail.precheck = Some(Precheck {
             tables,
             source_triggers: src_triggers,
             target_triggers: dst_triggers,
             in_flight,
             ms: ms(started.elapsed()),
+            rounds,
+            verified_round,
         });
         // Journaled before the fence: a verification inside the fence relies only on a
         // comparison the journal holds.
@@ -638,11 +702,146 @@ impl Mover<'_> {
                 message: "it is no longer running (aborted by another shardline?)".into(),
             });
         }
-        tracing::info!(id, ms = ms(started.elapsed()), in_flight, "compared the shard before the fence");
+        tracing::info!(
+            id,
+            compared_ms,
+            ms = ms(started.elapsed()),
+            in_flight,
+            verified_round,
+            "compared the shard before the fence"
+        );
         if let Some(hook) = &self.options.on_compared {
             hook().await;
         }
         Ok(())
+    }
+
+    /// The rounds after the comparison, outside the fence, like a live migration's
+    /// pre-copy rounds: round `n` takes the keys logged so far (marks them `round =
+    /// n`, on both sides), waits for the target to catch up to a marker, and reads them
+    /// on both sides in snapshots taken at once. A key whose rows are equal there is
+    /// verified as of its last write taken; one that differs must have been logged again
+    /// since the round began (a row in flight, taken by the next round or read inside
+    /// the fence), else the move fails with [`Error::Verify`] before the fence. The
+    /// rounds go on until the keys logged since the last one began are at most
+    /// `round_keys`, or `max_rounds` ran (see [`MoveOptions`]). Returns them, in order.
+    pub(super) async fn rounds(&mut self, keyed: &[Keyed]) -> Result<Vec<Round>> {
+        let (source, target, id, shard) = (self.source.clone(), self.target.clone(), self.id, self.shard);
+        let schema = self.schema.as_str().to_owned();
+        let mut out = Vec::new();
+        for n in 1..=self.options.max_rounds.max(1) {
+            let started = Instant::now();
+            let take = "UPDATE shardline.move_changes SET round = $2
+                         WHERE move_id = $1 AND key IS NOT NULL AND round IS NULL";
+            self.dst().await?.execute(take, &[&id, &n]).await.map_err(on(&target, "take a round's keys"))?;
+            self.src().await?.execute(take, &[&id, &n]).await.map_err(on(&source, "take a round's keys"))?;
+            if let Some(hook) = &self.options.on_round {
+                hook().await;
+            }
+            // Everything the source committed before it took its keys is on the target.
+            let mark: i64 = self
+                .src()
+                .await?
+                .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
+                .await
+                .map_err(on(&source, "write the marker"))?
+                .get(0);
+            let deadline = Instant::now() + self.options.sync_timeout;
+            self.wait_mark(mark, deadline, "before a round").await?;
+            self.src().await?;
+            self.dst().await?;
+            let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+                return Err(Error::Busy);
+            };
+            let utc = "SET TimeZone = 'UTC'";
+            futures::try_join!(
+                async { src.batch_execute(utc).await.map_err(on(&source, "set the time zone")) },
+                async { dst.batch_execute(utc).await.map_err(on(&target, "set the time zone")) }
+            )?;
+            let (ta, tb) = futures::try_join!(
+                read_log(src, &source, id, keyed, Which::Round(n)),
+                read_log(dst, &target, id, keyed, Which::Round(n))
+            )?;
+            let begin = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET LOCAL TimeZone = 'UTC'";
+            futures::try_join!(
+                async { src.batch_execute(begin).await.map_err(on(&source, "take a snapshot")) },
+                async { dst.batch_execute(begin).await.map_err(on(&target, "take a snapshot")) }
+            )?;
+            let read = async {
+                let mut differ = Vec::new();
+                let mut keys = 0;
+                for k in keyed {
+                    let mut set: HashSet<&String> = ta.keys.get(&k.table).into_iter().flatten().collect();
+                    set.extend(tb.keys.get(&k.table).into_iter().flatten());
+                    if set.is_empty() {
+                        continue;
+                    }
+                    keys += i64::try_from(set.len()).unwrap_or(i64::MAX);
+                    let list = json_array(set.into_iter());
+                    let (a, b) = futures::try_join!(
+                        rows_by_key(src, &source, &schema, k, &list),
+                        rows_by_key(dst, &target, &schema, k, &list)
+                    )?;
+                    let d = differing(&a, &b);
+                    if !d.is_empty() {
+                        differ.push((k, d));
+                    }
+                }
+                Ok::<_, Error>((keys, differ))
+            }
+            .await;
+            let _ = futures::join!(src.batch_execute("COMMIT"), dst.batch_execute("COMMIT"));
+            let (keys, differ) = read?;
+            // Logged since the round took its keys (read after the snapshots): a
+            // differing key must be there; their number decides whether to go on.
+            let (la, lb) = futures::try_join!(
+                read_log(src, &source, id, keyed, Which::After(n)),
+                read_log(dst, &target, id, keyed, Which::After(n))
+            )?;
+            let mut in_flight = 0;
+            let mut differences = Vec::new();
+            for (k, d) in &differ {
+                let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
+                let logged = |key: &String| {
+                    truncated
+                        || la.keys.get(&k.table).is_some_and(|s| s.contains(key))
+                        || lb.keys.get(&k.table).is_some_and(|s| s.contains(key))
+                };
+                let unexplained: Vec<&String> =
+                    d.iter().filter(|(key, _)| !logged(key)).map(|(_, shown)| shown).collect();
+                in_flight += i64::try_from(d.len() - unexplained.len()).unwrap_or(i64::MAX);
+                if !unexplained.is_empty() {
+                    let shown: Vec<&str> = unexplained.iter().take(20).map(|s| s.as_str()).collect();
+                    let cols: Vec<&str> = k.cols.iter().map(|c| c.0.as_str()).collect();
+                    differences.push(format!(
+                        "{}: {} differing key(s) ({}): {}",
+                        k.table,
+                        unexplained.len(),
+                        cols.join(", "),
+                        shown.join(", ")
+                    ));
+                }
+            }
+            if !differences.is_empty() {
+                self.detail.differences.clone_from(&differences);
+                return Err(Error::Verify { id, shard, differences });
+            }
+            let pending: usize = keyed
+                .iter()
+                .map(|k| {
+                    let mut set: HashSet<&String> = la.keys.get(&k.table).into_iter().flatten().collect();
+                    set.extend(lb.keys.get(&k.table).into_iter().flatten());
+                    set.len()
+                })
+                .sum();
+            let pending = i64::try_from(pending).unwrap_or(i64::MAX);
+            out.push(Round { keys, in_flight, pending, ms: ms(started.elapsed()) });
+            tracing::debug!(id, round = n, keys, in_flight, pending, "a round before the fence");
+            if pending <= self.options.round_keys {
+                break;
+            }
+        }
+        Ok(out)
     }
 
     /// Inside the fence: which keyed tables the change logs let the verification
@@ -677,8 +876,8 @@ impl Mover<'_> {
             return Ok(out);
         }
         let (la, lb, ta, tb) = futures::try_join!(
-            read_log(src, &source, id, &keyed),
-            read_log(dst, &target, id, &keyed),
+            read_log(src, &source, id, &keyed, Which::After(pre.verified_round)),
+            read_log(dst, &target, id, &keyed, Which::After(pre.verified_round)),
             triggers(src, &source, &moved, id),
             triggers(dst, &target, &schema, id)
         )?;

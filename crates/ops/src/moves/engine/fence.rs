@@ -71,6 +71,8 @@ impl Mover<'_> {
         let lock_ms = self.options.lock_timeout.as_millis();
         let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
         self.fence_started = None;
+        self.lap_at = None;
+        self.detail.pause_steps.clear();
         let (live, fenced) = self.source_schemas().await?;
         let src = self.src().await?;
         let mark = if !live && fenced {
@@ -92,6 +94,16 @@ impl Mover<'_> {
             if self.options.verification == Verification::ChangeLog {
                 self.compare().await?;
             }
+            // The flip's proof, made before the pause: its SHA-256 is journaled with
+            // `fenced` (see `decide_flip`).
+            let row = self
+                .src()
+                .await?
+                .query_one(TOKEN_SQL, &[])
+                .await
+                .map_err(on(&source, "make the flip's proof"))?;
+            self.flip_token = Some(row.get(0));
+            self.detail.flip_check = Some(row.get(1));
             let src = self.src().await?;
             let tables: Vec<String> = src
                 .query(
@@ -120,9 +132,17 @@ impl Mover<'_> {
                             return Err(Error::Interrupted { id, step: self.step });
                         }
                         self.fence_started = Some(started);
+                        self.lap_at = Some(started);
+                        self.lap("fence transaction");
                         self.detail.fence_sequence = Some(fenced.last_value);
                         self.detail.sequence_max = Some(fenced.old_max);
-                        self.hold_lease().await?;
+                        // The fence's own transaction started the lease, with nothing
+                        // decided: renew it from now on, without asking the source.
+                        if self.renewer.is_none() {
+                            self.renewer =
+                                Some(Renewer::start(self.config, &source, id, self.options.lease)?);
+                        }
+                        self.lap("lease");
                         break fenced.mark;
                     }
                     Err(e) if is_lock_conflict(&e) && attempt < attempts => {
@@ -221,6 +241,10 @@ impl Mover<'_> {
         self.journal(Step::SequenceCarried).await
     }
 }
+
+/// The flip's proof (a random token) and its SHA-256, made on the source.
+pub(super) const TOKEN_SQL: &str = "SELECT t, encode(sha256(convert_to(t, 'UTF8')), 'hex')
+   FROM (SELECT gen_random_uuid()::text || gen_random_uuid()::text AS t) AS s";
 
 /// Renews the fence's lease on the source: `UPDATE` of the marker row, only while
 /// nothing is decided. `$2` is the lease in ms.

@@ -1,7 +1,13 @@
 //! `flipped` and `cleaned`: the decision on the source, the catalog's map, and what the
 //! move leaves behind.
 
+use super::fence::TOKEN_SQL;
 use super::*;
+
+/// Decides the flip on the source: a compare-and-set of the marker's `decided`, only
+/// while the lease runs; `$2` is the proof.
+const DECIDE_SQL: &str = "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
+  WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()";
 
 impl Mover<'_> {
     /// Decides, on the source, that the move flips: a compare-and-set of the marker's
@@ -12,6 +18,21 @@ impl Mover<'_> {
     pub(super) async fn decide_flip(&mut self) -> Result<()> {
         let (source, id) = (self.source.clone(), self.id);
         let lost = Error::LeaseExpired { id, shard: self.shard };
+        // A proof made before the fence, its SHA-256 journaled with `fenced`: one
+        // compare-and-set. Anything else (a resumed move, a lease run out) takes the
+        // long way below.
+        if let (Some(token), Some(_)) = (self.flip_token.clone(), &self.detail.flip_check) {
+            let n = self
+                .src()
+                .await?
+                .execute(DECIDE_SQL, &[&id, &token])
+                .await
+                .map_err(on(&source, "decide to flip"))?;
+            if n == 1 {
+                self.renewer = None;
+                return Ok(());
+            }
+        }
         match self.fence_decision().await? {
             Some(Some(d)) if d == "flip" => {
                 self.renewer = None;
@@ -31,11 +52,7 @@ impl Mover<'_> {
         let row = self
             .src()
             .await?
-            .query_one(
-                "SELECT t, encode(sha256(convert_to(t, 'UTF8')), 'hex')
-                   FROM (SELECT gen_random_uuid()::text || gen_random_uuid()::text AS t) AS s",
-                &[],
-            )
+            .query_one(TOKEN_SQL, &[])
             .await
             .map_err(on(&source, "make the flip's proof"))?;
         let (token, check): (String, String) = (row.get(0), row.get(1));
@@ -51,11 +68,7 @@ impl Mover<'_> {
         let n = self
             .src()
             .await?
-            .execute(
-                "UPDATE shardline.move_marks SET decided = 'flip', flip_token = $2
-                  WHERE move_id = $1 AND fenced AND decided IS NULL AND lease_until > clock_timestamp()",
-                &[&id, &token],
-            )
+            .execute(DECIDE_SQL, &[&id, &token])
             .await
             .map_err(on(&source, "decide to flip"))?;
         if n != 1 {
@@ -74,6 +87,7 @@ impl Mover<'_> {
     /// so does `--resume`).
     pub(super) async fn flip(&mut self) -> Result<()> {
         self.decide_flip().await?;
+        self.lap("decide the flip");
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
             match self.flip_catalog().await {
@@ -99,6 +113,8 @@ impl Mover<'_> {
             None => self.detail.fenced_at_ms.map_or(0, |t| now_ms().saturating_sub(t)),
         };
         self.detail.pause_ms = Some(pause);
+        self.lap("flip");
+        self.lap_at = None;
         let detail = self.detail_json()?;
         journal::flip(&self.catalog, self.id, self.shard, &self.source, &self.target, &detail).await?;
         let shard = self.shard.get();

@@ -45,9 +45,11 @@ impl Mover<'_> {
                 )],
             });
         }
+        self.lap("verify: tables and indexes");
         // The keyed tables whose change logs can be trusted: only their logged keys are
         // read (see `changes`); every other table is read in full.
         let logged = self.logged_keys().await?;
+        self.lap("verify: read the change logs");
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
             return Err(Error::Busy);
         };
@@ -114,6 +116,7 @@ impl Mover<'_> {
         }
         self.detail.rechecked_rows = Some(rechecked);
         self.detail.tables = checks;
+        self.lap("verify: recheck");
         if !differences.is_empty() {
             self.detail.differences.clone_from(&differences);
             return Err(Error::Verify { id, shard: self.shard, differences });
