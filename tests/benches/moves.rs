@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use shardline_example_photos::{NewPhoto, Photo};
 use shardline_ops::Options;
 use shardline_ops::moves::{self, MoveOptions};
 use shardline_repo::{Cluster, ClusterOptions};
@@ -24,7 +23,10 @@ use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "common/writers.rs"]
+mod writers;
 use common::{BoxError, config};
+use writers::writers;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     if v.is_empty() {
@@ -43,43 +45,6 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
 
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
-}
-
-/// Writers inserting photos for the users of `shard` (of `count`), `rate` a second each,
-/// until `stop`; every write's start and latency.
-fn writers(
-    cluster: &Cluster,
-    count: i64,
-    shard: i64,
-    rate: u32,
-    stop: &Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<Vec<(Instant, Duration)>>> {
-    (0..4i64)
-        .map(|w| {
-            let (cluster, stop) = (cluster.clone(), stop.clone());
-            tokio::spawn(async move {
-                let photos = cluster.repo::<Photo>().unwrap();
-                let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut out = Vec::new();
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    let t = Instant::now();
-                    photos
-                        .insert(&NewPhoto::numbered(
-                            shard + count * (w * 100 + i64::try_from(n % 100).unwrap()),
-                            n,
-                        ))
-                        .await
-                        .unwrap();
-                    out.push((t, t.elapsed()));
-                    n += 1;
-                }
-                out
-            })
-        })
-        .collect()
 }
 
 /// Fills shard `shard` (of 8) with `n` photos, a like and a comment on each.

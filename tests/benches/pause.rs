@@ -25,44 +25,10 @@ use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "common/writers.rs"]
+mod writers;
 use common::{BoxError, config};
-
-/// Writers inserting photos for the users of `shard` (of `count`), `rate` a second each,
-/// until `stop`; every write's start and latency.
-fn writers(
-    cluster: &Cluster,
-    count: i64,
-    shard: i64,
-    rate: u32,
-    stop: &Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<Vec<(Instant, Duration)>>> {
-    (0..4i64)
-        .map(|w| {
-            let (cluster, stop) = (cluster.clone(), stop.clone());
-            tokio::spawn(async move {
-                let photos = cluster.repo::<Photo>().unwrap();
-                let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut out = Vec::new();
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    let t = Instant::now();
-                    photos
-                        .insert(&NewPhoto::numbered(
-                            shard + count * (w * 100 + i64::try_from(n % 100).unwrap()),
-                            n,
-                        ))
-                        .await
-                        .unwrap();
-                    out.push((t, t.elapsed()));
-                    n += 1;
-                }
-                out
-            })
-        })
-        .collect()
-}
+use writers::writers;
 
 /// Fills shard `shard` (of 8) with `n` photos, a like and a comment on each.
 async fn fill(c: &tokio_postgres::Client, shard: i64, n: i64) -> Result<(), BoxError> {
