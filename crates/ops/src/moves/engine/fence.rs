@@ -328,8 +328,16 @@ pub(super) struct Fenced {
 pub(super) async fn freeze_sequence(src: &Client, source: &HostName, seq: &str) -> Result<(i64, i64)> {
     let fail = on(source, "freeze the ID sequence");
     src.batch_execute(&format!("ALTER SEQUENCE {seq} OWNED BY NONE")).await.map_err(&fail)?;
-    let (last, max) = read_sequence(src, source, seq).await?;
+    let (mut last, max) = read_sequence(src, source, seq).await?;
     if max > last {
+        if last < 1 {
+            // A shard that never minted (the minter's install runs no catch-up): its
+            // sequence is at MINVALUE (0), and a MAXVALUE must exceed it. Nobody can
+            // take a value while this transaction holds the sequence's lock, so moving
+            // it to 1 first hands nothing out twice.
+            src.query_one("SELECT setval($1::text::regclass, 1)", &[&seq]).await.map_err(&fail)?;
+            last = 1;
+        }
         src.batch_execute(&format!("ALTER SEQUENCE {seq} MAXVALUE {last}")).await.map_err(&fail)?;
     }
     Ok((last, max))
