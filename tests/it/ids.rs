@@ -369,14 +369,14 @@ pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestCon
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: after_an_idle_gap_64_one_row_sessions_get_fresh_ids);
+shardline_testkit::register!(exclusive: after_an_idle_gap_32_one_row_sessions_get_fresh_ids);
 /// Rounds of: every session idle (the sequence falls behind the clock), then all of them
 /// insert one row per transaction at once, as pgbench clients do. Asserted on every row
 /// (the row's `at DEFAULT now()`, read as the minter reads it): no ID more than 500 ms
 /// behind its transaction's start, and at most 1% more than `max_lag_ms` (100), the
 /// design's bound with its exception (a catch-up that cannot get the lock in 200 ms).
-pub(crate) async fn after_an_idle_gap_64_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
-    const SESSIONS: i32 = 64;
+pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
+    const SESSIONS: i32 = 32;
     const ROUNDS: i64 = 3;
     const ROWS: i64 = 60;
     let (db, client) = shard_db(&ctx, 0, &minter()).await?;
