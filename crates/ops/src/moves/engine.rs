@@ -32,12 +32,16 @@ mod verify;
 pub use changes::CHANGES_SQL;
 pub(crate) use changes::{drop_changes, logged_moves};
 use fence::Renewer;
-pub(crate) use flip::{drop_source_side, drop_subscription};
+pub(crate) use flip::{drop_slots, drop_source_side, drop_subscription};
 pub(crate) use undo::finish_undone;
 use undo::undo;
 
 /// How often a wait for the source's changes checks that the source still answers.
 const SOURCE_CHECK: Duration = Duration::from_secs(1);
+
+/// How many times a move's initial copy starts over (a table's copy stranded by a
+/// table-sync worker that died at the wrong moment) before the move fails.
+const MAX_COPY_RESTARTS: u32 = 3;
 
 /// The marker table on every host a move touches. The source's publication carries
 /// only its own move's row (a row filter); the mover bumps `n` on the source and waits

@@ -234,6 +234,10 @@ pub struct Detail {
     pub bytes: i64,
     /// How long the initial copy took, in ms.
     pub copy_ms: Option<u64>,
+    /// How many times the initial copy started over because a table's copy could not
+    /// finish (its table-sync worker died between dropping its slot and recording that
+    /// it was done; see `docs/moves.md`).
+    pub copy_restarts: u32,
     /// The last measured replication lag before the fence, in ms.
     pub lag_ms: Option<u64>,
     /// When the fence began (ms since the Unix epoch, the mover's clock).

@@ -157,21 +157,47 @@ impl Mover<'_> {
     /// under `max_lag`.
     pub(super) async fn catch_up(&mut self) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
-        let oid = self.detail.subscription_oid.map(i64::from);
+        let mut oid = self.detail.subscription_oid.map(i64::from);
         let started = Instant::now();
         let deadline = started + self.options.copy_timeout;
         let schema = self.schema.clone();
         let total = self.detail.bytes;
-        self.dst()
-            .await?
-            .batch_execute(&format!("ALTER SUBSCRIPTION {name} ENABLE"))
-            .await
-            .map_err(on(&target, "enable the subscription"))?;
+        let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
+        self.dst().await?.batch_execute(&enable).await.map_err(on(&target, "enable the subscription"))?;
         let mut checked = Instant::now();
+        // A table seen stranded at the last check, and how many times the copy started over.
+        let (mut stranded, mut restarts) = (None, 0);
         loop {
             if checked.elapsed() > SOURCE_CHECK {
                 self.source_answers().await?;
                 checked = Instant::now();
+                // Seen twice, a second apart: not the moment a table-sync worker drops
+                // its slot on its way to `syncdone`.
+                let now = self.stranded_table(oid).await?;
+                if now.is_some() && now == stranded {
+                    if restarts == MAX_COPY_RESTARTS {
+                        return Err(Error::Host {
+                            host: target.to_string(),
+                            what: "copy the shard".into(),
+                            sqlstate: None,
+                            message: format!(
+                                "table {} could not finish its copy after {restarts} new starts",
+                                now.map(|(_, t)| t).unwrap_or_default()
+                            ),
+                        });
+                    }
+                    restarts += 1;
+                    self.restart_copy(now.map(|(_, t)| t).unwrap_or_default()).await?;
+                    oid = self.detail.subscription_oid.map(i64::from);
+                    self.dst()
+                        .await?
+                        .batch_execute(&enable)
+                        .await
+                        .map_err(on(&target, "enable the subscription"))?;
+                    stranded = None;
+                    continue;
+                }
+                stranded = now;
             }
             let dst = self.dst().await?;
             let row = dst
@@ -224,6 +250,80 @@ impl Mover<'_> {
             }
         }
         self.journal(Step::CaughtUp).await
+    }
+
+    /// A table of subscription `oid` whose copy is done (`f`, finishedcopy) while its
+    /// table-sync slot is gone from the source: its table-sync worker was killed after
+    /// dropping the slot and before committing `syncdone` (both happen in one
+    /// transaction of the target, the slot's drop on the source cannot be undone). Its
+    /// worker then fails for ever, asking the source for a slot that is not there, and the
+    /// copy never ends. Returns the table's OID and name.
+    async fn stranded_table(&mut self, oid: Option<i64>) -> Result<Option<(i64, String)>> {
+        let (Some(oid), target, source) = (oid, self.target.clone(), self.source.clone()) else {
+            return Ok(None);
+        };
+        let done: Vec<(i64, String)> = self
+            .dst()
+            .await?
+            .query(
+                "SELECT r.srrelid::bigint, r.srrelid::regclass::text FROM pg_subscription_rel r
+                  WHERE r.srsubid = $1::bigint::oid AND r.srsubstate = 'f'",
+                &[&oid],
+            )
+            .await
+            .map_err(on(&target, "read the copy's progress"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        for (relid, table) in done {
+            let slot = format!("pg\\_{oid}\\_sync\\_{relid}\\_%");
+            let there: bool = self
+                .src()
+                .await?
+                .query_one(
+                    "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name LIKE $1)",
+                    &[&slot],
+                )
+                .await
+                .map_err(on(&source, "look for a table-sync slot"))?
+                .get(0);
+            if !there {
+                return Ok(Some((relid, table)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Starts the copy over (see [`Mover::stranded_table`]): drops the subscription and
+    /// its slots, empties the target's copy of the shard (nothing reads or writes it
+    /// before the flip) and its marker, and subscribes again.
+    async fn restart_copy(&mut self, table: String) -> Result<()> {
+        let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
+        tracing::warn!(move_id = id, %table, "a table's copy cannot finish (its table-sync slot is gone from the source); starting the copy over");
+        let (schema, oid) = (self.schema.clone(), self.detail.subscription_oid);
+        let dst = self.dst().await?;
+        drop_subscription(dst, &target, &name).await?;
+        let tables: Vec<String> = dst
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&target, "list the copy's tables"))?
+            .iter()
+            .map(|r| format!("{}.{}", schema.quoted(), quote_ident(r.get(0))))
+            .collect();
+        let truncate =
+            if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
+        dst.batch_execute(&format!(
+            "BEGIN; {truncate} DELETE FROM shardline.move_marks WHERE move_id = {id}; COMMIT"
+        ))
+        .await
+        .map_err(on(&target, "empty the copy"))?;
+        drop_slots(self.src().await?, &source, &name, oid).await?;
+        self.detail.copy_restarts += 1;
+        self.subscribe().await
     }
 
     /// Builds on the target every secondary index the source's schema has and the

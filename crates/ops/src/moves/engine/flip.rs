@@ -257,6 +257,19 @@ pub(crate) async fn drop_source_side(
     c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
         .await
         .map_err(on(host, "drop the publication"))?;
+    drop_slots(c, host, name, oid).await?;
+    c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+        .await
+        .or_else(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) { Ok(0) } else { Err(e) }
+        })
+        .map_err(on(host, "delete the marker"))?;
+    drop_changes(c, host, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await
+}
+
+/// Drops, on the source, slot `name` and the table-sync slots of subscription `oid`.
+/// A slot still in use is released first (its WAL sender ended).
+pub(crate) async fn drop_slots(c: &Client, host: &HostName, name: &str, oid: Option<u32>) -> Result<()> {
     let sync = oid.map(|o| format!("pg\\_{o}\\_sync\\_%"));
     for attempt in 0..20 {
         let left: i64 = c
@@ -284,13 +297,7 @@ pub(crate) async fn drop_source_side(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
-        .await
-        .or_else(|e| {
-            if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) { Ok(0) } else { Err(e) }
-        })
-        .map_err(on(host, "delete the marker"))?;
-    drop_changes(c, host, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await
+    Ok(())
 }
 
 /// How long dropping a change log's trigger waits for its table's writes in flight,
