@@ -58,8 +58,34 @@ pub mod sql;
 pub use error::{Error, ParseIdError, Result};
 #[cfg(feature = "serde")]
 pub use external::serde_support as serde;
-pub use id::Id;
 pub use layout::{INSTAGRAM_EPOCH_MS, IdParts, Layout};
+
+// Defined here, not in `id`, so that `std::any::type_name::<Id>()` (which sqlx's
+// "mismatched types" error prints) is the path users know: `shardline_id::Id`.
+/// A 64-bit shard ID: `| ms since epoch | logical shard | sequence |`, stored as a
+/// non-negative Postgres `bigint`.
+///
+/// The field widths and epoch live in a [`Layout`]; the methods without a layout
+/// argument use [`Layout::INSTAGRAM`]. IDs order by creation time across shards (to
+/// the millisecond) and exactly within one shard.
+///
+/// Text forms: decimal ([`std::fmt::Display`], [`std::str::FromStr`]) and a 13-character, URL-safe,
+/// order-preserving Crockford base32 form ([`Id::to_compact`], [`Id::from_compact`]).
+/// With the `serde` feature, human-readable formats (JSON) get the decimal *string*,
+/// because JavaScript numbers lose integers above 2^53; binary formats get the `i64`.
+///
+/// ```
+/// use shardline_id::Id;
+///
+/// let id = Id::from_parts(1_700_000_000_000, 42, 7)?;
+/// assert_eq!((id.unix_ms(), id.shard(), id.sequence()), (1_700_000_000_000, 42, 7));
+/// assert_eq!(id.to_string().parse::<Id>().unwrap(), id);
+/// assert_eq!(Id::from_compact(&id.to_compact()).unwrap(), id);
+/// # Ok::<(), shardline_id::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct Id(i64);
 
 #[cfg(test)]
 mod tests;
