@@ -17,6 +17,7 @@ mod promises;
 mod reliability;
 mod replication;
 mod repo;
+mod sqlx;
 
 use shardline_router::{HostName, LogicalShard};
 use shardline_testkit::harness::Harness;

@@ -144,6 +144,9 @@ struct Inner {
     sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// One sqlx pool per host ([`crate::sqlx`]).
+    #[cfg(feature = "sqlx")]
+    sqlx: crate::sqlx::Pools,
 }
 
 impl Drop for Inner {
@@ -212,6 +215,8 @@ impl Cluster {
             catalog: Mutex::new(Some(catalog)),
             types: crate::statement::TypeCache::default(),
             sqls: std::sync::Mutex::default(),
+            #[cfg(feature = "sqlx")]
+            sqlx: crate::sqlx::Pools::new(config, &options)?,
             options,
             listener: std::sync::Mutex::new(None),
         });
@@ -242,6 +247,12 @@ impl Cluster {
             m.insert(key, Arc::clone(&sql));
         }
         Ok(sql)
+    }
+
+    /// The sqlx pools, one per host.
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx_pools(&self) -> &crate::sqlx::Pools {
+        &self.inner.sqlx
     }
 
     /// The map as this handle knows it now.

@@ -40,6 +40,8 @@
 //! - [`shard`]: transactions inside one shard, and work on every shard.
 //! - [`catalog`]: the catalog schema, connecting, reading the map, `LISTEN`ing for changes.
 //! - [`ids`]: application-side minting from reserved blocks.
+//! - `sqlx` (feature `sqlx`): sqlx queries on routed shards, through the same map,
+//!   retry path, timeouts and errors.
 //! - [`Error`]: the crate's error type.
 #![forbid(unsafe_code)]
 
@@ -49,6 +51,8 @@ pub mod entity;
 pub mod ids;
 pub mod repository;
 pub mod shard;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 mod statement;
 mod tls;
 
@@ -60,6 +64,8 @@ pub use shard::{ShardResult, ShardTx};
 pub use shardline_derive::{Entity, NewRow};
 pub use shardline_id::Id;
 use shardline_router::{HostName, LogicalShard};
+#[cfg(feature = "sqlx")]
+pub use sqlx::Sqlx;
 
 /// The driver this crate runs on, re-exported so versions cannot drift.
 pub use tokio_postgres;
@@ -153,6 +159,23 @@ pub enum Error {
         /// The driver's error.
         #[source]
         source: Option<tokio_postgres::Error>,
+    },
+    /// A sqlx statement on a host failed ([`crate::sqlx`]).
+    #[cfg(feature = "sqlx")]
+    #[error("host {host}{}: {what} failed (SQLSTATE {})", msg::of_shard(shard), msg::sqlstate(sqlstate))]
+    Sqlx {
+        /// The host.
+        host: HostName,
+        /// The logical shard, when the work was for one.
+        shard: Option<LogicalShard>,
+        /// What was being done: `connect`, `begin`, `work` (the caller's statements),
+        /// `commit`, ...
+        what: &'static str,
+        /// The SQLSTATE, when the server sent one.
+        sqlstate: Option<String>,
+        /// sqlx's error.
+        #[source]
+        source: ::sqlx::Error,
     },
     /// A host did not answer within the host timeout.
     #[error("host {host} did not answer within {after:?} (a write may or may not have been applied)")]
@@ -344,6 +367,17 @@ impl Error {
         Error::Host { host: host.clone(), shard, what, sqlstate, source: Some(source) }
     }
 
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx(
+        host: &HostName,
+        shard: Option<LogicalShard>,
+        what: &'static str,
+        source: ::sqlx::Error,
+    ) -> Self {
+        let sqlstate = source.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+        Error::Sqlx { host: host.clone(), shard, what, sqlstate, source }
+    }
+
     /// The SQLSTATE of a database error, if any.
     pub fn sqlstate(&self) -> Option<&str> {
         match self {
@@ -352,6 +386,8 @@ impl Error {
             }
             Error::Connect { source, .. } => source.code().map(tokio_postgres::error::SqlState::code),
             Error::InsertMany { source, .. } => source.sqlstate(),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { sqlstate, .. } => sqlstate.as_deref(),
             _ => None,
         }
     }
@@ -380,6 +416,8 @@ impl Error {
             | Error::RolledBack { host, .. }
             | Error::Misrouted { host, .. }
             | Error::Pooler { host, .. } => Some(host),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { host, .. } => Some(host),
             _ => None,
         }
     }
@@ -387,7 +425,12 @@ impl Error {
     /// The statement found its shard's schema missing where the map placed it
     /// (SQLSTATE 3F000 or 42P01): the shard moved, or is fenced for a move.
     pub(crate) fn is_moved(&self) -> bool {
-        matches!(self, Error::Host { source: Some(e), .. } if repository::is_moved(e))
+        match self {
+            Error::Host { source: Some(e), .. } => repository::is_moved(e),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { sqlstate: Some(s), .. } => repository::is_moved_sqlstate(s),
+            _ => false,
+        }
     }
 
     /// Whether a write that failed with this error may nonetheless have been applied:
@@ -416,6 +459,11 @@ impl Error {
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
+            // No connection was had: nothing was sent.
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { what: "connect", .. } => false,
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { sqlstate: None, .. } => true,
             _ => matches!(self.sqlstate(), Some(s) if s.starts_with("57P") || s.starts_with("08")),
         }
     }
@@ -443,6 +491,12 @@ impl Error {
             Error::Host { sqlstate: None, source: Some(e), .. }
             | Error::Db { sqlstate: None, source: e, .. }
             | Error::Catalog { sqlstate: None, source: e, .. } => e.is_closed() || e.as_db_error().is_none(),
+            // A lost or refused connection; not a decode or a caller's mistake.
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { sqlstate: None, source, .. } => matches!(
+                source,
+                ::sqlx::Error::Io(_) | ::sqlx::Error::PoolTimedOut | ::sqlx::Error::WorkerCrashed
+            ),
             _ => matches!(
                 self.sqlstate(),
                 Some("40001" | "40P01" | "57P01" | "57P02" | "57P03" | "55P03")

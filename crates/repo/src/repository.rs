@@ -246,7 +246,13 @@ impl<E> FanOut<E> {
 }
 
 pub(crate) fn is_moved(e: &tokio_postgres::Error) -> bool {
-    matches!(e.code(), Some(c) if *c == SqlState::INVALID_SCHEMA_NAME || *c == SqlState::UNDEFINED_TABLE)
+    e.code().is_some_and(|c| is_moved_sqlstate(c.code()))
+}
+
+/// Whether `sqlstate` says a statement found its shard's schema missing (3F000, or
+/// 42P01 for a table named through a `search_path` whose schema is gone).
+pub(crate) fn is_moved_sqlstate(sqlstate: &str) -> bool {
+    sqlstate == SqlState::INVALID_SCHEMA_NAME.code() || sqlstate == SqlState::UNDEFINED_TABLE.code()
 }
 
 impl Cluster {

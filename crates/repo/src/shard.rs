@@ -398,6 +398,20 @@ impl Cluster {
         F: for<'t> Fn(&'t mut ShardTx<'env>) -> BoxFuture<'t, Result<T, Er>>,
         Er: From<Error>,
     {
+        let work = &work;
+        self.on_every_shard(|shard| self.transaction(shard, work)).await
+    }
+
+    /// Runs `run` for every shard, several at a time (interleaved over the hosts, a few
+    /// per host); returns each shard's outcome, in shard order. The one scheduler of
+    /// work on every shard ([`Cluster::for_each_shard`], and sqlx's).
+    pub(crate) async fn on_every_shard<'a, T, Fut>(
+        &'a self,
+        run: impl Fn(LogicalShard) -> Fut,
+    ) -> Vec<(LogicalShard, T)>
+    where
+        Fut: std::future::Future<Output = T> + 'a,
+    {
         let map = self.map();
         let per_host: Vec<Vec<LogicalShard>> = map
             .hosts()
@@ -411,9 +425,9 @@ impl Cluster {
         let order: Vec<LogicalShard> =
             (0..longest).flat_map(|i| per_host.iter().filter_map(move |s| s.get(i).copied())).collect();
         let per_host_jobs = (self.options().pool_size / 2).clamp(1, 8);
-        let work = &work;
-        let mut results: Vec<ShardResult<T, Er>> = futures::stream::iter(order)
-            .map(|shard| async move { (shard, self.transaction(shard, work).await) })
+        let run = &run;
+        let mut results: Vec<(LogicalShard, T)> = futures::stream::iter(order)
+            .map(|shard| async move { (shard, run(shard).await) })
             .buffer_unordered(hosts * per_host_jobs)
             .collect()
             .await;

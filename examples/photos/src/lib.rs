@@ -26,8 +26,10 @@
 
 use shardline_repo::{Entity, Id, NewRow};
 
-/// A photo a user posted.
+/// A photo a user posted. With the `sqlx` feature it is also a `sqlx::FromRow`: the same
+/// struct is read through the repository or through sqlx ([`shardline_repo::Sqlx`]).
 #[derive(Debug, Clone, PartialEq, Eq, Entity)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 #[shardline(table = "photos")]
 pub struct Photo {
     /// Minted by the owner's shard.

@@ -1,0 +1,383 @@
+//! sqlx on the routed cluster ([`shardline_repo::Sqlx`]) against real hosts: every
+//! operation lands in the shard the map gives, the same struct reads through either
+//! path, a stale map and a move under sqlx writers lose and double nothing, and a
+//! killed or hung host fails sqlx work in time, classified.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use shardline_example_photos::Photo;
+use shardline_id::Id;
+use shardline_ops::moves::{self, MoveOptions};
+use shardline_repo::{Cluster, ClusterOptions, Error};
+use shardline_testkit::harness::{TestContext, TestResult};
+
+use crate::bootstrap::{BoxError, Fixture, options, quiet};
+
+const INSERT: &str =
+    "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption";
+
+/// Inserts a photo of `user` through sqlx on `cluster`.
+async fn insert(cluster: &Cluster, user: i64, caption: String) -> Result<Photo, Error> {
+    cluster
+        .sqlx()
+        .on_user(user, |conn| {
+            let caption = caption.clone();
+            Box::pin(async move {
+                ::sqlx::query_as::<_, Photo>(INSERT)
+                    .bind(user)
+                    .bind(format!("https://cdn/{user}.jpg"))
+                    .bind(caption)
+                    .fetch_one(&mut *conn)
+                    .await
+            })
+        })
+        .await
+}
+
+/// Reads a photo by ID through sqlx.
+async fn get(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
+    cluster
+        .sqlx()
+        .on_id(id, |conn| {
+            Box::pin(async move {
+                ::sqlx::query_as::<_, Photo>("SELECT id, user_id, url, caption FROM photos WHERE id = $1")
+                    .bind(id)
+                    .fetch_optional(&mut *conn)
+                    .await
+            })
+        })
+        .await
+}
+
+shardline_testkit::register!(shared: every_operation_runs_in_the_shard_the_map_gives);
+pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 12).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let db = cluster.sqlx();
+    let photos = cluster.repo::<Photo>()?;
+    let mut made = Vec::new();
+    for user in [0i64, 1, 5, 11, 12, 23, -1, 1_000_003] {
+        let p = insert(&cluster, user, format!("sqlx {user}")).await?;
+        let route = cluster.route_user(user);
+        assert_eq!(cluster.layout().decode(p.id).shard, u32::from(route.shard.get()), "minted by its shard");
+        // On the route's host, in the route's schema, and nowhere else.
+        for (h, host) in ["pg1", "pg2", "pg3"].iter().enumerate() {
+            let n: i64 = f
+                .client(&ctx, h)
+                .await?
+                .query_one(
+                    &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
+                    &[&p.id],
+                )
+                .await
+                .map(|r| r.get(0))
+                .unwrap_or(0);
+            assert_eq!(n, i64::from(*host == route.host.as_str()), "user {user} on {host}");
+        }
+        // One struct, both paths.
+        assert_eq!(get(&cluster, p.id).await?.as_ref(), Some(&p));
+        assert_eq!(photos.get(p.id).await?.as_ref(), Some(&p));
+        made.push(p);
+    }
+    // Update and delete by ID.
+    let first = made[0].clone();
+    let updated = db
+        .on_id(first.id, |conn| {
+            Box::pin(async move {
+                ::sqlx::query("UPDATE photos SET caption = 'edited' WHERE id = $1")
+                    .bind(first.id)
+                    .execute(&mut *conn)
+                    .await
+                    .map(|r| r.rows_affected())
+            })
+        })
+        .await?;
+    assert_eq!(updated, 1);
+    assert_eq!(photos.get(first.id).await?.map(|p| p.caption), Some("edited".to_owned()));
+    let last = made.pop().ok_or("a photo")?;
+    let deleted = db
+        .on_id(last.id, |conn| {
+            Box::pin(async move {
+                ::sqlx::query("DELETE FROM photos WHERE id = $1").bind(last.id).execute(&mut *conn).await
+            })
+        })
+        .await?;
+    assert_eq!(deleted.rows_affected(), 1);
+    assert_eq!(get(&cluster, last.id).await?, None);
+
+    // A unit of work that returns Err is rolled back, and the error names host and shard.
+    let route = cluster.route_user(5);
+    let err = db
+        .on_user(5, |conn| {
+            Box::pin(async move {
+                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut *conn).await?;
+                ::sqlx::query("SELECT 1/0").execute(&mut *conn).await.map(drop)
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Sqlx { host, shard: Some(s), what: "work", .. } if *host == route.host && *s == route.shard),
+        "{err}"
+    );
+    assert_eq!(err.sqlstate(), Some("22012"));
+    assert!(!err.outcome_unknown() && !err.is_retryable(), "{err}");
+    // A failure handled inside, then Ok: Postgres rolled it back, and the caller hears so.
+    let err = db
+        .on_user(5, |conn| {
+            Box::pin(async move {
+                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut *conn).await?;
+                let _ = ::sqlx::query("SELECT 1/0").execute(&mut *conn).await;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::RolledBack { .. }), "{err}");
+    let leaked: i64 = photos
+        .page_of_user(5, None, 100)
+        .await?
+        .rows
+        .iter()
+        .filter(|p| p.caption == "rolled back")
+        .count()
+        .try_into()?;
+    assert_eq!(leaked, 0, "nothing of a rolled-back unit of work is applied");
+
+    // Every shard once, in shard order; the rows add up.
+    let per_shard = db
+        .for_each_shard(|shard, conn| {
+            Box::pin(async move {
+                let n: i64 =
+                    ::sqlx::query_scalar("SELECT count(*) FROM photos").fetch_one(&mut *conn).await?;
+                Ok((shard, n))
+            })
+        })
+        .await;
+    assert_eq!(per_shard.len(), 12);
+    let mut total = 0;
+    for (i, (shard, r)) in per_shard.into_iter().enumerate() {
+        let (inner, n) = r?;
+        assert_eq!((usize::from(shard.get()), inner), (i, shard));
+        total += n;
+    }
+    assert_eq!(total, i64::try_from(made.len())?);
+
+    // Decoding: the type is named as users write it; a negative value is refused.
+    let err = db
+        .on_user(1, |conn| {
+            Box::pin(
+                async move { ::sqlx::query_scalar::<_, Id>("SELECT 7::int4").fetch_one(&mut *conn).await },
+            )
+        })
+        .await
+        .unwrap_err();
+    let text = shardline_repo::error_chain(&err);
+    assert!(text.contains("shardline_id::Id") && !text.contains("shardline_id::id::Id"), "{text}");
+    let err = db
+        .on_user(1, |conn| {
+            Box::pin(
+                async move { ::sqlx::query_scalar::<_, Id>("SELECT -1::int8").fetch_one(&mut *conn).await },
+            )
+        })
+        .await
+        .unwrap_err();
+    assert!(shardline_repo::error_chain(&err).contains("negative"), "{}", shardline_repo::error_chain(&err));
+    // A table that is not there (and no move running): the error at once, not a wait.
+    let t = Instant::now();
+    let err = db
+        .on_user(1, |conn| {
+            Box::pin(async move { ::sqlx::query("SELECT * FROM nope").execute(&mut *conn).await })
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.sqlstate(), Some("42P01"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_nothing);
+/// sqlx writers on two handles, one listening for map changes and one not (its map
+/// goes stale at the flip), write into a shard while it moves. Every acknowledged
+/// write is on the target once; nothing else is; no ID twice; every tenth is read back
+/// by ID mid-move.
+pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_nothing(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let listening = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let stale =
+        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    assert_eq!(stale.route_user(0).host.as_str(), "pg1");
+    let stop = Arc::new(AtomicBool::new(false));
+    let reruns = Arc::new(AtomicUsize::new(0));
+    let writers: Vec<_> = (0..4i64)
+        .map(|w| {
+            let cluster = if w % 2 == 0 { listening.clone() } else { stale.clone() };
+            let (stop, reruns) = (stop.clone(), reruns.clone());
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                let mut n = 0i64;
+                while !stop.load(Ordering::Relaxed) {
+                    let user = 6 * (w * 1000 + n % 20);
+                    let runs = AtomicUsize::new(0);
+                    let p = cluster
+                        .sqlx()
+                        .on_user(user, |conn| {
+                            runs.fetch_add(1, Ordering::Relaxed);
+                            Box::pin(async move {
+                                ::sqlx::query_as::<_, Photo>(INSERT)
+                                    .bind(user)
+                                    .bind("u")
+                                    .bind(format!("w{w}-{n}"))
+                                    .fetch_one(&mut *conn)
+                                    .await
+                            })
+                        })
+                        .await?;
+                    reruns.fetch_add(runs.into_inner() - 1, Ordering::Relaxed);
+                    if n % 10 == 0 {
+                        assert_eq!(
+                            get(&cluster, p.id).await?.map(|g| g.id),
+                            Some(p.id),
+                            "read back mid-move"
+                        );
+                    }
+                    acked.push(p.id);
+                    n += 1;
+                }
+                Ok::<_, Error>(acked)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut acked = Vec::new();
+    for w in writers {
+        acked.extend(w.await??);
+    }
+    let unique: HashSet<Id> = acked.iter().copied().collect();
+    assert_eq!(unique.len(), acked.len(), "no ID twice");
+    let ids: Vec<i64> = acked.iter().map(|&i| i64::from(i)).collect();
+    let row = f
+        .client(&ctx, 1)
+        .await?
+        .query_one(
+            "SELECT count(*) FILTER (WHERE id = ANY($1)), count(*), count(DISTINCT id) FROM shard_0000.photos",
+            &[&ids],
+        )
+        .await?;
+    let (found, total, distinct): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let acked_n = i64::try_from(acked.len())?;
+    assert_eq!(found, acked_n, "every acknowledged write is on the target");
+    assert_eq!((total, distinct), (acked_n, acked_n), "and nothing else, once");
+    let on_source: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(&format!("SELECT count(*) FROM shard_0000_moved_{}.photos", report.id), &[])
+        .await?
+        .get(0);
+    assert!(on_source > 0 && on_source < acked_n, "writes before the fence ({on_source}) and after the flip");
+    assert_eq!(stale.route_user(0).host.as_str(), "pg2", "the stale handle learnt the new map");
+    eprintln!(
+        "      {acked_n} sqlx writes during the move, {} run again after the shard moved; pause {} ms",
+        reruns.load(Ordering::Relaxed),
+        report.pause_ms
+    );
+    Ok(())
+}
+
+shardline_testkit::register!(exclusive: a_killed_or_hung_host_fails_sqlx_work_in_time_classified);
+/// A host killed, then hung: sqlx work on it fails within the host timeout (plus the
+/// pool's wait and slack), naming the host, classified as the repository's errors are;
+/// work on the other host goes on; once the host is back the same handle works there.
+pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let timeout = Duration::from_secs(1);
+    let o = ClusterOptions {
+        pool_size: 4,
+        host_timeout: timeout,
+        connect_timeout: timeout,
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::connect(&config, o).await?;
+    let on = |host: &str| (0..100).find(|u| cluster.route_user(*u).host.as_str() == host).ok_or("a user");
+    let (u1, u2) = (on("pg1")?, on("pg2")?);
+    let limit = timeout * 2 + Duration::from_millis(1500);
+    let pg2 = &ctx.hosts()[1];
+    // Warm: pooled connections to both hosts.
+    insert(&cluster, u1, "warm".into()).await?;
+    insert(&cluster, u2, "warm".into()).await?;
+
+    pg2.kill().await?;
+    let t = Instant::now();
+    let err = insert(&cluster, u2, "killed".into()).await.unwrap_err();
+    let took = t.elapsed();
+    assert!(took < limit, "waited {took:?}: {err}");
+    assert!(err.to_string().contains("pg2") && err.is_retryable(), "{}", shardline_repo::error_chain(&err));
+    let killed = format!("{} in {took:?}", shardline_repo::error_chain(&err));
+    insert(&cluster, u1, "pg1 goes on".into()).await?;
+    pg2.start().await?;
+    let back = again(|| insert(&cluster, u2, "back".into())).await?;
+    assert_eq!(back.caption, "back");
+
+    pg2.pause().await?;
+    let t = Instant::now();
+    let err = insert(&cluster, u2, "hung".into()).await.unwrap_err();
+    let took = t.elapsed();
+    let t1 = Instant::now();
+    insert(&cluster, u1, "pg1 goes on".into()).await?;
+    let pg1_took = t1.elapsed();
+    pg2.resume().await?;
+    assert!(took < limit, "waited {took:?}: {err}");
+    assert!(
+        err.is_timeout() && err.is_retryable() && err.outcome_unknown() && err.to_string().contains("pg2"),
+        "{}",
+        shardline_repo::error_chain(&err)
+    );
+    assert!(pg1_took < timeout, "pg1 waited {pg1_took:?} on pg2's hang");
+    let back = again(|| insert(&cluster, u2, "back again".into())).await?;
+    assert_eq!(back.caption, "back again");
+    // The hung write's outcome was unknown: read back, it is there at most once.
+    let hung = cluster
+        .sqlx()
+        .on_user(u2, |conn| {
+            Box::pin(async move {
+                ::sqlx::query_scalar::<_, i64>("SELECT count(*) FROM photos WHERE caption = 'hung'")
+                    .fetch_one(&mut *conn)
+                    .await
+            })
+        })
+        .await?;
+    assert!(hung <= 1, "{hung}");
+    eprintln!("      killed: {killed}; hung: {} in {took:?}", shardline_repo::error_chain(&err));
+    Ok(())
+}
+
+/// Runs `f` until it succeeds, for at most 10 s: a host just back may fail the first
+/// tries (its old pooled connections are gone), each failing in time.
+async fn again<T, Fut>(f: impl Fn() -> Fut) -> Result<T, BoxError>
+where
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline && e.is_retryable() => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
