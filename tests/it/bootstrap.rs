@@ -478,6 +478,48 @@ pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_chan
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_sqlx_migrations_directory_migrates_in_sqlx_order);
+/// A sqlx application's migrations, named as sqlx names them, work as they are: by
+/// version number (`10_` after `5_`, where byte order would refuse `10_` as sorting
+/// before an applied file), a reversible migration's `.up.sql` applied and its
+/// `.down.sql` never.
+pub(crate) async fn a_sqlx_migrations_directory_migrates_in_sqlx_order(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    f.migration("5_tags.up.sql", "CREATE TABLE tags (id bigint PRIMARY KEY DEFAULT next_id(), name text);")?;
+    f.migration("5_tags.down.sql", "DROP TABLE tags;")?;
+    shardline_ops::migrate(&f.config()?, &options(1), &quiet).await?;
+    f.migration("10_tag_photos.sql", "ALTER TABLE tags ADD COLUMN photo_id bigint;")?;
+    shardline_ops::migrate(&f.config()?, &options(1), &quiet).await?;
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let columns: i64 = c
+            .query_one(
+                "SELECT count(*) FROM information_schema.columns WHERE table_name = 'tags' AND column_name = 'photo_id'",
+                &[],
+            )
+            .await?
+            .get(0);
+        assert_eq!(columns, 2, "both shards of pg{} have tags with photo_id", h + 1);
+        let applied: Vec<String> = c
+            .query(
+                "SELECT name FROM shardline.shard_migrations
+                  WHERE schema_name = (SELECT min(schema_name) FROM shardline.shard_migrations)
+                  ORDER BY applied_at, name",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(
+            applied.ends_with(&["5_tags.up.sql".to_owned(), "10_tag_photos.sql".to_owned()]),
+            "{applied:?}"
+        );
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: locate_agrees_with_where_rows_are);
 pub(crate) async fn locate_agrees_with_where_rows_are(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 30).await?;

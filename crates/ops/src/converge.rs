@@ -150,7 +150,7 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
         }
         let mut minter_sum = None;
         let mut grants_sum = None;
-        let mut last_applied: Option<&str> = None;
+        let mut last_applied: Option<(bool, Option<u64>, &str)> = None;
         let mut done: HashSet<&str> = HashSet::new();
         for (name, sum) in &applied {
             if name == MINTER {
@@ -184,7 +184,7 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
                 Some(_) => {}
             }
             done.insert(name.as_str());
-            last_applied = last_applied.max(Some(name.as_str()));
+            last_applied = last_applied.max(Some(crate::migrations::order(name)));
         }
         let pending: Vec<usize> = inputs
             .migrations
@@ -195,7 +195,8 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
             .collect();
         if let (Some(first), Some(last)) = (pending.first(), last_applied) {
             let name = &inputs.migrations[*first].name;
-            if name.as_str() < last {
+            if crate::migrations::order(name) < last {
+                let last = last.2;
                 return Err(Error::Ledger {
                     file: name.clone(),
                     message: format!(

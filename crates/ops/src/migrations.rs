@@ -76,13 +76,23 @@ pub fn checksum(bytes: &[u8]) -> String {
     out
 }
 
-/// Reads every `*.sql` file of `dir`, in file-name order (byte order). Other files and
-/// hidden files are skipped.
+/// Reads every `*.sql` file of `dir`, in order. Other files and hidden files are
+/// skipped.
+///
+/// The order is sqlx's, so a sqlx application's `migrations/` directory works as it is
+/// (`<VERSION>_<DESCRIPTION>.sql`): files whose name starts with a number and `_` come
+/// first, by that number (`2_b.sql` before `10_c.sql`); then the others, by name. With
+/// zero-padded numbers (`0001_photos.sql`) that is also byte order. A reversible
+/// migration's `.up.sql` is applied; its `.down.sql` is skipped (shardline does not run
+/// migrations backwards).
 ///
 /// # Errors
 ///
 /// [`Error::MigrationDir`] when the directory or a file cannot be read or a name is not
-/// UTF-8; [`Error::MigrationSyntax`] for a file that cannot be split.
+/// UTF-8, or when two files have the same version (sqlx refuses that too);
+/// [`Error::MigrationSyntax`] for a file that cannot be split, or that starts with
+/// sqlx's `-- no-transaction` (shardline runs each shard's migrations in one
+/// transaction).
 pub fn load_dir(dir: &Path) -> Result<Vec<Migration>> {
     let io = |path: &Path, e: std::io::Error| Error::MigrationDir {
         path: path.to_owned(),
@@ -95,7 +105,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Migration>> {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             return Err(Error::MigrationDir { path, message: "the file name is not UTF-8".into() });
         };
-        if name.starts_with('.') || !name.ends_with(".sql") {
+        if name.starts_with('.') || !name.ends_with(".sql") || name.ends_with(".down.sql") {
             continue;
         }
         if !entry.file_type().map_err(|e| io(&path, e))?.is_file() {
@@ -103,7 +113,20 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Migration>> {
         }
         files.push((name, path));
     }
-    files.sort();
+    files.sort_by(|(a, _), (b, _)| {
+        (version(a).is_none(), version(a), a).cmp(&(version(b).is_none(), version(b), b))
+    });
+    for pair in files.windows(2) {
+        if let [(a, _), (b, path)] = pair
+            && version(a).is_some()
+            && version(a) == version(b)
+        {
+            return Err(Error::MigrationDir {
+                path: path.clone(),
+                message: format!("{a} and {b} have the same version; give each migration its own"),
+            });
+        }
+    }
     files
         .into_iter()
         .map(|(name, path)| {
@@ -112,9 +135,34 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Migration>> {
                 path: path.clone(),
                 message: "the file is not UTF-8".into(),
             })?;
+            if text.starts_with("-- no-transaction") {
+                return Err(Error::MigrationSyntax {
+                    file: name,
+                    line: 1,
+                    message: "sqlx's `-- no-transaction` is not supported: shardline runs each shard's \
+                              pending migrations in one transaction of its own"
+                        .into(),
+                });
+            }
             Migration::parse(&name, &text)
         })
         .collect()
+}
+
+/// Where migration `name` sorts ([`load_dir`]'s order, the one order of migrations):
+/// numbered ones first, by number, then the others, by name.
+pub fn order(name: &str) -> (bool, Option<u64>, &str) {
+    let v = version(name);
+    (v.is_none(), v, name)
+}
+
+/// The version of a migration named `<VERSION>_<DESCRIPTION>.sql`, as sqlx reads it.
+fn version(name: &str) -> Option<u64> {
+    let (digits, _) = name.split_once('_')?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// The transaction-control keyword a statement starts with, if any.
@@ -390,6 +438,42 @@ mod tests {
         assert_eq!(names, ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "0004_likes_by_id.sql"]);
         assert_eq!(got[0].statements.len(), 2);
         assert!(got[0].statements[0].sql.contains("CREATE TABLE photos"));
+    }
+
+    #[test]
+    fn a_sqlx_migrations_directory_loads_as_sqlx_orders_it() {
+        let dir = std::env::temp_dir().join(format!("shardline-sqlx-migrations-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, sql) in [
+            ("10_c.sql", "CREATE TABLE c (id bigint);"),
+            ("2_b.up.sql", "CREATE TABLE b (id bigint);"),
+            ("2_b.down.sql", "DROP TABLE b;"),
+            ("1_a.sql", "CREATE TABLE a (id bigint);"),
+            ("20240101120000_d.sql", "CREATE TABLE d (id bigint);"),
+            ("README.md", "not a migration"),
+        ] {
+            std::fs::write(dir.join(name), sql).unwrap();
+        }
+        let names: Vec<String> = load_dir(&dir).unwrap().into_iter().map(|m| m.name).collect();
+        assert_eq!(names, ["1_a.sql", "2_b.up.sql", "10_c.sql", "20240101120000_d.sql"]);
+        // Two files of one version are refused, naming both.
+        std::fs::write(dir.join("01_again.sql"), "SELECT 1;").unwrap();
+        let err = load_dir(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("01_again.sql") && err.contains("1_a.sql") && err.contains("same version"),
+            "{err}"
+        );
+        std::fs::remove_file(dir.join("01_again.sql")).unwrap();
+        // sqlx's no-transaction directive cannot be honoured, and says so.
+        std::fs::write(
+            dir.join("11_concurrently.sql"),
+            "-- no-transaction\nCREATE INDEX CONCURRENTLY i ON c (id);",
+        )
+        .unwrap();
+        let err = load_dir(&dir).unwrap_err().to_string();
+        assert!(err.starts_with("11_concurrently.sql:1: sqlx's `-- no-transaction`"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
