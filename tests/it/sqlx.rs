@@ -200,6 +200,43 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_database_url_naming_one_shard_describes_queries_as_the_macros_need);
+/// `query!` and `query_as!` check a query at compile time by asking `DATABASE_URL`'s
+/// server to describe it (sqlx's `Executor::describe`, what the macros call). Queries
+/// name tables unqualified, so `DATABASE_URL` names one shard's schema through the
+/// session's `search_path` (`?options=-c%20search_path%3Dshard_0000`, as
+/// `docs/repository.md` says); without it the tables are not found.
+pub(crate) async fn a_database_url_naming_one_shard_describes_queries_as_the_macros_need(
+    ctx: TestContext,
+) -> TestResult {
+    use ::sqlx::{Connection as _, Executor as _, SqlSafeStr as _};
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let url = config.hosts[0].url.expose();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let sql = "SELECT id, user_id, url, caption FROM photos WHERE id = $1";
+    let shard: ::sqlx::postgres::PgConnectOptions =
+        format!("{url}{sep}options=-c%20search_path%3Dshard_0000").parse()?;
+    let mut conn = ::sqlx::PgConnection::connect_with(&shard).await?;
+    let described = (&mut conn).describe(sql.into_sql_str()).await?;
+    let columns: Vec<String> = described
+        .columns()
+        .iter()
+        .map(|c| format!("{} {}", ::sqlx::Column::name(c), ::sqlx::Column::type_info(c)))
+        .collect();
+    assert_eq!(columns, ["id INT8", "user_id INT8", "url TEXT", "caption TEXT"]);
+    let params = format!("{:?}", described.parameters());
+    assert!(params.contains("Int8"), "the ID parameter is a bigint: {params}");
+    conn.close().await?;
+    // The same URL without the shard's schema: no such table, as the macros would say.
+    let plain: ::sqlx::postgres::PgConnectOptions = url.parse()?;
+    let mut conn = ::sqlx::PgConnection::connect_with(&plain).await?;
+    let err = (&mut conn).describe(sql.into_sql_str()).await.unwrap_err();
+    assert_eq!(err.as_database_error().and_then(|d| d.code()).as_deref(), Some("42P01"), "{err}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_nothing);
 /// sqlx writers on two handles, one listening for map changes and one not (its map
 /// goes stale at the flip), write into a shard while it moves. Every acknowledged
