@@ -48,7 +48,7 @@ async fn routed(cluster: &Cluster, sample: &[Id]) -> Result<Duration, BoxError> 
                 Box::pin(async move {
                     sqlx::query_as::<_, Photo>("SELECT id, user_id, url, caption FROM photos WHERE id = $1")
                         .bind(id)
-                        .fetch_optional(&mut *conn)
+                        .fetch_optional(&mut **conn)
                         .await
                 })
             })
@@ -65,7 +65,7 @@ async fn direct(cluster: &Cluster, sample: &[Id], wrapped: bool) -> Result<Durat
     let t = Instant::now();
     for &id in sample {
         let route = cluster.route_id(id)?; // arithmetic on the ID: the rival needs the host too
-        let pool = db.pool(&route.host).ok_or("a pool")?;
+        let pool = db.pool(&route.host).await?;
         let got = if wrapped {
             let mut conn = pool.acquire().await?;
             let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
@@ -80,7 +80,7 @@ async fn direct(cluster: &Cluster, sample: &[Id], wrapped: bool) -> Result<Durat
             got
         } else {
             let sql = format!("SELECT {COLUMNS} FROM {}.photos WHERE id = $1", route.schema.quoted());
-            sqlx::query_as::<_, Photo>(AssertSqlSafe(sql)).bind(id).fetch_optional(pool).await?
+            sqlx::query_as::<_, Photo>(AssertSqlSafe(sql)).bind(id).fetch_optional(&pool).await?
         };
         assert!(got.is_some());
     }

@@ -213,7 +213,7 @@ async fn counts(
     Ok(Some([row.get(0), row.get(1), row.get(2)]))
 }
 
-fn host_index(name: &str) -> usize {
+pub(crate) fn host_index(name: &str) -> usize {
     match name {
         "pg1" => 0,
         "pg2" => 1,

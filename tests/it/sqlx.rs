@@ -15,6 +15,7 @@ use shardline_repo::{Cluster, ClusterOptions, Error};
 use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{BoxError, Fixture, options, quiet};
+use crate::moves::host_index;
 
 const INSERT: &str =
     "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption";
@@ -24,13 +25,13 @@ async fn insert(cluster: &Cluster, user: i64, caption: String) -> Result<Photo, 
     cluster
         .sqlx()
         .on_user(user, |conn| {
-            let caption = caption.clone();
+            let caption = &caption;
             Box::pin(async move {
                 ::sqlx::query_as::<_, Photo>(INSERT)
                     .bind(user)
                     .bind(format!("https://cdn/{user}.jpg"))
                     .bind(caption)
-                    .fetch_one(&mut *conn)
+                    .fetch_one(&mut **conn)
                     .await
             })
         })
@@ -45,7 +46,7 @@ async fn get(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
             Box::pin(async move {
                 ::sqlx::query_as::<_, Photo>("SELECT id, user_id, url, caption FROM photos WHERE id = $1")
                     .bind(id)
-                    .fetch_optional(&mut *conn)
+                    .fetch_optional(&mut **conn)
                     .await
             })
         })
@@ -90,7 +91,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
             Box::pin(async move {
                 ::sqlx::query("UPDATE photos SET caption = 'edited' WHERE id = $1")
                     .bind(first.id)
-                    .execute(&mut *conn)
+                    .execute(&mut **conn)
                     .await
                     .map(|r| r.rows_affected())
             })
@@ -102,7 +103,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     let deleted = db
         .on_id(last.id, |conn| {
             Box::pin(async move {
-                ::sqlx::query("DELETE FROM photos WHERE id = $1").bind(last.id).execute(&mut *conn).await
+                ::sqlx::query("DELETE FROM photos WHERE id = $1").bind(last.id).execute(&mut **conn).await
             })
         })
         .await?;
@@ -114,8 +115,8 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     let err = db
         .on_user(5, |conn| {
             Box::pin(async move {
-                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut *conn).await?;
-                ::sqlx::query("SELECT 1/0").execute(&mut *conn).await.map(drop)
+                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut **conn).await?;
+                ::sqlx::query("SELECT 1/0").execute(&mut **conn).await.map(drop)
             })
         })
         .await
@@ -130,8 +131,8 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     let err = db
         .on_user(5, |conn| {
             Box::pin(async move {
-                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut *conn).await?;
-                let _ = ::sqlx::query("SELECT 1/0").execute(&mut *conn).await;
+                ::sqlx::query(INSERT).bind(5i64).bind("u").bind("rolled back").execute(&mut **conn).await?;
+                let _ = ::sqlx::query("SELECT 1/0").execute(&mut **conn).await;
                 Ok(())
             })
         })
@@ -150,11 +151,11 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
 
     // Every shard once, in shard order; the rows add up.
     let per_shard = db
-        .for_each_shard(|shard, conn| {
+        .for_each_shard(|conn| {
             Box::pin(async move {
                 let n: i64 =
-                    ::sqlx::query_scalar("SELECT count(*) FROM photos").fetch_one(&mut *conn).await?;
-                Ok((shard, n))
+                    ::sqlx::query_scalar("SELECT count(*) FROM photos").fetch_one(&mut **conn).await?;
+                Ok((conn.shard(), n))
             })
         })
         .await;
@@ -167,11 +168,94 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     }
     assert_eq!(total, i64::try_from(made.len())?);
 
+    // A closure that ends the transaction itself is told so, never Ok as if it were whole.
+    let err = db
+        .on_user(5, |conn| {
+            Box::pin(async move { ::sqlx::raw_sql("COMMIT").execute(&mut **conn).await.map(drop) })
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid { what } if what.contains("ended the transaction itself")),
+        "{err}"
+    );
+    // Behind a transaction-mode pooler the sqlx path refuses, naming why.
+    let pooled = Cluster::connect(
+        &f.config()?,
+        ClusterOptions { transaction_pooler: true, ..ClusterOptions::default() },
+    )
+    .await?;
+    let err = pooled
+        .sqlx()
+        .on_user(5, |conn| {
+            Box::pin(async move { ::sqlx::raw_sql("SELECT 1").execute(&mut **conn).await.map(drop) })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(&err, Error::Pooler { reason, .. } if reason.contains("named")), "{err}");
+
+    // A handled failure because the shard is gone from where a stale map says: rolled
+    // back, the schema looked for, and the work run again on the shard's new host.
+    let stale =
+        Cluster::connect(&f.config()?, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    let route = stale.route_user(3);
+    let other = ["pg1", "pg2", "pg3"].into_iter().find(|h| *h != route.host.as_str()).ok_or("a host")?;
+    let (from, to) = (host_index(route.host.as_str()), host_index(other));
+    let schema = route.schema.quoted();
+    let dump: Vec<Photo> = photos.page_of_user(3, None, 100).await?.rows;
+    let (src, dst) = (f.client(&ctx, from).await?, f.client(&ctx, to).await?);
+    let install = shardline_id::sql::ShardSql::new(
+        stale.layout(),
+        route.schema.as_str(),
+        u32::from(route.shard.get()),
+    )?
+    .install();
+    dst.batch_execute(&format!(
+        "CREATE SCHEMA {schema}; {install}; SET search_path TO {schema};
+         CREATE TABLE photos (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, url text NOT NULL, caption text NOT NULL DEFAULT '');
+         RESET search_path"
+    ))
+    .await?;
+    for p in &dump {
+        dst.execute(
+            &format!("INSERT INTO {schema}.photos VALUES ($1, $2, $3, $4)"),
+            &[&p.id, &p.user_id, &p.url, &p.caption],
+        )
+        .await?;
+    }
+    src.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await?;
+    f.client(&ctx, 0)
+        .await?
+        .execute(
+            "UPDATE shardline.shards SET host = $1 WHERE shard = $2",
+            &[&other, &i32::from(route.shard.get())],
+        )
+        .await?;
+    let runs = AtomicUsize::new(0);
+    let on = stale
+        .sqlx()
+        .on_user(3, |conn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                // Its error handled: the unit returns Ok either way.
+                let wrote =
+                    ::sqlx::query(INSERT).bind(3i64).bind("u").bind("rerun").execute(&mut **conn).await;
+                Ok((wrote.is_ok(), conn.host().to_string()))
+            })
+        })
+        .await?;
+    assert_eq!((runs.into_inner(), on), (2, (true, other.to_owned())));
+    let n: i64 = dst
+        .query_one(&format!("SELECT count(*) FROM {schema}.photos WHERE caption = 'rerun'"), &[])
+        .await?
+        .get(0);
+    assert_eq!(n, 1, "written once, on the shard's new host");
+
     // Decoding: the type is named as users write it; a negative value is refused.
     let err = db
         .on_user(1, |conn| {
             Box::pin(
-                async move { ::sqlx::query_scalar::<_, Id>("SELECT 7::int4").fetch_one(&mut *conn).await },
+                async move { ::sqlx::query_scalar::<_, Id>("SELECT 7::int4").fetch_one(&mut **conn).await },
             )
         })
         .await
@@ -181,7 +265,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     let err = db
         .on_user(1, |conn| {
             Box::pin(
-                async move { ::sqlx::query_scalar::<_, Id>("SELECT -1::int8").fetch_one(&mut *conn).await },
+                async move { ::sqlx::query_scalar::<_, Id>("SELECT -1::int8").fetch_one(&mut **conn).await },
             )
         })
         .await
@@ -191,7 +275,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     let t = Instant::now();
     let err = db
         .on_user(1, |conn| {
-            Box::pin(async move { ::sqlx::query("SELECT * FROM nope").execute(&mut *conn).await })
+            Box::pin(async move { ::sqlx::query("SELECT * FROM nope").execute(&mut **conn).await })
         })
         .await
         .unwrap_err();
@@ -273,7 +357,7 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
                                     .bind(user)
                                     .bind("u")
                                     .bind(format!("w{w}-{n}"))
-                                    .fetch_one(&mut *conn)
+                                    .fetch_one(&mut **conn)
                                     .await
                             })
                         })
@@ -324,6 +408,7 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
         .get(0);
     assert!(on_source > 0 && on_source < acked_n, "writes before the fence ({on_source}) and after the flip");
     assert_eq!(stale.route_user(0).host.as_str(), "pg2", "the stale handle learnt the new map");
+    assert!(reruns.load(Ordering::Relaxed) >= 1, "the stale handle's first write after the flip ran again");
     eprintln!(
         "      {acked_n} sqlx writes during the move, {} run again after the shard moved; pause {} ms",
         reruns.load(Ordering::Relaxed),
@@ -385,18 +470,25 @@ pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx
     assert!(pg1_took < timeout, "pg1 waited {pg1_took:?} on pg2's hang");
     let back = again(|| insert(&cluster, u2, "back again".into())).await?;
     assert_eq!(back.caption, "back again");
-    // The hung write's outcome was unknown: read back, it is there at most once.
-    let hung = cluster
-        .sqlx()
-        .on_user(u2, |conn| {
-            Box::pin(async move {
-                ::sqlx::query_scalar::<_, i64>("SELECT count(*) FROM photos WHERE caption = 'hung'")
-                    .fetch_one(&mut *conn)
-                    .await
-            })
-        })
-        .await?;
-    assert!(hung <= 1, "{hung}");
+    // The hung unit of work was dropped at its timeout: once the host answers, no
+    // session of it is left inside a transaction (sqlx rolls back before reuse).
+    let pg2_client = f.client(&ctx, 1).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let open: i64 = pg2_client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await?
+            .get(0);
+        if open == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{open} sessions left inside a transaction on pg2");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     eprintln!("      killed: {killed}; hung: {} in {took:?}", shardline_repo::error_chain(&err));
     Ok(())
 }

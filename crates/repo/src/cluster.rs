@@ -144,9 +144,12 @@ struct Inner {
     sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// One sqlx pool per host ([`crate::sqlx`]).
+    /// One sqlx pool per host ([`crate::sqlx`]), made on first use.
     #[cfg(feature = "sqlx")]
-    sqlx: crate::sqlx::Pools,
+    sqlx: tokio::sync::OnceCell<crate::sqlx::Pools>,
+    /// The hosts' URLs, for the sqlx pools.
+    #[cfg(feature = "sqlx")]
+    sqlx_hosts: Vec<(HostName, shardline_router::config::DbUrl)>,
 }
 
 impl Drop for Inner {
@@ -216,7 +219,9 @@ impl Cluster {
             types: crate::statement::TypeCache::default(),
             sqls: std::sync::Mutex::default(),
             #[cfg(feature = "sqlx")]
-            sqlx: crate::sqlx::Pools::new(config, &options)?,
+            sqlx: tokio::sync::OnceCell::new(),
+            #[cfg(feature = "sqlx")]
+            sqlx_hosts: config.hosts.iter().map(|h| (h.name.clone(), h.url.clone())).collect(),
             options,
             listener: std::sync::Mutex::new(None),
         });
@@ -251,8 +256,12 @@ impl Cluster {
 
     /// The sqlx pools, one per host.
     #[cfg(feature = "sqlx")]
-    pub(crate) fn sqlx_pools(&self) -> &crate::sqlx::Pools {
-        &self.inner.sqlx
+    pub(crate) async fn sqlx_pools(&self) -> Result<&crate::sqlx::Pools> {
+        let inner = &self.inner;
+        inner
+            .sqlx
+            .get_or_try_init(|| async { crate::sqlx::Pools::new(&inner.sqlx_hosts, &inner.options) })
+            .await
     }
 
     /// The map as this handle knows it now.

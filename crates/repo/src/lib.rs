@@ -168,8 +168,9 @@ pub enum Error {
         host: HostName,
         /// The logical shard, when the work was for one.
         shard: Option<LogicalShard>,
-        /// What was being done: `connect`, `begin`, `work` (the caller's statements),
-        /// `commit`, ...
+        /// What was being done: `begin` (a connection, `BEGIN` and the `search_path`),
+        /// `work` (the caller's statements), `commit` (a check that the transaction is
+        /// not aborted, and `COMMIT`, in one round trip).
         what: &'static str,
         /// The SQLSTATE, when the server sent one.
         sqlstate: Option<String>,
@@ -459,11 +460,13 @@ impl Error {
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
-            // No connection was had: nothing was sent.
+            // A unit of work that failed before its COMMIT was sent was rolled back;
+            // a COMMIT that got no verdict (or a connection-class one) may have applied.
             #[cfg(feature = "sqlx")]
-            Error::Sqlx { what: "connect", .. } => false,
-            #[cfg(feature = "sqlx")]
-            Error::Sqlx { sqlstate: None, .. } => true,
+            Error::Sqlx { what, sqlstate, .. } => {
+                *what == "commit"
+                    && sqlstate.as_deref().is_none_or(|s| s.starts_with("57P") || s.starts_with("08"))
+            }
             _ => matches!(self.sqlstate(), Some(s) if s.starts_with("57P") || s.starts_with("08")),
         }
     }
@@ -497,6 +500,11 @@ impl Error {
                 source,
                 ::sqlx::Error::Io(_) | ::sqlx::Error::PoolTimedOut | ::sqlx::Error::WorkerCrashed
             ),
+            // A server refusing a session for now (too many connections, starting up).
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { what: "begin", sqlstate: Some(s), .. } if s == "53300" || s.starts_with("57P") => {
+                true
+            }
             _ => matches!(
                 self.sqlstate(),
                 Some("40001" | "40P01" | "57P01" | "57P02" | "57P03" | "55P03")

@@ -33,7 +33,7 @@
 //!             sqlx::query_as("INSERT INTO photos (user_id, url) VALUES ($1, $2) RETURNING id, user_id, url")
 //!                 .bind(user)
 //!                 .bind("https://cdn/1.jpg")
-//!                 .fetch_one(&mut *conn)
+//!                 .fetch_one(&mut **conn)
 //!                 .await
 //!         })
 //!     })
@@ -44,7 +44,7 @@
 //!         Box::pin(async move {
 //!             sqlx::query_as("SELECT id, user_id, url FROM photos WHERE id = $1")
 //!                 .bind(photo.id)
-//!                 .fetch_optional(&mut *conn)
+//!                 .fetch_optional(&mut **conn)
 //!                 .await
 //!         })
 //!     })
@@ -62,50 +62,86 @@
 use std::collections::HashMap;
 
 use ::sqlx::pool::PoolConnection;
-use ::sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, Postgres};
+use ::sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgSslMode, Postgres};
 use futures::future::BoxFuture;
 use shardline_id::Id;
-use shardline_router::{Config, HostName, LogicalShard, Route};
+use shardline_router::config::DbUrl;
+use shardline_router::tls::{RootCert, SslMode};
+use shardline_router::{HostName, LogicalShard, Route, SchemaName};
 
 use crate::cluster::{Cluster, ClusterOptions, Failed};
 use crate::shard::ShardResult;
 use crate::{Error, Result, within};
 
-/// One sqlx pool per host, made with the cluster (connections open on first use).
+/// Statements sqlx keeps prepared per connection, at least. sqlx 0.9.0 cannot run a
+/// bound query unnamed: with its statement cache off, every such query is prepared
+/// under a new name that is never closed, and a pooled connection's server process
+/// fills up (sqlx issue 4328). A cache closes what it evicts, so the statements stay
+/// bounded.
+const MIN_STATEMENT_CACHE: usize = 100;
+
+/// One sqlx pool per host, made on first use of [`Cluster::sqlx`]'s work (a
+/// connection opens when one is needed).
 #[derive(Debug)]
 pub(crate) struct Pools(HashMap<HostName, PgPool>);
 
 impl Pools {
-    /// A lazy pool per host of `config`, sized and timed as the repository's pools.
-    /// Must run inside a Tokio runtime (a pool keeps a maintenance task).
-    pub(crate) fn new(config: &Config, options: &ClusterOptions) -> Result<Pools> {
-        let cache = if options.transaction_pooler { 0 } else { options.statement_cache };
+    /// A lazy pool per host, sized and timed as the repository's pools, TLS as the
+    /// config's URLs say it (the rules of [`shardline_router::tls`], not sqlx's own).
+    pub(crate) fn new(hosts: &[(HostName, DbUrl)], options: &ClusterOptions) -> Result<Pools> {
+        let cache = options.statement_cache.max(MIN_STATEMENT_CACHE);
         let mut pools = HashMap::new();
-        for h in &config.hosts {
-            // The URL is never part of the message: it may hold a password.
-            let connect: PgConnectOptions =
-                h.url.expose().parse().map_err(|e: ::sqlx::Error| Error::BadUrl {
-                    target: format!("host {}", h.name),
-                    message: match e {
-                        ::sqlx::Error::Configuration(source) => source.to_string(),
-                        _ => "sqlx cannot read it".into(),
-                    },
-                })?;
-            // 0: every statement unnamed, as the repository's default (a statement
-            // prepared under one shard's search_path is not another shard's).
-            let connect = connect.statement_cache_capacity(cache);
+        for (name, url) in hosts {
+            let connect = connect_options(name, url)?.statement_cache_capacity(cache);
             let pool = PgPoolOptions::new()
                 .max_connections(u32::try_from(options.pool_size.max(1)).unwrap_or(u32::MAX))
-                .acquire_timeout(options.host_timeout)
+                // A little under the unit of work's own bound, so that a pool with no
+                // free connection says so (`Error::Pool`, nothing sent) rather than
+                // timing out as work that may have been applied.
+                .acquire_timeout(options.host_timeout.mul_f64(0.9))
                 .max_lifetime(options.connection_max_lifetime)
-                // As the repository's pools: no round trip to test a connection
-                // handed out; a broken one fails its statement, classified.
+                // As the repository's pools: no round trip to test a connection handed
+                // out; a broken one fails its statement, classified.
                 .test_before_acquire(false)
                 .connect_lazy_with(connect);
-            pools.insert(h.name.clone(), pool);
+            pools.insert(name.clone(), pool);
         }
         Ok(Pools(pools))
     }
+}
+
+/// sqlx's options for `host`'s URL. The URL is never part of an error: it may hold a
+/// password.
+fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
+    let bad = |message: String| Error::BadUrl { target: format!("host {host}"), message };
+    let tls = url.tls().map_err(bad)?;
+    if !(tls.driver_url.starts_with("postgres://") || tls.driver_url.starts_with("postgresql://")) {
+        return Err(bad("the sqlx path takes a postgres:// URL, not key=value pairs".into()));
+    }
+    let connect: PgConnectOptions = tls.driver_url.parse().map_err(|e: ::sqlx::Error| {
+        bad(match e {
+            ::sqlx::Error::Configuration(source) => source.to_string(),
+            _ => "sqlx cannot read it".into(),
+        })
+    })?;
+    // libpq's (and the repository's) meaning of each mode: `require` with a root
+    // certificate checks the chain.
+    let mode = match tls.mode {
+        SslMode::Disable => PgSslMode::Disable,
+        SslMode::Prefer => PgSslMode::Prefer,
+        SslMode::Require if tls.root_cert.is_some() => PgSslMode::VerifyCa,
+        SslMode::Require => PgSslMode::Require,
+        SslMode::VerifyCa => PgSslMode::VerifyCa,
+        SslMode::VerifyFull => PgSslMode::VerifyFull,
+        // A mode added later: the strictest until it is mapped here.
+        _ => PgSslMode::VerifyFull,
+    };
+    Ok(match tls.root_cert {
+        Some(RootCert::File(path)) => connect.ssl_mode(mode).ssl_root_cert(path),
+        // No file: sqlx checks against the operating system's trust store.
+        Some(RootCert::System) | None => connect.ssl_mode(mode),
+        Some(_) => return Err(bad("a source of root certificates the sqlx path does not know".into())),
+    })
 }
 
 /// sqlx on a [`Cluster`]: routed units of work on one shard, and the same work on
@@ -123,28 +159,90 @@ impl Cluster {
     }
 }
 
-/// A connection taken for one unit of work. Dropped before [`Lease::release`] (a
-/// failure, a timeout, a cancelled caller), it is closed rather than returned to the
-/// pool, so no pooled connection is left inside a transaction or mid-statement.
-struct Lease(Option<PoolConnection<Postgres>>);
+/// The connection a unit of work of [`Sqlx`] runs on: inside its transaction in one
+/// shard, with the shard's schema as `search_path`. Hand it to sqlx as `&mut **conn`
+/// (it dereferences to a `PgConnection`), as with sqlx's own
+/// `Connection::transaction`.
+///
+/// `'env` is the life of the call: the closure's future may borrow anything that
+/// outlives it. Dropped unfinished (a timeout, a cancelled caller, a failed
+/// `ROLLBACK`), its connection is closed rather than returned to the pool, so the
+/// server rolls the transaction back and no pooled connection is left inside one.
+///
+/// The transaction is shardline's, not one sqlx counts: a `begin()` inside the closure
+/// starts no savepoint, and its `commit()` or `rollback()` would end shardline's
+/// transaction. That is caught before `COMMIT` (the call fails with
+/// [`Error::Invalid`]); use `SAVEPOINT` in SQL for a part that may fail.
+pub struct ShardConn<'env> {
+    conn: Option<PoolConnection<Postgres>>,
+    route: Route,
+    _env: std::marker::PhantomData<&'env ()>,
+}
 
-impl Lease {
-    fn conn(&mut self) -> Result<&mut PgConnection> {
-        self.0
-            .as_deref_mut()
-            .ok_or_else(|| Error::Invalid { what: "the connection has already been returned".into() })
-    }
-
-    fn release(mut self) {
-        drop(self.0.take());
+impl std::fmt::Debug for ShardConn<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardConn").field("route", &self.route).finish_non_exhaustive()
     }
 }
 
-impl Drop for Lease {
+impl Drop for ShardConn<'_> {
     fn drop(&mut self) {
-        if let Some(mut conn) = self.0.take() {
+        if let Some(mut conn) = self.conn.take() {
             conn.close_on_drop();
         }
+    }
+}
+
+impl ShardConn<'_> {
+    /// The transaction ended cleanly: the connection goes back to the pool.
+    fn release(mut self) {
+        drop(self.conn.take());
+    }
+
+    fn conn(&mut self) -> &mut PgConnection {
+        // Only `release` (which consumes the value) takes the connection out.
+        self.conn
+            .as_deref_mut()
+            .unwrap_or_else(|| unreachable!("a ShardConn holds its connection until released"))
+    }
+}
+
+impl ShardConn<'_> {
+    /// The shard the transaction is in.
+    pub fn shard(&self) -> LogicalShard {
+        self.route.shard
+    }
+
+    /// The shard's schema (also the transaction's `search_path`).
+    pub fn schema(&self) -> &SchemaName {
+        &self.route.schema
+    }
+
+    /// The host the transaction runs on.
+    pub fn host(&self) -> &HostName {
+        &self.route.host
+    }
+}
+
+impl std::ops::Deref for ShardConn<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.conn
+            .as_deref()
+            .unwrap_or_else(|| unreachable!("a ShardConn holds its connection until released"))
+    }
+}
+
+impl std::ops::DerefMut for ShardConn<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn()
+    }
+}
+
+impl AsMut<PgConnection> for ShardConn<'_> {
+    fn as_mut(&mut self) -> &mut PgConnection {
+        self.conn()
     }
 }
 
@@ -154,10 +252,16 @@ impl Sqlx {
         &self.cluster
     }
 
-    /// The sqlx pool of `host`, for work that is not routed (it bypasses routing,
-    /// timeouts and the move retry).
-    pub fn pool(&self, host: &HostName) -> Option<&PgPool> {
-        self.cluster.sqlx_pools().0.get(host)
+    /// The sqlx pool of `host` (made with the others on first use), for work that is
+    /// not routed: it bypasses routing, timeouts and the move retry.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownHost`]; [`Error::BadUrl`] when a host's URL cannot be used by
+    /// sqlx (a `key=value` connection string: the sqlx path takes `postgres://` URLs).
+    pub async fn pool(&self, host: &HostName) -> Result<PgPool> {
+        let pools = self.cluster.sqlx_pools().await?;
+        pools.0.get(host).cloned().ok_or_else(|| Error::UnknownHost { host: host.clone() })
     }
 
     /// Runs `work` in one transaction in `shard`, on the shard's host, with the
@@ -171,88 +275,126 @@ impl Sqlx {
     ///
     /// # Errors
     ///
-    /// [`Error::Sqlx`] naming the host, the shard and the SQLSTATE; [`Error::Timeout`]
-    /// when the whole unit of work took longer than
-    /// [`ClusterOptions::host_timeout`]; [`Error::Pool`] when no connection could be
-    /// had in time; [`Error::RolledBack`] when `work` returned `Ok` but a statement in it
-    /// had failed (its error handled), so Postgres rolled the transaction back.
-    pub async fn transaction<T, F>(&self, shard: LogicalShard, work: F) -> Result<T>
+    /// [`Error::Sqlx`] naming the host, the shard, the step and the SQLSTATE (only a
+    /// `commit` step's may leave the outcome unknown: every other failure rolled the
+    /// work back); [`Error::Timeout`] when the whole unit of work took longer than
+    /// [`ClusterOptions::host_timeout`]; [`Error::Pool`] when no connection could be had
+    /// in time; [`Error::RolledBack`] when `work` returned `Ok` but a statement in it had
+    /// failed (its error handled), so Postgres rolled the transaction back;
+    /// [`Error::Pooler`] behind a transaction-mode pooler (sqlx 0.9.0 keeps named
+    /// prepared statements, which such a pooler mixes up between clients).
+    pub async fn transaction<'env, T, F>(&'env self, shard: LogicalShard, work: F) -> Result<T>
     where
-        F: for<'c> FnMut(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, ::sqlx::Error>>,
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
-        let timeout = self.cluster.options().host_timeout;
+        let options = self.cluster.options();
+        if options.transaction_pooler {
+            let host = self.cluster.route(shard).host;
+            return Err(Error::Pooler {
+                host,
+                reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
+                         prepared statements on each connection, which such a pooler hands to other clients; \
+                         use the repository API, or reach the hosts directly or through a session pool"
+                    .into(),
+            });
+        }
+        let timeout = options.host_timeout;
         // Each run borrows `work` in turn; the lock is never contended.
         let work = &tokio::sync::Mutex::new(work);
         self.cluster
             .with_move_retry(|map, _| async move {
                 let route = map.route(shard, self.cluster.prefix());
                 let host = route.host.clone();
+                let pool = self.pool(&host).await?;
                 let mut work = work.lock().await;
                 let mut moved = false;
-                let done = within(&host, timeout, self.attempt(&route, &mut *work, &mut moved)).await;
-                done.map_err(|e| {
-                    let moved = moved || e.is_moved();
-                    Failed::new(e, moved, [shard])
-                })
+                let done = within(&host, timeout, self.attempt(&pool, route, &mut *work, &mut moved)).await;
+                done.map_err(|e| Failed::new(e, moved, [shard]))
             })
             .await
     }
 
-    /// One run of [`Sqlx::transaction`] on `route`; sets `moved` when it learnt that the
-    /// shard's schema is gone from its host.
-    async fn attempt<T, F>(&self, route: &Route, work: &mut F, moved: &mut bool) -> Result<T>
+    /// One run of [`Sqlx::transaction`] on `route`; sets `moved` when the shard's
+    /// schema is gone from its host.
+    async fn attempt<'env, T, F>(
+        &'env self,
+        pool: &PgPool,
+        route: Route,
+        work: &mut F,
+        moved: &mut bool,
+    ) -> Result<T>
     where
-        F: for<'c> FnMut(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, ::sqlx::Error>>,
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
-        let (host, shard) = (&route.host, route.shard);
-        let fail = |what: &'static str| move |e: ::sqlx::Error| Error::sqlx(host, Some(shard), what, e);
-        let pool = self.pool(host).ok_or_else(|| Error::UnknownHost { host: host.clone() })?;
-        let mut lease = Lease(Some(pool.acquire().await.map_err(|e| match e {
+        let (host, shard, schema) = (route.host.clone(), route.shard, route.schema.clone());
+        let fail = |what: &'static str| {
+            let host = host.clone();
+            move |e: ::sqlx::Error| Error::sqlx(&host, Some(shard), what, e)
+        };
+        let conn = pool.acquire().await.map_err(|e| match e {
             ::sqlx::Error::PoolTimedOut => Error::Pool {
                 host: host.clone(),
                 message: format!(
                     "no connection could be had within {:?}",
-                    self.cluster.options().host_timeout
+                    pool.options().get_acquire_timeout()
                 ),
                 timed_out: true,
             },
-            e => Error::sqlx(host, Some(shard), "connect", e),
-        })?));
+            e => Error::sqlx(&host, Some(shard), "begin", e),
+        })?;
+        let mut conn = ShardConn { conn: Some(conn), route, _env: std::marker::PhantomData };
         // One round trip: the transaction and its search_path (the schema quoted by the
         // one quoting function, `SchemaName::quoted`).
-        let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
-        let mut tx = ::sqlx::Connection::begin_with(lease.conn()?, ::sqlx::AssertSqlSafe(begin))
-            .await
-            .map_err(fail("begin"))?;
-        let value = match work(&mut tx).await {
-            Ok(value) => value,
-            Err(e) => {
-                // Rolled back by the drop of `tx`, or by the connection's close.
-                return Err(Error::sqlx(host, Some(shard), "work", e));
+        let begin = format!("BEGIN; SET LOCAL search_path TO {}", schema.quoted());
+        ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).execute(conn.conn()).await.map_err(fail("begin"))?;
+        let error = match work(&mut conn).await {
+            // A statement that failed inside the transaction aborted it, even when `work`
+            // handled its error: Postgres would answer COMMIT with a rollback. So a
+            // SAVEPOINT goes first, in the same round trip: it fails in an aborted
+            // transaction (25P02), and outside any (25P01, the closure ended the
+            // transaction itself), and then COMMIT is not run.
+            Ok(value) => {
+                match ::sqlx::raw_sql("SAVEPOINT shardline_check; COMMIT").execute(conn.conn()).await {
+                    Ok(_) => {
+                        conn.release();
+                        return Ok(value);
+                    }
+                    Err(e) => {
+                        let e = Error::sqlx(&host, Some(shard), "commit", e);
+                        match e.sqlstate() {
+                            Some("25P02") => Error::RolledBack { host: host.clone(), shard },
+                            Some("25P01") => {
+                                conn.release();
+                                return Err(Error::Invalid {
+                                    what: format!(
+                                        "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT \
+                                     or ROLLBACK, or sqlx's begin() and its end); what it applied is what that said"
+                                    ),
+                                });
+                            }
+                            _ => return Err(e),
+                        }
+                    }
+                }
             }
+            Err(e) => Error::sqlx(&host, Some(shard), "work", e),
         };
-        // A statement that failed inside the transaction aborted it, even when `work`
-        // handled its error: Postgres would answer COMMIT with a rollback. The probe
-        // fails then (25P02), and the caller hears so.
-        if let Err(e) = ::sqlx::raw_sql("SELECT 1").execute(&mut *tx).await {
-            let e = Error::sqlx(host, Some(shard), "commit", e);
-            if e.sqlstate() != Some("25P02") {
-                return Err(e);
-            }
-            tx.rollback().await.map_err(fail("rollback"))?;
-            // Was it because the shard is gone from here? Then run it again where it is.
-            let gone: bool = ::sqlx::query_scalar("SELECT to_regnamespace($1) IS NULL")
-                .bind(route.schema.as_str())
-                .fetch_one(lease.conn()?)
-                .await
-                .map_err(fail("look for the shard's schema"))?;
-            *moved = gone;
-            lease.release();
-            return Err(Error::RolledBack { host: host.clone(), shard });
+        // Rolled back here; when that fails, the connection is closed (the drop), which
+        // rolls back as well.
+        if ::sqlx::raw_sql("ROLLBACK").execute(conn.conn()).await.is_ok() {
+            conn.release();
         }
-        tx.commit().await.map_err(fail("commit"))?;
-        lease.release();
-        Ok(value)
+        // A handled failure, or one that says a table is missing: is it because the
+        // shard's schema is gone from here (fenced or moved)? Then it runs again where
+        // the shard is. A table missing from a schema that is there is the caller's.
+        if matches!(error, Error::RolledBack { .. }) || error.is_moved() {
+            *moved = ::sqlx::query_scalar::<_, bool>("SELECT to_regnamespace($1) IS NULL")
+                .bind(schema.as_str())
+                .fetch_one(pool)
+                .await
+                .unwrap_or(false);
+        }
+        Err(error)
     }
 
     /// [`Sqlx::transaction`] in the shard of user `user_id`.
@@ -260,9 +402,9 @@ impl Sqlx {
     /// # Errors
     ///
     /// As [`Sqlx::transaction`].
-    pub async fn on_user<T, F>(&self, user_id: i64, work: F) -> Result<T>
+    pub async fn on_user<'env, T, F>(&'env self, user_id: i64, work: F) -> Result<T>
     where
-        F: for<'c> FnMut(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, ::sqlx::Error>>,
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         self.transaction(self.cluster.route_user(user_id).shard, work).await
     }
@@ -274,25 +416,22 @@ impl Sqlx {
     ///
     /// [`Error::Router`] for an ID of a shard the cluster does not have; then as
     /// [`Sqlx::transaction`].
-    pub async fn on_id<T, F>(&self, id: Id, work: F) -> Result<T>
+    pub async fn on_id<'env, T, F>(&'env self, id: Id, work: F) -> Result<T>
     where
-        F: for<'c> FnMut(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, ::sqlx::Error>>,
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         self.transaction(self.cluster.route_id(id)?.shard, work).await
     }
 
     /// Runs `work` on every shard, each in its own [`Sqlx::transaction`], several at a
-    /// time (interleaved over the hosts, as [`Cluster::for_each_shard`]). `work` gets
-    /// the shard and the connection. Returns one result per shard, in shard order: a
-    /// shard that fails does not stop the others, and none is left out.
-    pub async fn for_each_shard<T, F>(&self, work: F) -> Vec<ShardResult<T, Error>>
+    /// time (interleaved over the hosts, as [`Cluster::for_each_shard`]). Returns one
+    /// result per shard, in shard order: a shard that fails does not stop the others,
+    /// and none is left out. [`ShardConn::shard`] says which shard a run is in.
+    pub async fn for_each_shard<'env, T, F>(&'env self, work: F) -> Vec<ShardResult<T, Error>>
     where
-        F: for<'c> Fn(
-            LogicalShard,
-            &'c mut PgConnection,
-        ) -> BoxFuture<'c, std::result::Result<T, ::sqlx::Error>>,
+        F: for<'t> Fn(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         let work = &work;
-        self.cluster.on_every_shard(|shard| self.transaction(shard, move |conn| work(shard, conn))).await
+        self.cluster.on_every_shard(|shard| self.transaction(shard, work)).await
     }
 }

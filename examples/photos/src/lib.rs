@@ -26,6 +26,9 @@
 
 use shardline_repo::{Entity, Id, NewRow};
 
+#[cfg(feature = "sqlx")]
+pub mod with_sqlx;
+
 /// A photo a user posted. With the `sqlx` feature it is also a `sqlx::FromRow`: the same
 /// struct is read through the repository or through sqlx ([`shardline_repo::Sqlx`]).
 #[derive(Debug, Clone, PartialEq, Eq, Entity)]
@@ -58,6 +61,7 @@ pub struct NewPhoto {
 
 /// A like of a photo, kept in the photo's shard.
 #[derive(Debug, Clone, PartialEq, Eq, Entity)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 #[shardline(table = "likes")]
 pub struct Like {
     /// Minted by the photo's shard.
@@ -82,6 +86,7 @@ pub struct NewLike {
 
 /// A comment on a photo, kept in the photo's shard.
 #[derive(Debug, Clone, PartialEq, Eq, Entity)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 #[shardline(table = "comments")]
 pub struct Comment {
     /// Minted by the photo's shard.
