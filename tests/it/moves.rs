@@ -671,6 +671,32 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
     fresh.repo::<Photo>()?.insert(&photo(2, 77)).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([41, 40, 40]));
+
+    // A restart cut short (the mover died after dropping the subscription, with rows of
+    // the old copy left on the target): the resumed move finds the subscription gone and
+    // starts over from empty tables.
+    moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::Copying),
+    )
+    .await
+    .unwrap_err();
+    let pg2 = f.client(&ctx, 1).await?;
+    let name = moves::list(&config).await?.last().ok_or("a move")?.detail.name.clone();
+    pg2.batch_execute(&format!(
+        "ALTER SUBSCRIPTION {name} ENABLE; SELECT pg_sleep(0.5); ALTER SUBSCRIPTION {name} DISABLE;
+         ALTER SUBSCRIPTION {name} SET (slot_name = NONE); DROP SUBSCRIPTION {name};
+         INSERT INTO shard_0002.photos (id, user_id, url) VALUES (1, 2, 'left over')
+             ON CONFLICT DO NOTHING"
+    ))
+    .await?;
+    moves::resume(&config, Some(crate::shard(2)), &bounded).await?;
+    let last = moves::list(&config).await?.last().cloned().ok_or("a move")?;
+    assert_eq!((last.state, last.detail.copy_restarts), (State::Done, 1), "{:?}", last.detail);
+    assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, Some([41, 40, 40]));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }
 

@@ -157,47 +157,72 @@ impl Mover<'_> {
     /// under `max_lag`.
     pub(super) async fn catch_up(&mut self) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
-        let mut oid = self.detail.subscription_oid.map(i64::from);
         let started = Instant::now();
         let deadline = started + self.options.copy_timeout;
         let schema = self.schema.clone();
         let total = self.detail.bytes;
+        // The subscription the journal names must be the one on the target: a restart
+        // of the copy (below) that was cut short may have dropped it, or made a new one
+        // without journaling it. Missing: the copy starts over, from empty tables.
+        let live: Option<i64> = self
+            .dst()
+            .await?
+            .query_opt("SELECT oid::bigint FROM pg_subscription WHERE subname = $1", &[&name])
+            .await
+            .map_err(on(&target, "look for the subscription"))?
+            .map(|r| r.get(0));
+        match live {
+            None => self.restart_copy("(the subscription is missing)".into()).await?,
+            Some(o) if Some(o) != self.detail.subscription_oid.map(i64::from) => {
+                self.detail.subscription_oid = u32::try_from(o).ok();
+                self.journal(Step::Copying).await?;
+            }
+            Some(_) => {}
+        }
+        let mut oid = self.detail.subscription_oid.map(i64::from);
         let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
         self.dst().await?.batch_execute(&enable).await.map_err(on(&target, "enable the subscription"))?;
         let mut checked = Instant::now();
-        // A table seen stranded at the last check, and how many times the copy started over.
-        let (mut stranded, mut restarts) = (None, 0);
+        // A table first seen stranded, and the subscription's table-sync errors then.
+        let mut stranded: Option<((i64, String), i64)> = None;
         loop {
             if checked.elapsed() > SOURCE_CHECK {
                 self.source_answers().await?;
                 checked = Instant::now();
-                // Seen twice, a second apart: not the moment a table-sync worker drops
-                // its slot on its way to `syncdone`.
+                // Seen again later, with its table-sync worker failing meanwhile (the
+                // subscription's sync errors grew): not the moment a worker drops its
+                // slot on its way to `syncdone`, nor a commit of it that waits.
                 let now = self.stranded_table(oid).await?;
-                if now.is_some() && now == stranded {
-                    if restarts == MAX_COPY_RESTARTS {
-                        return Err(Error::Host {
-                            host: target.to_string(),
-                            what: "copy the shard".into(),
-                            sqlstate: None,
-                            message: format!(
-                                "table {} could not finish its copy after {restarts} new starts",
-                                now.map(|(_, t)| t).unwrap_or_default()
-                            ),
-                        });
+                let first = stranded
+                    .take()
+                    .filter(|((relid, _), _)| now.as_ref().map(|((r, _), _)| r) == Some(relid));
+                match (now, first) {
+                    (Some(table), Some((_, errors_then))) if table.1 > errors_then => {
+                        let table = table.0.1;
+                        if self.detail.copy_restarts >= MAX_COPY_RESTARTS {
+                            return Err(Error::Host {
+                                host: target.to_string(),
+                                what: "copy the shard".into(),
+                                sqlstate: None,
+                                message: format!(
+                                    "table {table} could not finish its copy after {} new starts",
+                                    self.detail.copy_restarts
+                                ),
+                            });
+                        }
+                        self.restart_copy(table).await?;
+                        oid = self.detail.subscription_oid.map(i64::from);
+                        self.dst()
+                            .await?
+                            .batch_execute(&enable)
+                            .await
+                            .map_err(on(&target, "enable the subscription"))?;
+                        continue;
                     }
-                    restarts += 1;
-                    self.restart_copy(now.map(|(_, t)| t).unwrap_or_default()).await?;
-                    oid = self.detail.subscription_oid.map(i64::from);
-                    self.dst()
-                        .await?
-                        .batch_execute(&enable)
-                        .await
-                        .map_err(on(&target, "enable the subscription"))?;
-                    stranded = None;
-                    continue;
+                    (Some(table), Some(first)) => stranded = Some((table.0, first.1)),
+                    (Some(table), None) => stranded = Some(table),
+                    (None, _) => {}
                 }
-                stranded = now;
             }
             let dst = self.dst().await?;
             let row = dst
@@ -257,8 +282,9 @@ impl Mover<'_> {
     /// dropping the slot and before committing `syncdone` (both happen in one
     /// transaction of the target, the slot's drop on the source cannot be undone). Its
     /// worker then fails for ever, asking the source for a slot that is not there, and the
-    /// copy never ends. Returns the table's OID and name.
-    async fn stranded_table(&mut self, oid: Option<i64>) -> Result<Option<(i64, String)>> {
+    /// copy never ends. Returns the table's OID and name, and how many times the
+    /// subscription's table-sync workers have failed so far.
+    async fn stranded_table(&mut self, oid: Option<i64>) -> Result<Option<((i64, String), i64)>> {
         let (Some(oid), target, source) = (oid, self.target.clone(), self.source.clone()) else {
             return Ok(None);
         };
@@ -267,7 +293,7 @@ impl Mover<'_> {
             .await?
             .query(
                 "SELECT r.srrelid::bigint, r.srrelid::regclass::text FROM pg_subscription_rel r
-                  WHERE r.srsubid = $1::bigint::oid AND r.srsubstate = 'f'",
+                  WHERE r.srsubid = $1::bigint::oid AND r.srsubstate = 'f' ORDER BY 1",
                 &[&oid],
             )
             .await
@@ -288,7 +314,17 @@ impl Mover<'_> {
                 .map_err(on(&source, "look for a table-sync slot"))?
                 .get(0);
             if !there {
-                return Ok(Some((relid, table)));
+                let errors: i64 = self
+                    .dst()
+                    .await?
+                    .query_opt(
+                        "SELECT sync_error_count FROM pg_stat_subscription_stats WHERE subid = $1::bigint::oid",
+                        &[&oid],
+                    )
+                    .await
+                    .map_err(on(&target, "read the subscription's errors"))?
+                    .map_or(0, |r| r.get(0));
+                return Ok(Some(((relid, table), errors)));
             }
         }
         Ok(None)
