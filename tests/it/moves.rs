@@ -851,6 +851,10 @@ pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResul
         "2",
         "--rebalance",
         "1",
+        // The workload through sqlx (CI's demo stage runs the README's command, through
+        // the repository API).
+        "--via",
+        "sqlx",
     ];
     let (out, result) = tokio::task::spawn_blocking(move || {
         let opt = <shardline::Opt as clap::Parser>::try_parse_from(argv).map_err(|e| e.to_string())?;
@@ -860,9 +864,14 @@ pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResul
     })
     .await??;
     result?;
-    for part in
-        ["init: 32 logical shards over 2 hosts", "== operations", "== moves ==", "== hosts ==", "== an ID =="]
-    {
+    for part in [
+        "init: 32 logical shards over 2 hosts",
+        "8 workers through sqlx",
+        "== operations",
+        "== moves ==",
+        "== hosts ==",
+        "== an ID ==",
+    ] {
         assert!(out.contains(part), "{part:?} in:\n{out}");
     }
     // Every operation ran, none failed; two moves (the hot shard, one onto pg3).

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
 use clap::Args;
-use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
+use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo, with_sqlx};
 use shardline_ops::moves::{MoveOptions, MoveReport};
 use shardline_repo::{Cluster, ClusterOptions, Id};
 use shardline_router::{Config, HostName};
@@ -51,6 +51,11 @@ pub struct DemoOpt {
     /// command, until Ctrl-C.
     #[arg(long)]
     pub keep: bool,
+    /// How the workload talks to the cluster: the repository API, or sqlx queries
+    /// routed by `Cluster::sqlx` (posts, likes, comments, reads by ID and user pages;
+    /// the time window is the repository's fan-out either way).
+    #[arg(long, default_value = "repo", value_parser = ["repo", "sqlx"])]
+    pub via: String,
 }
 
 /// The example application's migrations, built into the binary so the demo runs from
@@ -223,8 +228,12 @@ async fn run(
     let hot = cluster.route_user(hot_user);
     writeln!(
         out,
-        "workload: {} users, 8 workers, {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
-        opt.users, opt.seconds, hot.shard, hot.host
+        "workload: {} users, 8 workers through {}, {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
+        opt.users,
+        if opt.via == "sqlx" { "sqlx" } else { "the repository API" },
+        opt.seconds,
+        hot.shard,
+        hot.host
     )?;
     out.flush()?;
     let stats = Arc::new(Mutex::new(Stats::default()));
@@ -236,8 +245,9 @@ async fn run(
         .map(|w| {
             let (cluster, stats, recent, done) =
                 (cluster.clone(), stats.clone(), recent.clone(), moves_done.clone());
+            let sqlx = opt.via == "sqlx";
             tokio::spawn(async move {
-                worker(w, &cluster, users, hot_user, (deadline, &done), &stats, &recent).await
+                worker(w, &cluster, sqlx, users, hot_user, (deadline, &done), &stats, &recent).await
             })
         })
         .collect();
@@ -280,9 +290,11 @@ async fn run(
     summary(out, &grown, &cluster, &stats, &moves, elapsed).await
 }
 
+#[expect(clippy::too_many_arguments, reason = "the worker's inputs, each used")]
 async fn worker(
     w: u64,
     cluster: &Cluster,
+    sqlx: bool,
     users: i64,
     hot_user: i64,
     (deadline, moves_done): (Instant, &std::sync::atomic::AtomicBool),
@@ -322,15 +334,33 @@ async fn worker(
             _ => 5,
         };
         let t = Instant::now();
+        let db = cluster.sqlx();
         let result: Result<(), shardline_repo::Error> = match op {
-            0 => photos.insert(&NewPhoto::numbered(user, n)).await.map(|p| {
-                if let Ok(mut r) = recent.lock() {
-                    if r.len() >= 2000 {
-                        r.swap_remove(usize::try_from(n % 2000).unwrap_or(0));
-                    }
-                    r.push(p);
-                }
-            }),
+            0 if sqlx => {
+                with_sqlx::post_photo(&db, &NewPhoto::numbered(user, n)).await.map(|p| remember(recent, p, n))
+            }
+            1 if sqlx => match pick(&mut rng) {
+                Some(p) => with_sqlx::like(&db, &NewLike { photo_id: p.id, user_id: user })
+                    .await
+                    .map(drop)
+                    .or_else(|e| if e.is_unique_violation() { Ok(()) } else { Err(e) }),
+                None => Ok(()),
+            },
+            2 if sqlx => match pick(&mut rng) {
+                Some(p) => with_sqlx::comment(
+                    &db,
+                    &NewComment { photo_id: p.id, user_id: user, body: format!("nice one #{n}") },
+                )
+                .await
+                .map(drop),
+                None => Ok(()),
+            },
+            3 if sqlx => match pick(&mut rng) {
+                Some(p) => with_sqlx::photo(&db, p.id).await.and_then(|got| found(got.as_ref(), &p)),
+                None => Ok(()),
+            },
+            4 if sqlx => with_sqlx::photos_of_user(&db, user, 20).await.map(drop),
+            0 => photos.insert(&NewPhoto::numbered(user, n)).await.map(|p| remember(recent, p, n)),
             1 => match pick(&mut rng) {
                 Some(p) => likes
                     .insert(&NewLike { photo_id: p.id, user_id: user })
@@ -347,15 +377,7 @@ async fn worker(
                 None => Ok(()),
             },
             3 => match pick(&mut rng) {
-                Some(p) => photos.get(p.id).await.and_then(|got| {
-                    if got.as_ref().map(|g| g.id) == Some(p.id) {
-                        Ok(())
-                    } else {
-                        Err(shardline_repo::Error::Invalid {
-                            what: format!("photo {} not found where its ID says", p.id),
-                        })
-                    }
-                }),
+                Some(p) => photos.get(p.id).await.and_then(|got| found(got.as_ref(), &p)),
                 None => Ok(()),
             },
             4 => photos.page_of_user(user, None, 20).await.map(drop),
@@ -383,6 +405,25 @@ async fn worker(
         if s.first_error.is_none() {
             s.first_error = local.first_error;
         }
+    }
+}
+
+/// Keeps `p` among the recent photos the workload likes, comments and reads.
+fn remember(recent: &Mutex<Vec<Photo>>, p: Photo, n: u64) {
+    if let Ok(mut r) = recent.lock() {
+        if r.len() >= 2000 {
+            r.swap_remove(usize::try_from(n % 2000).unwrap_or(0));
+        }
+        r.push(p);
+    }
+}
+
+/// A read by ID found the photo it asked for.
+fn found(got: Option<&Photo>, p: &Photo) -> Result<(), shardline_repo::Error> {
+    if got.map(|g| g.id) == Some(p.id) {
+        Ok(())
+    } else {
+        Err(shardline_repo::Error::Invalid { what: format!("photo {} not found where its ID says", p.id) })
     }
 }
 
