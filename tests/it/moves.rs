@@ -213,6 +213,26 @@ async fn counts(
     Ok(Some([row.get(0), row.get(1), row.get(2)]))
 }
 
+/// On host `h`'s `shard_0000.photos`: how many of `acked` are there, how many rows in
+/// all, how many distinct IDs.
+pub(crate) async fn acked_on(
+    f: &Fixture,
+    ctx: &TestContext,
+    h: usize,
+    acked: &[Id],
+) -> Result<(i64, i64, i64), BoxError> {
+    let ids: Vec<i64> = acked.iter().map(|&i| i64::from(i)).collect();
+    let row = f
+        .client(ctx, h)
+        .await?
+        .query_one(
+            "SELECT count(*) FILTER (WHERE id = ANY($1)), count(*), count(DISTINCT id) FROM shard_0000.photos",
+            &[&ids],
+        )
+        .await?;
+    Ok((row.get(0), row.get(1), row.get(2)))
+}
+
 pub(crate) fn host_index(name: &str) -> usize {
     match name {
         "pg1" => 0,
@@ -358,14 +378,7 @@ pub(crate) async fn writes_go_on_during_a_move_and_none_is_lost(ctx: TestContext
     let unique: HashSet<Id> = acked.iter().copied().collect();
     assert_eq!(unique.len(), acked.len(), "no ID twice");
     let ids: Vec<i64> = acked.iter().map(|&i| i64::from(i)).collect();
-    let pg2 = f.client(&ctx, 1).await?;
-    let row = pg2
-        .query_one(
-            "SELECT count(*) FILTER (WHERE id = ANY($1)), count(*), count(DISTINCT id) FROM shard_0000.photos",
-            &[&ids],
-        )
-        .await?;
-    let (found, total, distinct): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let (found, total, distinct) = acked_on(&f, &ctx, 1, &acked).await?;
     let acked_n = i64::try_from(acked.len())?;
     assert_eq!(found, acked_n, "every acknowledged write is on the target");
     assert_eq!((total, distinct), (acked_n + i64::try_from(seeded)?, total), "and nothing else, once");

@@ -27,6 +27,31 @@ async fn cluster(
     Ok((f, c))
 }
 
+/// Photo `id` is on the route's host, in the route's schema, and on no other of the
+/// three hosts.
+pub(crate) async fn only_where_routed(
+    f: &Fixture,
+    ctx: &TestContext,
+    route: &shardline_router::Route,
+    id: Id,
+    what: &str,
+) -> TestResult {
+    for (h, host) in ["pg1", "pg2", "pg3"].iter().enumerate() {
+        let n: i64 = f
+            .client(ctx, h)
+            .await?
+            .query_one(
+                &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
+                &[&id],
+            )
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        assert_eq!(n, i64::from(*host == route.host.as_str()), "{what} on {host}");
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: reads_and_writes_land_on_the_shard_the_map_gives);
 pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let (f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;
@@ -40,19 +65,7 @@ pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestCo
             u32::from(route.shard.get()),
             "the ID carries the user's shard"
         );
-        // The row is on the route's host, in the route's schema, and nowhere else.
-        for (h, host) in ["pg1", "pg2", "pg3"].iter().enumerate() {
-            let c = f.client(&ctx, h).await?;
-            let n: i64 = c
-                .query_one(
-                    &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
-                    &[&p.id],
-                )
-                .await
-                .map(|r| r.get(0))
-                .unwrap_or(0);
-            assert_eq!(n, i64::from(*host == route.host.as_str()), "user {user} on {host}");
-        }
+        only_where_routed(&f, &ctx, &route, p.id, &format!("user {user}")).await?;
         assert_eq!(photos.get(p.id).await?, Some(p.clone()));
         made.push(p);
     }

@@ -15,7 +15,8 @@ use shardline_repo::{Cluster, ClusterOptions, Error};
 use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{BoxError, Fixture, options, quiet};
-use crate::moves::host_index;
+use crate::moves::{acked_on, host_index};
+use crate::repo::only_where_routed;
 
 const INSERT: &str =
     "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption";
@@ -65,20 +66,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         let p = insert(&cluster, user, format!("sqlx {user}")).await?;
         let route = cluster.route_user(user);
         assert_eq!(cluster.layout().decode(p.id).shard, u32::from(route.shard.get()), "minted by its shard");
-        // On the route's host, in the route's schema, and nowhere else.
-        for (h, host) in ["pg1", "pg2", "pg3"].iter().enumerate() {
-            let n: i64 = f
-                .client(&ctx, h)
-                .await?
-                .query_one(
-                    &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
-                    &[&p.id],
-                )
-                .await
-                .map(|r| r.get(0))
-                .unwrap_or(0);
-            assert_eq!(n, i64::from(*host == route.host.as_str()), "user {user} on {host}");
-        }
+        only_where_routed(&f, &ctx, &route, p.id, &format!("user {user}")).await?;
         // One struct, both paths.
         assert_eq!(get(&cluster, p.id).await?.as_ref(), Some(&p));
         assert_eq!(photos.get(p.id).await?.as_ref(), Some(&p));
@@ -387,16 +375,7 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
     }
     let unique: HashSet<Id> = acked.iter().copied().collect();
     assert_eq!(unique.len(), acked.len(), "no ID twice");
-    let ids: Vec<i64> = acked.iter().map(|&i| i64::from(i)).collect();
-    let row = f
-        .client(&ctx, 1)
-        .await?
-        .query_one(
-            "SELECT count(*) FILTER (WHERE id = ANY($1)), count(*), count(DISTINCT id) FROM shard_0000.photos",
-            &[&ids],
-        )
-        .await?;
-    let (found, total, distinct): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let (found, total, distinct) = acked_on(&f, &ctx, 1, &acked).await?;
     let acked_n = i64::try_from(acked.len())?;
     assert_eq!(found, acked_n, "every acknowledged write is on the target");
     assert_eq!((total, distinct), (acked_n, acked_n), "and nothing else, once");
