@@ -167,6 +167,30 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         matches!(&err, Error::Invalid { what } if what.contains("ended the transaction itself")),
         "{err}"
     );
+    // The same when its next statement then fails (no search_path any more): the
+    // committed write is not run again, and the error says what happened.
+    let runs = AtomicUsize::new(0);
+    let err = db
+        .on_user(5, |conn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                ::sqlx::query(INSERT)
+                    .bind(5i64)
+                    .bind("u")
+                    .bind("committed by the closure")
+                    .execute(&mut **conn)
+                    .await?;
+                ::sqlx::raw_sql("COMMIT").execute(&mut **conn).await?;
+                ::sqlx::query("SELECT * FROM photos").execute(&mut **conn).await.map(drop)
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid { what } if what.contains("ended the transaction itself")),
+        "{err}"
+    );
+    assert_eq!(runs.into_inner(), 1);
     // Behind a transaction-mode pooler the sqlx path refuses, naming why.
     let pooled = Cluster::connect(
         &f.config()?,

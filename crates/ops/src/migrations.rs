@@ -84,12 +84,13 @@ pub fn checksum(bytes: &[u8]) -> String {
 /// first, by that number (`2_b.sql` before `10_c.sql`); then the others, by name. With
 /// zero-padded numbers (`0001_photos.sql`) that is also byte order. A reversible
 /// migration's `.up.sql` is applied; its `.down.sql` is skipped (shardline does not run
-/// migrations backwards).
+/// migrations backwards). Two files of one version (`0004_a.sql`, `0004_b.sql`) go by
+/// name, as they always did here (sqlx refuses them; shardline does not).
 ///
 /// # Errors
 ///
 /// [`Error::MigrationDir`] when the directory or a file cannot be read or a name is not
-/// UTF-8, or when two files have the same version (sqlx refuses that too);
+/// UTF-8;
 /// [`Error::MigrationSyntax`] for a file that cannot be split, or that starts with
 /// sqlx's `-- no-transaction` (shardline runs each shard's migrations in one
 /// transaction).
@@ -116,17 +117,6 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Migration>> {
     files.sort_by(|(a, _), (b, _)| {
         (version(a).is_none(), version(a), a).cmp(&(version(b).is_none(), version(b), b))
     });
-    for pair in files.windows(2) {
-        if let [(a, _), (b, path)] = pair
-            && version(a).is_some()
-            && version(a) == version(b)
-        {
-            return Err(Error::MigrationDir {
-                path: path.clone(),
-                message: format!("{a} and {b} have the same version; give each migration its own"),
-            });
-        }
-    }
     files
         .into_iter()
         .map(|(name, path)| {
@@ -457,13 +447,11 @@ mod tests {
         }
         let names: Vec<String> = load_dir(&dir).unwrap().into_iter().map(|m| m.name).collect();
         assert_eq!(names, ["1_a.sql", "2_b.up.sql", "10_c.sql", "20240101120000_d.sql"]);
-        // Two files of one version are refused, naming both.
+        // Two files of one version go by name (sqlx would refuse them; shardline's own
+        // directories have had `0004_a.sql` beside `0004_b.sql`).
         std::fs::write(dir.join("01_again.sql"), "SELECT 1;").unwrap();
-        let err = load_dir(&dir).unwrap_err().to_string();
-        assert!(
-            err.contains("01_again.sql") && err.contains("1_a.sql") && err.contains("same version"),
-            "{err}"
-        );
+        let names: Vec<String> = load_dir(&dir).unwrap().into_iter().map(|m| m.name).collect();
+        assert_eq!(names[..2], ["01_again.sql", "1_a.sql"]);
         std::fs::remove_file(dir.join("01_again.sql")).unwrap();
         // sqlx's no-transaction directive cannot be honoured, and says so.
         std::fs::write(

@@ -136,12 +136,43 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         // A mode added later: the strictest until it is mapped here.
         _ => PgSslMode::VerifyFull,
     };
+    // sqlx 0.9.0 adds a `sslrootcert` file to the system's trust store rather than
+    // trusting the file alone, as libpq and the repository path do. So a certificate
+    // from any public authority would pass a chain check; only the host name check of
+    // `verify-full` still refuses one made for another name. The sqlx path takes a
+    // root certificate only with `verify-full`.
+    if tls.root_cert.is_some() && !matches!(mode, PgSslMode::VerifyFull) {
+        return Err(Error::Tls {
+            target: format!("host {host}"),
+            message: format!(
+                "sslmode={} with sslrootcert: the sqlx path (sqlx 0.9.0) trusts the system's certificate \
+                 authorities beside the file, so only sslmode=verify-full (which also checks the host name) \
+                 is safe there",
+                tls.mode
+            ),
+        });
+    }
     Ok(match tls.root_cert {
         Some(RootCert::File(path)) => connect.ssl_mode(mode).ssl_root_cert(path),
         // No file: sqlx checks against the operating system's trust store.
         Some(RootCert::System) | None => connect.ssl_mode(mode),
         Some(_) => return Err(bad("a source of root certificates the sqlx path does not know".into())),
     })
+}
+
+/// The error of a unit of work whose closure ended shardline's transaction itself.
+fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
+    Error::Invalid {
+        what: format!(
+            "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT or ROLLBACK, or \
+             sqlx's begin() and its end); what it applied is what that said, and it is not run again"
+        ),
+    }
+}
+
+/// `after` in whole milliseconds, at least 1, for `statement_timeout`.
+fn timeout_ms(after: std::time::Duration) -> u128 {
+    after.as_millis().max(1)
 }
 
 /// sqlx on a [`Cluster`]: routed units of work on one shard, and the same work on
@@ -345,7 +376,14 @@ impl Sqlx {
         let mut conn = ShardConn { conn: Some(conn), route, _env: std::marker::PhantomData };
         // One round trip: the transaction and its search_path (the schema quoted by the
         // one quoting function, `SchemaName::quoted`).
-        let begin = format!("BEGIN; SET LOCAL search_path TO {}", schema.quoted());
+        // The server stops a statement at the host timeout too: a unit of work given up
+        // on here holds no lock past it (the close reaches a server only between
+        // statements).
+        let begin = format!(
+            "BEGIN; SET LOCAL search_path TO {}; SET LOCAL statement_timeout = {}",
+            schema.quoted(),
+            timeout_ms(self.cluster.options().host_timeout)
+        );
         ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).execute(conn.conn()).await.map_err(fail("begin"))?;
         let error = match work(&mut conn).await {
             // A statement that failed inside the transaction aborted it, even when `work`
@@ -365,34 +403,45 @@ impl Sqlx {
                             Some("25P02") => Error::RolledBack { host: host.clone(), shard },
                             Some("25P01") => {
                                 conn.release();
-                                return Err(Error::Invalid {
-                                    what: format!(
-                                        "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT \
-                                     or ROLLBACK, or sqlx's begin() and its end); what it applied is what that said"
-                                    ),
-                                });
+                                return Err(ended_by_closure(&host, shard));
                             }
                             _ => return Err(e),
                         }
                     }
                 }
             }
-            Err(e) => Error::sqlx(&host, Some(shard), "work", e),
+            Err(e) => {
+                // Is shardline's transaction still there? A closure that ended it (sqlx's
+                // begin() and commit(), a raw COMMIT) may have committed writes, and its
+                // next unqualified statement failed for want of the search_path: that is
+                // never a move, and never run again.
+                match ::sqlx::raw_sql("SAVEPOINT shardline_check").execute(conn.conn()).await {
+                    Err(check)
+                        if check.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01") =>
+                    {
+                        conn.release();
+                        return Err(ended_by_closure(&host, shard));
+                    }
+                    _ => Error::sqlx(&host, Some(shard), "work", e),
+                }
+            }
         };
         // Rolled back here; when that fails, the connection is closed (the drop), which
         // rolls back as well.
-        if ::sqlx::raw_sql("ROLLBACK").execute(conn.conn()).await.is_ok() {
-            conn.release();
-        }
+        let rolled_back = ::sqlx::raw_sql("ROLLBACK").execute(conn.conn()).await.is_ok();
         // A handled failure, or one that says a table is missing: is it because the
         // shard's schema is gone from here (fenced or moved)? Then it runs again where
         // the shard is. A table missing from a schema that is there is the caller's.
-        if matches!(error, Error::RolledBack { .. }) || error.is_moved() {
+        // Asked on the same connection (a full pool cannot delay the answer).
+        if rolled_back && (matches!(error, Error::RolledBack { .. }) || error.is_moved()) {
             *moved = ::sqlx::query_scalar::<_, bool>("SELECT to_regnamespace($1) IS NULL")
                 .bind(schema.as_str())
-                .fetch_one(pool)
+                .fetch_one(conn.conn())
                 .await
                 .unwrap_or(false);
+        }
+        if rolled_back {
+            conn.release();
         }
         Err(error)
     }
@@ -433,5 +482,39 @@ impl Sqlx {
     {
         let work = &work;
         self.cluster.on_every_shard(|shard| self.transaction(shard, work)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(url: &str) -> Result<PgConnectOptions> {
+        let host = HostName::new("pg1").map_err(Error::Router)?;
+        connect_options(&host, &DbUrl::new(url.to_owned()))
+    }
+
+    #[test]
+    fn a_root_certificate_is_taken_only_with_verify_full() {
+        for url in [
+            "postgres://app:secret@db/app?sslmode=require&sslrootcert=/ca.pem",
+            "postgres://app:secret@db/app?sslmode=verify-ca&sslrootcert=/ca.pem",
+            "postgres://app:secret@db/app?sslmode=require&sslrootcert=system",
+        ] {
+            let err = options(url).map(drop).unwrap_err();
+            let text = err.to_string();
+            assert!(matches!(err, Error::Tls { .. }) && text.contains("verify-full"), "{url}: {text}");
+            assert!(!text.contains("secret"), "{text}");
+        }
+        assert!(options("postgres://app:secret@db/app?sslmode=verify-full&sslrootcert=/ca.pem").is_ok());
+        assert!(options("postgres://app:secret@db/app?sslmode=require").is_ok());
+    }
+
+    #[test]
+    fn a_key_value_string_is_refused_without_its_text() {
+        let err = options("host=db user=app password=secret").map(drop).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::BadUrl { .. }) && text.contains("postgres://"), "{text}");
+        assert!(!text.contains("secret"), "{text}");
     }
 }
