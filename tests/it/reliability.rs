@@ -464,6 +464,15 @@ pub(crate) async fn tls_only_hosts_work_verified_and_bad_certificates_are_refuse
             assert_eq!(photos.get(p.id).await?.as_ref(), Some(p));
         }
         assert_eq!(cluster.route_user(0).host.as_str(), "pg3");
+        // The sqlx path over the same verified TLS (verify-full: the only mode with a
+        // root certificate it takes, see docs/sqlx.md): its session on pg3 is encrypted.
+        let ssl: bool = cluster
+            .sqlx()
+            .on_user(0, |conn| {
+                Box::pin(async move { ::sqlx::query_scalar(encrypted).fetch_one(&mut **conn).await })
+            })
+            .await?;
+        assert!(ssl, "the sqlx path's session on pg3 is encrypted");
 
         // Without TLS: refused by the server, saying so.
         let plain = connect(&DbUrl::new(pg3_url("sslmode=disable")), "host pg3").await.unwrap_err();
