@@ -307,6 +307,7 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     assert_eq!(list.len(), 1);
     assert_eq!((list[0].state, list[0].step), (State::Done, Step::Cleaned));
     assert!(list[0].detail.pause_ms.is_some() && list[0].detail.copy_ms.is_some());
+    assert_eq!(list[0].detail.copy_restarts, 0, "a copy nothing broke is never started over");
     let json: serde_json::Value = serde_json::from_str(&cli(&f, &["moves", "--json"]).await?)?;
     assert_eq!(json[0]["state"], "done");
     assert_eq!(json[0]["detail"]["rows"], 300);
@@ -645,8 +646,11 @@ shardline_testkit::register!(shared: a_table_stranded_after_its_copy_starts_the_
 /// `finishedcopy` with no slot, and Postgres retries it for ever. (The kill in
 /// `hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orphaned` lands there now
 /// and then.) Made here without luck: the move stops once subscribed, and its `likes`
-/// is marked copied on the target with no slot (and no origin) behind it. The resumed
-/// move sees the table stranded, starts the copy over, and finishes with every row.
+/// is marked copied on the target, with its replication origin made as the worker would
+/// have, and no slot behind it. Its workers then fail asking the source to stream from
+/// the missing slot, an error `sync_error_count` does not count (a first fix watched that
+/// count, and missed the real case). The resumed move sees the table stranded, starts
+/// the copy over, and finishes with every row.
 pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -671,6 +675,17 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
         )
         .await?;
     assert_eq!(stranded, 1);
+    f.client(&ctx, 2)
+        .await?
+        .batch_execute(
+            // The name is reserved to Postgres: written into its catalog directly.
+            "SET allow_system_table_mods = on;
+             INSERT INTO pg_replication_origin
+             SELECT (SELECT coalesce(max(roident::bigint), 0) + 1 FROM pg_replication_origin)::oid,
+                    'pg_' || srsubid || '_' || srrelid
+               FROM pg_subscription_rel WHERE srrelid = 'shard_0002.likes'::regclass",
+        )
+        .await?;
     let mut bounded = MoveOptions::default();
     bounded.copy_timeout = Duration::from_secs(60);
     let done = moves::resume(&config, Some(crate::shard(2)), &bounded).await?;

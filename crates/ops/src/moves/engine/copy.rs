@@ -183,21 +183,21 @@ impl Mover<'_> {
         let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
         self.dst().await?.batch_execute(&enable).await.map_err(on(&target, "enable the subscription"))?;
         let mut checked = Instant::now();
-        // A table first seen stranded, and the subscription's table-sync errors then.
-        let mut stranded: Option<((i64, String), i64)> = None;
+        // A table first seen stranded, and its table-sync worker's pid then.
+        let mut stranded: Option<((i64, String), Option<i32>)> = None;
         loop {
             if checked.elapsed() > SOURCE_CHECK {
                 self.source_answers().await?;
                 checked = Instant::now();
-                // Seen again later, with its table-sync worker failing meanwhile (the
-                // subscription's sync errors grew): not the moment a worker drops its
-                // slot on its way to `syncdone`, nor a commit of it that waits.
+                // Seen again a second later, its table-sync worker gone or another one:
+                // not a worker between dropping its slot and committing `syncdone`
+                // (that one lives on, the same pid, however long its commit waits).
                 let now = self.stranded_table(oid).await?;
                 let first = stranded
                     .take()
                     .filter(|((relid, _), _)| now.as_ref().map(|((r, _), _)| r) == Some(relid));
                 match (now, first) {
-                    (Some(table), Some((_, errors_then))) if table.1 > errors_then => {
+                    (Some(table), Some((_, pid_then))) if table.1.is_none() || table.1 != pid_then => {
                         let table = table.0.1;
                         if self.detail.copy_restarts >= MAX_COPY_RESTARTS {
                             return Err(Error::Host {
@@ -219,8 +219,7 @@ impl Mover<'_> {
                             .map_err(on(&target, "enable the subscription"))?;
                         continue;
                     }
-                    (Some(table), Some(first)) => stranded = Some((table.0, first.1)),
-                    (Some(table), None) => stranded = Some(table),
+                    (Some(table), _) => stranded = Some(table),
                     (None, _) => {}
                 }
             }
@@ -242,9 +241,12 @@ impl Mover<'_> {
                 break;
             }
             if Instant::now() > deadline {
+                let waiting = self.tables_waiting(oid).await?;
                 return Err(Error::Timeout {
                     host: target.clone(),
-                    what: format!("the initial copy ({ready} of {tables} tables done)"),
+                    what: format!(
+                        "the initial copy ({ready} of {tables} tables done; waiting for {waiting})"
+                    ),
                     after: self.options.copy_timeout,
                 });
             }
@@ -277,20 +279,53 @@ impl Mover<'_> {
         self.journal(Step::CaughtUp).await
     }
 
+    /// The tables of subscription `oid` not yet ready, each with its state, and the
+    /// subscription's table-sync errors so far: what a copy that does not end waits for.
+    async fn tables_waiting(&mut self, oid: Option<i64>) -> Result<String> {
+        let target = self.target.clone();
+        let row = self
+            .dst()
+            .await?
+            .query_one(
+                "SELECT coalesce(string_agg(r.srrelid::regclass::text || ' (state ' || r.srsubstate || ')',
+                                            ', ' ORDER BY r.srrelid), 'none'),
+                        coalesce((SELECT sync_error_count FROM pg_stat_subscription_stats
+                                   WHERE subid = $1::bigint::oid), 0)
+                   FROM pg_subscription_rel r WHERE r.srsubid = $1::bigint::oid AND r.srsubstate <> 'r'",
+                &[&oid],
+            )
+            .await
+            .map_err(on(&target, "read the copy's progress"))?;
+        let (tables, errors): (String, i64) = (row.get(0), row.get(1));
+        Ok(format!("{tables}; {errors} table-sync errors"))
+    }
+
     /// A table of subscription `oid` whose copy is done (`f`, finishedcopy) while its
     /// table-sync slot is gone from the source: its table-sync worker was killed after
     /// dropping the slot and before committing `syncdone` (both happen in one
-    /// transaction of the target, the slot's drop on the source cannot be undone). Its
-    /// worker then fails for ever, asking the source for a slot that is not there, and the
-    /// copy never ends. Returns the table's OID and name, and how many times the
-    /// subscription's table-sync workers have failed so far.
-    async fn stranded_table(&mut self, oid: Option<i64>) -> Result<Option<((i64, String), i64)>> {
+    /// transaction of the target, the slot's drop on the source cannot be undone). Each
+    /// worker started for it since fails at once, asking the source to stream from a
+    /// slot that is not there (an error `pg_stat_subscription_stats` does not count),
+    /// and the copy never ends. Returns the table's OID and name, and the pid of its
+    /// table-sync worker, if one runs (read first: a worker seen gone before the table
+    /// is seen at `f` was not about to commit `syncdone`).
+    async fn stranded_table(&mut self, oid: Option<i64>) -> Result<Option<((i64, String), Option<i32>)>> {
         let (Some(oid), target, source) = (oid, self.target.clone(), self.source.clone()) else {
             return Ok(None);
         };
-        let done: Vec<(i64, String)> = self
-            .dst()
-            .await?
+        let dst = self.dst().await?;
+        let workers: Vec<(i64, i32)> = dst
+            .query(
+                "SELECT relid::bigint, pid FROM pg_stat_subscription
+                  WHERE subid = $1::bigint::oid AND relid IS NOT NULL AND pid IS NOT NULL",
+                &[&oid],
+            )
+            .await
+            .map_err(on(&target, "read the copy's workers"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let done: Vec<(i64, String)> = dst
             .query(
                 "SELECT r.srrelid::bigint, r.srrelid::regclass::text FROM pg_subscription_rel r
                   WHERE r.srsubid = $1::bigint::oid AND r.srsubstate = 'f' ORDER BY 1",
@@ -314,17 +349,8 @@ impl Mover<'_> {
                 .map_err(on(&source, "look for a table-sync slot"))?
                 .get(0);
             if !there {
-                let errors: i64 = self
-                    .dst()
-                    .await?
-                    .query_opt(
-                        "SELECT sync_error_count FROM pg_stat_subscription_stats WHERE subid = $1::bigint::oid",
-                        &[&oid],
-                    )
-                    .await
-                    .map_err(on(&target, "read the subscription's errors"))?
-                    .map_or(0, |r| r.get(0));
-                return Ok(Some(((relid, table), errors)));
+                let pid = workers.iter().find(|(r, _)| *r == relid).map(|(_, pid)| *pid);
+                return Ok(Some(((relid, table), pid)));
             }
         }
         Ok(None)
