@@ -59,7 +59,7 @@ mod tls;
 pub use catalog::{Catalog, ClusterInfo, Prepared};
 pub use cluster::{Cluster, ClusterOptions};
 pub use entity::{Entity, NewRow, ShardKey};
-pub use repository::{FanOut, Many, Missing, Page, Repo};
+pub use repository::{Counted, FanOut, Many, Missing, Page, Repo};
 pub use shard::{ShardResult, ShardTx};
 pub use shardline_derive::{Entity, NewRow};
 pub use shardline_id::Id;

@@ -174,6 +174,19 @@ impl Sql {
             .join(" UNION ALL ");
         format!("SELECT * FROM ({parts}) AS w ORDER BY \"id\" DESC LIMIT $3")
     }
+
+    /// How many rows have IDs in `[$1, $2]` across many shards of one host (`$3`, the
+    /// limit of [`Sql::window`], is declared and unused: both take the same parameters).
+    fn count(&self, schemas: &[&SchemaName]) -> String {
+        let parts = schemas
+            .iter()
+            .map(|s| {
+                format!("(SELECT count(*) AS n FROM {} WHERE \"id\" BETWEEN $1 AND $2)", self.qualified(s))
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        format!("SELECT coalesce(sum(n), 0)::bigint FROM ({parts}) AS w")
+    }
 }
 
 /// Reads and writes of entity `E`, routed. Cheap to clone.
@@ -234,6 +247,9 @@ pub struct Missing {
 pub struct FanOut<E> {
     /// The rows, newest first.
     pub rows: Vec<E>,
+    /// When the rows fill the limit, the last row's ID: pass it as `before` to
+    /// [`Repo::newest`] for the next page. `None` when there are no more.
+    pub next: Option<Id>,
     /// Shards that could not be read. Empty when the result is complete.
     pub missing: Vec<Missing>,
 }
@@ -243,6 +259,46 @@ impl<E> FanOut<E> {
     pub fn is_complete(&self) -> bool {
         self.missing.is_empty()
     }
+}
+
+/// The result of a count over every shard: the rows counted, and which shards are
+/// missing from the count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Counted {
+    /// Rows in the shards that answered.
+    pub count: u64,
+    /// Shards that could not be read (not counted). Empty when the count is complete.
+    pub missing: Vec<Missing>,
+}
+
+impl Counted {
+    /// Whether every shard answered.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty()
+    }
+}
+
+/// What a fan-out asks every shard, over the IDs in `[lo, hi]`.
+#[derive(Debug, Clone, Copy)]
+enum Ask {
+    /// The newest `limit` rows.
+    Newest { lo: i64, hi: i64, limit: usize },
+    /// How many rows.
+    Count { lo: i64, hi: i64 },
+}
+
+/// What one statement of a fan-out read.
+enum Part<E> {
+    Rows(Vec<E>),
+    Count(u64),
+}
+
+/// What one fan-out gathered: each statement's rows (newest first) or count, and the
+/// shards that could not be read.
+struct Gathered<E> {
+    lists: Vec<std::vec::IntoIter<E>>,
+    count: u64,
+    missing: Vec<Missing>,
 }
 
 pub(crate) fn is_moved(e: &tokio_postgres::Error) -> bool {
@@ -872,9 +928,13 @@ impl<E: Entity> Repo<E> {
     /// merged by ID. A host's shards are read in statements of at most
     /// [`crate::ClusterOptions::fan_out_batch`] shards, pipelined on one connection, so
     /// a fan-out holds few locks at a time; a statement that fails lists its shards, and
-    /// only those, in [`FanOut::missing`] (one entry per host). A host that fails or times out does not fail the call: its shards are
-    /// listed in [`FanOut::missing`], never silently left out. A host that finds one of
-    /// its shards fenced by a move is asked again once the move flips (or ends).
+    /// only those, in [`FanOut::missing`] (one entry per host). A host that fails or
+    /// times out does not fail the call: its shards are listed in [`FanOut::missing`],
+    /// never silently left out. A host that finds one of its shards fenced by a move is
+    /// asked again once the move flips (or ends).
+    ///
+    /// Whether any row was created in a window is `created_between(from, to, 1)`: each
+    /// shard's part stops at its first row.
     ///
     /// # Errors
     ///
@@ -883,26 +943,82 @@ impl<E: Entity> Repo<E> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
         let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
-        let window = (lo, hi, i64::try_from(limit).unwrap_or(i64::MAX), limit);
-        match self.cluster.with_move_retry(|map, run| self.fan_out(map, run, window)).await {
+        let got = self.across(Ask::Newest { lo, hi, limit }).await?;
+        Ok(Self::page_across(got, limit))
+    }
+
+    /// One page of every shard's rows, newest first, for a listing across the cluster:
+    /// the rows with IDs below `before` (all rows when `None`), at most `limit`. Pass
+    /// the page's [`FanOut::next`] as `before` for the next one: the cursor is an ID, so
+    /// a listing resumes where it was, in this process or another, never shows a row
+    /// twice and never skips one that was there when it began. A row written during the
+    /// listing shows up in a later page when its ID falls below the cursor (IDs minted
+    /// in Postgres may trail the clock a little, see docs/ids.md). Read as
+    /// [`Repo::created_between`] reads, with the same report of missing shards: a page
+    /// with shards missing holds the other shards' rows, and so does the next page
+    /// resumed from its cursor.
+    pub async fn newest(&self, before: Option<Id>, limit: usize) -> Result<FanOut<E>> {
+        let hi = before.map_or(i64::MAX, |b| i64::from(b).saturating_sub(1));
+        let got = self.across(Ask::Newest { lo: 0, hi, limit }).await?;
+        Ok(Self::page_across(got, limit))
+    }
+
+    /// How many rows were created in `[from, to]` across every shard: one count per
+    /// shard over the window's ID range (its primary key), summed, read as
+    /// [`Repo::created_between`] reads. Shards that could not be read are listed in
+    /// [`Counted::missing`] and left out of the count.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Id`] when the window is outside the ID layout.
+    pub async fn count_between(&self, from: SystemTime, to: SystemTime) -> Result<Counted> {
+        let layout = self.cluster.layout();
+        let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
+        let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
+        let got = self.across(Ask::Count { lo, hi }).await?;
+        Ok(Counted { count: got.count, missing: got.missing })
+    }
+
+    /// How many rows every shard holds together (see [`Repo::count_between`]). Each
+    /// shard's count reads its whole primary key: on large shards this is the cost of
+    /// `count(*)`, once per shard.
+    pub async fn count(&self) -> Result<Counted> {
+        let got = self.across(Ask::Count { lo: 0, hi: i64::MAX }).await?;
+        Ok(Counted { count: got.count, missing: got.missing })
+    }
+
+    /// A page of the newest rows of the lists gathered, and its cursor.
+    fn page_across(got: Gathered<E>, limit: usize) -> FanOut<E> {
+        let rows = merge_newest_first(got.lists, limit);
+        let next = if limit > 0 && rows.len() == limit { rows.last().map(Entity::id) } else { None };
+        FanOut { rows, next, missing: got.missing }
+    }
+
+    /// Asks every shard `ask` through the cluster's one retry path for a stale map.
+    async fn across(&self, ask: Ask) -> Result<Gathered<E>> {
+        match self.cluster.with_move_retry(|map, run| self.fan_out(map, run, ask)).await {
             // The move did not end within `move_wait` (or no move explains the missing
             // schema): those hosts' shards are reported missing, as a host that fails.
             Err(e) if e.is_moved() => {
-                self.fan_out(self.cluster.map(), Run::Last, window).await.map_err(|f| f.error)
+                self.fan_out(self.cluster.map(), Run::Last, ask).await.map_err(|f| f.error)
             }
             other => other,
         }
     }
 
-    /// One fan-out of [`Repo::created_between`] over `map`: `(lo, hi, limit as i64,
-    /// limit)`. On the first run a host that found a shard fenced fails the whole attempt
-    /// (to wait for the move and ask again); on the last it is reported missing.
+    /// One fan-out of `ask` over `map`. On the first run a host that found a shard
+    /// fenced fails the whole attempt (to wait for the move and ask again); on the last
+    /// it is reported missing.
     async fn fan_out(
         &self,
         map: std::sync::Arc<ShardMap>,
         run: Run,
-        (lo, hi, n, limit): (i64, i64, i64, usize),
-    ) -> Result<FanOut<E>, Failed<Error>> {
+        ask: Ask,
+    ) -> Result<Gathered<E>, Failed<Error>> {
+        let (lo, hi, n) = match ask {
+            Ask::Newest { lo, hi, limit } => (lo, hi, i64::try_from(limit).unwrap_or(i64::MAX)),
+            Ask::Count { lo, hi } => (lo, hi, 0),
+        };
         let prefix = self.cluster.prefix();
         let timeout = self.cluster.options().host_timeout;
         let layout = self.cluster.layout();
@@ -935,7 +1051,11 @@ impl<E: Entity> Repo<E> {
                     let (client, select) = (&client, &select);
                     let parts = schemas_ref.chunks(batch).zip(shards_ref.chunks(batch));
                     let statements = parts.map(|(schemas, shards)| async move {
-                        let sql = self.sql.window(&schemas.iter().collect::<Vec<_>>(), select);
+                        let schemas = schemas.iter().collect::<Vec<_>>();
+                        let sql = match ask {
+                            Ask::Newest { .. } => self.sql.window(&schemas, select),
+                            Ask::Count { .. } => self.sql.count(&schemas),
+                        };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
                         let rows = if keep > 0 {
                             let statement = client
@@ -949,8 +1069,15 @@ impl<E: Entity> Repo<E> {
                                 .await
                                 .map_err(failed)?
                         };
+                        if let Ask::Count { .. } = ask {
+                            let count: Option<i64> =
+                                rows.first().map(|r| r.try_get(0)).transpose().map_err(|e| {
+                                    Error::host(host_ref, None, "fan-out (read the count)", e)
+                                })?;
+                            return Ok(Part::Count(count.and_then(|n| u64::try_from(n).ok()).unwrap_or(0)));
+                        }
                         check_rows(layout, host_ref, "fan-out", shards, &rows)?;
-                        Self::rows(&rows)
+                        Self::rows(&rows).map(Part::Rows)
                     });
                     Ok(futures::future::join_all(statements).await)
                 };
@@ -963,17 +1090,19 @@ impl<E: Entity> Repo<E> {
         let mut missing = Vec::new();
         let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
         let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
+        let mut count = 0u64;
         for (host, shards, result) in results {
             // Each statement's shards with its rows; a host that failed as a whole (no
             // connection, a timeout) fails every shard of it.
-            let parts: Vec<(&[LogicalShard], Result<Vec<E>>)> = match result {
+            let parts: Vec<(&[LogicalShard], Result<Part<E>>)> = match result {
                 Ok(per_statement) => shards.chunks(batch).zip(per_statement).collect(),
                 Err(e) => vec![(&shards[..], Err(e))],
             };
             let mut failed: Option<(Error, Vec<LogicalShard>)> = None;
             for (part, result) in parts {
                 match result {
-                    Ok(rows) => lists.push(rows.into_iter()),
+                    Ok(Part::Rows(rows)) => lists.push(rows.into_iter()),
+                    Ok(Part::Count(n)) => count = count.saturating_add(n),
                     // A shard fenced by a move: wait for the flip (as a single statement
                     // would), then ask every host once more.
                     Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
@@ -995,7 +1124,7 @@ impl<E: Entity> Repo<E> {
         }
         match moved {
             Some((error, shards)) => Err(Failed::new(error, true, shards)),
-            None => Ok(FanOut { rows: merge_newest_first(lists, limit), missing }),
+            None => Ok(Gathered { lists, count, missing }),
         }
     }
 }
