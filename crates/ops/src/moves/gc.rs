@@ -18,7 +18,7 @@ use shardline_repo::Catalog;
 use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
-use super::engine::{drop_source_side, drop_subscription};
+use super::engine::{drop_source_side, drop_subscription, sync_slots};
 use super::journal::{self, MoveRecord, State};
 use super::preflight::host_err;
 use crate::Result;
@@ -162,19 +162,16 @@ async fn gc_host(
         if name.is_empty() {
             continue;
         }
-        let sync: i64 = match m.detail.subscription_oid {
-            Some(oid) => c
-                .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE $1",
-                    &[&format!("pg\\_{oid}\\_sync\\_%")],
-                )
+        let sync: i64 = match sync_slots(&m.detail, None) {
+            Some(pattern) => c
+                .query_one("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE $1", &[&pattern])
                 .await
                 .map_err(fail("list slots"))?
                 .get(0),
             None => 0,
         };
         if pubs.contains(&name) || sync > 0 {
-            drop_source_side(c, host, &name, m.detail.subscription_oid, m.id).await?;
+            drop_source_side(c, host, &name, &m.detail, m.id).await?;
             report.dropped.push(format!("{host}: publication/slots {name}"));
         }
     }

@@ -228,6 +228,10 @@ pub struct Detail {
     pub moved_schema: String,
     /// The target's subscription OID (names its table-sync slots on the source).
     pub subscription_oid: Option<u32>,
+    /// The target server's system identifier, the last part of its table-sync slots'
+    /// names (`pg_<subscription>_sync_<table>_<system>`): two targets may give their
+    /// subscriptions the same OID, never the same system identifier.
+    pub target_system: Option<i64>,
     /// Rows in the shard (pre-flight estimate until verified, then counted).
     pub rows: i64,
     /// Bytes of the shard's tables and indexes on the source.

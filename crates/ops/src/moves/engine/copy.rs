@@ -150,7 +150,21 @@ impl Mover<'_> {
             message: format!("the subscription {name} vanished on {target}"),
         })?;
         self.detail.subscription_oid = u32::try_from(oid).ok();
+        self.detail.target_system = Some(self.target_system().await?);
         self.journal(Step::Copying).await
+    }
+
+    /// The target server's system identifier (the last part of its table-sync slots'
+    /// names on the source).
+    async fn target_system(&mut self) -> Result<i64> {
+        let target = self.target.clone();
+        Ok(self
+            .dst()
+            .await?
+            .query_one("SELECT system_identifier FROM pg_control_system()", &[])
+            .await
+            .map_err(on(&target, "read the system identifier"))?
+            .get(0))
     }
 
     /// Enables the subscription, waits for every table's copy, then for the lag to fall
@@ -158,7 +172,7 @@ impl Mover<'_> {
     pub(super) async fn catch_up(&mut self) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
         let started = Instant::now();
-        let deadline = started + self.options.copy_timeout;
+        let mut deadline = started + self.options.copy_timeout;
         let schema = self.schema.clone();
         let total = self.detail.bytes;
         // The subscription the journal names must be the one on the target: a restart
@@ -175,9 +189,15 @@ impl Mover<'_> {
             None => self.restart_copy("(the subscription is missing)".into()).await?,
             Some(o) if Some(o) != self.detail.subscription_oid.map(i64::from) => {
                 self.detail.subscription_oid = u32::try_from(o).ok();
+                self.detail.target_system = Some(self.target_system().await?);
                 self.journal(Step::Copying).await?;
             }
             Some(_) => {}
+        }
+        // A journal written before the system identifier was kept.
+        if self.detail.target_system.is_none() {
+            self.detail.target_system = Some(self.target_system().await?);
+            self.journal(Step::Copying).await?;
         }
         let mut oid = self.detail.subscription_oid.map(i64::from);
         let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
@@ -211,6 +231,8 @@ impl Mover<'_> {
                             });
                         }
                         self.restart_copy(table).await?;
+                        // The new copy gets the whole time a copy gets.
+                        deadline = Instant::now() + self.options.copy_timeout;
                         oid = self.detail.subscription_oid.map(i64::from);
                         self.dst()
                             .await?
@@ -241,7 +263,8 @@ impl Mover<'_> {
                 break;
             }
             if Instant::now() > deadline {
-                let waiting = self.tables_waiting(oid).await?;
+                // What it waits for, when that can be read: the timeout is the error.
+                let waiting = self.tables_waiting(oid).await.unwrap_or_else(|_| "tables unknown".into());
                 return Err(Error::Timeout {
                     host: target.clone(),
                     what: format!(
@@ -337,7 +360,7 @@ impl Mover<'_> {
             .map(|r| (r.get(0), r.get(1)))
             .collect();
         for (relid, table) in done {
-            let slot = format!("pg\\_{oid}\\_sync\\_{relid}\\_%");
+            let Some(slot) = sync_slots(&self.detail, Some(relid)) else { continue };
             let there: bool = self
                 .src()
                 .await?
@@ -362,7 +385,7 @@ impl Mover<'_> {
     async fn restart_copy(&mut self, table: String) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
         tracing::warn!(move_id = id, %table, "a table's copy cannot finish (its table-sync slot is gone from the source); starting the copy over");
-        let (schema, oid) = (self.schema.clone(), self.detail.subscription_oid);
+        let schema = self.schema.clone();
         let dst = self.dst().await?;
         drop_subscription(dst, &target, &name).await?;
         let tables: Vec<String> = dst
@@ -383,7 +406,8 @@ impl Mover<'_> {
         ))
         .await
         .map_err(on(&target, "empty the copy"))?;
-        drop_slots(self.src().await?, &source, &name, oid).await?;
+        let detail = self.detail.clone();
+        drop_slots(self.src().await?, &source, &name, &detail).await?;
         self.detail.copy_restarts += 1;
         self.subscribe().await
     }

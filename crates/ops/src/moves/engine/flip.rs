@@ -216,9 +216,9 @@ impl Mover<'_> {
     /// On the source: the publication, the slots, the marker.
     pub(super) async fn clean_source(&mut self) -> Result<()> {
         let (name, source, id) = (self.name(), self.source.clone(), self.id);
-        let oid = self.detail.subscription_oid;
+        let detail = self.detail.clone();
         let src = self.src().await?;
-        drop_source_side(src, &source, &name, oid, id).await
+        drop_source_side(src, &source, &name, &detail, id).await
     }
 }
 
@@ -245,19 +245,19 @@ pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -
 }
 
 /// Drops, on the source, publication and slot `name`, the table-sync slots of
-/// subscription `oid`, and move `id`'s marker and change log. A slot still in use is released first
+/// `detail`'s subscription, and move `id`'s marker and change log. A slot still in use is released first
 /// (its WAL sender ended).
 pub(crate) async fn drop_source_side(
     c: &Client,
     host: &HostName,
     name: &str,
-    oid: Option<u32>,
+    detail: &Detail,
     id: i64,
 ) -> Result<()> {
     c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
         .await
         .map_err(on(host, "drop the publication"))?;
-    drop_slots(c, host, name, oid).await?;
+    drop_slots(c, host, name, detail).await?;
     c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
         .await
         .or_else(|e| {
@@ -267,10 +267,22 @@ pub(crate) async fn drop_source_side(
     drop_changes(c, host, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await
 }
 
-/// Drops, on the source, slot `name` and the table-sync slots of subscription `oid`.
+/// The `LIKE` pattern of the table-sync slots of `detail`'s subscription on the source
+/// (of table `relid` only, when given): PostgreSQL names them
+/// `pg_<subscription OID>_sync_<table OID>_<target's system identifier>`. Without the
+/// system identifier (a journal written before it was kept), any target's. `None` before
+/// the subscription exists.
+pub(crate) fn sync_slots(detail: &Detail, relid: Option<i64>) -> Option<String> {
+    let oid = detail.subscription_oid?;
+    let relid = relid.map_or_else(|| "%".to_owned(), |r| r.to_string());
+    let system = detail.target_system.map_or_else(|| "%".to_owned(), |s| s.to_string());
+    Some(format!("pg\\_{oid}\\_sync\\_{relid}\\_{system}"))
+}
+
+/// Drops, on the source, slot `name` and the table-sync slots of `detail`'s subscription.
 /// A slot still in use is released first (its WAL sender ended).
-pub(crate) async fn drop_slots(c: &Client, host: &HostName, name: &str, oid: Option<u32>) -> Result<()> {
-    let sync = oid.map(|o| format!("pg\\_{o}\\_sync\\_%"));
+pub(crate) async fn drop_slots(c: &Client, host: &HostName, name: &str, detail: &Detail) -> Result<()> {
+    let sync = sync_slots(detail, None);
     for attempt in 0..20 {
         let left: i64 = c
             .query_one(
