@@ -291,20 +291,21 @@ pub(crate) async fn a_listing_pages_every_shard_newest_first_and_counts_agree(
     let mut all: Vec<Id> = made.iter().map(|p| p.id).collect();
     all.sort_unstable_by(|a, b| b.cmp(a));
 
-    // Pages of 7: 7 pages, the last one short; a row written before each page is newer
-    // than the cursor and never shows up in it; page 4 is read by another handle.
+    // Pages of 10 over 49 rows and more: full pages, then a short one with no cursor; a
+    // row written before each page; page 4 read by another handle.
     let other = Cluster::connect(&f.config()?, o()).await?.repo::<Photo>()?;
     let (mut seen, mut before, mut pages) = (Vec::new(), None, 0);
     loop {
         photos.insert(&new(100 + pages, 1)[0]).await?;
-        let page = if pages == 3 { other.newest(before, 7).await? } else { photos.newest(before, 7).await? };
+        let page =
+            if pages == 3 { other.newest(before, 10).await? } else { photos.newest(before, 10).await? };
         assert!(page.is_complete(), "{:?}", page.missing);
-        assert!(page.rows.len() <= 7);
+        assert!(page.rows.len() <= 10);
         seen.extend(page.rows.iter().map(|p| p.id));
         pages += 1;
         match page.next {
             Some(next) => {
-                assert_eq!(page.rows.len(), 7, "a cursor only after a full page");
+                assert_eq!(page.rows.len(), 10, "a cursor only after a full page");
                 assert_eq!(Some(next), page.rows.last().map(|p| p.id));
                 before = Some(next);
             }
@@ -337,6 +338,8 @@ pub(crate) async fn a_listing_pages_every_shard_newest_first_and_counts_agree(
     let in_window = listed.rows.iter().filter(|p| (lo..=hi).contains(&p.id)).count();
     assert!(in_window >= 48);
     assert_eq!(photos.count_between(start, end).await?.count, u64::try_from(in_window)?);
+    let before_all = start - Duration::from_secs(3600);
+    assert_eq!(photos.count_between(before_all, start - Duration::from_secs(1800)).await?.count, 0);
     let long_ago = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
     let none = photos.created_between(long_ago, long_ago + Duration::from_secs(1), 1).await?;
     assert!(none.rows.is_empty() && none.next.is_none());

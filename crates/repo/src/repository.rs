@@ -248,7 +248,9 @@ pub struct FanOut<E> {
     /// The rows, newest first.
     pub rows: Vec<E>,
     /// When the rows fill the limit, the last row's ID: pass it as `before` to
-    /// [`Repo::newest`] for the next page. `None` when there are no more.
+    /// [`Repo::newest`] for the next page. `None` when there are no more. (Of
+    /// [`Repo::created_between`]: the window holds more rows below it, and
+    /// [`Repo::newest`] from it reads on past the window's start.)
     pub next: Option<Id>,
     /// Shards that could not be read. Empty when the result is complete.
     pub missing: Vec<Missing>,
@@ -955,8 +957,9 @@ impl<E: Entity> Repo<E> {
     /// listing shows up in a later page when its ID falls below the cursor (IDs minted
     /// in Postgres may trail the clock a little, see docs/ids.md). Read as
     /// [`Repo::created_between`] reads, with the same report of missing shards: a page
-    /// with shards missing holds the other shards' rows, and so does the next page
-    /// resumed from its cursor.
+    /// with shards missing holds the other shards' rows only, and the next page resumed
+    /// from its cursor never goes back for theirs above it. A listing that must be
+    /// whole starts again (or from an earlier cursor) when a page is incomplete.
     pub async fn newest(&self, before: Option<Id>, limit: usize) -> Result<FanOut<E>> {
         let hi = before.map_or(i64::MAX, |b| i64::from(b).saturating_sub(1));
         let got = self.across(Ask::Newest { lo: 0, hi, limit }).await?;
