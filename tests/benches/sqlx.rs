@@ -8,6 +8,9 @@
 //! - the same rival wrapped in the same transaction shape by hand (`BEGIN; SET LOCAL
 //!   search_path`, the statement, `SAVEPOINT; COMMIT`): what the routing itself costs,
 //!   apart from the transaction;
+//! - a routed get as one statement (`Sqlx::statement_on_id`: no transaction, the table
+//!   named qualified by `ShardConn::table`) vs the same rival, the same SQL text: the
+//!   path for the ≤ 1.05× goal;
 //! - each with every statement unnamed (the default) and with `statement_cache = 1024`.
 //!
 //! ```text
@@ -58,6 +61,24 @@ async fn routed(cluster: &Cluster, sample: &[Id]) -> Result<Duration, BoxError> 
     Ok(t.elapsed() / u32::try_from(sample.len())?)
 }
 
+/// Per call, over `sample`: the routed get as one statement.
+async fn routed_statement(cluster: &Cluster, sample: &[Id]) -> Result<Duration, BoxError> {
+    let db = cluster.sqlx();
+    let t = Instant::now();
+    for &id in sample {
+        let got = db
+            .statement_on_id(id, |conn| {
+                let sql = format!("SELECT {COLUMNS} FROM {} WHERE id = $1", conn.table("photos"));
+                Box::pin(async move {
+                    sqlx::query_as::<_, Photo>(AssertSqlSafe(sql)).bind(id).fetch_optional(&mut **conn).await
+                })
+            })
+            .await?;
+        assert!(got.is_some());
+    }
+    Ok(t.elapsed() / u32::try_from(sample.len())?)
+}
+
 /// Per call, over `sample`: sqlx on the right host's pool, routed by hand; `wrapped`
 /// in the routed path's transaction shape.
 async fn direct(cluster: &Cluster, sample: &[Id], wrapped: bool) -> Result<Duration, BoxError> {
@@ -78,7 +99,8 @@ async fn direct(cluster: &Cluster, sample: &[Id], wrapped: bool) -> Result<Durat
             sqlx::raw_sql("SAVEPOINT check_it; COMMIT").execute(&mut *conn).await?;
             got
         } else {
-            let sql = format!("SELECT {COLUMNS} FROM {}.photos WHERE id = $1", route.schema.quoted());
+            // The text `ShardConn::table` gives: the same prepared statement.
+            let sql = format!("SELECT {COLUMNS} FROM {}.\"photos\" WHERE id = $1", route.schema.quoted());
             sqlx::query_as::<_, Photo>(AssertSqlSafe(sql)).bind(id).fetch_optional(&pool).await?
         };
         assert!(got.is_some());
@@ -119,16 +141,18 @@ async fn main() -> Result<(), BoxError> {
     {
         // Warm the pools and the statement caches.
         routed(cluster, &sample).await?;
+        routed_statement(cluster, &sample).await?;
         direct(cluster, &sample, false).await?;
         direct(cluster, &sample, true).await?;
-        let (mut ours, mut plain, mut wrapped) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ours, mut single, mut plain, mut wrapped) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Alternate rounds, the median round per call.
         for _ in 0..7 {
             ours.push(routed(cluster, &sample).await?);
+            single.push(routed_statement(cluster, &sample).await?);
             plain.push(direct(cluster, &sample, false).await?);
             wrapped.push(direct(cluster, &sample, true).await?);
         }
-        let (ours, plain, wrapped) = (median(ours), median(plain), median(wrapped));
+        let (ours, single, plain, wrapped) = (median(ours), median(single), median(plain), median(wrapped));
         println!("get by ID, one at a time, {name} (median of 7 rounds of {}):", sample.len());
         println!(
             "  {:<64}{:>10}",
@@ -147,6 +171,12 @@ async fn main() -> Result<(), BoxError> {
             us(ours),
             ours.as_secs_f64() / plain.as_secs_f64(),
             ours.as_secs_f64() / wrapped.as_secs_f64()
+        );
+        println!(
+            "  {:<64}{:>10}   {:.3}x the first",
+            "shardline Sqlx::statement_on_id (route, one statement, retry)",
+            us(single),
+            single.as_secs_f64() / plain.as_secs_f64()
         );
     }
     Ok(())

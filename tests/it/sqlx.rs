@@ -54,6 +54,44 @@ async fn get(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
         .await
 }
 
+/// Inserts a photo of `user` as one statement, no transaction (`Sqlx::statement`).
+async fn insert_statement(cluster: &Cluster, user: i64, caption: String) -> Result<Photo, Error> {
+    cluster
+        .sqlx()
+        .statement_on_user(user, |conn| {
+            let sql = format!(
+                "INSERT INTO {} (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption",
+                conn.table("photos")
+            );
+            let caption = &caption;
+            Box::pin(async move {
+                ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                    .bind(user)
+                    .bind(format!("https://cdn/{user}.jpg"))
+                    .bind(caption)
+                    .fetch_one(&mut **conn)
+                    .await
+            })
+        })
+        .await
+}
+
+/// Reads a photo by ID as one statement.
+async fn get_statement(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
+    cluster
+        .sqlx()
+        .statement_on_id(id, |conn| {
+            let sql = format!("SELECT id, user_id, url, caption FROM {} WHERE id = $1", conn.table("photos"));
+            Box::pin(async move {
+                ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                    .bind(id)
+                    .fetch_optional(&mut **conn)
+                    .await
+            })
+        })
+        .await
+}
+
 shardline_testkit::register!(shared: every_operation_runs_in_the_shard_the_map_gives);
 pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 12).await?;
@@ -72,6 +110,44 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         assert_eq!(photos.get(p.id).await?.as_ref(), Some(&p));
         made.push(p);
     }
+    // One statement, no transaction: the same shards, the same rows.
+    for user in [2i64, 7, 13, -5] {
+        let p = insert_statement(&cluster, user, format!("statement {user}")).await?;
+        let route = cluster.route_user(user);
+        assert_eq!(cluster.layout().decode(p.id).shard, u32::from(route.shard.get()), "minted by its shard");
+        only_where_routed(&f, &ctx, &route, p.id, &format!("user {user} (statement)")).await?;
+        assert_eq!(get_statement(&cluster, p.id).await?.as_ref(), Some(&p));
+        assert_eq!(get(&cluster, p.id).await?.as_ref(), Some(&p));
+    }
+    assert_eq!(get_statement(&cluster, made[1].id).await?.as_ref(), Some(&made[1]));
+    // An unqualified name reads no schema at all (the sessions' search_path is empty),
+    // fails naming host and shard, and is not taken for a moved shard: run once.
+    let runs = AtomicUsize::new(0);
+    let err = db
+        .statement_on_user(5, |conn| {
+            runs.fetch_add(1, Ordering::Relaxed);
+            Box::pin(async move { ::sqlx::query("SELECT count(*) FROM photos").execute(&mut **conn).await })
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{err}");
+    assert!(matches!(&err, Error::Sqlx { what: "statement", shard: Some(_), .. }), "{err}");
+    assert_eq!(err.sqlstate(), Some("42P01"));
+    assert!(!err.outcome_unknown(), "{err}");
+    // A `begin()` left open in a statement's work is rolled back, not pooled.
+    let err = db
+        .statement_on_user(5, |conn| {
+            Box::pin(async move {
+                let mut tx = ::sqlx::Connection::begin(&mut **conn).await?;
+                ::sqlx::query("SELECT 1").execute(&mut *tx).await?;
+                std::mem::forget(tx);
+                Ok(())
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
+
     // Update and delete by ID.
     let first = made[0].clone();
     let updated = db
@@ -154,7 +230,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         assert_eq!((usize::from(shard.get()), inner), (i, shard));
         total += n;
     }
-    assert_eq!(total, i64::try_from(made.len())?);
+    assert_eq!(total, i64::try_from(made.len())? + 4, "with the 4 single statements' rows");
 
     // A closure that ends the transaction itself is told so, never Ok as if it were whole.
     let err = db
@@ -335,7 +411,8 @@ pub(crate) async fn a_database_url_naming_one_shard_describes_queries_as_the_mac
 
 shardline_testkit::register!(shared: a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_nothing);
 /// sqlx writers on two handles, one listening for map changes and one not (its map
-/// goes stale at the flip), write into a shard while it moves. Every acknowledged
+/// goes stale at the flip), in transactions and as single statements, write into a
+/// shard while it moves. Every acknowledged
 /// write is on the target once; nothing else is; no ID twice; every tenth is read back
 /// by ID mid-move.
 pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_nothing(
@@ -360,27 +437,48 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
                 while !stop.load(Ordering::Relaxed) {
                     let user = 6 * (w * 1000 + n % 20);
                     let runs = AtomicUsize::new(0);
-                    let p = cluster
-                        .sqlx()
-                        .on_user(user, |conn| {
-                            runs.fetch_add(1, Ordering::Relaxed);
-                            Box::pin(async move {
-                                ::sqlx::query_as::<_, Photo>(INSERT)
-                                    .bind(user)
-                                    .bind("u")
-                                    .bind(format!("w{w}-{n}"))
-                                    .fetch_one(&mut **conn)
-                                    .await
+                    // Writers 0 and 1 in transactions, 2 and 3 as single statements.
+                    let statement = w >= 2;
+                    let p = if statement {
+                        cluster
+                            .sqlx()
+                            .statement_on_user(user, |conn| {
+                                runs.fetch_add(1, Ordering::Relaxed);
+                                let sql = INSERT.replacen("photos", &conn.table("photos"), 1);
+                                Box::pin(async move {
+                                    ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                                        .bind(user)
+                                        .bind("u")
+                                        .bind(format!("w{w}-{n}"))
+                                        .fetch_one(&mut **conn)
+                                        .await
+                                })
                             })
-                        })
-                        .await?;
+                            .await?
+                    } else {
+                        cluster
+                            .sqlx()
+                            .on_user(user, |conn| {
+                                runs.fetch_add(1, Ordering::Relaxed);
+                                Box::pin(async move {
+                                    ::sqlx::query_as::<_, Photo>(INSERT)
+                                        .bind(user)
+                                        .bind("u")
+                                        .bind(format!("w{w}-{n}"))
+                                        .fetch_one(&mut **conn)
+                                        .await
+                                })
+                            })
+                            .await?
+                    };
                     reruns.fetch_add(runs.into_inner() - 1, Ordering::Relaxed);
                     if n % 10 == 0 {
-                        assert_eq!(
-                            get(&cluster, p.id).await?.map(|g| g.id),
-                            Some(p.id),
-                            "read back mid-move"
-                        );
+                        let back = if statement {
+                            get_statement(&cluster, p.id).await?
+                        } else {
+                            get(&cluster, p.id).await?
+                        };
+                        assert_eq!(back.map(|g| g.id), Some(p.id), "read back mid-move");
                     }
                     acked.push(p.id);
                     n += 1;

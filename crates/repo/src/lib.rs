@@ -170,7 +170,8 @@ pub enum Error {
         shard: Option<LogicalShard>,
         /// What was being done: `begin` (a connection, `BEGIN` and the `search_path`),
         /// `work` (the caller's statements), `commit` (a check that the transaction is
-        /// not aborted, and `COMMIT`, in one round trip).
+        /// not aborted, and `COMMIT`, in one round trip); `statement` (the caller's
+        /// statements outside a transaction, [`crate::Sqlx::statement`]).
         what: &'static str,
         /// The SQLSTATE, when the server sent one.
         sqlstate: Option<String>,
@@ -461,10 +462,11 @@ impl Error {
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
             // A unit of work that failed before its COMMIT was sent was rolled back;
-            // a COMMIT that got no verdict (or a connection-class one) may have applied.
+            // a COMMIT, or a statement committing on its own, that got no verdict (or a
+            // connection-class one) may have applied.
             #[cfg(feature = "sqlx")]
             Error::Sqlx { what, sqlstate, .. } => {
-                *what == "commit"
+                (*what == "commit" || *what == "statement")
                     && sqlstate.as_deref().is_none_or(|s| s.starts_with("57P") || s.starts_with("08"))
             }
             _ => matches!(self.sqlstate(), Some(s) if s.starts_with("57P") || s.starts_with("08")),

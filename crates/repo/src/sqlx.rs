@@ -52,6 +52,11 @@
 //! # let _ = again; Ok(()) }
 //! ```
 //!
+//! For one statement on the hot path, [`Sqlx::statement`] (and `statement_on_id`,
+//! `statement_on_user`) runs `work` with no transaction around it: one round trip for a
+//! get by ID, as sqlx by hand, with the same routing, retry path and timeout. It sets no
+//! `search_path`, so its SQL names the shard's tables qualified ([`ShardConn::table`]).
+//!
 //! What differs from the repository's typed operations: shardline cannot see inside a
 //! sqlx query, so a row returned by it is not checked against its shard (the
 //! repository's [`Error::Misrouted`]); the `SET LOCAL search_path` is what routes it.
@@ -103,6 +108,14 @@ impl Pools {
                 // As the repository's pools: no round trip to test a connection handed
                 // out; a broken one fails its statement, classified.
                 .test_before_acquire(false)
+                // No schema of the session's own: a name a statement leaves unqualified
+                // fails rather than reading `public` (see `Sqlx::statement`); a unit of
+                // work sets its shard's for its transaction.
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        ::sqlx::raw_sql("SET search_path = ''").execute(conn).await.map(|_| ())
+                    })
+                })
                 .connect_lazy_with(connect);
             pools.insert(name.clone(), pool);
         }
@@ -173,6 +186,38 @@ fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
 /// `after` in whole milliseconds, at least 1, for `statement_timeout`.
 fn timeout_ms(after: std::time::Duration) -> u128 {
     after.as_millis().max(1)
+}
+
+/// How [`Sqlx`] runs a unit of work.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// In a transaction with the shard's `search_path` ([`Sqlx::transaction`]).
+    Transaction,
+    /// As it is ([`Sqlx::statement`]).
+    Statement,
+}
+
+/// A connection of `pool` for work on `route`; `what` names the step a failure is of.
+async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Result<ShardConn<'env>> {
+    let conn = pool.acquire().await.map_err(|e| match e {
+        ::sqlx::Error::PoolTimedOut => Error::Pool {
+            host: route.host.clone(),
+            message: format!("no connection could be had within {:?}", pool.options().get_acquire_timeout()),
+            timed_out: true,
+        },
+        e => Error::sqlx(&route.host, Some(route.shard), what, e),
+    })?;
+    Ok(ShardConn { conn: Some(conn), route, _env: std::marker::PhantomData })
+}
+
+/// Whether `schema` is gone from the host `conn` is on (the shard moved, or is fenced
+/// for a move); `false` when that cannot be told.
+async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
+    ::sqlx::query_scalar::<_, bool>("SELECT to_regnamespace($1) IS NULL")
+        .bind(schema.as_str())
+        .fetch_one(conn)
+        .await
+        .unwrap_or(false)
 }
 
 /// sqlx on a [`Cluster`]: routed units of work on one shard, and the same work on
@@ -253,6 +298,12 @@ impl ShardConn<'_> {
     pub fn host(&self) -> &HostName {
         &self.route.host
     }
+
+    /// `table` of the shard's schema, quoted for SQL (`"shard_0005"."photos"`): the name
+    /// to write in a [`Sqlx::statement`], which sets no `search_path`.
+    pub fn table(&self, table: &str) -> String {
+        format!("{}.{}", self.route.schema.quoted(), shardline_id::ident::quote(table))
+    }
 }
 
 impl std::ops::Deref for ShardConn<'_> {
@@ -284,7 +335,8 @@ impl Sqlx {
     }
 
     /// The sqlx pool of `host` (made with the others on first use), for work that is
-    /// not routed: it bypasses routing, timeouts and the move retry.
+    /// not routed: it bypasses routing, timeouts and the move retry. Its sessions start
+    /// with an empty `search_path`: qualify table names.
     ///
     /// # Errors
     ///
@@ -318,6 +370,68 @@ impl Sqlx {
     where
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
+        self.routed(shard, work, Mode::Transaction).await
+    }
+
+    /// Runs `work` on `shard`'s host as it is, with no transaction around it and no
+    /// `search_path` set: the fast path for one statement (a get by ID costs one round
+    /// trip, as sqlx on the host by hand). Name the shard's tables qualified, with
+    /// [`ShardConn::table`]: the pools' sessions start with an empty `search_path`, so
+    /// an unqualified name fails (SQLSTATE 42P01) rather than reading another schema.
+    ///
+    /// Each statement commits on its own. When one finds the shard's schema gone (the
+    /// shard moved, or is fenced for a move), the move is waited out and `work` run
+    /// once more on the shard's new host: a statement that found its schema gone did
+    /// nothing, but any statement before it in `work` stays done, so put one statement
+    /// in it, or statements that may run twice. For several statements that must
+    /// apply together, use [`Sqlx::transaction`]. Do not start a transaction in `work`
+    /// with a `BEGIN` of your own: a connection sqlx does not know to be in one goes
+    /// back to the pool as it is (sqlx's `begin()` is rolled back when dropped).
+    ///
+    /// # Errors
+    ///
+    /// As [`Sqlx::transaction`]; the step is `statement`, and one that got no verdict
+    /// from the server (a lost connection) may have been applied
+    /// ([`Error::outcome_unknown`]).
+    pub async fn statement<'env, T, F>(&'env self, shard: LogicalShard, work: F) -> Result<T>
+    where
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
+    {
+        self.routed(shard, work, Mode::Statement).await
+    }
+
+    /// [`Sqlx::statement`] in the shard that minted `id` (decoded from the ID, no
+    /// query).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] for an ID of a shard the cluster does not have; then as
+    /// [`Sqlx::statement`].
+    pub async fn statement_on_id<'env, T, F>(&'env self, id: Id, work: F) -> Result<T>
+    where
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
+    {
+        self.statement(self.cluster.route_id(id)?.shard, work).await
+    }
+
+    /// [`Sqlx::statement`] in the shard of user `user_id`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Sqlx::statement`].
+    pub async fn statement_on_user<'env, T, F>(&'env self, user_id: i64, work: F) -> Result<T>
+    where
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
+    {
+        self.statement(self.cluster.route_user(user_id).shard, work).await
+    }
+
+    /// [`Sqlx::transaction`] or [`Sqlx::statement`]: routed, through the one retry path,
+    /// within the host timeout.
+    async fn routed<'env, T, F>(&'env self, shard: LogicalShard, work: F, mode: Mode) -> Result<T>
+    where
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
+    {
         let options = self.cluster.options();
         if options.transaction_pooler {
             let host = self.cluster.route(shard).host;
@@ -339,7 +453,13 @@ impl Sqlx {
                 let pool = self.pool(&host).await?;
                 let mut work = work.lock().await;
                 let mut moved = false;
-                let done = within(&host, timeout, self.attempt(&pool, route, &mut *work, &mut moved)).await;
+                let run = async {
+                    match mode {
+                        Mode::Transaction => self.attempt(&pool, route, &mut *work, &mut moved).await,
+                        Mode::Statement => self.once(&pool, route, &mut *work, &mut moved).await,
+                    }
+                };
+                let done = within(&host, timeout, run).await;
                 done.map_err(|e| Failed::new(e, moved, [shard]))
             })
             .await
@@ -362,18 +482,7 @@ impl Sqlx {
             let host = host.clone();
             move |e: ::sqlx::Error| Error::sqlx(&host, Some(shard), what, e)
         };
-        let conn = pool.acquire().await.map_err(|e| match e {
-            ::sqlx::Error::PoolTimedOut => Error::Pool {
-                host: host.clone(),
-                message: format!(
-                    "no connection could be had within {:?}",
-                    pool.options().get_acquire_timeout()
-                ),
-                timed_out: true,
-            },
-            e => Error::sqlx(&host, Some(shard), "begin", e),
-        })?;
-        let mut conn = ShardConn { conn: Some(conn), route, _env: std::marker::PhantomData };
+        let mut conn = acquire(pool, route, "begin").await?;
         // One round trip: the transaction and its search_path (the schema quoted by the
         // one quoting function, `SchemaName::quoted`).
         // The server stops a statement at the host timeout too: a unit of work given up
@@ -434,16 +543,58 @@ impl Sqlx {
         // the shard is. A table missing from a schema that is there is the caller's.
         // Asked on the same connection (a full pool cannot delay the answer).
         if rolled_back && (matches!(error, Error::RolledBack { .. }) || error.is_moved()) {
-            *moved = ::sqlx::query_scalar::<_, bool>("SELECT to_regnamespace($1) IS NULL")
-                .bind(schema.as_str())
-                .fetch_one(conn.conn())
-                .await
-                .unwrap_or(false);
+            *moved = schema_gone(conn.conn(), &schema).await;
         }
         if rolled_back {
             conn.release();
         }
         Err(error)
+    }
+
+    /// One run of [`Sqlx::statement`] on `route`; sets `moved` when the shard's schema
+    /// is gone from its host.
+    async fn once<'env, T, F>(
+        &'env self,
+        pool: &PgPool,
+        route: Route,
+        work: &mut F,
+        moved: &mut bool,
+    ) -> Result<T>
+    where
+        F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
+    {
+        let (host, shard, schema) = (route.host.clone(), route.shard, route.schema.clone());
+        let mut conn = acquire(pool, route, "statement").await?;
+        let done = work(&mut conn).await;
+        // A transaction sqlx knows of still open (a `begin()` not ended): the connection
+        // is closed, which rolls it back, rather than pooled inside it.
+        let open = ::sqlx::Connection::is_in_transaction(conn.conn());
+        match done {
+            Ok(value) if !open => {
+                conn.release();
+                Ok(value)
+            }
+            Ok(_) => Err(Error::Invalid {
+                what: format!(
+                    "host {host}, shard {shard}: a statement's work left a transaction open; it was rolled back"
+                ),
+            }),
+            Err(e) => {
+                // The server answered: the connection is sound, and no transaction of
+                // ours is open on it. A statement that says a table or its schema is
+                // missing is asked about on the same connection: gone from here, the
+                // shard moved (or is fenced), and the work runs again where it is.
+                let answered = e.as_database_error().is_some();
+                let error = Error::sqlx(&host, Some(shard), "statement", e);
+                if answered && !open && error.is_moved() {
+                    *moved = schema_gone(conn.conn(), &schema).await;
+                }
+                if answered && !open {
+                    conn.release();
+                }
+                Err(error)
+            }
+        }
     }
 
     /// [`Sqlx::transaction`] in the shard of user `user_id`.
@@ -516,5 +667,27 @@ mod tests {
         let text = err.to_string();
         assert!(matches!(err, Error::BadUrl { .. }) && text.contains("postgres://"), "{text}");
         assert!(!text.contains("secret"), "{text}");
+    }
+
+    #[test]
+    fn a_statement_or_commit_without_a_verdict_may_have_applied_work_may_not() {
+        let host = HostName::new("pg1").unwrap_or_else(|e| panic!("{e}"));
+        let lost = || ::sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        for (what, unknown) in [("statement", true), ("commit", true), ("work", false), ("begin", false)] {
+            let e = Error::sqlx(&host, None, what, lost());
+            assert_eq!(e.outcome_unknown(), unknown, "{what}");
+        }
+    }
+
+    #[test]
+    fn a_table_is_named_in_its_shard_quoted() {
+        let prefix = shardline_router::SchemaPrefix::default();
+        let count = shardline_router::ShardCount::new(16).unwrap_or_else(|e| panic!("{e}"));
+        let shard = LogicalShard::new(5, count).unwrap_or_else(|e| panic!("{e}"));
+        let host = HostName::new("pg1").unwrap_or_else(|e| panic!("{e}"));
+        let route = Route { shard, host, schema: prefix.schema(shard) };
+        let conn: ShardConn<'_> = ShardConn { conn: None, route, _env: std::marker::PhantomData };
+        assert_eq!(conn.table("photos"), "\"shard_0005\".\"photos\"");
+        assert_eq!(conn.table("a\"b"), "\"shard_0005\".\"a\"\"b\"");
     }
 }
