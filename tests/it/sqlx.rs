@@ -121,7 +121,13 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     }
     assert_eq!(get_statement(&cluster, made[1].id).await?.as_ref(), Some(&made[1]));
     // An unqualified name reads no schema at all (the sessions' search_path is empty),
-    // fails naming host and shard, and is not taken for a moved shard: run once.
+    // not even a `public.photos` there, fails naming host and shard, and is not taken
+    // for a moved shard: run once.
+    let host = host_index(cluster.route_user(5).host.as_str());
+    f.client(&ctx, host)
+        .await?
+        .batch_execute("CREATE TABLE public.photos (id bigint); INSERT INTO public.photos VALUES (1)")
+        .await?;
     let runs = AtomicUsize::new(0);
     let err = db
         .statement_on_user(5, |conn| {
@@ -134,6 +140,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     assert!(matches!(&err, Error::Sqlx { what: "statement", shard: Some(_), .. }), "{err}");
     assert_eq!(err.sqlstate(), Some("42P01"));
     assert!(!err.outcome_unknown(), "{err}");
+    f.client(&ctx, host).await?.batch_execute("DROP TABLE public.photos").await?;
     // A `begin()` left open in a statement's work is rolled back, not pooled.
     let err = db
         .statement_on_user(5, |conn| {
@@ -422,15 +429,22 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let listening = Cluster::connect(&config, ClusterOptions::default()).await?;
-    let stale =
-        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    let deaf = || Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() });
+    // One stale handle per kind of writer: the first to learn the new map would teach it
+    // to the other.
+    let (stale, stale_statement) = (deaf().await?, deaf().await?);
     assert_eq!(stale.route_user(0).host.as_str(), "pg1");
     let stop = Arc::new(AtomicBool::new(false));
     let reruns = Arc::new(AtomicUsize::new(0));
+    let statement_reruns = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..4i64)
         .map(|w| {
-            let cluster = if w % 2 == 0 { listening.clone() } else { stale.clone() };
-            let (stop, reruns) = (stop.clone(), reruns.clone());
+            let cluster = match w {
+                1 => stale.clone(),
+                3 => stale_statement.clone(),
+                _ => listening.clone(),
+            };
+            let (stop, reruns, statement_reruns) = (stop.clone(), reruns.clone(), statement_reruns.clone());
             tokio::spawn(async move {
                 let mut acked = Vec::new();
                 let mut n = 0i64;
@@ -471,7 +485,11 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
                             })
                             .await?
                     };
-                    reruns.fetch_add(runs.into_inner() - 1, Ordering::Relaxed);
+                    let again = runs.into_inner() - 1;
+                    reruns.fetch_add(again, Ordering::Relaxed);
+                    if statement {
+                        statement_reruns.fetch_add(again, Ordering::Relaxed);
+                    }
                     if n % 10 == 0 {
                         let back = if statement {
                             get_statement(&cluster, p.id).await?
@@ -509,10 +527,15 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
         .get(0);
     assert!(on_source > 0 && on_source < acked_n, "writes before the fence ({on_source}) and after the flip");
     assert_eq!(stale.route_user(0).host.as_str(), "pg2", "the stale handle learnt the new map");
-    assert!(reruns.load(Ordering::Relaxed) >= 1, "the stale handle's first write after the flip ran again");
+    assert_eq!(stale_statement.route_user(0).host.as_str(), "pg2");
+    assert!(
+        statement_reruns.load(Ordering::Relaxed) >= 1,
+        "the stale statement writer's first write after the fence ran again"
+    );
     eprintln!(
-        "      {acked_n} sqlx writes during the move, {} run again after the shard moved; pause {} ms",
+        "      {acked_n} sqlx writes during the move, {} run again after the shard moved ({} statements); pause {} ms",
         reruns.load(Ordering::Relaxed),
+        statement_reruns.load(Ordering::Relaxed),
         report.pause_ms
     );
     Ok(())
@@ -549,6 +572,13 @@ pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx
     assert!(took < limit, "waited {took:?}: {err}");
     assert!(err.to_string().contains("pg2") && err.is_retryable(), "{}", shardline_repo::error_chain(&err));
     let killed = format!("{} in {took:?}", shardline_repo::error_chain(&err));
+    // A single statement too: in time, naming the host, retryable; sent on a connection
+    // that broke, so it may have been applied.
+    let t = Instant::now();
+    let err = insert_statement(&cluster, u2, "killed".into()).await.unwrap_err();
+    let took_statement = t.elapsed();
+    assert!(took_statement < limit, "waited {took_statement:?}: {err}");
+    assert!(err.to_string().contains("pg2") && err.is_retryable(), "{}", shardline_repo::error_chain(&err));
     insert(&cluster, u1, "pg1 goes on".into()).await?;
     pg2.start().await?;
     let back = again(|| insert(&cluster, u2, "back".into())).await?;
@@ -558,6 +588,9 @@ pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx
     let t = Instant::now();
     let err = insert(&cluster, u2, "hung".into()).await.unwrap_err();
     let took = t.elapsed();
+    let t = Instant::now();
+    let hung_statement = insert_statement(&cluster, u2, "hung".into()).await.unwrap_err();
+    let took_statement = t.elapsed();
     let t1 = Instant::now();
     insert(&cluster, u1, "pg1 goes on".into()).await?;
     let pg1_took = t1.elapsed();
@@ -567,6 +600,17 @@ pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx
         err.is_timeout() && err.is_retryable() && err.outcome_unknown() && err.to_string().contains("pg2"),
         "{}",
         shardline_repo::error_chain(&err)
+    );
+    assert!(took_statement < limit, "waited {took_statement:?}: {hung_statement}");
+    // Sent and not answered (may have applied), or no connection could be had (the
+    // hung unit of work's is still closing; nothing sent): either in time, retryable.
+    assert!(
+        hung_statement.is_timeout()
+            && hung_statement.is_retryable()
+            && hung_statement.to_string().contains("pg2")
+            && hung_statement.outcome_unknown() == matches!(hung_statement, Error::Timeout { .. }),
+        "{}",
+        shardline_repo::error_chain(&hung_statement)
     );
     assert!(pg1_took < timeout, "pg1 waited {pg1_took:?} on pg2's hang");
     let back = again(|| insert(&cluster, u2, "back again".into())).await?;

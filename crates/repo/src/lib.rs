@@ -171,7 +171,8 @@ pub enum Error {
         /// What was being done: `begin` (a connection, `BEGIN` and the `search_path`),
         /// `work` (the caller's statements), `commit` (a check that the transaction is
         /// not aborted, and `COMMIT`, in one round trip); `statement` (the caller's
-        /// statements outside a transaction, [`crate::Sqlx::statement`]).
+        /// statements outside a transaction, [`crate::Sqlx::statement`]), `connect`
+        /// (a connection for one; nothing sent).
         what: &'static str,
         /// The SQLSTATE, when the server sent one.
         sqlstate: Option<String>,
@@ -504,7 +505,9 @@ impl Error {
             ),
             // A server refusing a session for now (too many connections, starting up).
             #[cfg(feature = "sqlx")]
-            Error::Sqlx { what: "begin", sqlstate: Some(s), .. } if s == "53300" || s.starts_with("57P") => {
+            Error::Sqlx { what: "begin" | "connect", sqlstate: Some(s), .. }
+                if s == "53300" || s.starts_with("57P") =>
+            {
                 true
             }
             _ => matches!(

@@ -95,6 +95,7 @@ impl Pools {
     /// config's URLs say it (the rules of [`shardline_router::tls`], not sqlx's own).
     pub(crate) fn new(hosts: &[(HostName, DbUrl)], options: &ClusterOptions) -> Result<Pools> {
         let cache = options.statement_cache.max(MIN_STATEMENT_CACHE);
+        let timeout = timeout_ms(options.host_timeout);
         let mut pools = HashMap::new();
         for (name, url) in hosts {
             let connect = connect_options(name, url)?.statement_cache_capacity(cache);
@@ -111,9 +112,13 @@ impl Pools {
                 // No schema of the session's own: a name a statement leaves unqualified
                 // fails rather than reading `public` (see `Sqlx::statement`); a unit of
                 // work sets its shard's for its transaction.
-                .after_connect(|conn, _| {
+                // And the server stops a statement at the host timeout: a statement given
+                // up on holds no lock past it, nor applies long after its caller heard it
+                // timed out (a transaction sets its own, `SET LOCAL`).
+                .after_connect(move |conn, _| {
+                    let setup = format!("SET search_path = ''; SET statement_timeout = {timeout}");
                     Box::pin(async move {
-                        ::sqlx::raw_sql("SET search_path = ''").execute(conn).await.map(|_| ())
+                        ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(conn).await.map(|_| ())
                     })
                 })
                 .connect_lazy_with(connect);
@@ -236,7 +241,9 @@ impl Cluster {
 }
 
 /// The connection a unit of work of [`Sqlx`] runs on: inside its transaction in one
-/// shard, with the shard's schema as `search_path`. Hand it to sqlx as `&mut **conn`
+/// shard, with the shard's schema as `search_path` ([`Sqlx::transaction`]), or on the
+/// shard's host with neither ([`Sqlx::statement`]: name tables with
+/// [`ShardConn::table`]). Hand it to sqlx as `&mut **conn`
 /// (it dereferences to a `PgConnection`), as with sqlx's own
 /// `Connection::transaction`.
 ///
@@ -289,7 +296,7 @@ impl ShardConn<'_> {
         self.route.shard
     }
 
-    /// The shard's schema (also the transaction's `search_path`).
+    /// The shard's schema (a transaction's `search_path`; a statement names it).
     pub fn schema(&self) -> &SchemaName {
         &self.route.schema
     }
@@ -336,7 +343,8 @@ impl Sqlx {
 
     /// The sqlx pool of `host` (made with the others on first use), for work that is
     /// not routed: it bypasses routing, timeouts and the move retry. Its sessions start
-    /// with an empty `search_path`: qualify table names.
+    /// with an empty `search_path` (qualify table names) and `statement_timeout` at
+    /// [`ClusterOptions::host_timeout`] (`SET` it for longer work).
     ///
     /// # Errors
     ///
@@ -564,7 +572,7 @@ impl Sqlx {
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         let (host, shard, schema) = (route.host.clone(), route.shard, route.schema.clone());
-        let mut conn = acquire(pool, route, "statement").await?;
+        let mut conn = acquire(pool, route, "connect").await?;
         let done = work(&mut conn).await;
         // A transaction sqlx knows of still open (a `begin()` not ended): the connection
         // is closed, which rolls it back, rather than pooled inside it.
@@ -574,22 +582,36 @@ impl Sqlx {
                 conn.release();
                 Ok(value)
             }
+            // Only a transaction the closure kept from ending (`mem::forget`): one it
+            // dropped has queued its own ROLLBACK.
             Ok(_) => Err(Error::Invalid {
                 what: format!(
                     "host {host}, shard {shard}: a statement's work left a transaction open; it was rolled back"
                 ),
             }),
             Err(e) => {
-                // The server answered: the connection is sound, and no transaction of
-                // ours is open on it. A statement that says a table or its schema is
-                // missing is asked about on the same connection: gone from here, the
-                // shard moved (or is fenced), and the work runs again where it is.
-                let answered = e.as_database_error().is_some();
+                // The connection is sound when the server answered, or when the error is
+                // the client's reading of a whole answer (no row, a column it could not
+                // decode): sqlx reads what is left of the answer on next use. Not when
+                // the statement ran in a transaction left aborted (a `BEGIN` of the
+                // closure's own: 25P02), nor when the connection broke.
+                let sound = match &e {
+                    ::sqlx::Error::Database(d) => d.code().as_deref() != Some("25P02"),
+                    ::sqlx::Error::RowNotFound
+                    | ::sqlx::Error::ColumnNotFound(_)
+                    | ::sqlx::Error::ColumnIndexOutOfBounds { .. }
+                    | ::sqlx::Error::ColumnDecode { .. }
+                    | ::sqlx::Error::TypeNotFound { .. } => true,
+                    _ => false,
+                };
                 let error = Error::sqlx(&host, Some(shard), "statement", e);
-                if answered && !open && error.is_moved() {
+                // A statement that says a table or its schema is missing is asked about
+                // on the same connection: gone from here, the shard moved (or is
+                // fenced), and the work runs again where it is.
+                if sound && !open && error.is_moved() {
                     *moved = schema_gone(conn.conn(), &schema).await;
                 }
-                if answered && !open {
+                if sound && !open {
                     conn.release();
                 }
                 Err(error)
@@ -673,7 +695,9 @@ mod tests {
     fn a_statement_or_commit_without_a_verdict_may_have_applied_work_may_not() {
         let host = HostName::new("pg1").unwrap_or_else(|e| panic!("{e}"));
         let lost = || ::sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        for (what, unknown) in [("statement", true), ("commit", true), ("work", false), ("begin", false)] {
+        for (what, unknown) in
+            [("statement", true), ("commit", true), ("work", false), ("begin", false), ("connect", false)]
+        {
             let e = Error::sqlx(&host, None, what, lost());
             assert_eq!(e.outcome_unknown(), unknown, "{what}");
         }
