@@ -8,9 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use shardline_example_photos::Photo;
 use shardline_id::Id;
 use shardline_ops::moves::{self, MoveOptions};
+use shardline_repo::sqlx::ShardConn;
 use shardline_repo::{Cluster, ClusterOptions, Error};
 use shardline_testkit::harness::{TestContext, TestResult};
 
@@ -21,75 +23,64 @@ use crate::repo::only_where_routed;
 const INSERT: &str =
     "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption";
 
-/// Inserts a photo of `user` through sqlx on `cluster`.
+/// Gives a closure the signature `Sqlx`'s calls take (so one closure serves either).
+fn unit<'env, T, F>(f: F) -> F
+where
+    F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, Result<T, ::sqlx::Error>>,
+{
+    f
+}
+
+/// Inserts a photo of `user` through sqlx on `cluster`: in a transaction, or as one
+/// `statement` (`Sqlx::statement`, the table named qualified).
+async fn insert_as(cluster: &Cluster, user: i64, caption: String, statement: bool) -> Result<Photo, Error> {
+    let db = cluster.sqlx();
+    let work = unit(|conn| {
+        let sql =
+            if statement { INSERT.replacen("photos", &conn.table("photos"), 1) } else { INSERT.to_owned() };
+        let caption = &caption;
+        Box::pin(async move {
+            ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                .bind(user)
+                .bind(format!("https://cdn/{user}.jpg"))
+                .bind(caption)
+                .fetch_one(&mut **conn)
+                .await
+        })
+    });
+    if statement { db.statement_on_user(user, work).await } else { db.on_user(user, work).await }
+}
+
+/// Reads a photo by ID through sqlx, in a transaction or as one `statement`.
+async fn get_as(cluster: &Cluster, id: Id, statement: bool) -> Result<Option<Photo>, Error> {
+    let db = cluster.sqlx();
+    let work = unit(|conn| {
+        let table = if statement { conn.table("photos") } else { "photos".to_owned() };
+        let sql = format!("SELECT id, user_id, url, caption FROM {table} WHERE id = $1");
+        Box::pin(async move {
+            ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .fetch_optional(&mut **conn)
+                .await
+        })
+    });
+    if statement { db.statement_on_id(id, work).await } else { db.on_id(id, work).await }
+}
+
 async fn insert(cluster: &Cluster, user: i64, caption: String) -> Result<Photo, Error> {
-    cluster
-        .sqlx()
-        .on_user(user, |conn| {
-            let caption = &caption;
-            Box::pin(async move {
-                ::sqlx::query_as::<_, Photo>(INSERT)
-                    .bind(user)
-                    .bind(format!("https://cdn/{user}.jpg"))
-                    .bind(caption)
-                    .fetch_one(&mut **conn)
-                    .await
-            })
-        })
-        .await
+    insert_as(cluster, user, caption, false).await
 }
 
-/// Reads a photo by ID through sqlx.
 async fn get(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
-    cluster
-        .sqlx()
-        .on_id(id, |conn| {
-            Box::pin(async move {
-                ::sqlx::query_as::<_, Photo>("SELECT id, user_id, url, caption FROM photos WHERE id = $1")
-                    .bind(id)
-                    .fetch_optional(&mut **conn)
-                    .await
-            })
-        })
-        .await
+    get_as(cluster, id, false).await
 }
 
-/// Inserts a photo of `user` as one statement, no transaction (`Sqlx::statement`).
 async fn insert_statement(cluster: &Cluster, user: i64, caption: String) -> Result<Photo, Error> {
-    cluster
-        .sqlx()
-        .statement_on_user(user, |conn| {
-            let sql = format!(
-                "INSERT INTO {} (user_id, url, caption) VALUES ($1, $2, $3) RETURNING id, user_id, url, caption",
-                conn.table("photos")
-            );
-            let caption = &caption;
-            Box::pin(async move {
-                ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
-                    .bind(user)
-                    .bind(format!("https://cdn/{user}.jpg"))
-                    .bind(caption)
-                    .fetch_one(&mut **conn)
-                    .await
-            })
-        })
-        .await
+    insert_as(cluster, user, caption, true).await
 }
 
-/// Reads a photo by ID as one statement.
 async fn get_statement(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error> {
-    cluster
-        .sqlx()
-        .statement_on_id(id, |conn| {
-            let sql = format!("SELECT id, user_id, url, caption FROM {} WHERE id = $1", conn.table("photos"));
-            Box::pin(async move {
-                ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
-                    .bind(id)
-                    .fetch_optional(&mut **conn)
-                    .await
-            })
-        })
-        .await
+    get_as(cluster, id, true).await
 }
 
 shardline_testkit::register!(shared: every_operation_runs_in_the_shard_the_map_gives);
@@ -453,37 +444,27 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
                     let runs = AtomicUsize::new(0);
                     // Writers 0 and 1 in transactions, 2 and 3 as single statements.
                     let statement = w >= 2;
+                    let work = unit(|conn| {
+                        runs.fetch_add(1, Ordering::Relaxed);
+                        let sql = if statement {
+                            INSERT.replacen("photos", &conn.table("photos"), 1)
+                        } else {
+                            INSERT.into()
+                        };
+                        Box::pin(async move {
+                            ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
+                                .bind(user)
+                                .bind("u")
+                                .bind(format!("w{w}-{n}"))
+                                .fetch_one(&mut **conn)
+                                .await
+                        })
+                    });
+                    let db = cluster.sqlx();
                     let p = if statement {
-                        cluster
-                            .sqlx()
-                            .statement_on_user(user, |conn| {
-                                runs.fetch_add(1, Ordering::Relaxed);
-                                let sql = INSERT.replacen("photos", &conn.table("photos"), 1);
-                                Box::pin(async move {
-                                    ::sqlx::query_as::<_, Photo>(::sqlx::AssertSqlSafe(sql))
-                                        .bind(user)
-                                        .bind("u")
-                                        .bind(format!("w{w}-{n}"))
-                                        .fetch_one(&mut **conn)
-                                        .await
-                                })
-                            })
-                            .await?
+                        db.statement_on_user(user, work).await?
                     } else {
-                        cluster
-                            .sqlx()
-                            .on_user(user, |conn| {
-                                runs.fetch_add(1, Ordering::Relaxed);
-                                Box::pin(async move {
-                                    ::sqlx::query_as::<_, Photo>(INSERT)
-                                        .bind(user)
-                                        .bind("u")
-                                        .bind(format!("w{w}-{n}"))
-                                        .fetch_one(&mut **conn)
-                                        .await
-                                })
-                            })
-                            .await?
+                        db.on_user(user, work).await?
                     };
                     let again = runs.into_inner() - 1;
                     reruns.fetch_add(again, Ordering::Relaxed);
@@ -491,11 +472,7 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
                         statement_reruns.fetch_add(again, Ordering::Relaxed);
                     }
                     if n % 10 == 0 {
-                        let back = if statement {
-                            get_statement(&cluster, p.id).await?
-                        } else {
-                            get(&cluster, p.id).await?
-                        };
+                        let back = get_as(&cluster, p.id, statement).await?;
                         assert_eq!(back.map(|g| g.id), Some(p.id), "read back mid-move");
                     }
                     acked.push(p.id);
