@@ -17,13 +17,14 @@ use crate::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
 pub async fn post_photo(db: &Sqlx, new: &NewPhoto) -> Result<Photo, Error> {
     db.on_user(new.user_id, |conn| {
         Box::pin(async move {
-            sqlx::query_as(
-                "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3)
-                 RETURNING id, user_id, url, caption",
+            sqlx::query_as!(
+                Photo,
+                r#"INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3)
+                   RETURNING id AS "id: Id", user_id, url, caption"#,
+                new.user_id,
+                new.url,
+                new.caption
             )
-            .bind(new.user_id)
-            .bind(&new.url)
-            .bind(&new.caption)
             .fetch_one(&mut **conn)
             .await
         })
@@ -39,10 +40,13 @@ pub async fn post_photo(db: &Sqlx, new: &NewPhoto) -> Result<Photo, Error> {
 pub async fn photo(db: &Sqlx, id: Id) -> Result<Option<Photo>, Error> {
     db.on_id(id, |conn| {
         Box::pin(async move {
-            sqlx::query_as("SELECT id, user_id, url, caption FROM photos WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&mut **conn)
-                .await
+            sqlx::query_as!(
+                Photo,
+                r#"SELECT id AS "id: Id", user_id, url, caption FROM photos WHERE id = $1"#,
+                id.as_i64()
+            )
+            .fetch_optional(&mut **conn)
+            .await
         })
     })
     .await
@@ -56,11 +60,13 @@ pub async fn photo(db: &Sqlx, id: Id) -> Result<Option<Photo>, Error> {
 pub async fn photos_of_user(db: &Sqlx, user_id: i64, limit: i64) -> Result<Vec<Photo>, Error> {
     db.on_user(user_id, |conn| {
         Box::pin(async move {
-            sqlx::query_as(
-                "SELECT id, user_id, url, caption FROM photos WHERE user_id = $1 ORDER BY id DESC LIMIT $2",
+            sqlx::query_as!(
+                Photo,
+                r#"SELECT id AS "id: Id", user_id, url, caption FROM photos
+                   WHERE user_id = $1 ORDER BY id DESC LIMIT $2"#,
+                user_id,
+                limit
             )
-            .bind(user_id)
-            .bind(limit)
             .fetch_all(&mut **conn)
             .await
         })
@@ -77,11 +83,13 @@ pub async fn photos_of_user(db: &Sqlx, user_id: i64, limit: i64) -> Result<Vec<P
 pub async fn like(db: &Sqlx, new: &NewLike) -> Result<Like, Error> {
     db.on_id(new.photo_id, |conn| {
         Box::pin(async move {
-            sqlx::query_as(
-                "INSERT INTO likes (photo_id, user_id) VALUES ($1, $2) RETURNING id, photo_id, user_id",
+            sqlx::query_as!(
+                Like,
+                r#"INSERT INTO likes (photo_id, user_id) VALUES ($1, $2)
+                   RETURNING id AS "id: Id", photo_id AS "photo_id: Id", user_id"#,
+                new.photo_id.as_i64(),
+                new.user_id
             )
-            .bind(new.photo_id)
-            .bind(new.user_id)
             .fetch_one(&mut **conn)
             .await
         })
@@ -97,13 +105,14 @@ pub async fn like(db: &Sqlx, new: &NewLike) -> Result<Like, Error> {
 pub async fn comment(db: &Sqlx, new: &NewComment) -> Result<Comment, Error> {
     db.on_id(new.photo_id, |conn| {
         Box::pin(async move {
-            sqlx::query_as(
-                "INSERT INTO comments (photo_id, user_id, body) VALUES ($1, $2, $3)
-                 RETURNING id, photo_id, user_id, body",
+            sqlx::query_as!(
+                Comment,
+                r#"INSERT INTO comments (photo_id, user_id, body) VALUES ($1, $2, $3)
+                   RETURNING id AS "id: Id", photo_id AS "photo_id: Id", user_id, body"#,
+                new.photo_id.as_i64(),
+                new.user_id,
+                new.body
             )
-            .bind(new.photo_id)
-            .bind(new.user_id)
-            .bind(&new.body)
             .fetch_one(&mut **conn)
             .await
         })
