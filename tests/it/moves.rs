@@ -247,10 +247,18 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    let stale =
-        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    // The stale handle keeps its statements prepared: its get, cached on the source
+    // before the move, meets the renamed schema there after it.
+    let stale = Cluster::connect(
+        &config,
+        ClusterOptions { listen: false, statement_cache: 1024, ..ClusterOptions::default() },
+    )
+    .await?;
     let made = seed(&cluster, 0, 6, 5).await?;
     seed(&cluster, 1, 6, 2).await?;
+    for _ in 0..6 {
+        assert_eq!(stale.repo::<Photo>()?.get(made[0].id).await?, Some(made[0].clone()));
+    }
     let before_max = made.iter().map(|p| p.id).max().ok_or("photos")?;
     let shard1_before = counts(&f, &ctx, 0, "shard_0001").await?;
 
@@ -279,6 +287,9 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
     assert_eq!(stale.route_user(0).host.as_str(), "pg1");
     assert_eq!(stale.repo::<Photo>()?.get(made[0].id).await?, Some(made[0].clone()));
+    // Not read from the source's renamed copy: the kept statement failed there, and the
+    // handle learnt the new map.
+    assert_eq!(stale.route_user(0).host.as_str(), "pg2", "the cached get followed the move");
     let after = stale.repo::<Photo>()?.insert(&photo(0, 99)).await?;
     assert_eq!(stale.route_user(0).host.as_str(), "pg2");
     assert!(
