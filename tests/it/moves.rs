@@ -167,6 +167,21 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     Ok(())
 }
 
+/// Runs a move of `shard` to `to` that stops after `step`: it stays running there.
+async fn stopped_after(
+    config: &shardline_router::Config,
+    shard: u16,
+    to: &str,
+    step: Step,
+) -> Result<(), BoxError> {
+    let options = MoveOptions::default().stopping_after(step);
+    match moves::run(config, crate::shard(shard), &crate::host(to), &options).await {
+        Err(OpsError::Interrupted { step: s, .. }) if s == step => Ok(()),
+        Err(e) => Err(e.into()),
+        Ok(report) => Err(format!("the move did not stop after {step:?}: {report}").into()),
+    }
+}
+
 fn photo(user_id: i64, n: usize) -> NewPhoto {
     NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
@@ -668,15 +683,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
-    let stopped = moves::run(
-        &config,
-        crate::shard(2),
-        &crate::host("pg3"),
-        &MoveOptions::default().stopping_after(Step::Copying),
-    )
-    .await
-    .unwrap_err();
-    assert!(matches!(stopped, OpsError::Interrupted { step: Step::Copying, .. }), "{stopped}");
+    stopped_after(&config, 2, "pg3", Step::Copying).await?;
     let stranded = f
         .client(&ctx, 2)
         .await?
@@ -714,14 +721,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     // A restart cut short (the mover died after dropping the subscription, with rows of
     // the old copy left on the target): the resumed move finds the subscription gone and
     // starts over from empty tables.
-    moves::run(
-        &config,
-        crate::shard(2),
-        &crate::host("pg2"),
-        &MoveOptions::default().stopping_after(Step::Copying),
-    )
-    .await
-    .unwrap_err();
+    stopped_after(&config, 2, "pg2", Step::Copying).await?;
     let pg2 = f.client(&ctx, 1).await?;
     let name = moves::list(&config).await?.last().ok_or("a move")?.detail.name.clone();
     pg2.batch_execute(&format!(
@@ -2190,15 +2190,7 @@ pub(crate) async fn a_migration_and_a_move_never_overlap_under_writes(ctx: TestC
     };
 
     // 1. A move running, then a migration.
-    let stopped = moves::run(
-        &config,
-        crate::shard(0),
-        &crate::host("pg2"),
-        &MoveOptions::default().stopping_after(Step::CaughtUp),
-    )
-    .await
-    .unwrap_err();
-    assert!(matches!(stopped, OpsError::Interrupted { .. }), "{stopped}");
+    stopped_after(&config, 0, "pg2", Step::CaughtUp).await?;
     f.migration("0005_tags.sql", "ALTER TABLE photos ADD COLUMN tags text;\n")?;
     let err = shardline_ops::migrate(&config, &options(1), &quiet).await.unwrap_err();
     assert!(matches!(&err, OpsError::MoveRunning { shard } if shard.get() == 0), "{err}");
