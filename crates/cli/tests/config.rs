@@ -57,9 +57,9 @@ fn every_config_mistake_names_file_line_and_key() {
             ":5: hosts[0].url_env: environment variable PG1_URL is not set",
         ),
         (
-            "no-hosts.toml",
-            "[catalog]\nurl = \"postgres://c/db\"\n".to_owned(),
-            ":3: hosts: missing: add at least one [[hosts]] table",
+            "credentials.toml",
+            "[catalog]\nurl = \"postgres://c/db\"\n[credentials]\npassword_env = \"PW\"\n".to_owned(),
+            ":4: credentials.password_env: \"PW\" must name an environment variable with {host} in it",
         ),
         (
             "twice.toml",

@@ -73,8 +73,54 @@ pub struct Config {
     /// `pool_mode = transaction`) (default false). See `docs/operations.md`, "Behind
     /// PgBouncer".
     pub transaction_pooler: bool,
-    /// The physical hosts, in the order shards are first placed on them.
+    /// The physical hosts this config names, in the order `init` first places shards
+    /// on them (default none). An application may list none and learn every host's
+    /// address from the catalog (see [`Credentials`]); a host it lists is reached at
+    /// the URL given here, whatever the catalog says (a local pooler, another network
+    /// path).
     pub hosts: Vec<HostConfig>,
+    /// Where the passwords of hosts known only by their catalog address come from
+    /// (`[credentials]`; default: none, the servers need none).
+    pub credentials: Credentials,
+}
+
+/// Where passwords come from for hosts whose address is read from the catalog (which
+/// holds no secret). At most one of the two; an application that fetches passwords
+/// elsewhere (a secrets manager) implements the repository's `Credentials` trait
+/// instead.
+///
+/// ```toml
+/// [credentials]
+/// password_env = "SHARDLINE_{host}_PASSWORD"   # {host}: the host's name, upper-cased,
+///                                              # anything not A-Z 0-9 as _
+/// # passfile = "/etc/shardline/pgpass"         # libpq's format: host:port:db:user:password
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Credentials {
+    /// No password is sent (trust, certificates, or a passfile the driver does not
+    /// read: none).
+    #[default]
+    None,
+    /// Each host's password is the environment variable this template names, read when
+    /// the host's pool is made: `{host}` stands for the host's name, upper-cased, with
+    /// every character other than `A`-`Z` and `0`-`9` as `_`.
+    PasswordEnv(String),
+    /// A file in libpq's passfile format (`host:port:database:user:password` lines,
+    /// `*` for any, `#` comments), read when a host's pool is made.
+    Passfile(PathBuf),
+}
+
+impl Credentials {
+    /// The environment variable `template` names for host `name`.
+    pub fn env_var(template: &str, name: &HostName) -> String {
+        let upper: String = name
+            .as_str()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+            .collect();
+        template.replace("{host}", &upper)
+    }
 }
 
 /// One physical host.
@@ -96,6 +142,77 @@ impl DbUrl {
     /// Wraps a URL.
     pub fn new(url: String) -> Self {
         DbUrl(url)
+    }
+
+    /// The URL without its password (what the catalog may record), and the password
+    /// when it had one: the `user:password@` of the URL form (percent-decoded), or a
+    /// `password` key of the URL's query or of the key/value form.
+    pub fn split_password(&self) -> (DbUrl, Option<String>) {
+        let url = &self.0;
+        if let Some((scheme, rest)) = url.split_once("://") {
+            let (authority, tail) = match rest.find(['/', '?']) {
+                Some(i) => rest.split_at(i),
+                None => (rest, ""),
+            };
+            let mut password = None;
+            let authority = match authority.rfind('@') {
+                Some(at) => {
+                    let (userinfo, host) = authority.split_at(at);
+                    match userinfo.split_once(':') {
+                        Some((user, pw)) => {
+                            password = Some(percent_decode(pw));
+                            if user.is_empty() { host.trim_start_matches('@').to_owned() } else { format!("{user}{host}") }
+                        }
+                        None => authority.to_owned(),
+                    }
+                }
+                None => authority.to_owned(),
+            };
+            let tail = match tail.split_once('?') {
+                Some((path, query)) => {
+                    let mut kept = Vec::new();
+                    for kv in query.split('&') {
+                        match kv.split_once('=') {
+                            Some((k, v)) if k.eq_ignore_ascii_case("password") => {
+                                password = password.or_else(|| Some(percent_decode(v)));
+                            }
+                            _ if kv.is_empty() => {}
+                            _ => kept.push(kv),
+                        }
+                    }
+                    if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) }
+                }
+                None => tail.to_owned(),
+            };
+            return (DbUrl(format!("{scheme}://{authority}{tail}")), password);
+        }
+        let mut password = None;
+        let mut kept = Vec::new();
+        for (k, v) in key_values(url) {
+            if k.eq_ignore_ascii_case("password") {
+                password = Some(v);
+            } else {
+                kept.push(format!("{k}={}", quote_value(&v)));
+            }
+        }
+        (DbUrl(kept.join(" ")), password)
+    }
+
+    /// This URL with `password` (which must have none: see [`DbUrl::split_password`]).
+    pub fn with_password(&self, password: &str) -> DbUrl {
+        let url = &self.0;
+        if let Some((scheme, rest)) = url.split_once("://") {
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            let (authority, tail) = rest.split_at(end);
+            let encoded = percent_encode(password);
+            let authority = match authority.rfind('@') {
+                Some(at) => format!("{}:{encoded}{}", &authority[..at], &authority[at..]),
+                // No user: libpq's and the drivers' default user, with a password.
+                None => format!(":{encoded}@{authority}"),
+            };
+            return DbUrl(format!("{scheme}://{authority}{tail}"));
+        }
+        DbUrl(format!("{url} password={}", quote_value(password)))
     }
 
     /// The URL with its secret, for the driver only. Never log it.
@@ -143,13 +260,106 @@ pub fn redact(url: &str) -> String {
         }
         return redact_query(url);
     }
-    url.split_whitespace()
-        .map(|kv| match kv.split_once('=') {
-            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
-            _ => kv.to_owned(),
-        })
+    // Parsed as libpq does, so that a quoted password with spaces is hidden whole.
+    key_values(url)
+        .into_iter()
+        .map(|(k, v)| if k.eq_ignore_ascii_case("password") { format!("{k}=***") } else { format!("{k}={}", quote_value(&v)) })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The `key=value` pairs of a libpq key/value connection string (values may be
+/// single-quoted, with `\\` escapes).
+fn key_values(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut chars = text.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        let mut key = String::new();
+        while let Some(&c) = chars.peek() {
+            if c == '=' || c.is_whitespace() {
+                break;
+            }
+            key.push(c);
+            chars.next();
+        }
+        if key.is_empty() {
+            return out;
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.peek() == Some(&'=') {
+            chars.next();
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        let mut value = String::new();
+        if chars.peek() == Some(&'\'') {
+            chars.next();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => value.extend(chars.next()),
+                    '\'' => break,
+                    c => value.push(c),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                value.push(c);
+                chars.next();
+            }
+        }
+        out.push((key, value));
+    }
+}
+
+/// A key/value connection string's value, quoted when it must be.
+fn quote_value(v: &str) -> String {
+    if !v.is_empty() && !v.chars().any(|c| c.is_whitespace() || c == '\'' || c == '\\') {
+        return v.to_owned();
+    }
+    format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes `%XX` escapes (a malformed one is kept as written).
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn redact_query(url: &str) -> String {
@@ -175,7 +385,15 @@ struct RawConfig {
     transaction_pooler: Option<bool>,
     id: Option<RawId>,
     catalog: Option<Spanned<RawUrl>>,
+    credentials: Option<Spanned<RawCredentials>>,
     hosts: Option<Spanned<Vec<Spanned<RawHost>>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+struct RawCredentials {
+    password_env: Option<Spanned<String>>,
+    passfile: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -352,14 +570,48 @@ impl Config {
                 url
             }
         };
-        let Some(raw_hosts) = raw.hosts else {
-            return Err(src.err(text.len(), "hosts", "missing: add at least one [[hosts]] table"));
+        let credentials = match raw.credentials {
+            None => Credentials::None,
+            Some(c) => {
+                let at = c.span().start;
+                let c = c.into_inner();
+                match (c.password_env, c.passfile) {
+                    (Some(_), Some(p)) => {
+                        return Err(src.err(
+                            p.span().start,
+                            "credentials.passfile",
+                            "give password_env or passfile, not both",
+                        ));
+                    }
+                    (Some(t), None) => {
+                        let template = t.get_ref();
+                        let ok = template.contains("{host}")
+                            && template.replace("{host}", "").chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+                        if !ok {
+                            return Err(src.err(
+                                t.span().start,
+                                "credentials.password_env",
+                                format!(
+                                    "{template:?} must name an environment variable with {{host}} in it \
+                                     (letters, digits and _ around it), as SHARDLINE_{{host}}_PASSWORD"
+                                ),
+                            ));
+                        }
+                        Credentials::PasswordEnv(template.clone())
+                    }
+                    (None, Some(p)) if p.get_ref().trim().is_empty() => {
+                        return Err(src.err(p.span().start, "credentials.passfile", "is empty"));
+                    }
+                    (None, Some(p)) => Credentials::Passfile(base_dir.join(p.get_ref())),
+                    (None, None) => {
+                        return Err(src.err(at, "credentials", "needs password_env or passfile"));
+                    }
+                }
+            }
         };
-        if raw_hosts.get_ref().is_empty() {
-            return Err(src.err(raw_hosts.span().start, "hosts", "needs at least one host"));
-        }
+        let raw_hosts = raw.hosts.map(Spanned::into_inner).unwrap_or_default();
         let mut hosts: Vec<HostConfig> = Vec::new();
-        for (i, h) in raw_hosts.into_inner().into_iter().enumerate() {
+        for (i, h) in raw_hosts.into_iter().enumerate() {
             let at = h.span().start;
             let h = h.into_inner();
             let key = |k: &str| format!("hosts[{i}].{k}");
@@ -391,6 +643,7 @@ impl Config {
             listen_url,
             transaction_pooler: raw.transaction_pooler.unwrap_or(false),
             hosts,
+            credentials,
         })
     }
 
@@ -399,7 +652,7 @@ impl Config {
     ///
     /// # Errors
     ///
-    /// None in practice: a loaded config has at least one host and unique names.
+    /// When the config names no host (the map needs at least one).
     pub fn even_map(&self) -> Result<crate::ShardMap> {
         crate::ShardMap::even(self.logical_shards, self.hosts.iter().map(|h| h.name.clone()).collect())
     }
@@ -674,16 +927,68 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
                 "hosts[0].url_env: give hosts[0].url or hosts[0].url_env, not both",
             ),
             ("[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\nport = 5\n", "toml: unknown field `port`"),
-            ("", "hosts: missing: add at least one [[hosts]] table"),
         ];
         for (hosts, message) in cases {
             let err = load(&format!("{base}{hosts}")).unwrap_err().to_string();
             assert!(err.contains(message), "{hosts:?}: {err}");
         }
-        let err = load(&format!("hosts = []\n{base}")).unwrap_err().to_string();
-        assert!(err.contains("shardline.toml:1: hosts: needs at least one host"), "{err}");
+        // No host at all: an application that learns them from the catalog.
+        let none = load(base).unwrap();
+        assert!(none.hosts.is_empty() && none.credentials == Credentials::None);
+        assert!(none.even_map().is_err(), "no host to place shards on");
         let err = load("[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n").unwrap_err().to_string();
         assert!(err.contains("catalog: missing"), "{err}");
+    }
+
+    #[test]
+    fn credentials_are_one_reference_checked_when_loaded() {
+        let base = "[catalog]\nurl = \"postgres://c/db\"\n";
+        let c = load(&format!("{base}[credentials]\npassword_env = \"SHARDLINE_{{host}}_PASSWORD\"\n")).unwrap();
+        assert_eq!(c.credentials, Credentials::PasswordEnv("SHARDLINE_{host}_PASSWORD".into()));
+        let name = HostName::new("pg-east.1").unwrap();
+        assert_eq!(Credentials::env_var("SHARDLINE_{host}_PASSWORD", &name), "SHARDLINE_PG_EAST_1_PASSWORD");
+        let c = load(&format!("{base}[credentials]\npassfile = \"pgpass\"\n")).unwrap();
+        assert_eq!(c.credentials, Credentials::Passfile(PathBuf::from("/etc/shardline/pgpass")));
+        let cases = [
+            ("password_env = \"PW\"", "credentials.password_env: \"PW\" must name"),
+            ("password_env = \"A-{host}\"", "credentials.password_env"),
+            ("password_env = \"A_{host}\"\npassfile = \"x\"", "credentials.passfile: give password_env or passfile"),
+            ("passfile = \" \"", "credentials.passfile: is empty"),
+            ("", "credentials: needs password_env or passfile"),
+            ("password = \"x\"", "unknown field `password`"),
+        ];
+        for (body, message) in cases {
+            let err = load(&format!("{base}[credentials]\n{body}\n")).unwrap_err().to_string();
+            assert!(err.contains(message), "{body:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_password_splits_off_a_url_and_goes_back_in() {
+        let cases = [
+            ("postgres://app:p%40ss@pg1:5432/app?sslmode=require", "postgres://app@pg1:5432/app?sslmode=require", Some("p@ss")),
+            ("postgres://app@pg1/app?password=x&sslmode=require", "postgres://app@pg1/app?sslmode=require", Some("x")),
+            ("postgres://app@pg1/app?password=x", "postgres://app@pg1/app", Some("x")),
+            ("postgres://app@pg1/app", "postgres://app@pg1/app", None),
+            ("postgres://pg1", "postgres://pg1", None),
+            ("host=pg1 user=app password='a b\\'c' dbname=app", "host=pg1 user=app dbname=app", Some("a b'c")),
+            ("host=pg1 password=pw", "host=pg1", Some("pw")),
+        ];
+        for (url, bare, password) in cases {
+            let (got, pw) = DbUrl::new(url.into()).split_password();
+            assert_eq!(got.expose(), bare, "{url}");
+            assert_eq!(pw.as_deref(), password, "{url}");
+            if let Some(p) = pw {
+                let back = got.with_password(&p);
+                assert_eq!(back.split_password(), (got.clone(), Some(p.clone())), "{url}");
+            }
+        }
+        let odd = "p:@/ ?&=%'\\é";
+        for base in ["postgres://app@pg1:5/db?x=1", "postgres://pg1/db", "host=pg1 user=app"] {
+            let with = DbUrl::new(base.into()).with_password(odd);
+            assert!(!with.redacted().contains("é"), "{}", with.redacted());
+            assert_eq!(with.split_password(), (DbUrl::new(base.into()), Some(odd.to_owned())), "{base}");
+        }
     }
 
     #[test]
@@ -693,5 +998,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(redact("postgres://h/db?user=u&password=p"), "postgres://h/db?user=u&password=***");
         assert_eq!(redact("host=h user=u password=p dbname=d"), "host=h user=u password=*** dbname=d");
         assert_eq!(redact("postgres://u:p@ss@h/db"), "postgres://u:***@h/db");
+        // A quoted password with a space is hidden whole.
+        assert_eq!(redact("host=h password='a b' user=u"), "host=h password=*** user=u");
     }
 }
