@@ -9,6 +9,7 @@ mod bootstrap;
 mod cluster;
 mod fanout;
 mod faults;
+mod fleet;
 mod ids;
 mod lifecycle;
 mod moves;

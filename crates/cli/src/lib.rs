@@ -7,6 +7,7 @@
 //! - [`cluster`]: `init`, `migrate`, `map`, `locate`, `status`, which work on the
 //!   cluster a config file describes.
 //! - [`moves`]: `move`, `moves`, `rebalance`, `gc`.
+//! - [`hosts`]: `host list|add|readdress|drain|remove`.
 //! - `demo`: `demo`, the whole product on a cluster of its own (with the `demo` feature,
 //!   which brings the test kit; a production build leaves both out).
 //!
@@ -30,6 +31,7 @@ use clap::{Parser, Subcommand};
 pub mod cluster;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod hosts;
 pub mod id;
 pub mod moves;
 
@@ -89,6 +91,9 @@ pub enum Command {
     /// Drop what moves left behind: old source schemas after a grace period, and any
     /// publication, subscription or slot no running move owns.
     Gc(moves::GcOpt),
+    /// Hosts join and leave the running cluster: `list`, `add`, `readdress`, `drain`,
+    /// `remove`. Running applications follow through the catalog.
+    Host(hosts::HostOpt),
 }
 
 /// A mistake in what the user typed, found after clap parsed it: the binary prints it
@@ -124,6 +129,7 @@ pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
         Command::Moves(o) => moves::moves(&config()?, &o, out),
         Command::Rebalance(o) => moves::rebalance(&config()?, &o, out),
         Command::Gc(o) => moves::gc(&config()?, &o, out),
+        Command::Host(o) => hosts::host(&config()?, &o, out),
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardline_ops::moves::{MoveOptions, MoveProgress, Step};
+use shardline_ops::rebalance::PlannedMove;
 use shardline_router::{Config, HostName, LogicalShard};
 
 use crate::UsageError;
@@ -227,12 +228,24 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
     let options = MoveOptions::default();
     let results =
         rt.block_on(shardline_ops::rebalance::apply(config, &plan, usize::from(opt.parallel), &options));
-    let mut failed = 0;
-    let mut json = Vec::new();
-    for (m, r) in &results {
+    if !print_moves(&results, opt.json, out)? && !opt.json {
+        writeln!(out, "balanced: nothing to move")?;
+    }
+    moves_failed(&results)
+}
+
+/// Prints each move's outcome (one JSON array with `json`); returns whether there was
+/// any.
+pub(crate) fn print_moves(
+    results: &[(PlannedMove, shardline_ops::Result<shardline_ops::moves::MoveReport>)],
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<bool> {
+    let mut all = Vec::new();
+    for (m, r) in results {
         match r {
             Ok(report) => {
-                if !opt.json {
+                if !json {
                     writeln!(
                         out,
                         "shard {:>4} {} -> {}: {} rows, {}, pause {} ms",
@@ -244,13 +257,10 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
                         report.pause_ms
                     )?;
                 }
-                json.push(
-                    serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "report": report}),
-                );
+                all.push(serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "report": report}));
             }
             Err(e) => {
-                failed += 1;
-                if !opt.json {
+                if !json {
                     writeln!(
                         out,
                         "shard {:>4} {} -> {}: FAILED: {}",
@@ -260,17 +270,23 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
                         shardline_repo::error_chain(e)
                     )?;
                 }
-                json.push(
+                all.push(
                     serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "error": shardline_repo::error_chain(e)}),
                 );
             }
         }
     }
-    if opt.json {
-        writeln!(out, "{}", serde_json::Value::Array(json))?;
-    } else if results.is_empty() {
-        writeln!(out, "balanced: nothing to move")?;
+    if json {
+        writeln!(out, "{}", serde_json::Value::Array(all))?;
     }
+    Ok(!results.is_empty())
+}
+
+/// An error when any move failed.
+pub(crate) fn moves_failed(
+    results: &[(PlannedMove, shardline_ops::Result<shardline_ops::moves::MoveReport>)],
+) -> anyhow::Result<()> {
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     if failed > 0 {
         anyhow::bail!("{failed} of {} move(s) failed", results.len());
     }

@@ -338,6 +338,12 @@ async fn run(
     progress: &(dyn Fn(Progress) + Sync),
     init: bool,
 ) -> Result<Report> {
+    let config = &match crate::fleet::resolved(config).await {
+        Ok(c) => c,
+        // The hosts are checked first, then the catalog (below), which says it.
+        Err(Error::Repo(shardline_repo::Error::Connect { .. })) => config.clone(),
+        Err(e) => return Err(e),
+    };
     let started = Instant::now();
     let migrations = migrations::load_dir(&config.migrations)?;
     let hosts = connect_all(config, options.jobs_per_host).await?;

@@ -43,6 +43,7 @@ use shardline_router::{HostName, LogicalShard};
 
 pub mod bootstrap;
 pub mod converge;
+pub mod fleet;
 pub mod grants;
 pub mod migrations;
 pub mod moves;
@@ -116,13 +117,25 @@ pub enum Error {
     /// A migration statement failed in one shard; that shard was rolled back, whole.
     #[error("{0}")]
     Migration(Box<FailedStatement>),
-    /// A host in the catalog that holds shards is missing from the config.
-    #[error("host {host} holds {shards} shard(s) in the catalog but is not in the config; add it back")]
+    /// A host in the catalog that holds shards has no address: not in the config, and
+    /// the catalog (made before it recorded addresses) has none.
+    #[error(
+        "host {host} holds {shards} shard(s) in the catalog but has no address: add it to the config (then `shardline init` records it)"
+    )]
     HostMissing {
         /// The host.
         host: HostName,
         /// How many shards it holds.
         shards: usize,
+    },
+    /// A host cannot be added, readdressed, drained or removed as asked; nothing was
+    /// changed.
+    #[error("host {host}: {message}")]
+    Fleet {
+        /// The host.
+        host: HostName,
+        /// Why.
+        message: String,
     },
     /// Another `init`, `migrate` or move holds the catalog's lock.
     #[error(

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use futures::StreamExt as _;
 use serde::Serialize;
 use shardline_repo::Catalog;
+use shardline_repo::catalog::HostState;
 use shardline_router::{Config, HostName, LogicalShard};
 
 use crate::moves::preflight::host_err;
@@ -84,10 +85,34 @@ impl std::fmt::Display for Plan {
 ///
 /// The catalog or a host unreachable (sizes are needed from every host).
 pub async fn plan(config: &Config, max_moves: usize) -> Result<Plan> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
+    let sizes = sizes(config, &catalog).await?;
+    Ok(plan_from(&sizes, max_moves))
+}
+
+/// Each active host's shards with their bytes (a draining host is left out: its
+/// shards are leaving, and nothing may move onto it).
+pub(crate) async fn sizes(
+    config: &Config,
+    catalog: &Catalog,
+) -> Result<BTreeMap<HostName, Vec<(LogicalShard, i64)>>> {
+    sizes_of(config, catalog, |state| state == HostState::Active).await
+}
+
+/// The shards and bytes of each host whose state `wanted` accepts.
+pub(crate) async fn sizes_of(
+    config: &Config,
+    catalog: &Catalog,
+    wanted: impl Fn(HostState) -> bool,
+) -> Result<BTreeMap<HostName, Vec<(LogicalShard, i64)>>> {
     let map = catalog.map().await?;
+    let states = catalog.hosts().await?;
     let mut sizes: BTreeMap<HostName, Vec<(LogicalShard, i64)>> = BTreeMap::new();
     for host in map.hosts() {
+        if !states.iter().any(|h| &h.name == host && wanted(h.state)) {
+            continue;
+        }
         let shards: Vec<LogicalShard> = map.shards_of(host).collect();
         let mut these = Vec::new();
         if !shards.is_empty() {
@@ -115,7 +140,7 @@ pub async fn plan(config: &Config, max_moves: usize) -> Result<Plan> {
         }
         sizes.insert(host.clone(), these);
     }
-    Ok(plan_from(&sizes, max_moves))
+    Ok(sizes)
 }
 
 /// Each host's shards with their bytes, and the host's total.

@@ -68,6 +68,7 @@ pub struct TableStatus {
 ///
 /// When the catalog cannot be read, or the config contradicts it.
 pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     let files = migrations::load_dir(&config.migrations)?;

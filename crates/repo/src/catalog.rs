@@ -5,7 +5,8 @@
 //! every write on it belong to `shardline_ops::moves::journal`; repo only reads it
 //! through `Catalog::moves_of` (see docs/architecture.md, "Who owns what").
 //!
-//! Every change to the map (a shard placed, moved or removed) bumps
+//! Every change to the map (a shard placed, moved or removed; a host added, readdressed,
+//! drained or removed) bumps
 //! `shardline.cluster.map_version` and sends `NOTIFY shardline_map, '<version>'`, by
 //! trigger, so even a change made by hand in `psql` reaches the routers.
 
@@ -46,6 +47,7 @@ CREATE TABLE IF NOT EXISTS shardline.cluster (
     map_version    bigint  NOT NULL DEFAULT 0,
     created_at     timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE shardline.cluster ADD COLUMN IF NOT EXISTS map_txid bigint;
 COMMENT ON TABLE shardline.cluster IS 'shardline: the parameters fixed for the life of the cluster, and the shard map version';
 
 CREATE TABLE IF NOT EXISTS shardline.hosts (
@@ -53,7 +55,13 @@ CREATE TABLE IF NOT EXISTS shardline.hosts (
     position integer NOT NULL UNIQUE,
     added_at timestamptz NOT NULL DEFAULT now()
 );
-COMMENT ON TABLE shardline.hosts IS 'shardline: the physical hosts (their URLs stay in the config: no secrets here)';
+-- Where each host lives, never with a password (credentials come by reference: see
+-- shardline_repo::credentials). NULL: only the config knows (a catalog made before).
+ALTER TABLE shardline.hosts ADD COLUMN IF NOT EXISTS address text;
+ALTER TABLE shardline.hosts ADD COLUMN IF NOT EXISTS peer_address text;
+ALTER TABLE shardline.hosts ADD COLUMN IF NOT EXISTS state text NOT NULL DEFAULT 'active'
+    CHECK (state IN ('active', 'draining', 'removed'));
+COMMENT ON TABLE shardline.hosts IS 'shardline: the physical hosts and their addresses (no password: credentials come by reference)';
 
 CREATE TABLE IF NOT EXISTS shardline.shards (
     shard      integer PRIMARY KEY CHECK (shard >= 0),
@@ -83,8 +91,14 @@ BEGIN
         PERFORM FROM old_rows LIMIT 1;
         IF NOT FOUND THEN RETURN NULL; END IF;
     END IF;
-    UPDATE shardline.cluster SET map_version = map_version + 1 RETURNING map_version INTO v;
-    PERFORM pg_notify('shardline_map', v::text);
+    -- One version per transaction, however many changes it makes (init adds hosts and
+    -- places shards: one new map).
+    UPDATE shardline.cluster SET map_version = map_version + 1, map_txid = txid_current()
+     WHERE map_txid IS DISTINCT FROM txid_current()
+    RETURNING map_version INTO v;
+    IF FOUND THEN
+        PERFORM pg_notify('shardline_map', v::text);
+    END IF;
     RETURN NULL;
 END
 $fn$;
@@ -95,6 +109,14 @@ CREATE OR REPLACE TRIGGER map_changed_delete AFTER DELETE ON shardline.shards
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION shardline.map_changed();
 CREATE OR REPLACE TRIGGER map_changed_update AFTER UPDATE OF host ON shardline.shards
     FOR EACH ROW WHEN (OLD.host IS DISTINCT FROM NEW.host) EXECUTE FUNCTION shardline.map_changed();
+-- A host added, readdressed, drained or removed changes where the routers connect.
+CREATE OR REPLACE TRIGGER hosts_changed_insert AFTER INSERT ON shardline.hosts
+    FOR EACH ROW EXECUTE FUNCTION shardline.map_changed();
+CREATE OR REPLACE TRIGGER hosts_changed_update AFTER UPDATE ON shardline.hosts
+    FOR EACH ROW WHEN (OLD.address IS DISTINCT FROM NEW.address
+                       OR OLD.peer_address IS DISTINCT FROM NEW.peer_address
+                       OR OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION shardline.map_changed();
 "#;
 
 /// The parameters a cluster fixes at `init` for its whole life, and the map version.
@@ -354,9 +376,10 @@ impl Catalog {
         c.batch_execute("BEGIN").await.map_err(|e| Error::catalog("begin", e))?;
         let result = async {
             let mut prepared = Prepared::default();
-            if !exists {
-                c.batch_execute(SCHEMA_SQL).await.map_err(|e| Error::catalog("create the catalog schema", e))?;
-            }
+            // Idempotent: also brings a catalog made by an earlier version up to date
+            // (the hosts' addresses).
+            let _ = exists;
+            c.batch_execute(SCHEMA_SQL).await.map_err(|e| Error::catalog("create the catalog schema", e))?;
             match self.cluster().await? {
                 Some(info) => info.check(config)?,
                 None => {
@@ -383,16 +406,21 @@ impl Catalog {
                 .collect();
             let new: Vec<HostName> =
                 config.hosts.iter().map(|h| h.name.clone()).filter(|h| !known.contains(h.as_str())).collect();
-            if !new.is_empty() {
-                let names: Vec<&str> = new.iter().map(HostName::as_str).collect();
+            for name in &new {
+                if let Some(h) = config.host(name) {
+                    self.add_host(name, &h.url, &h.peer_url).await?;
+                }
+            }
+            // A host the catalog knew before it kept addresses: recorded from the config.
+            for h in &config.hosts {
+                let (address, _) = h.url.split_password();
+                let (peer, _) = h.peer_url.split_password();
                 c.execute(
-                    "INSERT INTO shardline.hosts (name, position)
-                     SELECT name, (SELECT coalesce(max(position), 0) FROM shardline.hosts) + ord
-                     FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)",
-                    &[&names],
+                    "UPDATE shardline.hosts SET address = $2, peer_address = $3 WHERE name = $1 AND address IS NULL",
+                    &[&h.name.as_str(), &address.expose(), &peer.expose()],
                 )
                 .await
-                .map_err(|e| Error::catalog("add hosts", e))?;
+                .map_err(|e| Error::catalog("record a host's address", e))?;
             }
             let placed: i64 = c
                 .query_one("SELECT count(*) FROM shardline.shards", &[])
@@ -588,7 +616,8 @@ impl Catalog {
             .client
             .query_typed_opt(
                 "SELECT c.logical_shards, c.map_version,
-                        (SELECT coalesce(array_agg(name ORDER BY position), '{}') FROM shardline.hosts),
+                        (SELECT coalesce(array_agg(name ORDER BY position), '{}') FROM shardline.hosts h
+                          WHERE coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'),
                         (SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM shardline.shards),
                         (SELECT coalesce(array_agg(host ORDER BY shard), '{}') FROM shardline.shards)
                  FROM shardline.cluster c",
@@ -614,6 +643,176 @@ impl Catalog {
             .collect::<Result<Vec<_>, shardline_router::Error>>()
             .map_err(invalid)?;
         ShardMap::new(row.get(1), count, hosts, assignments).map_err(invalid)
+    }
+}
+
+/// Where a host is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HostState {
+    /// Holds shards and takes new ones.
+    Active,
+    /// Its shards are being moved off (`shardline host drain`); no move targets it.
+    Draining,
+    /// Removed (`shardline host remove`): holds no shard, no router connects to it. Its
+    /// row stays for the journal of moves that name it.
+    Removed,
+}
+
+impl HostState {
+    /// Its name in the catalog.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HostState::Active => "active",
+            HostState::Draining => "draining",
+            HostState::Removed => "removed",
+        }
+    }
+
+    fn parse(s: &str) -> Result<HostState> {
+        match s {
+            "active" => Ok(HostState::Active),
+            "draining" => Ok(HostState::Draining),
+            "removed" => Ok(HostState::Removed),
+            other => Err(Error::InvalidCatalog { reason: format!("a host's state is {other:?}") }),
+        }
+    }
+}
+
+impl std::fmt::Display for HostState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A host as the catalog records it: its address, never a password.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CatalogHost {
+    /// Its name.
+    pub name: HostName,
+    /// How shardline reaches it, without a password (`None`: a catalog made before
+    /// addresses were recorded, where only the config knows).
+    pub address: Option<DbUrl>,
+    /// How the other hosts reach it (moves), without a password (`None`: `address`).
+    pub peer_address: Option<DbUrl>,
+    /// Where it is in its life.
+    pub state: HostState,
+}
+
+impl CatalogHost {
+    /// A host record, as the catalog would hold it.
+    pub fn new(
+        name: HostName,
+        address: Option<DbUrl>,
+        peer_address: Option<DbUrl>,
+        state: HostState,
+    ) -> Self {
+        CatalogHost { name, address, peer_address, state }
+    }
+}
+
+impl Catalog {
+    /// Every host the catalog knows, removed ones included, in placement order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`]; [`Error::InvalidCatalog`] for a name or state it cannot hold.
+    pub async fn hosts(&self) -> Result<Vec<CatalogHost>> {
+        // Read through to_jsonb so that a catalog made before the addresses were
+        // recorded (no such columns until `init` runs again) reads as "no address".
+        let rows = self
+            .client
+            .query_typed(
+                "SELECT name, to_jsonb(h) ->> 'address', to_jsonb(h) ->> 'peer_address',
+                        coalesce(to_jsonb(h) ->> 'state', 'active')
+                   FROM shardline.hosts h ORDER BY position",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::catalog("read the hosts", e))?;
+        rows.iter()
+            .map(|r| {
+                let name = HostName::new(r.get::<_, &str>(0))
+                    .map_err(|e| Error::InvalidCatalog { reason: e.to_string() })?;
+                let url = |i: usize| r.get::<_, Option<String>>(i).map(DbUrl::new);
+                Ok(CatalogHost {
+                    name,
+                    address: url(1),
+                    peer_address: url(2),
+                    state: HostState::parse(r.get(3))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Adds host `name` (active, last in placement order) at `url`, reached by the other
+    /// hosts at `peer_url`; the passwords of both are not recorded.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] (a name already known among them: SQLSTATE 23505).
+    pub async fn add_host(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<()> {
+        let (address, _) = url.split_password();
+        let (peer, _) = peer_url.split_password();
+        self.client
+            .execute(
+                "INSERT INTO shardline.hosts (name, position, address, peer_address)
+                 SELECT $1, (SELECT coalesce(max(position), 0) + 1 FROM shardline.hosts), $2, $3",
+                &[&name.as_str(), &address.expose(), &peer.expose()],
+            )
+            .await
+            .map_err(|e| Error::catalog("add a host", e))?;
+        Ok(())
+    }
+
+    /// Records that host `name` now lives at `url` (reached by the others at
+    /// `peer_url`), passwords not recorded; returns whether the host was known.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`].
+    pub async fn set_address(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<bool> {
+        let (address, _) = url.split_password();
+        let (peer, _) = peer_url.split_password();
+        let n = self
+            .client
+            .execute(
+                "UPDATE shardline.hosts SET address = $2, peer_address = $3 WHERE name = $1",
+                &[&name.as_str(), &address.expose(), &peer.expose()],
+            )
+            .await
+            .map_err(|e| Error::catalog("record a host's address", e))?;
+        Ok(n == 1)
+    }
+
+    /// Sets host `name`'s state; returns whether the host was known. Removing a host
+    /// that still holds a shard is refused by the catalog (nothing changes).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`]; [`Error::InvalidCatalog`] when `Removed` is asked of a host
+    /// that holds shards.
+    pub async fn set_host_state(&self, name: &HostName, state: HostState) -> Result<bool> {
+        let row = self
+            .client
+            .query_one(
+                "WITH held AS (SELECT count(*) AS n FROM shardline.shards WHERE host = $1),
+                      changed AS (
+                        UPDATE shardline.hosts SET state = $2
+                         WHERE name = $1 AND ($2 <> 'removed' OR (SELECT n FROM held) = 0)
+                         RETURNING 1)
+                 SELECT (SELECT count(*) FROM changed), (SELECT n FROM held),
+                        EXISTS (SELECT FROM shardline.hosts WHERE name = $1)",
+                &[&name.as_str(), &state.as_str()],
+            )
+            .await
+            .map_err(|e| Error::catalog("set a host's state", e))?;
+        let (changed, held, known): (i64, i64, bool) = (row.get(0), row.get(1), row.get(2));
+        if known && changed == 0 && held > 0 {
+            return Err(Error::InvalidCatalog { reason: format!("host {name} still holds {held} shard(s)") });
+        }
+        Ok(known)
     }
 }
 

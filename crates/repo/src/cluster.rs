@@ -15,7 +15,8 @@ use shardline_id::{Id, Layout};
 use shardline_router::{Config, HostName, LogicalShard, Route, SchemaPrefix, ShardMap};
 use tokio::sync::Mutex;
 
-use crate::catalog::{self, Catalog, MapListener};
+use crate::catalog::{self, Catalog, CatalogHost, HostState, MapListener};
+use crate::credentials::{self, Credentials};
 use crate::{Error, Result};
 
 /// How often a statement waiting on a fenced shard asks the source to resolve the
@@ -132,7 +133,13 @@ struct Inner {
     layout: Layout,
     prefix: SchemaPrefix,
     map: RwLock<Arc<ShardMap>>,
-    pools: HashMap<HostName, Pool>,
+    /// One pool per host, as the config and the catalog say where hosts live; changed
+    /// as the catalog adds, readdresses and removes hosts ([`sync_pools`]).
+    pools: RwLock<HashMap<HostName, HostPool>>,
+    /// The config the handle was made with: its hosts keep their URLs.
+    config: Config,
+    /// Passwords for hosts known by their catalog address.
+    credentials: Arc<dyn Credentials>,
     catalog_url: shardline_router::config::DbUrl,
     /// Where the map listener connects: the config's `catalog.listen_url`, or the
     /// catalog's URL.
@@ -144,12 +151,19 @@ struct Inner {
     sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// One sqlx pool per host ([`crate::sqlx`]), made on first use.
+}
+
+/// A host's pool, and what it was made from.
+#[derive(Debug, Clone)]
+struct HostPool {
+    /// The catalog's address it was made from (`None`: the config's URL).
+    address: Option<shardline_router::config::DbUrl>,
+    /// The URL it connects with (a password in it, maybe).
+    url: shardline_router::config::DbUrl,
+    pool: Pool,
+    /// The host's sqlx pool ([`crate::sqlx`]), made on first use.
     #[cfg(feature = "sqlx")]
-    sqlx: tokio::sync::OnceCell<crate::sqlx::Pools>,
-    /// The hosts' URLs, for the sqlx pools.
-    #[cfg(feature = "sqlx")]
-    sqlx_hosts: Vec<(HostName, shardline_router::config::DbUrl)>,
+    sqlx: Arc<std::sync::OnceLock<::sqlx::PgPool>>,
 }
 
 impl Drop for Inner {
@@ -171,60 +185,42 @@ impl Cluster {
     /// Catalog errors ([`Error::NotInitialised`], [`Error::Mismatch`], ...);
     /// [`Error::UnknownHost`] when the map places shards on a host the config lacks;
     /// [`Error::BadUrl`].
-    pub async fn connect(config: &Config, mut options: ClusterOptions) -> Result<Cluster> {
+    pub async fn connect(config: &Config, options: ClusterOptions) -> Result<Cluster> {
+        Cluster::connect_with(config, options, Arc::new(config.credentials.clone())).await
+    }
+
+    /// As [`Cluster::connect`], with the application's own [`Credentials`] for hosts the
+    /// config does not list (instead of the config's `[credentials]`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Cluster::connect`]; [`Error::Credentials`] when a host that holds shards
+    /// has no password to be had.
+    pub async fn connect_with(
+        config: &Config,
+        mut options: ClusterOptions,
+        credentials: Arc<dyn Credentials>,
+    ) -> Result<Cluster> {
         options.transaction_pooler |= config.transaction_pooler;
         let (catalog, info) = Catalog::open(config).await?;
         let map = catalog.map().await?;
-        let mut pools = HashMap::new();
-        for h in &config.hosts {
-            let target = format!("host {}", h.name);
-            let (mut pg, tls) = catalog::pg_config_tls(&h.url, &target)?;
-            pg.connect_timeout(options.connect_timeout);
-            let manager =
-                Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
-            let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
-            let pool = Pool::builder(manager)
-                .max_size(options.pool_size.max(1))
-                // Checked as a connection is handed out again: one past its lifetime or
-                // its uses is closed (the pool makes a new one).
-                .pre_recycle(deadpool_postgres::Hook::sync_fn(move |_, metrics| {
-                    if lifetime.is_some_and(|l| metrics.age() >= l)
-                        || uses.is_some_and(|u| metrics.recycle_count + 1 >= u)
-                    {
-                        Err(deadpool_postgres::HookError::message("past its lifetime or uses"))
-                    } else {
-                        Ok(())
-                    }
-                }))
-                .runtime(Runtime::Tokio1)
-                .wait_timeout(Some(options.host_timeout))
-                .create_timeout(Some(options.connect_timeout))
-                .build()
-                .map_err(|e| Error::Pool {
-                    host: h.name.clone(),
-                    message: e.to_string(),
-                    timed_out: false,
-                })?;
-            pools.insert(h.name.clone(), pool);
-        }
-        check_hosts(&map, &pools)?;
+        let hosts = catalog.hosts().await?;
         let inner = Arc::new(Inner {
             layout: info.layout,
             prefix: info.schema_prefix,
-            map: RwLock::new(Arc::new(map)),
-            pools,
+            map: RwLock::new(Arc::new(map.clone())),
+            pools: RwLock::new(HashMap::new()),
+            config: config.clone(),
+            credentials,
             catalog_url: config.catalog.clone(),
             listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
             types: crate::statement::TypeCache::default(),
             sqls: std::sync::Mutex::default(),
-            #[cfg(feature = "sqlx")]
-            sqlx: tokio::sync::OnceCell::new(),
-            #[cfg(feature = "sqlx")]
-            sqlx_hosts: config.hosts.iter().map(|h| (h.name.clone(), h.url.clone())).collect(),
             options,
             listener: std::sync::Mutex::new(None),
         });
+        sync_pools(&inner, &map, &hosts).await?;
         let cluster = Cluster { inner };
         if cluster.inner.options.listen {
             let listener = MapListener::start(&cluster.inner.listen_url).await?;
@@ -234,6 +230,21 @@ impl Cluster {
             }
         }
         Ok(cluster)
+    }
+
+    /// The hosts this handle has a pool for, and the URL each connects with (printed
+    /// without its password).
+    pub fn hosts(&self) -> Vec<(HostName, shardline_router::config::DbUrl)> {
+        let pools = self.inner.pools.read().map_or_else(|p| p.into_inner().clone(), |p| p.clone());
+        let mut out: Vec<_> = pools.into_iter().map(|(h, p)| (h, p.url)).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// The pool of `host`, when the handle has one.
+    fn host_pool(&self, host: &HostName) -> Result<HostPool> {
+        let pools = self.inner.pools.read().map_err(|_| Error::UnknownHost { host: host.clone() })?;
+        pools.get(host).cloned().ok_or_else(|| Error::UnknownHost { host: host.clone() })
     }
 
     /// The SQL of entity `E`, made once per handle and shared by its repositories and
@@ -254,14 +265,15 @@ impl Cluster {
         Ok(sql)
     }
 
-    /// The sqlx pools, one per host.
+    /// The sqlx pool of `host`, made on first use.
     #[cfg(feature = "sqlx")]
-    pub(crate) async fn sqlx_pools(&self) -> Result<&crate::sqlx::Pools> {
-        let inner = &self.inner;
-        inner
-            .sqlx
-            .get_or_try_init(|| async { crate::sqlx::Pools::new(&inner.sqlx_hosts, &inner.options) })
-            .await
+    pub(crate) fn sqlx_pool(&self, host: &HostName) -> Result<::sqlx::PgPool> {
+        let p = self.host_pool(host)?;
+        if let Some(pool) = p.sqlx.get() {
+            return Ok(pool.clone());
+        }
+        let pool = crate::sqlx::host_pool(host, &p.url, &self.inner.options)?;
+        Ok(p.sqlx.get_or_init(|| pool).clone())
     }
 
     /// The map as this handle knows it now.
@@ -338,7 +350,7 @@ impl Cluster {
     ///
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
-        let pool = self.inner.pools.get(host).ok_or_else(|| Error::UnknownHost { host: host.clone() })?;
+        let pool = self.host_pool(host)?.pool;
         pool.get().await.map_err(|e| {
             let message = e.to_string();
             let pool_error = |timed_out| Error::Pool { host: host.clone(), message, timed_out };
@@ -592,7 +604,7 @@ impl Cluster {
     }
 }
 
-fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, Pool>) -> Result<()> {
+fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, HostPool>) -> Result<()> {
     for host in map.hosts() {
         if !pools.contains_key(host) && map.shards_of(host).next().is_some() {
             return Err(Error::UnknownHost { host: host.clone() });
@@ -601,30 +613,148 @@ fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, Pool>) -> Result<()> {
     Ok(())
 }
 
+/// A pool for `name` at `url`, sized and timed as `options` say (connections open on
+/// first use).
+fn make_pool(
+    name: &HostName,
+    url: &shardline_router::config::DbUrl,
+    options: &ClusterOptions,
+) -> Result<Pool> {
+    let target = format!("host {name}");
+    let (mut pg, tls) = catalog::pg_config_tls(url, &target)?;
+    pg.connect_timeout(options.connect_timeout);
+    let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
+    Pool::builder(manager)
+        .max_size(options.pool_size.max(1))
+        // Checked as a connection is handed out again: one past its lifetime or
+        // its uses is closed (the pool makes a new one).
+        .pre_recycle(deadpool_postgres::Hook::sync_fn(move |_, metrics| {
+            if lifetime.is_some_and(|l| metrics.age() >= l)
+                || uses.is_some_and(|u| metrics.recycle_count + 1 >= u)
+            {
+                Err(deadpool_postgres::HookError::message("past its lifetime or uses"))
+            } else {
+                Ok(())
+            }
+        }))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(options.host_timeout))
+        .create_timeout(Some(options.connect_timeout))
+        .build()
+        .map_err(|e| Error::Pool { host: name.clone(), message: e.to_string(), timed_out: false })
+}
+
+/// Brings the pools in line with the catalog's `hosts` and `map`: a pool for each host
+/// the config lists, and for each other host the catalog has an address for and has
+/// not removed; a host readdressed gets a new pool (the old one closes as its
+/// connections come back); a pool for a host that is gone goes. Then checks that every
+/// host holding shards in `map` has a pool. The pools are left as they were when a
+/// host's password cannot be had.
+async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Result<()> {
+    let held = inner.pools.read().map_or_else(|p| p.into_inner().clone(), |p| p.clone());
+    let mut next: HashMap<HostName, HostPool> = HashMap::new();
+    let known = |name: &HostName| hosts.iter().find(|h| &h.name == name);
+    for h in &inner.config.hosts {
+        let (address, url) = (None, h.url.clone());
+        let pool = match held.get(&h.name) {
+            Some(p) if p.address.is_none() => p.clone(),
+            _ => new_host_pool(inner, &h.name, address, url)?,
+        };
+        next.insert(h.name.clone(), pool);
+    }
+    for h in hosts {
+        if next.contains_key(&h.name) || h.state == HostState::Removed {
+            continue;
+        }
+        let Some(address) = &h.address else { continue };
+        match held.get(&h.name) {
+            Some(p) if p.address.as_ref() == Some(address) => {
+                next.insert(h.name.clone(), p.clone());
+            }
+            held_pool => {
+                let resolved = credentials::host_config(&inner.config, inner.credentials.as_ref(), h).await;
+                match resolved {
+                    Ok(c) => {
+                        if held_pool.is_some() {
+                            tracing::info!(host = %h.name, address = %address, "the host was readdressed; connecting there");
+                        } else {
+                            tracing::info!(host = %h.name, address = %address, "a host joined");
+                        }
+                        next.insert(
+                            h.name.clone(),
+                            new_host_pool(inner, &h.name, Some(address.clone()), c.url)?,
+                        );
+                    }
+                    // Only fatal when the host holds shards (checked below); else said.
+                    Err(e) if map.shards_of(&h.name).next().is_none() => {
+                        tracing::warn!(host = %h.name, error = %crate::error_chain(&e), "cannot reach a host that holds no shard yet");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    for name in held.keys().filter(|n| !next.contains_key(*n)) {
+        let why = known(name).map_or("it is no longer in the catalog", |h| match h.state {
+            HostState::Removed => "it was removed",
+            _ => "it has no address",
+        });
+        tracing::info!(host = %name, why, "closing the host's pool");
+    }
+    check_hosts(map, &next)?;
+    if let Ok(mut pools) = inner.pools.write() {
+        *pools = next;
+    }
+    Ok(())
+}
+
+fn new_host_pool(
+    inner: &Inner,
+    name: &HostName,
+    address: Option<shardline_router::config::DbUrl>,
+    url: shardline_router::config::DbUrl,
+) -> Result<HostPool> {
+    Ok(HostPool {
+        pool: make_pool(name, &url, &inner.options)?,
+        address,
+        url,
+        #[cfg(feature = "sqlx")]
+        sqlx: Arc::default(),
+    })
+}
+
 async fn refresh(inner: &Inner) -> Result<i64> {
     let mut slot = inner.catalog.lock().await;
-    let map = match slot.as_ref() {
-        Some(c) if !c.is_closed() => c.map().await,
+    let read = async |c: &Catalog| Ok::<_, Error>((c.map().await?, c.hosts().await?));
+    let got = match slot.as_ref() {
+        Some(c) if !c.is_closed() => read(c).await,
         _ => Err(Error::NotInitialised),
     };
-    let map = match map {
+    let (map, hosts) = match got {
         Ok(m) => m,
         Err(_) => {
             // The catalog connection is gone or failed: one new connection, one retry.
             let client = catalog::connect(&inner.catalog_url, "catalog").await?;
             let c = Catalog::from_client(client);
-            let m = c.map().await?;
+            let m = read(&c).await?;
             *slot = Some(c);
             m
         }
     };
-    check_hosts(&map, &inner.pools)?;
+    // The catalog stays locked until the map is swapped: two reloads at once never
+    // leave the pools of an older read beside a newer map.
     let version = map.version();
+    if inner.map.read().map(|m| m.version()).unwrap_or(0) > version {
+        return Ok(version);
+    }
+    sync_pools(inner, &map, &hosts).await?;
     if let Ok(mut held) = inner.map.write()
         && held.version() <= version
     {
         *held = Arc::new(map);
     }
+    drop(slot);
     tracing::debug!(version, "shard map loaded");
     Ok(version)
 }

@@ -47,6 +47,7 @@
 
 pub mod catalog;
 pub mod cluster;
+pub mod credentials;
 pub mod entity;
 pub mod ids;
 pub mod repository;
@@ -249,11 +250,23 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// The map places shards on a host the config does not name.
-    #[error("the shard map places shards on host {host}, which the config does not name")]
+    /// The map places shards on a host that neither the config nor the catalog gives an
+    /// address for (or that the handle has no pool for).
+    #[error(
+        "the shard map places shards on host {host}, which neither the config nor the catalog gives an address for"
+    )]
     UnknownHost {
         /// The host.
         host: HostName,
+    },
+    /// A host's password could not be had from the application's credentials
+    /// (see [`credentials`]).
+    #[error("no password for host {host}: {message}")]
+    Credentials {
+        /// The host.
+        host: HostName,
+        /// Why (never the secret).
+        message: String,
     },
     /// A table or column name that is not a plain SQL identifier.
     #[error("{what} {name:?} is not a plain SQL identifier (lowercase ASCII letters, digits, _)")]

@@ -64,8 +64,6 @@
 //! statement. A `COMMIT` that cannot be confirmed leaves the outcome unknown, as
 //! anywhere.
 
-use std::collections::HashMap;
-
 use ::sqlx::pool::PoolConnection;
 use ::sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgSslMode, Postgres};
 use futures::future::BoxFuture;
@@ -85,47 +83,37 @@ use crate::{Error, Result, within};
 /// bounded.
 const MIN_STATEMENT_CACHE: usize = 100;
 
-/// One sqlx pool per host, made on first use of [`Cluster::sqlx`]'s work (a
-/// connection opens when one is needed).
-#[derive(Debug)]
-pub(crate) struct Pools(HashMap<HostName, PgPool>);
-
-impl Pools {
-    /// A lazy pool per host, sized and timed as the repository's pools, TLS as the
-    /// config's URLs say it (the rules of [`shardline_router::tls`], not sqlx's own).
-    pub(crate) fn new(hosts: &[(HostName, DbUrl)], options: &ClusterOptions) -> Result<Pools> {
-        let cache = options.statement_cache.max(MIN_STATEMENT_CACHE);
-        let timeout = timeout_ms(options.host_timeout);
-        let mut pools = HashMap::new();
-        for (name, url) in hosts {
-            let connect = connect_options(name, url)?.statement_cache_capacity(cache);
-            let pool = PgPoolOptions::new()
-                .max_connections(u32::try_from(options.pool_size.max(1)).unwrap_or(u32::MAX))
-                // A little under the unit of work's own bound, so that a pool with no
-                // free connection says so (`Error::Pool`, nothing sent) rather than
-                // timing out as work that may have been applied.
-                .acquire_timeout(options.host_timeout.mul_f64(0.9))
-                .max_lifetime(options.connection_max_lifetime)
-                // As the repository's pools: no round trip to test a connection handed
-                // out; a broken one fails its statement, classified.
-                .test_before_acquire(false)
-                // No schema of the session's own: a name a statement leaves unqualified
-                // fails rather than reading `public` (see `Sqlx::statement`); a unit of
-                // work sets its shard's for its transaction.
-                // And the server stops a statement at the host timeout: a statement given
-                // up on holds no lock past it, nor applies long after its caller heard it
-                // timed out (a transaction sets its own, `SET LOCAL`).
-                .after_connect(move |conn, _| {
-                    let setup = format!("SET search_path = ''; SET statement_timeout = {timeout}");
-                    Box::pin(async move {
-                        ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(conn).await.map(|_| ())
-                    })
-                })
-                .connect_lazy_with(connect);
-            pools.insert(name.clone(), pool);
-        }
-        Ok(Pools(pools))
-    }
+/// A lazy sqlx pool for `name` at `url` (made on first use of [`Cluster::sqlx`]'s work
+/// on the host; a connection opens when one is needed), sized and timed as the
+/// repository's pools, TLS as the URL says it (the rules of
+/// [`shardline_router::tls`], not sqlx's own).
+pub(crate) fn host_pool(name: &HostName, url: &DbUrl, options: &ClusterOptions) -> Result<PgPool> {
+    let cache = options.statement_cache.max(MIN_STATEMENT_CACHE);
+    let timeout = timeout_ms(options.host_timeout);
+    let connect = connect_options(name, url)?.statement_cache_capacity(cache);
+    Ok(PgPoolOptions::new()
+        .max_connections(u32::try_from(options.pool_size.max(1)).unwrap_or(u32::MAX))
+        // A little under the unit of work's own bound, so that a pool with no
+        // free connection says so (`Error::Pool`, nothing sent) rather than
+        // timing out as work that may have been applied.
+        .acquire_timeout(options.host_timeout.mul_f64(0.9))
+        .max_lifetime(options.connection_max_lifetime)
+        // As the repository's pools: no round trip to test a connection handed
+        // out; a broken one fails its statement, classified.
+        .test_before_acquire(false)
+        // No schema of the session's own: a name a statement leaves unqualified
+        // fails rather than reading `public` (see `Sqlx::statement`); a unit of
+        // work sets its shard's for its transaction.
+        // And the server stops a statement at the host timeout: a statement given
+        // up on holds no lock past it, nor applies long after its caller heard it
+        // timed out (a transaction sets its own, `SET LOCAL`).
+        .after_connect(move |conn, _| {
+            let setup = format!("SET search_path = ''; SET statement_timeout = {timeout}");
+            Box::pin(
+                async move { ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(conn).await.map(|_| ()) },
+            )
+        })
+        .connect_lazy_with(connect))
 }
 
 /// sqlx's options for `host`'s URL. The URL is never part of an error: it may hold a
@@ -341,7 +329,7 @@ impl Sqlx {
         &self.cluster
     }
 
-    /// The sqlx pool of `host` (made with the others on first use), for work that is
+    /// The sqlx pool of `host` (made on first use), for work that is
     /// not routed: it bypasses routing, timeouts and the move retry. Its sessions start
     /// with an empty `search_path` (qualify table names) and `statement_timeout` at
     /// [`ClusterOptions::host_timeout`] (`SET` it for longer work).
@@ -351,8 +339,7 @@ impl Sqlx {
     /// [`Error::UnknownHost`]; [`Error::BadUrl`] when a host's URL cannot be used by
     /// sqlx (a `key=value` connection string: the sqlx path takes `postgres://` URLs).
     pub async fn pool(&self, host: &HostName) -> Result<PgPool> {
-        let pools = self.cluster.sqlx_pools().await?;
-        pools.0.get(host).cloned().ok_or_else(|| Error::UnknownHost { host: host.clone() })
+        self.cluster.sqlx_pool(host)
     }
 
     /// Runs `work` in one transaction in `shard`, on the shard's host, with the

@@ -161,7 +161,11 @@ impl DbUrl {
                     match userinfo.split_once(':') {
                         Some((user, pw)) => {
                             password = Some(percent_decode(pw));
-                            if user.is_empty() { host.trim_start_matches('@').to_owned() } else { format!("{user}{host}") }
+                            if user.is_empty() {
+                                host.trim_start_matches('@').to_owned()
+                            } else {
+                                format!("{user}{host}")
+                            }
                         }
                         None => authority.to_owned(),
                     }
@@ -263,7 +267,13 @@ pub fn redact(url: &str) -> String {
     // Parsed as libpq does, so that a quoted password with spaces is hidden whole.
     key_values(url)
         .into_iter()
-        .map(|(k, v)| if k.eq_ignore_ascii_case("password") { format!("{k}=***") } else { format!("{k}={}", quote_value(&v)) })
+        .map(|(k, v)| {
+            if k.eq_ignore_ascii_case("password") {
+                format!("{k}=***")
+            } else {
+                format!("{k}={}", quote_value(&v))
+            }
+        })
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -586,7 +596,10 @@ impl Config {
                     (Some(t), None) => {
                         let template = t.get_ref();
                         let ok = template.contains("{host}")
-                            && template.replace("{host}", "").chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+                            && template
+                                .replace("{host}", "")
+                                .chars()
+                                .all(|c| c.is_ascii_alphanumeric() || c == '_');
                         if !ok {
                             return Err(src.err(
                                 t.span().start,
@@ -943,7 +956,8 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
     #[test]
     fn credentials_are_one_reference_checked_when_loaded() {
         let base = "[catalog]\nurl = \"postgres://c/db\"\n";
-        let c = load(&format!("{base}[credentials]\npassword_env = \"SHARDLINE_{{host}}_PASSWORD\"\n")).unwrap();
+        let c =
+            load(&format!("{base}[credentials]\npassword_env = \"SHARDLINE_{{host}}_PASSWORD\"\n")).unwrap();
         assert_eq!(c.credentials, Credentials::PasswordEnv("SHARDLINE_{host}_PASSWORD".into()));
         let name = HostName::new("pg-east.1").unwrap();
         assert_eq!(Credentials::env_var("SHARDLINE_{host}_PASSWORD", &name), "SHARDLINE_PG_EAST_1_PASSWORD");
@@ -952,7 +966,10 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         let cases = [
             ("password_env = \"PW\"", "credentials.password_env: \"PW\" must name"),
             ("password_env = \"A-{host}\"", "credentials.password_env"),
-            ("password_env = \"A_{host}\"\npassfile = \"x\"", "credentials.passfile: give password_env or passfile"),
+            (
+                "password_env = \"A_{host}\"\npassfile = \"x\"",
+                "credentials.passfile: give password_env or passfile",
+            ),
             ("passfile = \" \"", "credentials.passfile: is empty"),
             ("", "credentials: needs password_env or passfile"),
             ("password = \"x\"", "unknown field `password`"),
@@ -966,12 +983,24 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
     #[test]
     fn a_password_splits_off_a_url_and_goes_back_in() {
         let cases = [
-            ("postgres://app:p%40ss@pg1:5432/app?sslmode=require", "postgres://app@pg1:5432/app?sslmode=require", Some("p@ss")),
-            ("postgres://app@pg1/app?password=x&sslmode=require", "postgres://app@pg1/app?sslmode=require", Some("x")),
+            (
+                "postgres://app:p%40ss@pg1:5432/app?sslmode=require",
+                "postgres://app@pg1:5432/app?sslmode=require",
+                Some("p@ss"),
+            ),
+            (
+                "postgres://app@pg1/app?password=x&sslmode=require",
+                "postgres://app@pg1/app?sslmode=require",
+                Some("x"),
+            ),
             ("postgres://app@pg1/app?password=x", "postgres://app@pg1/app", Some("x")),
             ("postgres://app@pg1/app", "postgres://app@pg1/app", None),
             ("postgres://pg1", "postgres://pg1", None),
-            ("host=pg1 user=app password='a b\\'c' dbname=app", "host=pg1 user=app dbname=app", Some("a b'c")),
+            (
+                "host=pg1 user=app password='a b\\'c' dbname=app",
+                "host=pg1 user=app dbname=app",
+                Some("a b'c"),
+            ),
             ("host=pg1 password=pw", "host=pg1", Some("pw")),
         ];
         for (url, bare, password) in cases {

@@ -728,6 +728,7 @@ pub async fn run(
     target: &HostName,
     options: &MoveOptions,
 ) -> Result<MoveReport> {
+    let config = &crate::fleet::resolved(config).await?;
     let check = preflight::preflight(config, shard, target).await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
@@ -820,6 +821,7 @@ pub async fn resume(
     shard: Option<LogicalShard>,
     options: &MoveOptions,
 ) -> Result<Vec<MoveReport>> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let records = journal::running(&catalog, shard).await?;
     if records.is_empty() {
@@ -851,6 +853,7 @@ pub async fn resume(
 /// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable
 /// (the move stays journaled; abort again when it is back).
 pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let record = journal::running(&catalog, Some(shard))
         .await?

@@ -58,6 +58,7 @@ impl std::fmt::Display for GcReport {
 /// The catalog unreachable; a statement failing on a reachable host. An unreachable
 /// host is reported, not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
     let mut report = GcReport::default();
     // Moves whose fence's lease ran out and was undone on the source (by a router),

@@ -17,6 +17,7 @@
 use std::collections::BTreeSet;
 
 use shardline_repo::Catalog;
+use shardline_repo::catalog::HostState;
 use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
@@ -119,6 +120,7 @@ pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -
 /// shard out of range, a statement failing. An unreachable source or target is a
 /// [`Problem`], not an error.
 pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) -> Result<Preflight> {
+    let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     let shard = shard.within(map.count())?;
@@ -128,14 +130,25 @@ pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) 
     let mut checks = Checks { problems: Vec::new() };
 
     let target_config = config.hosts.iter().find(|h| h.name == target_name);
+    let target_state = catalog.hosts().await?.into_iter().find(|h| h.name == target_name).map(|h| h.state);
     if target_config.is_none() {
         let known = config.hosts.iter().map(|h| h.name.to_string()).collect::<Vec<_>>().join(", ");
-        checks.add(None, "target", format!("{target_name} is not a host of the config (hosts: {known})"));
+        checks.add(
+            None,
+            "target",
+            format!("{target_name} is not a host of this cluster: neither the config nor the catalog has it (hosts: {known})"),
+        );
     } else if !map.hosts().contains(&target_name) {
         checks.add(
             None,
             "target",
-            format!("{target_name} is not in the catalog yet; run `shardline init` to add it"),
+            format!("{target_name} is not in the catalog yet; `shardline host add {target_name}` adds it"),
+        );
+    } else if target_state == Some(HostState::Draining) {
+        checks.add(
+            None,
+            "target",
+            format!("{target_name} is draining (`shardline host drain`): no shard may move onto it"),
         );
     }
     if target_name == source {

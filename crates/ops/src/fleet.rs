@@ -1,0 +1,485 @@
+//! `shardline host`: hosts join and leave a running cluster, and change address.
+//!
+//! The catalog records each host's address (never its password: see
+//! [`shardline_repo::credentials`]); every change here bumps the map version, so running
+//! [`shardline_repo::Cluster`] handles open a pool for a host that joined, reconnect to
+//! a host that was readdressed, and close the pool of a host that was removed, with no
+//! restart and no config change.
+//!
+//! - [`add`]: registers a host, after connecting to it.
+//! - [`drain`]: moves every shard of a host to the other active hosts, lightest first.
+//! - [`remove`]: retires a host that holds no shard.
+//! - [`readdress`]: records where a host lives now (a failover, new hardware), after
+//!   checking that every shard the map places there is there.
+//!
+//! Every operation also reads hosts from the catalog ([`resolved`]): a host added here
+//! needs no entry in the operator's config.
+
+use std::fmt;
+
+use serde::Serialize;
+use shardline_repo::Catalog;
+use shardline_repo::catalog::{CatalogHost, HostState};
+use shardline_repo::credentials;
+use shardline_router::config::DbUrl;
+use shardline_router::{Config, HostName, LogicalShard};
+
+use crate::moves::preflight::host_err;
+use crate::moves::{MoveOptions, MoveReport, journal};
+use crate::rebalance::{Plan, PlannedMove};
+use crate::{Error, Result};
+
+/// `config` with every host the catalog knows (and has not removed), each reached at
+/// the config's URL when the config lists it, else at its catalog address with a
+/// password from the config's `[credentials]`. Each operation starts with it.
+///
+/// # Errors
+///
+/// The catalog unreachable; a host's password not to be had.
+pub async fn resolved(config: &Config) -> Result<Config> {
+    Ok(credentials::with_catalog_hosts(config, &config.credentials).await?)
+}
+
+/// A host as `shardline host list` shows it.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct HostInfo {
+    /// Its name.
+    pub name: HostName,
+    /// `active`, `draining` or `removed`.
+    pub state: String,
+    /// Its address (no password), or `None` when only the config knows it.
+    pub address: Option<String>,
+    /// How the other hosts reach it, when not at `address`.
+    pub peer_address: Option<String>,
+    /// The shards the map places on it.
+    pub shards: usize,
+}
+
+/// Every host the catalog knows, removed ones included.
+///
+/// # Errors
+///
+/// The catalog unreachable or not initialised.
+pub async fn list(config: &Config) -> Result<Vec<HostInfo>> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let map = catalog.map().await?;
+    Ok(catalog
+        .hosts()
+        .await?
+        .into_iter()
+        .map(|h| HostInfo {
+            shards: map.shards_of(&h.name).count(),
+            state: h.state.to_string(),
+            address: h.address.as_ref().map(|a| a.redacted()),
+            peer_address: h.peer_address.filter(|p| Some(p) != h.address.as_ref()).map(|a| a.redacted()),
+            name: h.name,
+        })
+        .collect())
+}
+
+/// What [`add`] or [`readdress`] did.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct AddressReport {
+    /// The host.
+    pub host: HostName,
+    /// The address recorded (no password).
+    pub address: String,
+    /// The server's version, as it reported it.
+    pub server_version: String,
+    /// The map version after the change.
+    pub map_version: i64,
+}
+
+impl fmt::Display for AddressReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "host {} at {} (PostgreSQL {}); map version {}",
+            self.host, self.address, self.server_version, self.map_version
+        )
+    }
+}
+
+/// The URL to reach `name` at `url`: as given when it carries a password, else with
+/// one from the config's credentials.
+async fn reachable_url(config: &Config, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<DbUrl> {
+    if url.split_password().1.is_some() {
+        return Ok(url.clone());
+    }
+    let host = CatalogHost::new(name.clone(), Some(url.clone()), Some(peer_url.clone()), HostState::Active);
+    let mut bare = config.clone();
+    bare.hosts.retain(|h| &h.name != name);
+    Ok(credentials::host_config(&bare, &config.credentials, &host).await?.url)
+}
+
+/// Connects to `url` and checks what every host needs: logical replication (moves
+/// copy shards off it) and the config's `app_roles`. Returns the server's version.
+async fn check_server(
+    config: &Config,
+    name: &HostName,
+    url: &DbUrl,
+) -> Result<(tokio_postgres::Client, String)> {
+    let c = shardline_repo::catalog::connect(url, &format!("host {name}")).await?;
+    let row = c
+        .query_one("SELECT current_setting('server_version'), current_setting('wal_level')", &[])
+        .await
+        .map_err(|e| host_err(name, "read the server's settings", &e))?;
+    let (version, wal_level): (String, String) = (row.get(0), row.get(1));
+    if wal_level != "logical" {
+        return Err(refused(
+            name,
+            format!("wal_level is {wal_level}: moves need wal_level = logical on every host"),
+        ));
+    }
+    let roles: Vec<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
+    let missing = crate::grants::missing_roles(&c, &roles)
+        .await
+        .map_err(|e| host_err(name, "look for the app roles", &e))?;
+    if !missing.is_empty() {
+        return Err(refused(
+            name,
+            format!(
+                "the app roles {} do not exist on it; create them first (roles are per server)",
+                missing.join(", ")
+            ),
+        ));
+    }
+    Ok((c, version))
+}
+
+fn refused(host: &HostName, message: impl Into<String>) -> Error {
+    Error::Fleet { host: host.clone(), message: message.into() }
+}
+
+/// The catalog's record of `name`, refused when it has none.
+async fn known(catalog: &Catalog, name: &HostName) -> Result<CatalogHost> {
+    let hosts = catalog.hosts().await?;
+    hosts
+        .into_iter()
+        .find(|h| &h.name == name)
+        .ok_or_else(|| refused(name, "is not a host of this cluster (`shardline host list` shows them)"))
+}
+
+/// Refuses while a move to or from `name` is running: it holds connections made from
+/// the host's address.
+async fn no_move_on(catalog: &Catalog, name: &HostName, what: &str) -> Result<()> {
+    let running = journal::running(catalog, None).await?;
+    if let Some(m) = running.iter().find(|m| &m.source == name || &m.target == name) {
+        return Err(refused(
+            name,
+            format!(
+                "move {} of shard {} ({} -> {}) is running; {what} once it ends (`shardline move --resume {}` or `--abort {}`)",
+                m.id, m.shard, m.source, m.target, m.shard, m.shard
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Registers host `name` at `url` (the config's entry for it when `None`), reached by
+/// the other hosts at `peer_url` (default: the config's, else `url`). Connects first:
+/// the server must answer, run `wal_level = logical` and have the `app_roles`. A
+/// password in the URL is used to connect and never recorded. A removed host comes
+/// back this way. The new host holds no shard until moves place some there
+/// (`shardline rebalance`).
+///
+/// # Errors
+///
+/// [`Error::Fleet`] when the host is already active or draining, or the server fails a
+/// check; the catalog or the server unreachable.
+pub async fn add(
+    config: &Config,
+    name: &HostName,
+    url: Option<&DbUrl>,
+    peer_url: Option<&DbUrl>,
+) -> Result<AddressReport> {
+    let entry = config.host(name);
+    let url = url
+        .or(entry.map(|h| &h.url))
+        .ok_or_else(|| refused(name, "give its URL (`--url`), or list it in the config's [[hosts]]"))?;
+    let peer_url = peer_url.or(entry.map(|h| &h.peer_url)).unwrap_or(url);
+    let (catalog, _) = Catalog::open(config).await?;
+    let before = catalog.hosts().await?;
+    let existing = before.iter().find(|h| &h.name == name);
+    if let Some(h) = existing.filter(|h| h.state != HostState::Removed) {
+        return Err(refused(name, format!("is already a host of this cluster ({})", h.state)));
+    }
+    let connect_url = reachable_url(config, name, url, peer_url).await?;
+    let (_, server_version) = check_server(config, name, &connect_url).await?;
+    if existing.is_some() {
+        catalog.set_address(name, url, peer_url).await?;
+        catalog.set_host_state(name, HostState::Active).await?;
+    } else {
+        catalog.add_host(name, url, peer_url).await?;
+    }
+    tracing::info!(host = %name, address = %url.split_password().0, "host added");
+    Ok(AddressReport {
+        host: name.clone(),
+        address: url.split_password().0.redacted(),
+        server_version,
+        map_version: catalog.map_version().await?,
+    })
+}
+
+/// Records that host `name` now lives at `url` (reached by the other hosts at
+/// `peer_url`, default `url`). Connects first, and refuses unless every shard the map
+/// places on the host has its schema there: pointing a host at a server without its
+/// shards would send their reads and writes nowhere. Running handles reconnect there on
+/// the map change.
+///
+/// # Errors
+///
+/// [`Error::Fleet`] for an unknown or removed host, a running move to or from it, or a
+/// server missing the host's shards; the catalog or the server unreachable.
+pub async fn readdress(
+    config: &Config,
+    name: &HostName,
+    url: &DbUrl,
+    peer_url: Option<&DbUrl>,
+) -> Result<AddressReport> {
+    let peer_url = peer_url.unwrap_or(url);
+    let (catalog, _) = Catalog::open(config).await?;
+    let host = known(&catalog, name).await?;
+    if host.state == HostState::Removed {
+        return Err(refused(name, "was removed; `shardline host add` brings it back"));
+    }
+    no_move_on(&catalog, name, "readdress it").await?;
+    let connect_url = reachable_url(config, name, url, peer_url).await?;
+    let (client, server_version) = check_server(config, name, &connect_url).await?;
+    let map = catalog.map().await?;
+    let schemas: Vec<String> =
+        map.shards_of(name).map(|s| config.schema_prefix.schema(s).as_str().to_owned()).collect();
+    let missing: Vec<String> = client
+        .query(
+            "SELECT s FROM unnest($1::text[]) AS s WHERE NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = s) ORDER BY s",
+            &[&schemas],
+        )
+        .await
+        .map_err(|e| host_err(name, "look for the host's shards", &e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing.iter().take(5).map(String::as_str).collect();
+        return Err(refused(
+            name,
+            format!(
+                "the server at {} lacks {} of the {} shard schema(s) the map places on this host ({}{}); nothing was changed",
+                url.split_password().0,
+                missing.len(),
+                schemas.len(),
+                shown.join(", "),
+                if missing.len() > shown.len() { ", ..." } else { "" }
+            ),
+        ));
+    }
+    catalog.set_address(name, url, peer_url).await?;
+    if let Some(entry) = config.host(name)
+        && !credentials::same_address(&entry.url, url)
+    {
+        tracing::warn!(host = %name, "the config lists this host at another URL: handles made from it keep using the config's URL; update the config");
+    }
+    tracing::info!(host = %name, address = %url.split_password().0, "host readdressed");
+    Ok(AddressReport {
+        host: name.clone(),
+        address: url.split_password().0.redacted(),
+        server_version,
+        map_version: catalog.map_version().await?,
+    })
+}
+
+/// What [`drain`] did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// The host.
+    pub host: HostName,
+    /// The moves planned.
+    pub plan: Plan,
+    /// Each move's outcome, in plan order.
+    pub moves: Vec<(PlannedMove, Result<MoveReport>)>,
+    /// Shards the host still holds (0: it can be removed).
+    pub remaining: usize,
+}
+
+impl fmt::Display for DrainReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ok = self.moves.iter().filter(|(_, r)| r.is_ok()).count();
+        if self.remaining == 0 {
+            write!(
+                f,
+                "host {} drained: {ok} move(s) done; `shardline host remove {}` retires it",
+                self.host, self.host
+            )
+        } else {
+            write!(
+                f,
+                "host {} still holds {} shard(s) ({ok} of {} move(s) done); run `shardline host drain {}` again",
+                self.host,
+                self.remaining,
+                self.moves.len(),
+                self.host
+            )
+        }
+    }
+}
+
+/// The moves that empty `host`: its shards, heaviest first, each to the active host
+/// lightest at that point (by bytes, then shards). Pure.
+pub fn plan_drain(
+    host: &HostName,
+    sizes: &std::collections::BTreeMap<HostName, Vec<(LogicalShard, i64)>>,
+) -> Plan {
+    let mut leaving: Vec<(LogicalShard, i64)> = sizes.get(host).cloned().unwrap_or_default();
+    leaving.sort_by_key(|(s, b)| (std::cmp::Reverse(*b), s.get()));
+    let mut load: std::collections::BTreeMap<&HostName, (usize, i64)> = sizes
+        .iter()
+        .filter(|(h, _)| *h != host)
+        .map(|(h, s)| (h, (s.len(), s.iter().map(|x| x.1).sum())))
+        .collect();
+    let mut moves = Vec::new();
+    for (shard, bytes) in leaving {
+        let Some(to) = load.iter().min_by_key(|(h, (n, b))| (*b, *n, **h)).map(|(h, _)| *h) else { break };
+        if let Some(l) = load.get_mut(to) {
+            l.0 += 1;
+            l.1 += bytes;
+        }
+        moves.push(PlannedMove { shard, from: host.clone(), to: to.clone(), bytes });
+    }
+    let moved = moves.len();
+    let hosts = sizes
+        .iter()
+        .map(|(h, s)| {
+            let (after_n, after_b) = if h == host {
+                (
+                    s.len() - moved,
+                    s.iter().map(|x| x.1).sum::<i64>() - moves.iter().map(|m| m.bytes).sum::<i64>(),
+                )
+            } else {
+                load.get(h).copied().unwrap_or((s.len(), 0))
+            };
+            crate::rebalance::HostLoad {
+                host: h.clone(),
+                shards_before: s.len(),
+                bytes_before: s.iter().map(|x| x.1).sum(),
+                shards_after: after_n,
+                bytes_after: after_b,
+            }
+        })
+        .collect();
+    Plan { moves, hosts }
+}
+
+/// Marks `name` draining (no move targets it from then on, and `rebalance` leaves it
+/// out), then moves each of its shards to the other active hosts, `parallel` at a
+/// time, each an online move as `shardline move` runs it. Run it again after a failed
+/// move: it plans what is left. With `dry_run`, plans and changes nothing.
+///
+/// # Errors
+///
+/// [`Error::Fleet`] for an unknown or removed host, or no active host to take its
+/// shards; the catalog or a host unreachable (sizes are read from each). A failed
+/// move is reported in [`DrainReport::moves`], not as an error.
+pub async fn drain(
+    config: &Config,
+    name: &HostName,
+    parallel: usize,
+    options: &MoveOptions,
+    dry_run: bool,
+) -> Result<DrainReport> {
+    let config = &resolved(config).await?;
+    let (catalog, _) = Catalog::open(config).await?;
+    let host = known(&catalog, name).await?;
+    if host.state == HostState::Removed {
+        return Err(refused(name, "was removed: it holds no shard"));
+    }
+    let sizes = crate::rebalance::sizes_of(config, &catalog, |s| s != HostState::Removed).await?;
+    let states = catalog.hosts().await?;
+    let mut targets = sizes.clone();
+    targets.retain(|h, _| h == name || states.iter().any(|s| &s.name == h && s.state == HostState::Active));
+    let plan = plan_drain(name, &targets);
+    if !plan.moves.is_empty() && targets.len() < 2 {
+        return Err(refused(
+            name,
+            "no other active host can take its shards; `shardline host add` one first",
+        ));
+    }
+    if dry_run {
+        let remaining = sizes.get(name).map_or(0, Vec::len);
+        return Ok(DrainReport { host: name.clone(), plan, moves: Vec::new(), remaining });
+    }
+    if host.state != HostState::Draining {
+        catalog.set_host_state(name, HostState::Draining).await?;
+        tracing::info!(host = %name, shards = plan.moves.len(), "host draining");
+    }
+    let moves = crate::rebalance::apply(config, &plan, parallel, options).await;
+    let remaining = catalog.map().await?.shards_of(name).count();
+    Ok(DrainReport { host: name.clone(), plan, moves, remaining })
+}
+
+/// Retires `name`: refused while it holds a shard or a move to or from it runs. Running
+/// handles close its pool on the map change. Its row stays in the catalog (the journal
+/// of moves names it), marked removed; `shardline host add` brings it back.
+///
+/// # Errors
+///
+/// [`Error::Fleet`] naming why it cannot go; the catalog unreachable.
+pub async fn remove(config: &Config, name: &HostName) -> Result<i64> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let host = known(&catalog, name).await?;
+    if host.state == HostState::Removed {
+        return Err(refused(name, "was already removed"));
+    }
+    no_move_on(&catalog, name, "remove it").await?;
+    let held = catalog.map().await?.shards_of(name).count();
+    if held > 0 {
+        return Err(refused(
+            name,
+            format!("still holds {held} shard(s); `shardline host drain {name}` moves them off first"),
+        ));
+    }
+    match catalog.set_host_state(name, HostState::Removed).await {
+        Ok(_) => {}
+        // A move flipped a shard onto it between the two reads.
+        Err(shardline_repo::Error::InvalidCatalog { reason }) => return Err(refused(name, reason)),
+        Err(e) => return Err(e.into()),
+    }
+    tracing::info!(host = %name, "host removed");
+    Ok(catalog.map_version().await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use shardline_router::ShardCount;
+
+    use super::*;
+
+    #[test]
+    fn a_drain_sends_the_heaviest_shards_to_the_lightest_hosts() {
+        let count = ShardCount::new(12).unwrap_or_else(|_| unreachable!());
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        let s = |i: i64| LogicalShard::new(i, count).unwrap_or_else(|_| unreachable!());
+        let mut sizes = BTreeMap::new();
+        sizes.insert(h("a"), vec![(s(0), 500), (s(1), 100), (s(2), 300), (s(3), 100)]);
+        sizes.insert(h("b"), vec![(s(4), 400)]);
+        sizes.insert(h("c"), vec![(s(5), 100)]);
+        let plan = plan_drain(&h("a"), &sizes);
+        let got: Vec<(i64, &str)> =
+            plan.moves.iter().map(|m| (i64::from(m.shard.get()), m.to.as_str())).collect();
+        // Heaviest first, each to the host lightest then (bytes, then shard count):
+        // 500 -> c (100), 300 -> b (400), 100 -> c (600), 100 -> b (700, 2 shards).
+        assert_eq!(got, [(0, "c"), (2, "b"), (1, "c"), (3, "b")], "{plan}");
+        let a = plan.hosts.iter().find(|l| l.host == "a").map(|l| (l.shards_after, l.bytes_after));
+        assert_eq!(a, Some((0, 0)), "{plan}");
+        let total: i64 = plan.hosts.iter().map(|l| l.bytes_after).sum();
+        assert_eq!(total, 1500, "{plan}");
+        // Nobody else to take them: nothing planned.
+        let mut alone = BTreeMap::new();
+        alone.insert(h("a"), vec![(s(0), 1)]);
+        assert!(plan_drain(&h("a"), &alone).moves.is_empty());
+    }
+}

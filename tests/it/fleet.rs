@@ -1,0 +1,359 @@
+//! Hosts join and leave a running cluster (`shardline host ...`) while an application
+//! that was told only the catalog's URL keeps reading and writing: it learns every
+//! host's address from the catalog, with its password from its own credentials, and
+//! the catalog never holds a password.
+//!
+//! The readdress test needs PgBouncer (`apt-get install pgbouncer`, or
+//! `SHARDLINE_PGBOUNCER` naming a binary): without it, it fails; it never skips.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use shardline_example_photos::{NewPhoto, Photo};
+use shardline_id::Id;
+use shardline_repo::{Cluster, ClusterOptions, Error};
+use shardline_testkit::harness::{TestContext, TestResult};
+use shardline_testkit::pgbouncer::{Pgbouncer, PoolMode};
+
+use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
+
+/// The passwords the configs hold; none may reach the catalog.
+const OPERATOR_SECRET: &str = "op-s3cret-4f1d";
+const APP_SECRET: &str = "app-s3cret-9c2e";
+
+/// What an application writes and reads back while the fleet changes.
+#[derive(Default)]
+struct Load {
+    written: std::sync::Mutex<HashMap<Id, String>>,
+    errors: std::sync::Mutex<Vec<String>>,
+    ops: AtomicUsize,
+    stop: AtomicBool,
+}
+
+impl Load {
+    /// `writers` tasks, each inserting a photo for users spread over every shard and
+    /// reading it back by ID, until stopped. Every failure is kept.
+    fn start(self: &Arc<Self>, cluster: &Cluster, writers: i64) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..writers)
+            .map(|w| {
+                let (load, cluster) = (Arc::clone(self), cluster.clone());
+                tokio::spawn(async move {
+                    let mut n = 0i64;
+                    while !load.stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        let user_id = w * 1_000_003 + n;
+                        let url = format!("https://cdn/{user_id}/{n}.jpg");
+                        let new = NewPhoto { user_id, url: url.clone(), caption: String::new() };
+                        let done = async {
+                            let repo = cluster.repo::<Photo>()?;
+                            let made = repo.insert(&new).await?;
+                            load.written.lock().map_err(|_| "poisoned")?.insert(made.id, url.clone());
+                            match repo.get(made.id).await? {
+                                Some(p) if p.url == url => Ok::<_, BoxError>(()),
+                                other => Err(format!("photo {} read back as {other:?}", made.id).into()),
+                            }
+                        }
+                        .await;
+                        if let Err(e) = done
+                            && let Ok(mut errors) = load.errors.lock()
+                        {
+                            errors.push(format!("user {user_id}: {e}"));
+                        }
+                        load.ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Waits until `more` operations have completed since now (the load is running
+    /// through whatever just changed).
+    async fn progress(&self, more: usize) -> Result<(), BoxError> {
+        let target = self.ops.load(Ordering::Relaxed) + more;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.ops.load(Ordering::Relaxed) < target {
+            if Instant::now() > deadline {
+                return Err(
+                    format!("the load made no progress ({} ops)", self.ops.load(Ordering::Relaxed)).into()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
+    fn errors(&self) -> Vec<String> {
+        self.errors.lock().map(|e| e.clone()).unwrap_or_else(|_| vec!["poisoned".into()])
+    }
+}
+
+/// Waits until `cluster` has a pool for exactly `hosts` (its listener heard the change).
+async fn hosts_become(cluster: &Cluster, hosts: &[&str]) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let have: Vec<String> = cluster.hosts().into_iter().map(|(h, _)| h.to_string()).collect();
+        if have == hosts {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the handle has pools for {have:?}, not {hosts:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every row of every table of the catalog's schema, as text.
+async fn catalog_text(f: &Fixture, ctx: &TestContext) -> Result<String, BoxError> {
+    let c = f.client(ctx, 0).await?;
+    let tables: Vec<String> = c
+        .query(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'shardline' ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(tables.len() >= 5, "the catalog's tables: {tables:?}");
+    let mut text = String::new();
+    for t in tables {
+        for r in c.query(&format!("SELECT t::text FROM {t} t"), &[]).await? {
+            text.push_str(r.get::<_, &str>(0));
+            text.push('\n');
+        }
+    }
+    Ok(text)
+}
+
+/// The application's whole config: the catalog and where passwords come from.
+fn app_config(
+    f: &Fixture,
+    ctx: &TestContext,
+    passfile: &std::path::Path,
+) -> Result<shardline_router::Config, BoxError> {
+    let text = format!(
+        "logical_shards = 8\n\n[catalog]\nurl = \"{}\"\n\n[credentials]\npassfile = \"{}\"\n",
+        ctx.hosts()[0].url(f.db()),
+        passfile.display()
+    );
+    f.config_from(&text)
+}
+
+shardline_testkit::register!(shared: hosts_join_and_leave_under_a_running_application_that_knows_only_the_catalog);
+/// An application started when only pg1 and pg2 existed, its config naming only the
+/// catalog and a passfile, keeps writing and reading with no error while pg3 is added
+/// (`shardline host add`, from the operator's config entry), shards are rebalanced
+/// onto it, then pg1 is drained and removed: it opens a pool for pg3 and closes pg1's,
+/// every write is there once, and no password ever reaches the catalog.
+async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_catalog(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    // The operator's config carries passwords (trusted by the kit's servers, so
+    // harmless, and a mark to look for).
+    f.write_config(&ctx, |_, url| url.replacen("postgres@", &format!("postgres:{OPERATOR_SECRET}@"), 1), 8)?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+
+    // The application's passfile: refused while others may read it, as libpq does.
+    let passfile =
+        std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
+    std::fs::write(&passfile, format!("# the app's\n*:*:*:*:{APP_SECRET}\n"))?;
+    set_mode(&passfile, 0o644)?;
+    let app = app_config(&f, &ctx, &passfile)?;
+    assert!(app.hosts.is_empty());
+    let err = Cluster::connect(&app, ClusterOptions::default()).await.err().ok_or("a readable passfile")?;
+    assert!(matches!(err, Error::Credentials { .. }), "{err}");
+    assert!(err.to_string().contains("may be read by others"), "{err}");
+    set_mode(&passfile, 0o600)?;
+    let cluster = Cluster::connect(&app, ClusterOptions::default()).await?;
+    hosts_become(&cluster, &["pg1", "pg2"]).await?;
+    // Its pools connect at the catalog's addresses with the passfile's password.
+    for (h, url) in cluster.hosts() {
+        assert!(url.expose().contains(APP_SECRET) && !url.to_string().contains(APP_SECRET), "{h}: {url}");
+    }
+
+    let load = Arc::new(Load::default());
+    let writers = load.start(&cluster, 4);
+    load.progress(50).await?;
+
+    // pg3 joins, from the operator's config entry (its password used, not recorded).
+    let pg3 = &ctx.hosts()[2];
+    let entry = format!(
+        "\n[[hosts]]\nname = \"pg3\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+        pg3.url(f.db()).replacen("postgres@", &format!("postgres:{OPERATOR_SECRET}@"), 1),
+        pg3.peer_url(f.db())
+    );
+    let operator_text = f.config_text()?;
+    std::fs::write(f.path(), format!("{operator_text}{entry}"))?;
+    let said = cli(&f, &["host", "add", "pg3"]).await?;
+    assert!(said.contains("added host pg3 at postgres://postgres@"), "{said}");
+    assert!(!said.contains(OPERATOR_SECRET), "{said}");
+    // Back to the config without pg3: every later command learns it from the catalog.
+    std::fs::write(f.path(), &operator_text)?;
+    let (_, again) = cli_full(&f, &["host", "add", "pg3", "--url", &pg3.url(f.db())]).await;
+    assert!(
+        again.as_ref().is_err_and(|e| e.contains("host pg3: is already a host of this cluster")),
+        "{again:?}"
+    );
+    let (_, secret) = cli_full(&f, &["host", "add", "pg4", "--url", "postgres://u:pw@x/db"]).await;
+    assert!(secret.as_ref().is_err_and(|e| e.contains("--url holds a password")), "{secret:?}");
+    hosts_become(&cluster, &["pg1", "pg2", "pg3"]).await?;
+    load.progress(50).await?;
+
+    let said = cli(&f, &["rebalance", "--apply", "--max-moves", "8"]).await?;
+    assert!(said.contains("-> pg3"), "{said}");
+    load.progress(50).await?;
+    assert!(cluster.map().shards_of(&crate::host("pg3")).count() >= 2, "pg3 took shards");
+
+    // pg1 cannot go while it holds shards; drained, it can.
+    let (_, held) = cli_full(&f, &["host", "remove", "pg1"]).await;
+    assert!(held.as_ref().is_err_and(|e| e.contains("still holds")), "{held:?}");
+    let said = cli(&f, &["host", "drain", "pg1"]).await?;
+    assert!(said.contains("host pg1 drained"), "{said}");
+    load.progress(50).await?;
+    let said = cli(&f, &["host", "remove", "pg1"]).await?;
+    assert!(said.contains("removed host pg1"), "{said}");
+    hosts_become(&cluster, &["pg2", "pg3"]).await?;
+    load.progress(50).await?;
+
+    load.stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await?;
+    }
+    let errors = load.errors();
+    assert!(errors.is_empty(), "{} error(s) while hosts came and went: {errors:?}", errors.len());
+
+    // Every acknowledged write is there, once, as written, on pg2 and pg3 only.
+    let written = load.written.lock().map(|w| w.clone()).map_err(|_| "poisoned")?;
+    assert!(written.len() >= 250, "{} writes", written.len());
+    let repo = cluster.repo::<Photo>()?;
+    let ids: Vec<Id> = written.keys().copied().collect();
+    let found = repo.get_many(&ids).await?;
+    assert!(found.missing.is_empty(), "missing: {:?}", found.missing);
+    let rows_found: Vec<Photo> = found.rows.into_iter().flatten().collect();
+    assert_eq!(rows_found.len(), written.len());
+    assert!(rows_found.iter().all(|p| written.get(&p.id) == Some(&p.url)));
+    let mut rows = 0i64;
+    for host in 0..3 {
+        let c = f.client(&ctx, host).await?;
+        for s in 0..8 {
+            let exists: bool = c
+                .query_one(&format!("SELECT to_regclass('shard_{s:04}.photos') IS NOT NULL"), &[])
+                .await?
+                .get(0);
+            if exists {
+                assert_ne!(host, 0, "pg1 was drained, yet holds shard {s}");
+                rows += c
+                    .query_one(&format!("SELECT count(*) FROM shard_{s:04}.photos"), &[])
+                    .await?
+                    .get::<_, i64>(0);
+            }
+        }
+    }
+    assert_eq!(rows, i64::try_from(written.len())?, "each write once");
+
+    let list: serde_json::Value = serde_json::from_str(&cli(&f, &["host", "list", "--json"]).await?)?;
+    let states: Vec<(String, String, u64)> = list
+        .as_array()
+        .ok_or("an array")?
+        .iter()
+        .map(|h| {
+            (
+                h["name"].as_str().unwrap_or_default().to_owned(),
+                h["state"].as_str().unwrap_or_default().to_owned(),
+                h["shards"].as_u64().unwrap_or(99),
+            )
+        })
+        .collect();
+    assert_eq!(states[0], ("pg1".to_owned(), "removed".to_owned(), 0), "{list}");
+    assert_eq!(states.iter().map(|s| s.2).sum::<u64>(), 8, "{list}");
+
+    // No password anywhere in the catalog, though both configs held some.
+    let text = catalog_text(&f, &ctx).await?;
+    assert!(text.contains(&format!("{}/{}", pg3.endpoint().port, f.db())), "addresses are recorded: {text}");
+    for secret in [OPERATOR_SECRET, APP_SECRET] {
+        assert!(!text.contains(secret), "the catalog holds a password: {text}");
+    }
+    let _ = std::fs::remove_file(&passfile);
+    Ok(())
+}
+
+#[cfg(unix)]
+fn set_mode(path: &std::path::Path, mode: u32) -> Result<(), BoxError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_readdressed_host_is_followed_by_the_running_application);
+/// pg2 moves to a new address (a PgBouncer in front of it, then another, the first one
+/// killed: its old address is gone): the running application, whose config names only
+/// the catalog, follows each `shardline host readdress` with no error; an address that
+/// lacks the host's shards is refused, nothing changed.
+async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let passfile =
+        std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
+    std::fs::write(&passfile, "*:*:*:*:unused\n")?;
+    set_mode(&passfile, 0o600)?;
+    let cluster = Cluster::connect(&app_config(&f, &ctx, &passfile)?, ClusterOptions::default()).await?;
+    let load = Arc::new(Load::default());
+    let writers = load.start(&cluster, 4);
+    load.progress(50).await?;
+
+    // A server without pg2's shards (pg3) is refused; nothing changes.
+    let pg2 = &ctx.hosts()[1];
+    let peer = pg2.peer_url(f.db());
+    let version = cluster.map().version();
+    let (_, wrong) = cli_full(
+        &f,
+        &["host", "readdress", "pg2", "--url", &ctx.hosts()[2].url(f.db()), "--peer-url", &peer],
+    )
+    .await;
+    assert!(
+        wrong.as_ref().is_err_and(
+            |e| e.contains("lacks 4 of the 4 shard schema(s)") && e.contains("nothing was changed")
+        ),
+        "{wrong:?}"
+    );
+    load.progress(20).await?;
+    assert_eq!(cluster.map().version(), version, "a refused readdress changes nothing");
+
+    let mut previous: Option<Pgbouncer> = None;
+    for round in 0..2 {
+        let bouncer = Pgbouncer::start(pg2, PoolMode::Session, 8).await?;
+        let url = bouncer.url(f.db());
+        let said = cli(&f, &["host", "readdress", "pg2", "--url", &url, "--peer-url", &peer]).await?;
+        assert!(said.contains("readdressed host pg2"), "{said}");
+        // The handle follows: its pg2 pool now connects through the new address.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !cluster.hosts().iter().any(|(h, u)| h == "pg2" && u.split_password().0.expose() == url) {
+            if Instant::now() > deadline {
+                return Err(
+                    format!("round {round}: the handle still reaches pg2 at {:?}", cluster.hosts()).into()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        load.progress(50).await?;
+        // The old address goes away for good (the first round: the direct one stays
+        // up, other tests share the server).
+        drop(previous.take());
+        load.progress(100).await?;
+        previous = Some(bouncer);
+    }
+    load.stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await?;
+    }
+    let errors = load.errors();
+    assert!(errors.is_empty(), "{} error(s) across readdresses: {errors:?}", errors.len());
+    let written = load.written.lock().map(|w| w.len()).map_err(|_| "poisoned")?;
+    assert!(written >= 350, "{written} writes");
+    drop(previous);
+    let _ = std::fs::remove_file(&passfile);
+    Ok(())
+}
