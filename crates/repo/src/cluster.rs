@@ -1,6 +1,10 @@
 //! The cluster handle applications hold: the shard map from the catalog, one connection
 //! pool per physical host, and the routes between them.
 //!
+//! Where each host lives comes from the config when it lists the host, else from the
+//! catalog (with a password from the application's [`Credentials`]): pools follow hosts
+//! that join, are readdressed and leave, with the map.
+//!
 //! The map is read once at [`Cluster::connect`] and then kept fresh two ways: a task
 //! `LISTEN`s for the catalog's `NOTIFY shardline_map` and reloads it, and a statement
 //! that reaches a shard that is not where the map said (its schema is missing there)
@@ -183,7 +187,9 @@ impl Cluster {
     /// # Errors
     ///
     /// Catalog errors ([`Error::NotInitialised`], [`Error::Mismatch`], ...);
-    /// [`Error::UnknownHost`] when the map places shards on a host the config lacks;
+    /// [`Error::UnknownHost`] when the map places shards on a host neither the config
+    /// nor the catalog gives an address for; [`Error::Credentials`] when such a host's
+    /// password cannot be had;
     /// [`Error::BadUrl`].
     pub async fn connect(config: &Config, options: ClusterOptions) -> Result<Cluster> {
         Cluster::connect_with(config, options, Arc::new(config.credentials.clone())).await
@@ -338,8 +344,8 @@ impl Cluster {
     ///
     /// # Errors
     ///
-    /// Catalog errors; [`Error::UnknownHost`] when the new map uses a host the config
-    /// lacks (the old map is kept).
+    /// Catalog errors; [`Error::UnknownHost`] or [`Error::Credentials`] when the new map
+    /// places shards on a host the handle cannot reach (the old map and pools are kept).
     pub async fn refresh(&self) -> Result<i64> {
         refresh(&self.inner).await
     }
