@@ -1,10 +1,11 @@
 //! Connection URLs and key/value strings: the TLS keys are read out or refused, never a
 //! panic; what is left for the driver parses again to itself, without TLS keys; the
-//! redacted form never holds the password.
+//! redacted form never holds the password, and neither does what `split_password`
+//! leaves for the catalog; a password put back comes off again as it went in.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use shardline_router::config::redact;
+use shardline_router::config::{DbUrl, redact};
 use shardline_router::tls::{SslMode, parse};
 
 fuzz_target!(|text: &str| {
@@ -19,5 +20,19 @@ fuzz_target!(|text: &str| {
     let url = format!("postgres://user:{secret}@{text}");
     if !text.contains(secret) {
         assert!(!redact(&url).contains(secret), "{url}");
+        // What the catalog records of a URL holds no password, in either form.
+        let (bare, taken) = DbUrl::new(url.clone()).split_password();
+        assert!(!bare.expose().contains(secret) && taken.is_some(), "{url}");
+        let kv = format!("host=h password={secret} {text}");
+        let (bare, _) = DbUrl::new(kv.clone()).split_password();
+        assert!(!bare.expose().contains(secret), "{kv}");
+    }
+    // Any password put on a connection string the config accepts comes off again, whole.
+    let (bare, _) = DbUrl::new(text.to_owned()).split_password();
+    if parse(text).is_ok() && !bare.expose().is_empty() {
+        let with = bare.with_password(text);
+        let (again, back) = with.split_password();
+        assert_eq!(back.as_deref(), Some(text), "{with:?}");
+        assert_eq!(again, bare, "{with:?}");
     }
 });

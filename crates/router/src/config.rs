@@ -149,7 +149,7 @@ impl DbUrl {
     /// `password` key of the URL's query or of the key/value form.
     pub fn split_password(&self) -> (DbUrl, Option<String>) {
         let url = &self.0;
-        if let Some((scheme, rest)) = url.split_once("://") {
+        if let Some((scheme, rest)) = url_form(url) {
             let (authority, tail) = match rest.find(['/', '?']) {
                 Some(i) => rest.split_at(i),
                 None => (rest, ""),
@@ -167,6 +167,8 @@ impl DbUrl {
                                 format!("{user}{host}")
                             }
                         }
+                        // An empty user is no user.
+                        None if userinfo.is_empty() => host.trim_start_matches('@').to_owned(),
                         None => authority.to_owned(),
                     }
                 }
@@ -205,11 +207,12 @@ impl DbUrl {
     /// This URL with `password` (which must have none: see [`DbUrl::split_password`]).
     pub fn with_password(&self, password: &str) -> DbUrl {
         let url = &self.0;
-        if let Some((scheme, rest)) = url.split_once("://") {
+        if let Some((scheme, rest)) = url_form(url) {
             let end = rest.find(['/', '?']).unwrap_or(rest.len());
             let (authority, tail) = rest.split_at(end);
             let encoded = percent_encode(password);
             let authority = match authority.rfind('@') {
+                Some(0) => format!(":{encoded}{authority}"),
                 Some(at) => format!("{}:{encoded}{}", &authority[..at], &authority[at..]),
                 // No user: libpq's and the drivers' default user, with a password.
                 None => format!(":{encoded}@{authority}"),
@@ -255,27 +258,31 @@ impl fmt::Display for DbUrl {
 /// Replaces the password of a `scheme://user:password@host` URL, and the value of any
 /// `password=` key of a key/value connection string, by `***`.
 pub fn redact(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some(at) = rest.rfind('@') {
-            let (userinfo, host) = rest.split_at(at);
-            if let Some((user, _)) = userinfo.split_once(':') {
-                return format!("{scheme}://{user}:***{host}");
-            }
-        }
-        return redact_query(url);
+    if url_form(url).is_some() {
+        return redact_query(&mask_userinfo(url));
     }
-    // Parsed as libpq does, so that a quoted password with spaces is hidden whole.
+    // Parsed as libpq does, so that a quoted password with spaces is hidden whole; a
+    // URL inside (a mistyped scheme, a value) loses its password too.
     key_values(url)
         .into_iter()
         .map(|(k, v)| {
             if k.eq_ignore_ascii_case("password") {
-                format!("{k}=***")
+                format!("{}=***", mask_userinfo(&k))
             } else {
-                format!("{k}={}", quote_value(&v))
+                format!("{}={}", mask_userinfo(&k), quote_value(&mask_userinfo(&v)))
             }
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// A connection string in URL form (`postgres://` or `postgresql://`, as libpq
+/// decides), split after its scheme; `None` for the key/value form. The one place the
+/// two forms are told apart.
+pub(crate) fn url_form(s: &str) -> Option<(&str, &str)> {
+    ["postgres://", "postgresql://"]
+        .iter()
+        .find_map(|scheme| s.strip_prefix(scheme).map(|rest| (&scheme[..scheme.len() - 3], rest)))
 }
 
 /// The `key=value` pairs of a libpq key/value connection string (values may be
@@ -370,6 +377,18 @@ fn percent_decode(s: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `scheme://user:password@host...` (any scheme) with the password as `***`; the last
+/// `@` counts, so a password holding `@`, `/` or `?` is hidden whole (and then some).
+fn mask_userinfo(s: &str) -> String {
+    let Some((scheme, rest)) = s.split_once("://") else { return s.to_owned() };
+    let Some(at) = rest.rfind('@') else { return s.to_owned() };
+    let (userinfo, host) = rest.split_at(at);
+    match userinfo.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***{host}"),
+        None => s.to_owned(),
+    }
 }
 
 fn redact_query(url: &str) -> String {
@@ -1029,5 +1048,13 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(redact("postgres://u:p@ss@h/db"), "postgres://u:***@h/db");
         // A quoted password with a space is hidden whole.
         assert_eq!(redact("host=h password='a b' user=u"), "host=h password=*** user=u");
+        // Both a user's password and a query's; a key/value string holding "://" (read
+        // as key/value, as libpq does); a mistyped scheme.
+        assert_eq!(redact("postgres://u:p@h/db?password=q"), "postgres://u:***@h/db?password=***");
+        assert_eq!(
+            redact("host=h password=x application_name=postgres://"),
+            "host=h password=*** application_name=postgres://"
+        );
+        assert_eq!(redact("mysql://u:p@h/db"), "mysql://u:***@h/db=''");
     }
 }

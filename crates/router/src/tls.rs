@@ -108,7 +108,7 @@ impl TlsParams {
 pub fn parse(url: &str) -> Result<TlsParams, String> {
     // The driver's own rule: a URL starts with its scheme; anything else is key=value
     // pairs (whose values may hold "://", as in `application_name=http://x`).
-    let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    let is_url = crate::config::url_form(url).is_some();
     let (base, pairs) = if is_url {
         match url.split_once('?') {
             Some((base, query)) => (
@@ -195,7 +195,13 @@ fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(format!("{key:?} is not a connection string key"));
+            // Never the key whole: a mistyped URL (`mysql://u:pw@h`) would show its
+            // password.
+            let shown: String = key.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            return Err(format!(
+                "{shown:?}{} is not a connection string key (a URL starts with postgres:// or postgresql://)",
+                if shown.len() < key.len() { "..." } else { "" }
+            ));
         }
         while chars.peek().is_some_and(|c| c.is_whitespace()) {
             chars.next();
@@ -318,7 +324,11 @@ mod tests {
             ("host=h sslrootcert='/ca.pem", "not closed"),
             ("host=h sslmode", "has no value"),
             ("host=h =x", "\"\" is not a connection string key"),
-            ("\npostgresql://=/", "\"postgresql://\" is not a connection string key"),
+            ("\npostgresql://=/", "\"postgresql\"... is not a connection string key"),
+            (
+                "mysql://u:pw@h/db",
+                "\"mysql\"... is not a connection string key (a URL starts with postgres://",
+            ),
         ] {
             let err = parse(url).unwrap_err();
             assert!(err.contains(wanted), "{url}: {err}");
