@@ -109,6 +109,23 @@ CREATE OR REPLACE TRIGGER map_changed_delete AFTER DELETE ON shardline.shards
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION shardline.map_changed();
 CREATE OR REPLACE TRIGGER map_changed_update AFTER UPDATE OF host ON shardline.shards
     FOR EACH ROW WHEN (OLD.host IS DISTINCT FROM NEW.host) EXECUTE FUNCTION shardline.map_changed();
+-- No shard is placed on a removed host. FOR SHARE waits for a removal in flight (which
+-- locks the host's row first, then counts its shards): one of the two fails.
+CREATE OR REPLACE FUNCTION shardline.shard_host_live() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    s text;
+BEGIN
+    SELECT h.state INTO s FROM shardline.hosts h WHERE h.name = NEW.host FOR SHARE;
+    IF s = 'removed' THEN
+        RAISE EXCEPTION 'host % was removed: no shard may be placed on it', NEW.host
+            USING ERRCODE = '23514';
+    END IF;
+    RETURN NEW;
+END
+$fn$;
+CREATE OR REPLACE TRIGGER shard_host_live BEFORE INSERT OR UPDATE OF host ON shardline.shards
+    FOR EACH ROW EXECUTE FUNCTION shardline.shard_host_live();
 -- A host added, readdressed, drained or removed changes where the routers connect.
 CREATE OR REPLACE TRIGGER hosts_changed_insert AFTER INSERT ON shardline.hosts
     FOR EACH ROW EXECUTE FUNCTION shardline.map_changed();
@@ -352,7 +369,8 @@ impl Catalog {
     }
 
     /// `init`'s part in the catalog, in one transaction: creates this module's tables
-    /// ([`SCHEMA_SQL`]) when there is no catalog yet, checks the stored parameters
+    /// ([`SCHEMA_SQL`]) when there is no catalog yet (or brings an earlier version's up
+    /// to date), checks the stored parameters
     /// against `config` (or records them), adds the config's hosts the catalog does not
     /// know, and on the first run places every shard over the config's hosts
     /// ([`Config::even_map`]). `check` sees the resulting map before the commit; on any
@@ -368,18 +386,35 @@ impl Catalog {
         check: impl FnOnce(&ShardMap) -> std::result::Result<(), E>,
     ) -> std::result::Result<Prepared, E> {
         let c = &self.client;
-        let exists: bool = c
-            .query_one("SELECT to_regclass('shardline.cluster') IS NOT NULL", &[])
+        // Up to date: the newest objects of SCHEMA_SQL are there (its DDL takes strong
+        // locks that every router's map read would queue behind, so it runs only when
+        // something is missing: a new catalog, or one an earlier version made).
+        let current: bool = c
+            .query_one(
+                "SELECT to_regclass('shardline.cluster') IS NOT NULL
+                    AND EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('shardline.cluster')
+                                                          AND attname = 'map_txid' AND NOT attisdropped)
+                    AND EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('shardline.hosts')
+                                                          AND attname = 'state' AND NOT attisdropped)
+                    AND EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass('shardline.shards')
+                                                        AND tgname = 'shard_host_live')",
+                &[],
+            )
             .await
             .map_err(|e| Error::catalog("look for the catalog", e))?
             .get(0);
         c.batch_execute("BEGIN").await.map_err(|e| Error::catalog("begin", e))?;
         let result = async {
             let mut prepared = Prepared::default();
-            // Idempotent: also brings a catalog made by an earlier version up to date
-            // (the hosts' addresses).
-            let _ = exists;
-            c.batch_execute(SCHEMA_SQL).await.map_err(|e| Error::catalog("create the catalog schema", e))?;
+            if !current {
+                // Idempotent: also brings a catalog made by an earlier version up to
+                // date (the hosts' addresses). Waits for the catalog's tables at most
+                // 10 s rather than queue the routers' map reads behind it for long.
+                c.batch_execute("SET LOCAL lock_timeout = '10s'")
+                    .await
+                    .map_err(|e| Error::catalog("set a lock timeout", e))?;
+                c.batch_execute(SCHEMA_SQL).await.map_err(|e| Error::catalog("create the catalog schema", e))?;
+            }
             match self.cluster().await? {
                 Some(info) => info.check(config)?,
                 None => {
@@ -413,8 +448,7 @@ impl Catalog {
             }
             // A host the catalog knew before it kept addresses: recorded from the config.
             for h in &config.hosts {
-                let (address, _) = h.url.split_password();
-                let (peer, _) = h.peer_url.split_password();
+                let (address, peer) = (recordable(&h.name, &h.url)?, recordable(&h.name, &h.peer_url)?);
                 c.execute(
                     "UPDATE shardline.hosts SET address = $2, peer_address = $3 WHERE name = $1 AND address IS NULL",
                     &[&h.name.as_str(), &address.expose(), &peer.expose()],
@@ -617,7 +651,8 @@ impl Catalog {
             .query_typed_opt(
                 "SELECT c.logical_shards, c.map_version,
                         (SELECT coalesce(array_agg(name ORDER BY position), '{}') FROM shardline.hosts h
-                          WHERE coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'),
+                          WHERE coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
+                             OR EXISTS (SELECT FROM shardline.shards s WHERE s.host = h.name)),
                         (SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM shardline.shards),
                         (SELECT coalesce(array_agg(host ORDER BY shard), '{}') FROM shardline.shards)
                  FROM shardline.cluster c",
@@ -700,6 +735,23 @@ pub struct CatalogHost {
     pub state: HostState,
 }
 
+/// `url` without its password, as the catalog records it for host `name`; refused when
+/// the driver would still read a password from what is left (a password holding `?` or
+/// `/` unencoded, say), so that no password is ever recorded.
+fn recordable(name: &HostName, url: &DbUrl) -> Result<DbUrl> {
+    let (bare, _) = url.split_password();
+    let target = format!("host {name}");
+    if pg_config(&bare, &target).is_ok_and(|c| c.get_password().is_some()) {
+        return Err(Error::BadUrl {
+            target,
+            message: "its password could not be taken off it to record its address; percent-encode it \
+                      (or leave it out and give it by reference)"
+                .into(),
+        });
+    }
+    Ok(bare)
+}
+
 impl CatalogHost {
     /// A host record, as the catalog would hold it.
     pub fn new(
@@ -753,8 +805,7 @@ impl Catalog {
     ///
     /// [`Error::Catalog`] (a name already known among them: SQLSTATE 23505).
     pub async fn add_host(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<()> {
-        let (address, _) = url.split_password();
-        let (peer, _) = peer_url.split_password();
+        let (address, peer) = (recordable(name, url)?, recordable(name, peer_url)?);
         self.client
             .execute(
                 "INSERT INTO shardline.hosts (name, position, address, peer_address)
@@ -773,8 +824,7 @@ impl Catalog {
     ///
     /// [`Error::Catalog`].
     pub async fn set_address(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<bool> {
-        let (address, _) = url.split_password();
-        let (peer, _) = peer_url.split_password();
+        let (address, peer) = (recordable(name, url)?, recordable(name, peer_url)?);
         let n = self
             .client
             .execute(
@@ -794,25 +844,51 @@ impl Catalog {
     /// [`Error::Catalog`]; [`Error::InvalidCatalog`] when `Removed` is asked of a host
     /// that holds shards.
     pub async fn set_host_state(&self, name: &HostName, state: HostState) -> Result<bool> {
-        let row = self
-            .client
-            .query_one(
-                "WITH held AS (SELECT count(*) AS n FROM shardline.shards WHERE host = $1),
-                      changed AS (
-                        UPDATE shardline.hosts SET state = $2
-                         WHERE name = $1 AND ($2 <> 'removed' OR (SELECT n FROM held) = 0)
-                         RETURNING 1)
-                 SELECT (SELECT count(*) FROM changed), (SELECT n FROM held),
-                        EXISTS (SELECT FROM shardline.hosts WHERE name = $1)",
+        let c = &self.client;
+        let err = |e| Error::catalog("set a host's state", e);
+        c.batch_execute("BEGIN").await.map_err(err)?;
+        let result = async {
+            // The row first (a flip onto the host waits on it, see shard_host_live),
+            // then its shards, in a snapshot taken after the lock.
+            let known = c
+                .query_opt("SELECT FROM shardline.hosts WHERE name = $1 FOR UPDATE", &[&name.as_str()])
+                .await
+                .map_err(err)?
+                .is_some();
+            if !known {
+                return Ok(false);
+            }
+            if state == HostState::Removed {
+                let held: i64 = c
+                    .query_one("SELECT count(*) FROM shardline.shards WHERE host = $1", &[&name.as_str()])
+                    .await
+                    .map_err(err)?
+                    .get(0);
+                if held > 0 {
+                    return Err(Error::InvalidCatalog {
+                        reason: format!("host {name} still holds {held} shard(s)"),
+                    });
+                }
+            }
+            c.execute(
+                "UPDATE shardline.hosts SET state = $2 WHERE name = $1",
                 &[&name.as_str(), &state.as_str()],
             )
             .await
-            .map_err(|e| Error::catalog("set a host's state", e))?;
-        let (changed, held, known): (i64, i64, bool) = (row.get(0), row.get(1), row.get(2));
-        if known && changed == 0 && held > 0 {
-            return Err(Error::InvalidCatalog { reason: format!("host {name} still holds {held} shard(s)") });
+            .map_err(err)?;
+            Ok(true)
         }
-        Ok(known)
+        .await;
+        match result {
+            Ok(known) => {
+                c.batch_execute("COMMIT").await.map_err(err)?;
+                Ok(known)
+            }
+            Err(e) => {
+                let _ = c.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+        }
     }
 }
 

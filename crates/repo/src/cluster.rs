@@ -162,6 +162,8 @@ struct Inner {
 struct HostPool {
     /// The catalog's address it was made from (`None`: the config's URL).
     address: Option<shardline_router::config::DbUrl>,
+    /// For a host the config lists: the catalog's address when last looked at.
+    seen: Option<shardline_router::config::DbUrl>,
     /// The URL it connects with (a password in it, maybe).
     url: shardline_router::config::DbUrl,
     pool: Pool,
@@ -226,7 +228,16 @@ impl Cluster {
             options,
             listener: std::sync::Mutex::new(None),
         });
-        sync_pools(&inner, &map, &hosts).await?;
+        if let Some((host, e)) = sync_pools(&inner, &map, &hosts).await.into_iter().next() {
+            return Err(match e {
+                e @ (Error::Credentials { .. } | Error::BadUrl { .. } | Error::Tls { .. }) => e,
+                _ => Error::UnknownHost { host },
+            });
+        }
+        {
+            let pools = inner.pools.read().map_or_else(|p| p.into_inner().clone(), |p| p.clone());
+            check_hosts(&map, &pools)?;
+        }
         let cluster = Cluster { inner };
         if cluster.inner.options.listen {
             let listener = MapListener::start(&cluster.inner.listen_url).await?;
@@ -652,67 +663,91 @@ fn make_pool(
 }
 
 /// Brings the pools in line with the catalog's `hosts` and `map`: a pool for each host
-/// the config lists, and for each other host the catalog has an address for and has
-/// not removed; a host readdressed gets a new pool (the old one closes as its
-/// connections come back); a pool for a host that is gone goes. Then checks that every
-/// host holding shards in `map` has a pool. The pools are left as they were when a
-/// host's password cannot be had.
-async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Result<()> {
+/// the config lists (unless the catalog removed it and it holds no shard), and for each
+/// other host the catalog has an address for and has not removed; a host readdressed
+/// gets a new pool (the old one closes as its connections come back); a pool for a host
+/// that is gone goes. A host whose pool cannot be made (its password cannot be had in
+/// `connect_timeout`, say) gets none: its statements fail with
+/// [`Error::UnknownHost`] rather than reach an old address, and the other hosts and the
+/// map move on. Returns the hosts that hold shards in `map` but have no pool, with why.
+async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec<(HostName, Error)> {
     let held = inner.pools.read().map_or_else(|p| p.into_inner().clone(), |p| p.clone());
     let mut next: HashMap<HostName, HostPool> = HashMap::new();
+    let mut failed: Vec<(HostName, Error)> = Vec::new();
     let known = |name: &HostName| hosts.iter().find(|h| &h.name == name);
     for h in &inner.config.hosts {
-        let (address, url) = (None, h.url.clone());
+        let record = known(&h.name);
+        if record.is_some_and(|r| r.state == HostState::Removed) && map.shards_of(&h.name).next().is_none() {
+            continue;
+        }
         let pool = match held.get(&h.name) {
             Some(p) if p.address.is_none() => p.clone(),
-            _ => new_host_pool(inner, &h.name, address, url)?,
+            _ => match new_host_pool(inner, &h.name, None, h.url.clone()) {
+                Ok(p) => p,
+                Err(e) => {
+                    failed.push((h.name.clone(), e));
+                    continue;
+                }
+            },
         };
-        next.insert(h.name.clone(), pool);
+        // Said once per change of the catalog's address.
+        if let Some(r) = record
+            && pool.seen != r.address
+        {
+            credentials::warn_if_elsewhere(h, r);
+        }
+        next.insert(h.name.clone(), HostPool { seen: record.and_then(|r| r.address.clone()), ..pool });
     }
     for h in hosts {
-        if next.contains_key(&h.name) || h.state == HostState::Removed {
+        if next.contains_key(&h.name) || inner.config.host(&h.name).is_some() || h.state == HostState::Removed
+        {
             continue;
         }
         let Some(address) = &h.address else { continue };
-        match held.get(&h.name) {
-            Some(p) if p.address.as_ref() == Some(address) => {
-                next.insert(h.name.clone(), p.clone());
+        if let Some(p) = held.get(&h.name).filter(|p| p.address.as_ref() == Some(address)) {
+            next.insert(h.name.clone(), p.clone());
+            continue;
+        }
+        let asked = tokio::time::timeout(
+            inner.options.connect_timeout,
+            credentials::host_config(&inner.config, inner.credentials.as_ref(), h),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Credentials {
+                host: h.name.clone(),
+                message: format!("no answer within {:?}", inner.options.connect_timeout),
+            })
+        })
+        .and_then(|c| new_host_pool(inner, &h.name, Some(address.clone()), c.url));
+        match asked {
+            Ok(pool) => {
+                let what = if held.contains_key(&h.name) {
+                    "the host was readdressed; connecting there"
+                } else {
+                    "a host joined"
+                };
+                tracing::info!(host = %h.name, address = %address, "{what}");
+                next.insert(h.name.clone(), pool);
             }
-            held_pool => {
-                let resolved = credentials::host_config(&inner.config, inner.credentials.as_ref(), h).await;
-                match resolved {
-                    Ok(c) => {
-                        if held_pool.is_some() {
-                            tracing::info!(host = %h.name, address = %address, "the host was readdressed; connecting there");
-                        } else {
-                            tracing::info!(host = %h.name, address = %address, "a host joined");
-                        }
-                        next.insert(
-                            h.name.clone(),
-                            new_host_pool(inner, &h.name, Some(address.clone()), c.url)?,
-                        );
-                    }
-                    // Only fatal when the host holds shards (checked below); else said.
-                    Err(e) if map.shards_of(&h.name).next().is_none() => {
-                        tracing::warn!(host = %h.name, error = %crate::error_chain(&e), "cannot reach a host that holds no shard yet");
-                    }
-                    Err(e) => return Err(e),
-                }
+            Err(e) => {
+                tracing::warn!(host = %h.name, address = %address, error = %crate::error_chain(&e), "cannot make a pool for the host; its statements fail until it can");
+                failed.push((h.name.clone(), e));
             }
         }
     }
     for name in held.keys().filter(|n| !next.contains_key(*n)) {
         let why = known(name).map_or("it is no longer in the catalog", |h| match h.state {
             HostState::Removed => "it was removed",
-            _ => "it has no address",
+            _ => "it has no usable address",
         });
         tracing::info!(host = %name, why, "closing the host's pool");
     }
-    check_hosts(map, &next)?;
     if let Ok(mut pools) = inner.pools.write() {
         *pools = next;
     }
-    Ok(())
+    failed.retain(|(h, _)| map.shards_of(h).next().is_some());
+    failed
 }
 
 fn new_host_pool(
@@ -723,6 +758,7 @@ fn new_host_pool(
 ) -> Result<HostPool> {
     Ok(HostPool {
         pool: make_pool(name, &url, &inner.options)?,
+        seen: None,
         address,
         url,
         #[cfg(feature = "sqlx")]
@@ -754,7 +790,9 @@ async fn refresh(inner: &Inner) -> Result<i64> {
     if inner.map.read().map(|m| m.version()).unwrap_or(0) > version {
         return Ok(version);
     }
-    sync_pools(inner, &map, &hosts).await?;
+    for (host, e) in sync_pools(inner, &map, &hosts).await {
+        tracing::error!(host = %host, shards = map.shards_of(&host).count(), error = %crate::error_chain(&e), "the map places shards on a host this handle cannot reach; their statements fail until it can");
+    }
     if let Ok(mut held) = inner.map.write()
         && held.version() <= version
     {

@@ -98,7 +98,14 @@ async fn passfile_password(path: &Path, address: &DbUrl) -> std::result::Result<
         None => "localhost".to_owned(),
     };
     let port = pg.get_ports().first().copied().unwrap_or(5432).to_string();
-    let user = pg.get_user().unwrap_or_default().to_owned();
+    // As libpq: no user is PGUSER, else the operating system's user; no database is
+    // the user's name.
+    let user = pg
+        .get_user()
+        .map(str::to_owned)
+        .or_else(|| std::env::var("PGUSER").ok())
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_default();
     let db = pg.get_dbname().map_or_else(|| user.clone(), str::to_owned);
     Ok(passfile_lookup(&text, [&host, &port, &db, &user]))
 }
@@ -111,41 +118,57 @@ fn passfile_lookup(text: &str, wanted: [&str; 4]) -> Option<String> {
             continue;
         }
         let fields = split_passfile_line(line);
-        if fields.len() != 5 {
+        if fields.len() < 5 {
             continue;
         }
-        if fields.iter().zip(wanted).all(|(f, w)| f == "*" || f == w) {
-            return fields.into_iter().nth(4);
+        // An unescaped `*` matches anything; `\*` is a star.
+        if fields.iter().zip(wanted).all(|((f, star), w)| *star || f == w) {
+            return fields.into_iter().nth(4).map(|(f, _)| f);
         }
     }
     None
 }
 
-/// A passfile line's fields: `:` separates, `\` escapes.
-fn split_passfile_line(line: &str) -> Vec<String> {
-    let mut fields = vec![String::new()];
+/// A passfile line's fields, each with whether it is an unescaped `*`: `:` separates,
+/// `\` escapes the next character. Fields past the fifth are ignored, as libpq does.
+fn split_passfile_line(line: &str) -> Vec<(String, bool)> {
+    let mut fields = Vec::new();
+    let (mut field, mut escaped_any) = (String::new(), false);
     let mut chars = line.chars();
     while let Some(c) = chars.next() {
         match c {
             '\\' => {
-                if let (Some(next), Some(f)) = (chars.next(), fields.last_mut()) {
-                    f.push(next);
+                if let Some(next) = chars.next() {
+                    field.push(next);
+                    escaped_any = true;
                 }
             }
-            ':' if fields.len() < 5 => fields.push(String::new()),
-            c => {
-                if let Some(f) = fields.last_mut() {
-                    f.push(c);
-                }
+            ':' => {
+                let star = field == "*" && !escaped_any;
+                fields.push((std::mem::take(&mut field), star));
+                escaped_any = false;
             }
+            c => field.push(c),
         }
     }
+    let star = field == "*" && !escaped_any;
+    fields.push((field, star));
     fields
 }
 
 /// Whether `a` and `b` name the same place: equal once their passwords are taken off.
 pub fn same_address(a: &DbUrl, b: &DbUrl) -> bool {
     a.split_password().0 == b.split_password().0
+}
+
+/// Warns when the catalog records `host` at another address than `entry`, the config's
+/// URL, which is used (so a `shardline host readdress` is not followed).
+pub(crate) fn warn_if_elsewhere(entry: &HostConfig, host: &CatalogHost) {
+    if let Some(address) = &host.address
+        && !same_address(address, &entry.url)
+    {
+        tracing::warn!(host = %host.name, config = %entry.url, catalog = %address, "the config lists this host at another URL than the catalog's address; using the config's (a readdress is not followed)");
+    }
 }
 
 /// How to reach `host`: the config's URLs when the config lists it, else the catalog's
@@ -161,11 +184,6 @@ pub async fn host_config(
     host: &CatalogHost,
 ) -> Result<HostConfig> {
     if let Some(h) = config.host(&host.name) {
-        if let Some(address) = &host.address
-            && !same_address(address, &h.url)
-        {
-            tracing::warn!(host = %host.name, config = %h.url, catalog = %address, "the config gives this host another URL than the catalog's address; using the config's");
-        }
         return Ok(h.clone());
     }
     let Some(address) = &host.address else { return Err(Error::UnknownHost { host: host.name.clone() }) };
@@ -180,8 +198,12 @@ pub async fn host_config(
         })
     };
     let url = ask(address.clone()).await?;
+    // A peer address of its own is handed to the target's server as recorded: no
+    // password is put in it (it would sit in `pg_subscription`); give it a `passfile`
+    // on the target (docs/operations.md). Without one, the peers use `url`, as a config
+    // entry's `peer_url` defaults to its `url`.
     let peer_url = match &host.peer_address {
-        Some(peer) if peer != address => ask(peer.clone()).await?,
+        Some(peer) if peer != address => peer.clone(),
         _ => url.clone(),
     };
     Ok(HostConfig { name: host.name.clone(), url, peer_url })
@@ -206,12 +228,33 @@ pub async fn with_catalog_hosts(config: &Config, credentials: &dyn Credentials) 
         Err(e) if e.sqlstate() == Some("42P01") || e.sqlstate() == Some("3F000") => return Ok(config.clone()),
         Err(e) => return Err(e),
     };
+    let map = catalog.map().await?;
     let mut out = config.clone();
+    // A host the config lists but the catalog removed is gone.
+    out.hosts.retain(|c| {
+        let removed = hosts.iter().any(|h| h.name == c.name && h.state == HostState::Removed);
+        if removed && map.shards_of(&c.name).next().is_none() {
+            tracing::warn!(host = %c.name, "the config lists a host that was removed (`shardline host remove`); leaving it out");
+            return false;
+        }
+        true
+    });
     for h in &hosts {
-        if h.state == HostState::Removed || config.host(&h.name).is_some() {
+        if let Some(entry) = config.host(&h.name) {
+            warn_if_elsewhere(entry, h);
             continue;
         }
-        out.hosts.push(host_config(config, credentials, h).await?);
+        if h.state == HostState::Removed {
+            continue;
+        }
+        match host_config(config, credentials, h).await {
+            Ok(c) => out.hosts.push(c),
+            // A host that holds no shard is not needed to act on the others: said.
+            Err(e) if map.shards_of(&h.name).next().is_none() => {
+                tracing::warn!(host = %h.name, error = %crate::error_chain(&e), "leaving out a host that holds no shard and cannot be reached");
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(out)
 }
@@ -219,6 +262,24 @@ pub async fn with_catalog_hosts(config: &Config, credentials: &dyn Credentials) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn password_env_reads_the_variable_the_template_names_and_names_it_when_unset() {
+        let host = HostName::new("path").unwrap_or_else(|_| unreachable!());
+        let address = DbUrl::new("postgres://app@pg1/app".into());
+        // PATH is set wherever tests run: "{host}" upper-cased names it.
+        let got = futures::executor::block_on(
+            config::Credentials::PasswordEnv("{host}".into()).password(&host, &address),
+        );
+        assert_eq!(got.ok().flatten(), std::env::var("PATH").ok());
+        let unset = futures::executor::block_on(
+            config::Credentials::PasswordEnv("SHARDLINE_UNSET_{host}_PW".into()).password(&host, &address),
+        );
+        let message = unset.err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(message, "environment variable SHARDLINE_UNSET_PATH_PW is not set");
+        let none = futures::executor::block_on(config::Credentials::None.password(&host, &address));
+        assert!(matches!(none, Ok(None)));
+    }
 
     #[test]
     fn a_passfile_line_matches_as_libpq_matches() {
@@ -231,6 +292,10 @@ mod tests {
         assert_eq!(passfile_lookup(text, ["pg1", "5432", "app", "app"]).as_deref(), Some("fallback"));
         assert_eq!(passfile_lookup(text, ["pg9", "1", "x", "y"]).as_deref(), Some("nine"));
         assert_eq!(passfile_lookup(text, ["pg1", "5432", "app", "other"]), None);
-        assert_eq!(split_passfile_line("a:b:c:d:e:f"), ["a", "b", "c", "d", "e:f"]);
+        // The password ends at an unescaped colon, as libpq reads it; `\*` is a star,
+        // not any.
+        assert_eq!(passfile_lookup("h:1:d:u:pw:extra\n", ["h", "1", "d", "u"]).as_deref(), Some("pw"));
+        assert_eq!(passfile_lookup("\\*:1:d:u:star\n", ["h", "1", "d", "u"]), None);
+        assert_eq!(passfile_lookup("\\*:1:d:u:star\n", ["*", "1", "d", "u"]).as_deref(), Some("star"));
     }
 }

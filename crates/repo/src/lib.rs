@@ -443,6 +443,10 @@ impl Error {
     pub(crate) fn is_moved(&self) -> bool {
         match self {
             Error::Host { source: Some(e), .. } => repository::is_moved(e),
+            // The map (an older one, maybe) places the shard on a host the handle has no
+            // pool for (removed since, say): nothing was sent; a newer map may place it
+            // elsewhere.
+            Error::UnknownHost { .. } => true,
             #[cfg(feature = "sqlx")]
             Error::Sqlx { sqlstate: Some(s), .. } => repository::is_moved_sqlstate(s),
             _ => false,

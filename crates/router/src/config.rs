@@ -148,19 +148,26 @@ impl DbUrl {
     /// when it had one: the `user:password@` of the URL form (percent-decoded), or a
     /// `password` key of the URL's query or of the key/value form.
     pub fn split_password(&self) -> (DbUrl, Option<String>) {
+        let (bare, mut all) = self.split_passwords();
+        (bare, if all.is_empty() { None } else { Some(all.swap_remove(0)) })
+    }
+
+    /// As [`DbUrl::split_password`], with every password found (a URL may hold one in
+    /// its user part and another as a parameter), in order.
+    fn split_passwords(&self) -> (DbUrl, Vec<String>) {
         let url = &self.0;
         if let Some((scheme, rest)) = url_form(url) {
             let (authority, tail) = match rest.find(['/', '?']) {
                 Some(i) => rest.split_at(i),
                 None => (rest, ""),
             };
-            let mut password = None;
+            let mut password = Vec::new();
             let authority = match authority.rfind('@') {
                 Some(at) => {
                     let (userinfo, host) = authority.split_at(at);
                     match userinfo.split_once(':') {
                         Some((user, pw)) => {
-                            password = Some(percent_decode(pw));
+                            password.push(percent_decode(pw));
                             if user.is_empty() {
                                 host.trim_start_matches('@').to_owned()
                             } else {
@@ -180,7 +187,7 @@ impl DbUrl {
                     for kv in query.split('&') {
                         match kv.split_once('=') {
                             Some((k, v)) if k.eq_ignore_ascii_case("password") => {
-                                password = password.or_else(|| Some(percent_decode(v)));
+                                password.push(percent_decode(v));
                             }
                             _ if kv.is_empty() => {}
                             _ => kept.push(kv),
@@ -192,16 +199,34 @@ impl DbUrl {
             };
             return (DbUrl(format!("{scheme}://{authority}{tail}")), password);
         }
-        let mut password = None;
+        // Parsed as libpq parses it; a string it cannot parse is left whole (and the
+        // catalog refuses to record what still holds a password: see the repository's
+        // `Catalog::add_host`).
+        let Ok(pairs) = crate::tls::key_values(url) else { return (self.clone(), Vec::new()) };
+        let mut password = Vec::new();
         let mut kept = Vec::new();
-        for (k, v) in key_values(url) {
+        for (k, v) in pairs {
             if k.eq_ignore_ascii_case("password") {
-                password = Some(v);
+                password.push(v);
             } else {
                 kept.push(format!("{k}={}", quote_value(&v)));
             }
         }
         (DbUrl(kept.join(" ")), password)
+    }
+
+    /// The password this URL holds, as it may appear in a message: decoded, and
+    /// percent-encoded (empty when it holds none).
+    pub fn password_spellings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for p in self.split_passwords().1.into_iter().filter(|p| !p.is_empty()) {
+            let encoded = percent_encode(&p);
+            if encoded != p {
+                out.push(encoded);
+            }
+            out.push(p);
+        }
+        out
     }
 
     /// This URL with `password` (which must have none: see [`DbUrl::split_password`]).
@@ -211,13 +236,18 @@ impl DbUrl {
             let end = rest.find(['/', '?']).unwrap_or(rest.len());
             let (authority, tail) = rest.split_at(end);
             let encoded = percent_encode(password);
-            let authority = match authority.rfind('@') {
-                Some(0) => format!(":{encoded}{authority}"),
-                Some(at) => format!("{}:{encoded}{}", &authority[..at], &authority[at..]),
-                // No user: libpq's and the drivers' default user, with a password.
-                None => format!(":{encoded}@{authority}"),
+            return match authority.rfind('@') {
+                Some(at) if at > 0 => {
+                    DbUrl(format!("{scheme}://{}:{encoded}{}{tail}", &authority[..at], &authority[at..]))
+                }
+                // No user: the driver's default user, and the password as a parameter
+                // (an empty user before `:` would be sent as the user name "").
+                _ => {
+                    let authority = authority.trim_start_matches('@');
+                    let sep = if tail.contains('?') { '&' } else { '?' };
+                    DbUrl(format!("{scheme}://{authority}{tail}{sep}password={encoded}"))
+                }
             };
-            return DbUrl(format!("{scheme}://{authority}{tail}"));
         }
         DbUrl(format!("{url} password={}", quote_value(password)))
     }
@@ -262,8 +292,10 @@ pub fn redact(url: &str) -> String {
         return redact_query(&mask_userinfo(url));
     }
     // Parsed as libpq does, so that a quoted password with spaces is hidden whole; a
-    // URL inside (a mistyped scheme, a value) loses its password too.
-    key_values(url)
+    // URL inside (a mistyped scheme, a value) loses its password too. What cannot be
+    // parsed is not shown at all.
+    let Ok(pairs) = crate::tls::key_values(url) else { return "***".to_owned() };
+    pairs
         .into_iter()
         .map(|(k, v)| {
             if k.eq_ignore_ascii_case("password") {
@@ -283,58 +315,6 @@ pub(crate) fn url_form(s: &str) -> Option<(&str, &str)> {
     ["postgres://", "postgresql://"]
         .iter()
         .find_map(|scheme| s.strip_prefix(scheme).map(|rest| (&scheme[..scheme.len() - 3], rest)))
-}
-
-/// The `key=value` pairs of a libpq key/value connection string (values may be
-/// single-quoted, with `\\` escapes).
-fn key_values(text: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut chars = text.chars().peekable();
-    loop {
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        let mut key = String::new();
-        while let Some(&c) = chars.peek() {
-            if c == '=' || c.is_whitespace() {
-                break;
-            }
-            key.push(c);
-            chars.next();
-        }
-        if key.is_empty() {
-            return out;
-        }
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        if chars.peek() == Some(&'=') {
-            chars.next();
-        }
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        let mut value = String::new();
-        if chars.peek() == Some(&'\'') {
-            chars.next();
-            while let Some(c) = chars.next() {
-                match c {
-                    '\\' => value.extend(chars.next()),
-                    '\'' => break,
-                    c => value.push(c),
-                }
-            }
-        } else {
-            while let Some(&c) = chars.peek() {
-                if c.is_whitespace() {
-                    break;
-                }
-                value.push(c);
-                chars.next();
-            }
-        }
-        out.push((key, value));
-    }
 }
 
 /// A key/value connection string's value, quoted when it must be.
@@ -360,23 +340,7 @@ fn percent_encode(s: &str) -> String {
 
 /// Decodes `%XX` escapes (a malformed one is kept as written).
 fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    crate::tls::percent_decode(s).unwrap_or_else(|_| s.to_owned())
 }
 
 /// `scheme://user:password@host...` (any scheme) with the password as `***`; the last
@@ -1031,6 +995,11 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
                 assert_eq!(back.split_password(), (got.clone(), Some(p.clone())), "{url}");
             }
         }
+        // No user: the password goes as a parameter (an empty user would be sent).
+        assert_eq!(
+            DbUrl::new("postgres://pg1/db".into()).with_password("p w").expose(),
+            "postgres://pg1/db?password=p%20w"
+        );
         let odd = "p:@/ ?&=%'\\é";
         for base in ["postgres://app@pg1:5/db?x=1", "postgres://pg1/db", "host=pg1 user=app"] {
             let with = DbUrl::new(base.into()).with_password(odd);
@@ -1055,6 +1024,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             redact("host=h password=x application_name=postgres://"),
             "host=h password=*** application_name=postgres://"
         );
-        assert_eq!(redact("mysql://u:p@h/db"), "mysql://u:***@h/db=''");
+        assert_eq!(redact("mysql://u:p@h/db"), "***");
+        assert_eq!(redact("host=h password=a\\ b user=u"), "host=h password=*** user=u");
     }
 }

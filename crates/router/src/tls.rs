@@ -176,7 +176,7 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
 
 /// `key=value` pairs of a libpq connection string; values may be single-quoted with `\`
 /// escapes, and spaces may surround `=`.
-fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
+pub(crate) fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
     let mut out = Vec::new();
     let mut chars = s.chars().peekable();
     loop {
@@ -244,7 +244,7 @@ fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
     }
 }
 
-fn percent_decode(s: &str) -> Result<String, String> {
+pub(crate) fn percent_decode(s: &str) -> Result<String, String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

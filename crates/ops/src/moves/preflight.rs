@@ -131,7 +131,13 @@ pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) 
 
     let target_config = config.hosts.iter().find(|h| h.name == target_name);
     let target_state = catalog.hosts().await?.into_iter().find(|h| h.name == target_name).map(|h| h.state);
-    if target_config.is_none() {
+    if target_state == Some(HostState::Removed) {
+        checks.add(
+            None,
+            "target",
+            format!("{target_name} was removed (`shardline host add {target_name}` brings it back)"),
+        );
+    } else if target_config.is_none() {
         let known = config.hosts.iter().map(|h| h.name.to_string()).collect::<Vec<_>>().join(", ");
         checks.add(
             None,

@@ -61,61 +61,11 @@ pub(crate) fn redact(message: &str, conninfo: &str) -> String {
     out
 }
 
-/// The passwords a libpq connection string holds: a URL's `user:password@`, and any
-/// `password=` value (URL query or key/value form), as written and percent-decoded.
+/// The passwords a libpq connection string holds (a URL's `user:password@` or
+/// `password` parameter, a key/value `password`), decoded and percent-encoded: one
+/// parser for all, `DbUrl::split_password`.
 fn passwords(conninfo: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    let mut push = |raw: &str| {
-        found.push(raw.to_owned());
-        found.push(percent_decoded(raw));
-    };
-    if let Some((_, rest)) = conninfo.split_once("://") {
-        let authority = rest.split(['/', '?']).next().unwrap_or_default();
-        if let Some((_, password)) =
-            authority.rsplit_once('@').and_then(|(userinfo, _)| userinfo.split_once(':'))
-        {
-            push(password);
-        }
-        if let Some((_, query)) = rest.split_once('?') {
-            for kv in query.split('&') {
-                match kv.split_once('=') {
-                    Some((k, v)) if k.eq_ignore_ascii_case("password") => push(v),
-                    _ => {}
-                }
-            }
-        }
-    } else {
-        let mut words = conninfo.split_whitespace().peekable();
-        while let Some(word) = words.next() {
-            let Some((k, v)) = word.split_once('=') else { continue };
-            if k.eq_ignore_ascii_case("password") {
-                // `password = x` and quoted values: take the next word when empty.
-                let v = if v.is_empty() { words.peek().copied().unwrap_or_default() } else { v };
-                push(v.trim_matches('\''));
-            }
-        }
-    }
-    found
-}
-
-fn percent_decoded(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    shardline_router::config::DbUrl::new(conninfo.to_owned()).password_spellings()
 }
 
 #[cfg(test)]
