@@ -269,13 +269,13 @@ pub(crate) async fn a_host_new_to_the_config_joins_with_no_shards(ctx: TestConte
     assert_eq!((report.shards_placed, report.schemas_created, report.map_version), (0, 0, 2), "{report:?}");
     assert!(schemas(&f.client(&ctx, 2).await?).await?.is_empty());
     let map: serde_json::Value = serde_json::from_str(&cli(&f, &["map", "--json"]).await?)?;
-    assert_eq!(map["version"], 1);
+    assert_eq!(map["version"], 2);
     assert_eq!(map["hosts"][0]["ranges"], serde_json::json!([[0, 3]]));
     assert_eq!(map["hosts"][1]["ranges"], serde_json::json!([[4, 7]]));
     assert_eq!(map["hosts"][2], serde_json::json!({"name": "pg3", "shards": 0, "ranges": []}));
     let text = cli(&f, &["map"]).await?;
     assert!(
-        text.starts_with("map version 1: 8 logical shards on 3 hosts\npg1      4 shards  0-3\n"),
+        text.starts_with("map version 2: 8 logical shards on 3 hosts\npg1      4 shards  0-3\n"),
         "{text}"
     );
     Ok(())
