@@ -19,6 +19,7 @@ use clap::Args;
 use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo, with_sqlx};
 use shardline_ops::moves::{MoveOptions, MoveReport};
 use shardline_repo::{Cluster, ClusterOptions, Id};
+use shardline_router::config::DbUrl;
 use shardline_router::{Config, HostName};
 use shardline_testkit::BackendKind;
 
@@ -170,6 +171,7 @@ pub fn demo(opt: &DemoOpt, out: &mut dyn Write) -> anyhow::Result<()> {
             let path = dir.join("shardline.toml");
             for cmd in [
                 "map",
+                "host list",
                 "status",
                 "moves",
                 "locate --user 42",
@@ -207,9 +209,6 @@ async fn run(
     }
     let path: PathBuf = dir.join("shardline.toml");
     let config = load(&path, &config_text(kit, hosts, opt.shards, dir))?;
-    let grown_text = config_text(kit, hosts + 1, opt.shards, dir);
-    let grown: Config = Config::from_toml(&grown_text, "shardline.toml", dir, &|v| std::env::var(v).ok())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
 
     let t = Instant::now();
     let report = shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;
@@ -221,11 +220,12 @@ async fn run(
         t.elapsed().as_secs_f64()
     )?;
 
-    // The application's handle knows every host, the one still to join included. It
-    // reaches the hosts directly (no pooler), so statements are kept prepared per
-    // connection, and fan-outs read 64 shards per statement (docs/repository.md).
+    // The application's handle knows the hosts there are now; the one still to join
+    // it learns from the catalog. It reaches the hosts directly (no pooler), so
+    // statements are kept prepared per connection, and fan-outs read 64 shards per
+    // statement (docs/repository.md).
     let options = ClusterOptions { statement_cache: 1024, fan_out_batch: 64, ..ClusterOptions::default() };
-    let cluster = Cluster::connect(&grown, options).await?;
+    let cluster = Cluster::connect(&config, options).await?;
     let users = i64::from(opt.users);
     let hot_user = 42 * 7919i64;
     let hot = cluster.route_user(hot_user);
@@ -270,12 +270,21 @@ async fn run(
     )?;
     out.flush()?;
     moves.push(moved);
-    let grown = load(&path, &grown_text)?;
-    shardline_ops::init(&grown, &shardline_ops::Options::default(), &|_| {}).await?;
-    let plan = shardline_ops::rebalance::plan(&grown, usize::from(opt.rebalance)).await?;
-    writeln!(out, "  pg{} joined; rebalancing {} shard(s) onto it", hosts + 1, plan.moves.len())?;
+    // A host joins as `shardline host add` adds it: no config changes, the running
+    // handle opens a pool for it from the catalog's address.
+    let joining = kit.hosts().get(hosts).context("the kit has no host to add")?;
+    let name = HostName::new(&format!("pg{}", hosts + 1))?;
+    let (url, peer) = (DbUrl::new(joining.url(DB)), DbUrl::new(joining.peer_url(DB)));
+    let added = shardline_ops::fleet::add(&config, &name, Some(&url), Some(&peer)).await?;
+    let plan = shardline_ops::rebalance::plan(&config, usize::from(opt.rebalance)).await?;
+    writeln!(
+        out,
+        "  {name} joined (`shardline host add`, map version {}); rebalancing {} shard(s) onto it",
+        added.map_version,
+        plan.moves.len()
+    )?;
     out.flush()?;
-    for (m, r) in shardline_ops::rebalance::apply(&grown, &plan, 1, &MoveOptions::default()).await {
+    for (m, r) in shardline_ops::rebalance::apply(&config, &plan, 1, &MoveOptions::default()).await {
         let r = r.with_context(|| format!("moving shard {} to {}", m.shard, m.to))?;
         writeln!(
             out,
@@ -290,6 +299,7 @@ async fn run(
     }
     let elapsed = SystemTime::now().duration_since(began).unwrap_or_default();
 
+    let grown = shardline_ops::fleet::resolved(&config).await?;
     summary(out, &grown, &cluster, &stats, &moves, elapsed).await
 }
 
