@@ -412,6 +412,26 @@ async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestCont
         // up, other tests share the server).
         drop(previous.take());
         load.progress(100).await?;
+        // The sqlx path's pool follows too (made anew with the host's new pool): it
+        // reads user 4's photos (written once, early) through the new address.
+        assert_eq!(cluster.route_user(4).host.as_str(), "pg2");
+        let through_sqlx = cluster
+            .sqlx()
+            .on_user(4, |conn| {
+                Box::pin(async move {
+                    ::sqlx::query_scalar::<_, i64>("SELECT count(*) FROM photos WHERE user_id = 4")
+                        .fetch_one(&mut **conn)
+                        .await
+                })
+            })
+            .await?;
+        let direct: i64 = f
+            .client(&ctx, 1)
+            .await?
+            .query_one("SELECT count(*) FROM shard_0004.photos WHERE user_id = 4", &[])
+            .await?
+            .get(0);
+        assert_eq!((through_sqlx, direct), (1, 1), "round {round}");
         previous = Some(bouncer);
     }
     load.stop.store(true, Ordering::Relaxed);
