@@ -323,6 +323,22 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
     assert_eq!(states[0], ("pg1".to_owned(), "removed".to_owned(), 0), "{list}");
     assert_eq!(states.iter().map(|s| s.2).sum::<u64>(), 8, "{list}");
 
+    // A removed host comes back with `host add` (from the operator's config, which still
+    // lists it); a drain is ended by adding the host again.
+    let said = cli(&f, &["host", "add", "pg1"]).await?;
+    assert!(said.contains("added host pg1"), "{said}");
+    hosts_become(&cluster, &["pg1", "pg2", "pg3"]).await?;
+    let said = cli(&f, &["host", "drain", "pg1"]).await?;
+    assert!(said.contains("host pg1 drained: 0 move(s) done"), "{said}");
+    let (out, _) = cli_full(&f, &["move", "0", "--to", "pg1", "--dry-run"]).await;
+    assert!(out.contains("pg1 is draining"), "{out}");
+    let said = cli(&f, &["host", "add", "pg1"]).await?;
+    assert!(said.contains("added host pg1"), "{said}");
+    let said = cli(&f, &["host", "list"]).await?;
+    assert!(said.lines().any(|l| l.starts_with("pg1") && l.contains(" active ")), "{said}");
+    let (out, _) = cli_full(&f, &["move", "0", "--to", "pg1", "--dry-run"]).await;
+    assert!(!out.contains("pg1 is draining"), "{out}");
+
     // No password anywhere in the catalog, though both configs held some.
     let text = catalog_text(&f, &ctx).await?;
     assert!(text.contains(&format!("{}/{}", pg3.endpoint().port, f.db())), "addresses are recorded: {text}");

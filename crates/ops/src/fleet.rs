@@ -123,10 +123,19 @@ async fn check_server(
 ) -> Result<(tokio_postgres::Client, String)> {
     let c = shardline_repo::catalog::connect(url, &format!("host {name}")).await?;
     let row = c
-        .query_one("SELECT current_setting('server_version'), current_setting('wal_level')", &[])
+        .query_one(
+            "SELECT current_setting('server_version'), current_setting('wal_level'), pg_is_in_recovery()",
+            &[],
+        )
         .await
         .map_err(|e| host_err(name, "read the server's settings", &e))?;
-    let (version, wal_level): (String, String) = (row.get(0), row.get(1));
+    let (version, wal_level, standby): (String, String, bool) = (row.get(0), row.get(1), row.get(2));
+    if standby {
+        return Err(refused(
+            name,
+            "the server is a standby (in recovery): a host must take writes; promote it first",
+        ));
+    }
     if wal_level != "logical" {
         return Err(refused(
             name,
@@ -182,13 +191,15 @@ async fn no_move_on(catalog: &Catalog, name: &HostName, what: &str) -> Result<()
 /// the other hosts at `peer_url` (default: the config's, else `url`). Connects first:
 /// the server must answer, run `wal_level = logical` and have the `app_roles`. A
 /// password in the URL is used to connect and never recorded. A removed host comes
-/// back this way. The new host holds no shard until moves place some there
+/// back this way, and a draining host becomes active again (its drain ends; its
+/// recorded address stays). The new host holds no shard until moves place some there
 /// (`shardline rebalance`).
 ///
 /// # Errors
 ///
-/// [`Error::Fleet`] when the host is already active or draining, or the server fails a
-/// check; the catalog or the server unreachable.
+/// [`Error::Fleet`] when the host is already active, or the server fails a check
+/// (unreachable, a standby, `wal_level` below logical, an app role missing); the catalog
+/// unreachable.
 pub async fn add(
     config: &Config,
     name: &HostName,
@@ -196,15 +207,31 @@ pub async fn add(
     peer_url: Option<&DbUrl>,
 ) -> Result<AddressReport> {
     let entry = config.host(name);
-    let url = url
-        .or(entry.map(|h| &h.url))
-        .ok_or_else(|| refused(name, "give its URL (`--url`), or list it in the config's [[hosts]]"))?;
-    let peer_url = peer_url.or(entry.map(|h| &h.peer_url)).unwrap_or(url);
+    let (url, peer_url) = match (url, entry) {
+        (Some(url), _) => (url, peer_url.unwrap_or(url)),
+        (None, Some(h)) => (&h.url, peer_url.unwrap_or(&h.peer_url)),
+        (None, None) => {
+            return Err(refused(name, "give its URL (`--url`), or list it in the config's [[hosts]]"));
+        }
+    };
     let (catalog, _) = Catalog::open(config).await?;
     let before = catalog.hosts().await?;
     let existing = before.iter().find(|h| &h.name == name);
-    if let Some(h) = existing.filter(|h| h.state != HostState::Removed) {
-        return Err(refused(name, format!("is already a host of this cluster ({})", h.state)));
+    match existing.map(|h| h.state) {
+        Some(HostState::Active) => return Err(refused(name, "is already a host of this cluster")),
+        // Adding a draining host again ends its drain: moves may target it again. Its
+        // address stays as recorded.
+        Some(HostState::Draining) => {
+            catalog.set_host_state(name, HostState::Active).await?;
+            tracing::info!(host = %name, "the host's drain ended; it is active again");
+            return Ok(AddressReport {
+                host: name.clone(),
+                address: existing.and_then(|h| h.address.as_ref()).map_or_else(String::new, DbUrl::redacted),
+                server_version: "(not checked: already a host)".into(),
+                map_version: catalog.map_version().await?,
+            });
+        }
+        _ => {}
     }
     let connect_url = reachable_url(config, name, url, peer_url).await?;
     let (_, server_version) = check_server(config, name, &connect_url).await?;
@@ -400,7 +427,8 @@ pub async fn drain(
     let mut targets = sizes.clone();
     targets.retain(|h, _| h == name || states.iter().any(|s| &s.name == h && s.state == HostState::Active));
     let plan = plan_drain(name, &targets);
-    if !plan.moves.is_empty() && targets.len() < 2 {
+    let holds = sizes.get(name).is_some_and(|s| !s.is_empty());
+    if holds && !targets.keys().any(|h| h != name) {
         return Err(refused(
             name,
             "no other active host can take its shards; `shardline host add` one first",

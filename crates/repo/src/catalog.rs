@@ -47,7 +47,6 @@ CREATE TABLE IF NOT EXISTS shardline.cluster (
     map_version    bigint  NOT NULL DEFAULT 0,
     created_at     timestamptz NOT NULL DEFAULT now()
 );
-ALTER TABLE shardline.cluster ADD COLUMN IF NOT EXISTS map_txid bigint;
 COMMENT ON TABLE shardline.cluster IS 'shardline: the parameters fixed for the life of the cluster, and the shard map version';
 
 CREATE TABLE IF NOT EXISTS shardline.hosts (
@@ -92,13 +91,13 @@ BEGIN
         IF NOT FOUND THEN RETURN NULL; END IF;
     END IF;
     -- One version per transaction, however many changes it makes (init adds hosts and
-    -- places shards: one new map).
-    UPDATE shardline.cluster SET map_version = map_version + 1, map_txid = txid_current()
-     WHERE map_txid IS DISTINCT FROM txid_current()
-    RETURNING map_version INTO v;
-    IF FOUND THEN
-        PERFORM pg_notify('shardline_map', v::text);
+    -- places shards: one new map). The mark is the transaction's own setting.
+    IF current_setting('shardline.map_bumped', true) IS NOT DISTINCT FROM 'yes' THEN
+        RETURN NULL;
     END IF;
+    PERFORM set_config('shardline.map_bumped', 'yes', true);
+    UPDATE shardline.cluster SET map_version = map_version + 1 RETURNING map_version INTO v;
+    PERFORM pg_notify('shardline_map', v::text);
     RETURN NULL;
 END
 $fn$;
@@ -112,7 +111,7 @@ CREATE OR REPLACE TRIGGER map_changed_update AFTER UPDATE OF host ON shardline.s
 -- No shard is placed on a removed host. FOR SHARE waits for a removal in flight (which
 -- locks the host's row first, then counts its shards): one of the two fails.
 CREATE OR REPLACE FUNCTION shardline.shard_host_live() RETURNS trigger
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     s text;
 BEGIN
@@ -392,8 +391,6 @@ impl Catalog {
         let current: bool = c
             .query_one(
                 "SELECT to_regclass('shardline.cluster') IS NOT NULL
-                    AND EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('shardline.cluster')
-                                                          AND attname = 'map_txid' AND NOT attisdropped)
                     AND EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('shardline.hosts')
                                                           AND attname = 'state' AND NOT attisdropped)
                     AND EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass('shardline.shards')
@@ -741,13 +738,19 @@ pub struct CatalogHost {
 fn recordable(name: &HostName, url: &DbUrl) -> Result<DbUrl> {
     let (bare, _) = url.split_password();
     let target = format!("host {name}");
-    if pg_config(&bare, &target).is_ok_and(|c| c.get_password().is_some()) {
-        return Err(Error::BadUrl {
-            target,
-            message: "its password could not be taken off it to record its address; percent-encode it \
-                      (or leave it out and give it by reference)"
-                .into(),
-        });
+    let bad = |message: String| Error::BadUrl { target: target.clone(), message };
+    // Read as the driver reads it (without TLS keys or libpq's passfile, and without
+    // touching any file): anything it cannot read is refused rather than recorded.
+    let tls = bare.tls().map_err(bad)?;
+    let driver = DbUrl::new(tls.driver_url).without_keys(&["passfile"]);
+    let parsed = driver
+        .expose()
+        .parse::<tokio_postgres::Config>()
+        .map_err(|e| bad(format!("cannot be read to check that it holds no password: {e}")))?;
+    if parsed.get_password().is_some() {
+        return Err(bad("its password could not be taken off it to record its address; percent-encode it \
+                        (or leave it out and give it by reference)"
+            .into()));
     }
     Ok(bare)
 }
@@ -846,7 +849,9 @@ impl Catalog {
     pub async fn set_host_state(&self, name: &HostName, state: HostState) -> Result<bool> {
         let c = &self.client;
         let err = |e| Error::catalog("set a host's state", e);
-        c.batch_execute("BEGIN").await.map_err(err)?;
+        // READ COMMITTED whatever the server's default: the counts below must see what
+        // committed while this waited for the row's lock.
+        c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(err)?;
         let result = async {
             // The row first (a flip onto the host waits on it, see shard_host_live),
             // then its shards, in a snapshot taken after the lock.
@@ -867,6 +872,21 @@ impl Catalog {
                 if held > 0 {
                     return Err(Error::InvalidCatalog {
                         reason: format!("host {name} still holds {held} shard(s)"),
+                    });
+                }
+                // A move journaled onto or off it (its journal row took a share lock on
+                // this row, so it is seen here once it committed).
+                let moving: i64 = c
+                    .query_one(
+                        "SELECT count(*) FROM shardline.moves WHERE state = 'running' AND (source = $1 OR target = $1)",
+                        &[&name.as_str()],
+                    )
+                    .await
+                    .map_err(err)?
+                    .get(0);
+                if moving > 0 {
+                    return Err(Error::InvalidCatalog {
+                        reason: format!("a move to or from host {name} is running; remove it once the move ends"),
                     });
                 }
             }

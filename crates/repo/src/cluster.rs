@@ -27,6 +27,9 @@ use crate::{Error, Result};
 /// fence (see [`Cluster::wait_for_move`]).
 const RESOLVE_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a host whose pool could not be made is left alone before it is tried again.
+const RETRY_POOL_AFTER: Duration = Duration::from_secs(5);
+
 /// How a [`Cluster`] connects and waits.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
@@ -144,6 +147,11 @@ struct Inner {
     config: Config,
     /// Passwords for hosts known by their catalog address.
     credentials: Arc<dyn Credentials>,
+    /// Hosts whose pool could not be made lately: the address, when, and why. Not asked
+    /// again for [`RETRY_POOL_AFTER`], so that statements reaching such a host do not
+    /// each wait for the credentials.
+    failed:
+        std::sync::Mutex<HashMap<HostName, (shardline_router::config::DbUrl, tokio::time::Instant, String)>>,
     catalog_url: shardline_router::config::DbUrl,
     /// Where the map listener connects: the config's `catalog.listen_url`, or the
     /// catalog's URL.
@@ -220,6 +228,7 @@ impl Cluster {
             pools: RwLock::new(HashMap::new()),
             config: config.clone(),
             credentials,
+            failed: std::sync::Mutex::default(),
             catalog_url: config.catalog.clone(),
             listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
@@ -708,6 +717,15 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
             next.insert(h.name.clone(), p.clone());
             continue;
         }
+        let recent = inner.failed.lock().ok().and_then(|f| {
+            f.get(&h.name)
+                .filter(|(a, at, _)| a == address && at.elapsed() < RETRY_POOL_AFTER)
+                .map(|(_, _, why)| why.clone())
+        });
+        if let Some(why) = recent {
+            failed.push((h.name.clone(), Error::Credentials { host: h.name.clone(), message: why }));
+            continue;
+        }
         let asked = tokio::time::timeout(
             inner.options.connect_timeout,
             credentials::host_config(&inner.config, inner.credentials.as_ref(), h),
@@ -722,6 +740,9 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
         .and_then(|c| new_host_pool(inner, &h.name, Some(address.clone()), c.url));
         match asked {
             Ok(pool) => {
+                if let Ok(mut f) = inner.failed.lock() {
+                    f.remove(&h.name);
+                }
                 let what = if held.contains_key(&h.name) {
                     "the host was readdressed; connecting there"
                 } else {
@@ -732,6 +753,12 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
             }
             Err(e) => {
                 tracing::warn!(host = %h.name, address = %address, error = %crate::error_chain(&e), "cannot make a pool for the host; its statements fail until it can");
+                if let Ok(mut f) = inner.failed.lock() {
+                    f.insert(
+                        h.name.clone(),
+                        (address.clone(), tokio::time::Instant::now(), crate::error_chain(&e)),
+                    );
+                }
                 failed.push((h.name.clone(), e));
             }
         }

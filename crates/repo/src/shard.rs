@@ -361,7 +361,10 @@ impl Cluster {
         let work = &tokio::sync::Mutex::new(work);
         self.with_move_retry(|map, _| async move {
             let route = map.route(shard, self.prefix());
-            let client = Pinned::new(self.client(&route.host).await?);
+            let client = Pinned::new(self.client(&route.host).await.map_err(|e| {
+                let moved = e.is_moved();
+                Failed::new(Er::from(e), moved, [shard])
+            })?);
             let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
             let mut tx = ShardTx { client: Some(client), cluster: self, route, timeout, moved: false };
             let (host, c) = (&tx.route.host, tx.client()?);

@@ -445,7 +445,7 @@ impl Sqlx {
             .with_move_retry(|map, _| async move {
                 let route = map.route(shard, self.cluster.prefix());
                 let host = route.host.clone();
-                let pool = self.pool(&host).await?;
+                let pool = self.pool(&host).await.map_err(|e| Failed::of(e, [shard]))?;
                 let mut work = work.lock().await;
                 let mut moved = false;
                 let run = async {

@@ -215,6 +215,31 @@ impl DbUrl {
         (DbUrl(kept.join(" ")), password)
     }
 
+    /// This URL without the parameters named `keys` (case-insensitive): a URL's query
+    /// parameters, a key/value string's pairs (one it cannot parse is left whole).
+    pub fn without_keys(&self, keys: &[&str]) -> DbUrl {
+        let drop = |k: &str| keys.iter().any(|d| d.eq_ignore_ascii_case(k));
+        if url_form(&self.0).is_some() {
+            let Some((base, query)) = self.0.split_once('?') else { return self.clone() };
+            let kept: Vec<&str> =
+                query.split('&').filter(|kv| !drop(kv.split_once('=').map_or(*kv, |(k, _)| k))).collect();
+            return DbUrl(if kept.is_empty() {
+                base.to_owned()
+            } else {
+                format!("{base}?{}", kept.join("&"))
+            });
+        }
+        let Ok(pairs) = crate::tls::key_values(&self.0) else { return self.clone() };
+        DbUrl(
+            pairs
+                .into_iter()
+                .filter(|(k, _)| !drop(k))
+                .map(|(k, v)| format!("{k}={}", quote_value(&v)))
+                .collect::<Vec<_>>()
+                .join(" "),
+        )
+    }
+
     /// The password this URL holds, as it may appear in a message: decoded, and
     /// percent-encoded (empty when it holds none).
     pub fn password_spellings(&self) -> Vec<String> {

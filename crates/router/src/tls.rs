@@ -250,8 +250,11 @@ pub(crate) fn percent_decode(s: &str) -> Result<String, String> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("a bad %-escape in {s:?}"))?;
-            let b = u8::from_str_radix(hex, 16).map_err(|_| format!("a bad %-escape in {s:?}"))?;
+            let hex = s
+                .get(i + 1..i + 3)
+                .ok_or_else(|| "a bad %-escape (the value is not shown: it may be a password)".to_owned())?;
+            let b = u8::from_str_radix(hex, 16)
+                .map_err(|_| "a bad %-escape (the value is not shown: it may be a password)".to_owned())?;
             out.push(b);
             i += 3;
         } else {
@@ -259,7 +262,8 @@ pub(crate) fn percent_decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("{s:?} is not UTF-8 once decoded"))
+    String::from_utf8(out)
+        .map_err(|_| "a value is not UTF-8 once decoded (not shown: it may be a password)".to_owned())
 }
 
 #[cfg(test)]

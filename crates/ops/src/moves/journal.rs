@@ -517,10 +517,16 @@ pub(crate) async fn start(
     detail: &Detail,
 ) -> Result<()> {
     let detail = serde_json::to_string(detail).map_err(|e| Error::Journal { id, message: e.to_string() })?;
-    client(catalog)
+    // Only onto a host that is not removed, its row share-locked: a `host remove`
+    // (which locks the row, then counts the running moves naming it) either waits for
+    // this row and refuses, or commits first and this inserts nothing.
+    let written = client(catalog)
         .execute(
             "INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
-             VALUES ($1, $2, $3, $4, 'started', 'running', $5::text::jsonb)",
+             SELECT $1, $2, $3, $4, 'started', 'running', $5::text::jsonb
+              WHERE EXISTS (SELECT FROM shardline.hosts h
+                             WHERE h.name = $4 AND coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
+                               FOR SHARE)",
             &[&id, &i32::from(shard.get()), &source.as_str(), &target.as_str(), &detail],
         )
         .await
@@ -531,6 +537,12 @@ pub(crate) async fn start(
                 catalog_err("journal the move")(e)
             }
         })?;
+    if written == 0 {
+        return Err(Error::Fleet {
+            host: target.clone(),
+            message: "was removed: no move may target it".into(),
+        });
+    }
     Ok(())
 }
 
