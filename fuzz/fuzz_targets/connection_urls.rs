@@ -23,9 +23,14 @@ fuzz_target!(|text: &str| {
         // What the catalog records of a URL holds no password, in either form.
         let (bare, taken) = DbUrl::new(url.clone()).split_password();
         assert!(!bare.expose().contains(secret) && taken.is_some(), "{url}");
+        // A key/value string libpq's rules can read (one they cannot is left whole, and
+        // the catalog refuses to record it).
         let kv = format!("host=h password={secret} {text}");
-        let (bare, _) = DbUrl::new(kv.clone()).split_password();
-        assert!(!bare.expose().contains(secret), "{kv}");
+        // (Another value that unescapes to the same text is not the password.)
+        if parse(&kv).is_ok() && !text.replace('\\', "").contains(secret) {
+            let (bare, _) = DbUrl::new(kv.clone()).split_password();
+            assert!(!bare.expose().contains(secret), "{kv}");
+        }
     }
     // Any password put on a connection string the config accepts comes off again, whole.
     let (bare, _) = DbUrl::new(text.to_owned()).split_password();
