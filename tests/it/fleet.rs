@@ -462,3 +462,81 @@ async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestCont
     let _ = std::fs::remove_file(&passfile);
     Ok(())
 }
+
+/// Credentials that refuse any address asking for `application_name=locked`, and count
+/// every question.
+#[derive(Debug, Default)]
+struct Locked(AtomicUsize);
+
+#[async_trait::async_trait]
+impl shardline_repo::credentials::Credentials for Locked {
+    async fn password(
+        &self,
+        _host: &shardline_router::HostName,
+        address: &shardline_router::config::DbUrl,
+    ) -> Result<Option<String>, shardline_repo::credentials::BoxError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        if address.expose().contains("application_name=locked") {
+            return Err("the vault is sealed".into());
+        }
+        Ok(None)
+    }
+}
+
+shardline_testkit::register!(shared: a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on);
+/// pg2 is readdressed to an address the application's credentials refuse: the running
+/// handle takes the new map anyway, never reaches pg2 at its old address (its pool is
+/// gone), fails pg2's statements at once with `UnknownHost` naming it, asks the
+/// credentials again only after a pause, and writes to pg1 go on. Readdressed again to
+/// an address it can have, pg2 is back.
+async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let passfile =
+        std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
+    std::fs::write(&passfile, "*:*:*:*:unused\n")?;
+    set_mode(&passfile, 0o600)?;
+    let locked = Arc::new(Locked::default());
+    let cluster =
+        Cluster::connect_with(&app_config(&f, &ctx, &passfile)?, ClusterOptions::default(), locked.clone())
+            .await?;
+    let photos = cluster.repo::<Photo>()?;
+    let (on_pg1, on_pg2) = (0i64, 4i64);
+    assert_eq!(
+        (cluster.route_user(on_pg1).host.as_str(), cluster.route_user(on_pg2).host.as_str()),
+        ("pg1", "pg2")
+    );
+    let photo = |user_id| NewPhoto { user_id, url: format!("https://cdn/{user_id}"), caption: String::new() };
+    photos.insert(&photo(on_pg2)).await?;
+
+    let pg2 = &ctx.hosts()[1];
+    let sealed = format!("{}?application_name=locked", pg2.url(f.db()));
+    let peer = pg2.peer_url(f.db());
+    cli(&f, &["host", "readdress", "pg2", "--url", &sealed, "--peer-url", &peer]).await?;
+    hosts_become(&cluster, &["pg1"]).await?;
+    let asked = locked.0.load(Ordering::Relaxed);
+    let started = Instant::now();
+    let err = photos.insert(&photo(on_pg2)).await.err().ok_or("a write to pg2 without a pool")?;
+    assert!(matches!(&err, Error::UnknownHost { host } if host == "pg2"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "failed at once, not after move_wait: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        locked.0.load(Ordering::Relaxed) <= asked + 1,
+        "the sealed vault is not asked on every statement"
+    );
+    photos.insert(&photo(on_pg1)).await?;
+
+    cli(&f, &["host", "readdress", "pg2", "--url", &pg2.url(f.db()), "--peer-url", &peer]).await?;
+    hosts_become(&cluster, &["pg1", "pg2"]).await?;
+    photos.insert(&photo(on_pg2)).await?;
+    let rows: i64 =
+        f.client(&ctx, 1).await?.query_one("SELECT count(*) FROM shard_0004.photos", &[]).await?.get(0);
+    assert_eq!(rows, 2, "the write refused while pg2 had no pool was not applied");
+    let _ = std::fs::remove_file(&passfile);
+    Ok(())
+}
