@@ -155,18 +155,31 @@ async fn catalog_text(f: &Fixture, ctx: &TestContext) -> Result<String, BoxError
     Ok(text)
 }
 
-/// The application's whole config: the catalog and where passwords come from.
+/// The application's whole config: the catalog, and the passfile passwords come from
+/// (none: the application gives its own `Credentials`).
 fn app_config(
     f: &Fixture,
     ctx: &TestContext,
-    passfile: &std::path::Path,
+    passfile: Option<&std::path::Path>,
 ) -> Result<shardline_router::Config, BoxError> {
-    let text = format!(
-        "logical_shards = 8\n\n[catalog]\nurl = \"{}\"\n\n[credentials]\npassfile = \"{}\"\n",
-        ctx.hosts()[0].url(f.db()),
-        passfile.display()
-    );
+    let mut text = format!("logical_shards = 8\n\n[catalog]\nurl = \"{}\"\n", ctx.hosts()[0].url(f.db()));
+    if let Some(p) = passfile {
+        text.push_str(&format!("\n[credentials]\npassfile = \"{}\"\n", p.display()));
+    }
     f.config_from(&text)
+}
+
+/// Two hosts initialised, and an application that knows only the catalog, with its own
+/// `credentials`.
+async fn two_hosts_and_an_application(
+    ctx: &TestContext,
+    credentials: Arc<dyn shardline_repo::credentials::Credentials>,
+) -> Result<(Fixture, Cluster), BoxError> {
+    let f = Fixture::new(ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster =
+        Cluster::connect_with(&app_config(&f, ctx, None)?, ClusterOptions::default(), credentials).await?;
+    Ok((f, cluster))
 }
 
 shardline_testkit::register!(shared: hosts_join_and_leave_under_a_running_application_that_knows_only_the_catalog);
@@ -189,7 +202,7 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
         std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
     std::fs::write(&passfile, format!("# the app's\n*:*:*:*:{APP_SECRET}\n"))?;
     set_mode(&passfile, 0o644)?;
-    let app = app_config(&f, &ctx, &passfile)?;
+    let app = app_config(&f, &ctx, Some(&passfile))?;
     assert!(app.hosts.is_empty());
     let err = Cluster::connect(&app, ClusterOptions::default()).await.err().ok_or("a readable passfile")?;
     assert!(matches!(err, Error::Credentials { .. }), "{err}");
@@ -362,18 +375,10 @@ shardline_testkit::register!(shared: a_readdressed_host_is_followed_by_the_runni
 /// the catalog, follows each `shardline host readdress` with no error; an address that
 /// lacks the host's shards is refused, nothing changed.
 async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestContext) -> TestResult {
-    let f = Fixture::new(&ctx, 2, 8).await?;
-    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
-    let passfile =
-        std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
-    std::fs::write(&passfile, "*:*:*:*:unused\n")?;
-    set_mode(&passfile, 0o600)?;
     // The application's own source of passwords (a secrets manager, say): asked for
     // each address the handle connects to.
     let asked = Arc::new(Asked::default());
-    let cluster =
-        Cluster::connect_with(&app_config(&f, &ctx, &passfile)?, ClusterOptions::default(), asked.clone())
-            .await?;
+    let (f, cluster) = two_hosts_and_an_application(&ctx, asked.clone()).await?;
     assert_eq!(asked.hosts(), ["pg1", "pg2"]);
     let load = Arc::new(Load::default());
     let writers = load.start(&cluster, 4);
@@ -459,7 +464,6 @@ async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestCont
     let written = load.written.lock().map(|w| w.len()).map_err(|_| "poisoned")?;
     assert!(written >= 350, "{written} writes");
     drop(previous);
-    let _ = std::fs::remove_file(&passfile);
     Ok(())
 }
 
@@ -492,16 +496,8 @@ shardline_testkit::register!(shared: a_host_whose_password_cannot_be_had_fails_c
 async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
     ctx: TestContext,
 ) -> TestResult {
-    let f = Fixture::new(&ctx, 2, 8).await?;
-    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
-    let passfile =
-        std::env::temp_dir().join(format!("shardline-fleet-{}-{}.pgpass", std::process::id(), f.db()));
-    std::fs::write(&passfile, "*:*:*:*:unused\n")?;
-    set_mode(&passfile, 0o600)?;
     let locked = Arc::new(Locked::default());
-    let cluster =
-        Cluster::connect_with(&app_config(&f, &ctx, &passfile)?, ClusterOptions::default(), locked.clone())
-            .await?;
+    let (f, cluster) = two_hosts_and_an_application(&ctx, locked.clone()).await?;
     let photos = cluster.repo::<Photo>()?;
     let (on_pg1, on_pg2) = (0i64, 4i64);
     assert_eq!(
@@ -537,6 +533,5 @@ async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
     let rows: i64 =
         f.client(&ctx, 1).await?.query_one("SELECT count(*) FROM shard_0004.photos", &[]).await?.get(0);
     assert_eq!(rows, 2, "the write refused while pg2 had no pool was not applied");
-    let _ = std::fs::remove_file(&passfile);
     Ok(())
 }
