@@ -490,7 +490,7 @@ impl shardline_repo::credentials::Credentials for Locked {
 shardline_testkit::register!(shared: a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on);
 /// pg2 is readdressed to an address the application's credentials refuse: the running
 /// handle takes the new map anyway, never reaches pg2 at its old address (its pool is
-/// gone), fails pg2's statements at once with `UnknownHost` naming it, asks the
+/// gone), fails pg2's statements at once with `Error::Credentials` naming it and why, asks the
 /// credentials again only after a pause, and writes to pg1 go on. Readdressed again to
 /// an address it can have, pg2 is back.
 async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
@@ -515,7 +515,10 @@ async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
     let asked = locked.0.load(Ordering::Relaxed);
     let started = Instant::now();
     let err = photos.insert(&photo(on_pg2)).await.err().ok_or("a write to pg2 without a pool")?;
-    assert!(matches!(&err, Error::UnknownHost { host } if host == "pg2"), "{err}");
+    assert!(
+        matches!(&err, Error::Credentials { host, message } if host == "pg2" && message == "the vault is sealed"),
+        "{err}"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "failed at once, not after move_wait: {:?}",

@@ -150,8 +150,7 @@ struct Inner {
     /// Hosts whose pool could not be made lately: the address, when, and why. Not asked
     /// again for [`RETRY_POOL_AFTER`], so that statements reaching such a host do not
     /// each wait for the credentials.
-    failed:
-        std::sync::Mutex<HashMap<HostName, (shardline_router::config::DbUrl, tokio::time::Instant, String)>>,
+    failed: std::sync::Mutex<HashMap<HostName, PoolFailure>>,
     catalog_url: shardline_router::config::DbUrl,
     /// Where the map listener connects: the config's `catalog.listen_url`, or the
     /// catalog's URL.
@@ -163,6 +162,30 @@ struct Inner {
     sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// Why a host has no pool, lately.
+#[derive(Debug, Clone)]
+struct PoolFailure {
+    /// The catalog's address it was tried at.
+    address: shardline_router::config::DbUrl,
+    /// When.
+    at: tokio::time::Instant,
+    /// The error, written out.
+    why: String,
+    /// Whether the password could not be had (else the URL or the pool failed).
+    credentials: bool,
+}
+
+impl PoolFailure {
+    /// The error a statement for `host` gets while it lasts.
+    fn error(&self, host: &HostName) -> Error {
+        if self.credentials {
+            Error::Credentials { host: host.clone(), message: self.why.clone() }
+        } else {
+            Error::Pool { host: host.clone(), message: self.why.clone(), timed_out: false }
+        }
+    }
 }
 
 /// A host's pool, and what it was made from.
@@ -268,9 +291,15 @@ impl Cluster {
     }
 
     /// The pool of `host`, when the handle has one.
+    /// The pool of `host`. Without one: [`Error::Credentials`] when its password could
+    /// not be had lately (say why), else [`Error::UnknownHost`].
     fn host_pool(&self, host: &HostName) -> Result<HostPool> {
-        let pools = self.inner.pools.read().map_err(|_| Error::UnknownHost { host: host.clone() })?;
-        pools.get(host).cloned().ok_or_else(|| Error::UnknownHost { host: host.clone() })
+        let unknown = || Error::UnknownHost { host: host.clone() };
+        let found = self.inner.pools.read().map_err(|_| unknown())?.get(host).cloned();
+        found.ok_or_else(|| {
+            let failure = self.inner.failed.lock().ok().and_then(|f| f.get(host).cloned());
+            failure.map_or_else(unknown, |f| f.error(host))
+        })
     }
 
     /// The SQL of entity `E`, made once per handle and shared by its repositories and
@@ -718,12 +747,10 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
             continue;
         }
         let recent = inner.failed.lock().ok().and_then(|f| {
-            f.get(&h.name)
-                .filter(|(a, at, _)| a == address && at.elapsed() < RETRY_POOL_AFTER)
-                .map(|(_, _, why)| why.clone())
+            f.get(&h.name).filter(|f| &f.address == address && f.at.elapsed() < RETRY_POOL_AFTER).cloned()
         });
-        if let Some(why) = recent {
-            failed.push((h.name.clone(), Error::Credentials { host: h.name.clone(), message: why }));
+        if let Some(f) = recent {
+            failed.push((h.name.clone(), f.error(&h.name)));
             continue;
         }
         let asked = tokio::time::timeout(
@@ -754,10 +781,12 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
             Err(e) => {
                 tracing::warn!(host = %h.name, address = %address, error = %crate::error_chain(&e), "cannot make a pool for the host; its statements fail until it can");
                 if let Ok(mut f) = inner.failed.lock() {
-                    f.insert(
-                        h.name.clone(),
-                        (address.clone(), tokio::time::Instant::now(), crate::error_chain(&e)),
-                    );
+                    let (credentials, why) = match &e {
+                        Error::Credentials { message, .. } => (true, message.clone()),
+                        other => (false, crate::error_chain(other)),
+                    };
+                    let at = tokio::time::Instant::now();
+                    f.insert(h.name.clone(), PoolFailure { address: address.clone(), at, why, credentials });
                 }
                 failed.push((h.name.clone(), e));
             }
@@ -769,6 +798,12 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
             _ => "it has no usable address",
         });
         tracing::info!(host = %name, why, "closing the host's pool");
+    }
+    // What failed for a host that is gone, or that has a pool now, is history.
+    if let Ok(mut f) = inner.failed.lock() {
+        f.retain(|h, _| {
+            !next.contains_key(h) && hosts.iter().any(|c| &c.name == h && c.state != HostState::Removed)
+        });
     }
     if let Ok(mut pools) = inner.pools.write() {
         *pools = next;
