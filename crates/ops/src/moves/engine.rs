@@ -478,6 +478,41 @@ async fn host_client(config: &Config, name: &HostName) -> Result<Client> {
     Ok(connect(&h.url, &format!("host {name}")).await?)
 }
 
+/// A connection to `name` for move `id`, named `shardline move <id>` on the server.
+/// First, any session of an earlier mover of the same move still at work there is
+/// ended and waited out: a mover killed while the server ran its statement (a slot
+/// being made waits for every running transaction on the server) would otherwise
+/// finish that statement after a resume or an abort had cleaned up, and leave a slot
+/// or a publication behind.
+async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Client> {
+    let c = host_client(config, name).await?;
+    let app = format!("shardline move {id}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: i64 = c
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                  WHERE application_name = $1 AND datname = current_database() AND pid <> pg_backend_pid()",
+                &[&app],
+            )
+            .await
+            .map_err(on(name, "end an earlier mover's sessions"))?
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(host = %name, move_id = id, left, "an earlier mover's sessions did not end in 10 s");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.execute("SELECT set_config('application_name', $1, false)", &[&app])
+        .await
+        .map_err(on(name, "name the mover's session"))?;
+    Ok(c)
+}
+
 fn on(host: &HostName, what: impl Into<String>) -> impl Fn(tokio_postgres::Error) -> Error {
     let (host, what) = (host.clone(), what.into());
     move |e| host_err(&host, &what, &e)
@@ -587,7 +622,7 @@ impl<'a> Mover<'a> {
 
     async fn src(&mut self) -> Result<&Client> {
         if self.src.as_ref().is_none_or(Client::is_closed) {
-            self.src = Some(host_client(self.config, &self.source).await?);
+            self.src = Some(mover_client(self.config, &self.source, self.id).await?);
         }
         self.src.as_ref().ok_or(Error::Busy)
     }
@@ -634,7 +669,7 @@ impl<'a> Mover<'a> {
 
     async fn dst(&mut self) -> Result<&Client> {
         if self.dst.as_ref().is_none_or(Client::is_closed) {
-            self.dst = Some(host_client(self.config, &self.target).await?);
+            self.dst = Some(mover_client(self.config, &self.target, self.id).await?);
         }
         self.dst.as_ref().ok_or(Error::Busy)
     }
