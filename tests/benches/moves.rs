@@ -23,9 +23,12 @@ use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "common/fill.rs"]
+mod fill;
 #[path = "common/writers.rs"]
 mod writers;
 use common::{BoxError, config};
+use fill::fill;
 use writers::writers;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
@@ -47,21 +50,6 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
 }
 
-/// Fills shard `shard` (of 8) with `n` photos, a like and a comment on each.
-async fn fill(c: &tokio_postgres::Client, shard: i64, n: i64) -> Result<(), BoxError> {
-    let s = format!("shard_{shard:04}");
-    c.batch_execute(&format!(
-        "INSERT INTO {s}.photos (user_id, url, caption)
-           SELECT 8 * (g % 5000) + {shard}, 'https://cdn.example/photos/' || g || '.jpg', 'caption number ' || g
-             FROM generate_series(1, {n}) g;
-         INSERT INTO {s}.likes (photo_id, user_id) SELECT id, user_id + 1 FROM {s}.photos;
-         INSERT INTO {s}.comments (photo_id, user_id, body) SELECT id, user_id + 2, 'a comment on ' || id FROM {s}.photos;
-         ANALYZE {s}.photos, {s}.likes, {s}.comments;"
-    ))
-    .await?;
-    Ok(())
-}
-
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
@@ -73,7 +61,7 @@ async fn main() -> Result<(), BoxError> {
     let config = config(&kit, "bench_moves", count, &dir)?;
     shardline_ops::init(&config, &Options::default(), &|_| {}).await?;
     let pg1 = kit.hosts()[0].connect("bench_moves").await?;
-    fill(&pg1, 0, photos).await?;
+    fill(&pg1, 0, i64::from(count), photos).await?;
     println!(
         "shard 0: {photos} photos, {photos} likes, {photos} comments; 3 hosts; {:?} backend",
         kit.backend()
@@ -130,7 +118,7 @@ async fn main() -> Result<(), BoxError> {
     // 2. The write pause under a steady load on the moving shard, at two sizes.
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let small = photos / 10;
-    fill(&pg1, 1, small).await?;
+    fill(&pg1, 1, i64::from(count), small).await?;
     let rate = 250;
     println!("write pause under load: 4 writers x {rate}/s on the moving shard");
     println!(

@@ -25,25 +25,13 @@ use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "common/fill.rs"]
+mod fill;
 #[path = "common/writers.rs"]
 mod writers;
 use common::{BoxError, config};
+use fill::fill;
 use writers::writers;
-
-/// Fills shard `shard` (of 8) with `n` photos, a like and a comment on each.
-async fn fill(c: &tokio_postgres::Client, shard: i64, n: i64) -> Result<(), BoxError> {
-    let s = format!("shard_{shard:04}");
-    c.batch_execute(&format!(
-        "INSERT INTO {s}.photos (user_id, url, caption)
-           SELECT 8 * (g % 5000) + {shard}, 'https://cdn.example/photos/' || g || '.jpg', 'caption number ' || g
-             FROM generate_series(1, {n}) g;
-         INSERT INTO {s}.likes (photo_id, user_id) SELECT id, user_id + 1 FROM {s}.photos;
-         INSERT INTO {s}.comments (photo_id, user_id, body) SELECT id, user_id + 2, 'a comment on ' || id FROM {s}.photos;
-         ANALYZE {s}.photos, {s}.likes, {s}.comments;"
-    ))
-    .await?;
-    Ok(())
-}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -110,7 +98,7 @@ async fn main() -> Result<(), BoxError> {
         let (a, b) = (format!("pg{}", (idx + 1) % 3 + 1), format!("pg{}", (idx + 2) % 3 + 1));
         let (a, b) = (a.as_str(), b.as_str());
         let c = &c;
-        fill(c, i64::from(shard), n).await?;
+        fill(c, i64::from(shard), 8, n).await?;
         let (log, log_slow, log_writes) =
             one_move(&config, &cluster, shard, a, &MoveOptions::default()).await?;
         let full_opts = MoveOptions::default().verifying(Verification::Full);

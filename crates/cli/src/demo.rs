@@ -284,7 +284,14 @@ async fn run(
         plan.moves.len()
     )?;
     out.flush()?;
-    for (m, r) in shardline_ops::rebalance::apply(&config, &plan, 1, &MoveOptions::default()).await {
+    for (m, r) in shardline_ops::rebalance::apply(
+        &config,
+        &plan,
+        shardline_ops::rebalance::Parallel::disjoint(1),
+        &MoveOptions::default(),
+    )
+    .await
+    {
         let r = r.with_context(|| format!("moving shard {} to {}", m.shard, m.to))?;
         writeln!(
             out,

@@ -79,7 +79,7 @@ pub struct RebalanceOpt {
     /// At most this many moves.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=2000))]
     pub max_moves: u16,
-    /// Moves at a time.
+    /// Moves at a time, between disjoint host pairs: no host takes part in two at once.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     pub parallel: u16,
     /// Print one JSON object.
@@ -226,8 +226,12 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
         return Ok(());
     }
     let options = MoveOptions::default();
-    let results =
-        rt.block_on(shardline_ops::rebalance::apply(config, &plan, usize::from(opt.parallel), &options));
+    let results = rt.block_on(shardline_ops::rebalance::apply(
+        config,
+        &plan,
+        shardline_ops::rebalance::Parallel::disjoint(usize::from(opt.parallel)),
+        &options,
+    ));
     if !print_moves(&results, opt.json, out)? && !opt.json {
         writeln!(out, "balanced: nothing to move")?;
     }

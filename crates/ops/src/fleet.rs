@@ -442,7 +442,8 @@ pub async fn drain(
         catalog.set_host_state(name, HostState::Draining).await?;
         tracing::info!(host = %name, shards = plan.moves.len(), "host draining");
     }
-    let moves = crate::rebalance::apply(config, &plan, parallel, options).await;
+    let moves =
+        crate::rebalance::apply(config, &plan, crate::rebalance::Parallel::shared(parallel), options).await;
     let remaining = catalog.map().await?.shards_of(name).count();
     Ok(DrainReport { host: name.clone(), plan, moves, remaining })
 }

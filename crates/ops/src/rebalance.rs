@@ -194,22 +194,80 @@ pub fn plan_from(sizes: &BTreeMap<HostName, Vec<(LogicalShard, i64)>>, max_moves
     Plan { moves, hosts }
 }
 
-/// Runs a plan's moves, `parallel` at a time (at least 1). Each move is independent:
-/// one failing does not stop the others; each result is returned in plan order.
+/// How many of a plan's moves [`apply`] runs at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Parallel {
+    /// Moves at a time (at least 1).
+    pub moves: usize,
+    /// Running moves that one host may take part in, as source or target (at least 1).
+    pub per_host: usize,
+}
+
+impl Parallel {
+    /// `n` moves at a time between disjoint host pairs: no host takes part in two running
+    /// moves, so each copy has its source's and its target's disks and cores to itself
+    /// (`rebalance --apply --parallel N`).
+    pub fn disjoint(n: usize) -> Self {
+        Parallel { moves: n.max(1), per_host: 1 }
+    }
+
+    /// `n` moves at a time however they share hosts: a drain, whose every move leaves
+    /// the same host.
+    pub fn shared(n: usize) -> Self {
+        Parallel { moves: n.max(1), per_host: n.max(1) }
+    }
+}
+
+/// The first pending move (in plan order) whose two hosts each take part in fewer than
+/// `per_host` running moves.
+fn startable(
+    pending: &[(usize, PlannedMove)],
+    busy: &BTreeMap<HostName, usize>,
+    per_host: usize,
+) -> Option<usize> {
+    let free = |h: &HostName| busy.get(h).copied().unwrap_or(0) < per_host.max(1);
+    pending.iter().position(|(_, m)| free(&m.from) && free(&m.to))
+}
+
+/// Runs a plan's moves, at most `parallel.moves` at a time and at most
+/// `parallel.per_host` of them on any one host; a move waits for its hosts, and a later
+/// move whose hosts are free starts before it. Each move is independent: one failing
+/// does not stop the others; each result is returned in plan order.
 pub async fn apply(
     config: &Config,
     plan: &Plan,
-    parallel: usize,
+    parallel: Parallel,
     options: &MoveOptions,
 ) -> Vec<(PlannedMove, Result<MoveReport>)> {
-    futures::stream::iter(plan.moves.iter().cloned())
-        .map(|m| async move {
-            let r = crate::moves::run(config, m.shard, &m.to, options).await;
-            (m, r)
-        })
-        .buffered(parallel.max(1))
-        .collect()
-        .await
+    let mut pending: Vec<(usize, PlannedMove)> = plan.moves.iter().cloned().enumerate().collect();
+    let mut busy: BTreeMap<HostName, usize> = BTreeMap::new();
+    let mut running = futures::stream::FuturesUnordered::new();
+    let mut done: Vec<Option<(PlannedMove, Result<MoveReport>)>> = plan.moves.iter().map(|_| None).collect();
+    loop {
+        while running.len() < parallel.moves.max(1) {
+            let Some(i) = startable(&pending, &busy, parallel.per_host) else { break };
+            let (index, m) = pending.remove(i);
+            for h in [&m.from, &m.to] {
+                *busy.entry(h.clone()).or_default() += 1;
+            }
+            tracing::debug!(shard = %m.shard, from = %m.from, to = %m.to, running = running.len() + 1, "move starts");
+            running.push(async move {
+                let r = crate::moves::run(config, m.shard, &m.to, options).await;
+                (index, m, r)
+            });
+        }
+        let Some((index, m, r)) = running.next().await else { break };
+        for h in [&m.from, &m.to] {
+            if let Some(n) = busy.get_mut(h) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        if let Some(slot) = done.get_mut(index) {
+            *slot = Some((m, r));
+        }
+    }
+    done.into_iter().flatten().collect()
 }
 
 #[cfg(test)]
@@ -219,6 +277,35 @@ mod tests {
 
     fn shards(count: &ShardCount, list: &[(i64, i64)]) -> Vec<(LogicalShard, i64)> {
         list.iter().filter_map(|&(s, b)| LogicalShard::new(s, *count).ok().map(|s| (s, b))).collect()
+    }
+
+    #[test]
+    fn running_moves_share_no_host_unless_allowed() {
+        let count = ShardCount::new(8).unwrap_or_else(|_| unreachable!());
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        let mv = |s: i64, from: &str, to: &str| PlannedMove {
+            shard: LogicalShard::new(s, count).unwrap_or_else(|_| unreachable!()),
+            from: h(from),
+            to: h(to),
+            bytes: 1,
+        };
+        let pending: Vec<(usize, PlannedMove)> =
+            [mv(0, "a", "c"), mv(1, "a", "d"), mv(2, "b", "c"), mv(3, "b", "d")]
+                .into_iter()
+                .enumerate()
+                .collect();
+        let mut busy = BTreeMap::new();
+        assert_eq!(startable(&pending, &busy, 1), Some(0));
+        // a -> c runs: a -> d and b -> c wait, b -> d starts.
+        busy.insert(h("a"), 1);
+        busy.insert(h("c"), 1);
+        assert_eq!(startable(&pending, &busy, 1), Some(3));
+        busy.insert(h("b"), 1);
+        busy.insert(h("d"), 1);
+        assert_eq!(startable(&pending, &busy, 1), None, "every host busy");
+        // Shared: a second move may use a busy host.
+        assert_eq!(startable(&pending, &busy, 2), Some(0));
+        assert_eq!(startable(&[], &BTreeMap::new(), 1), None);
     }
 
     #[test]
