@@ -65,6 +65,13 @@ async fn one(
     Ok((wall, own, bytes))
 }
 
+/// The median; of an even count, the mean of the middle two.
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    let n = v.len();
+    if n.is_multiple_of(2) { (v[n / 2 - 1] + v[n / 2]) / 2 } else { v[n / 2] }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
@@ -83,7 +90,7 @@ async fn main() -> Result<(), BoxError> {
     let mut parallel = Vec::new();
     for round in 0..rounds {
         // Alternate which runs first.
-        let order: [usize; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
+        let order: [usize; 2] = if round.is_multiple_of(2) { [1, 2] } else { [2, 1] };
         for p in order {
             let (wall, own, bytes) = one(&kit, &format!("bench_rebalance_{round}_{p}"), photos, p).await?;
             println!(
@@ -96,9 +103,7 @@ async fn main() -> Result<(), BoxError> {
             if p == 1 { serial.push(wall) } else { parallel.push(wall) }
         }
     }
-    serial.sort();
-    parallel.sort();
-    let (s, p) = (serial[serial.len() / 2], parallel[parallel.len() / 2]);
+    let (s, p) = (median(serial), median(parallel));
     println!(
         "median wall: serial {:.2} s, parallel {:.2} s: parallel takes {:.2}x the serial time",
         s.as_secs_f64(),
