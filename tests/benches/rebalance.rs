@@ -46,10 +46,15 @@ async fn one(
                 fill(&c, shard, i64::from(SHARDS), photos).await?;
             }
         }
-        c.batch_execute("CHECKPOINT").await?;
     }
     let four = config(kit, db, SHARDS, &dir)?;
     shardline_ops::init(&four, &Options::default(), &|_| {}).await?;
+    // The same start for every run: nothing left for autovacuum, nothing dirty.
+    for h in kit.hosts() {
+        let c = h.connect(db).await?;
+        c.batch_execute("VACUUM ANALYZE").await?;
+        c.batch_execute("CHECKPOINT").await?;
+    }
     let plan = rebalance::plan(&four, 8).await?;
     assert_eq!(plan.moves.len(), 8, "{plan}");
     let t = Instant::now();
@@ -61,6 +66,10 @@ async fn one(
         let r = r.map_err(|e| format!("move of shard {} to {}: {e}", m.shard, m.to))?;
         own += Duration::from_millis(r.copy_ms) + Duration::from_millis(r.pause_ms);
         bytes += r.bytes;
+    }
+    // Each run's database goes, so the next one shares the hosts with nothing.
+    for h in kit.hosts() {
+        h.connect("postgres").await?.batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)")).await?;
     }
     Ok((wall, own, bytes))
 }
@@ -76,7 +85,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let photos: i64 = args.first().map_or(Ok(50_000), |a| a.parse())?;
-    let rounds: usize = args.get(1).map_or(Ok(1), |a| a.parse())?;
+    let rounds: usize = args.get(1).map_or(Ok(2), |a| a.parse())?;
+    if rounds == 0 {
+        return Err("ROUNDS must be at least 1".into());
+    }
     let kit = shardline_testkit::Cluster::start(4).await?;
     println!(
         "rebalance of 8 moves, 16 shards of {photos} photos, {photos} likes and {photos} comments each; 4 hosts; {:?} backend",

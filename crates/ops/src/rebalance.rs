@@ -5,7 +5,7 @@
 //! host smaller, move from the heaviest to the lightest the shard that leaves the two
 //! closest. Shards of equal size (a young cluster) spread by count.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures::StreamExt as _;
 use serde::Serialize;
@@ -220,20 +220,34 @@ impl Parallel {
 }
 
 /// The first pending move (in plan order) whose two hosts each take part in fewer than
-/// `per_host` running moves.
+/// `per_host` running moves, and whose shard neither is moving nor has an earlier move
+/// pending: a plan may move one shard twice, and the second move must start from where
+/// the first one put it.
 fn startable(
     pending: &[(usize, PlannedMove)],
     busy: &BTreeMap<HostName, usize>,
+    moving: &BTreeSet<LogicalShard>,
     per_host: usize,
 ) -> Option<usize> {
     let free = |h: &HostName| busy.get(h).copied().unwrap_or(0) < per_host.max(1);
-    pending.iter().position(|(_, m)| free(&m.from) && free(&m.to))
+    pending.iter().enumerate().position(|(i, (_, m))| {
+        free(&m.from)
+            && free(&m.to)
+            && !moving.contains(&m.shard)
+            && !pending[..i].iter().any(|(_, earlier)| earlier.shard == m.shard)
+    })
 }
 
 /// Runs a plan's moves, at most `parallel.moves` at a time and at most
 /// `parallel.per_host` of them on any one host; a move waits for its hosts, and a later
-/// move whose hosts are free starts before it. Each move is independent: one failing
-/// does not stop the others; each result is returned in plan order.
+/// move whose hosts are free starts before it (never before an earlier move of the same
+/// shard). Each move is independent: one failing does not stop the others; each result
+/// is returned in plan order.
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the moves in flight, as killing the mover would: each is
+/// left in the journal, to resume or undo (`shardline move --resume|--abort`).
 pub async fn apply(
     config: &Config,
     plan: &Plan,
@@ -242,12 +256,14 @@ pub async fn apply(
 ) -> Vec<(PlannedMove, Result<MoveReport>)> {
     let mut pending: Vec<(usize, PlannedMove)> = plan.moves.iter().cloned().enumerate().collect();
     let mut busy: BTreeMap<HostName, usize> = BTreeMap::new();
+    let mut moving: BTreeSet<LogicalShard> = BTreeSet::new();
     let mut running = futures::stream::FuturesUnordered::new();
     let mut done: Vec<Option<(PlannedMove, Result<MoveReport>)>> = plan.moves.iter().map(|_| None).collect();
     loop {
         while running.len() < parallel.moves.max(1) {
-            let Some(i) = startable(&pending, &busy, parallel.per_host) else { break };
+            let Some(i) = startable(&pending, &busy, &moving, parallel.per_host) else { break };
             let (index, m) = pending.remove(i);
+            moving.insert(m.shard);
             for h in [&m.from, &m.to] {
                 *busy.entry(h.clone()).or_default() += 1;
             }
@@ -258,6 +274,7 @@ pub async fn apply(
             });
         }
         let Some((index, m, r)) = running.next().await else { break };
+        moving.remove(&m.shard);
         for h in [&m.from, &m.to] {
             if let Some(n) = busy.get_mut(h) {
                 *n = n.saturating_sub(1);
@@ -295,17 +312,43 @@ mod tests {
                 .enumerate()
                 .collect();
         let mut busy = BTreeMap::new();
-        assert_eq!(startable(&pending, &busy, 1), Some(0));
+        let none = BTreeSet::new();
+        assert_eq!(startable(&pending, &busy, &none, 1), Some(0));
         // a -> c runs: a -> d and b -> c wait, b -> d starts.
         busy.insert(h("a"), 1);
         busy.insert(h("c"), 1);
-        assert_eq!(startable(&pending, &busy, 1), Some(3));
+        assert_eq!(startable(&pending, &busy, &none, 1), Some(3));
         busy.insert(h("b"), 1);
         busy.insert(h("d"), 1);
-        assert_eq!(startable(&pending, &busy, 1), None, "every host busy");
+        assert_eq!(startable(&pending, &busy, &none, 1), None, "every host busy");
         // Shared: a second move may use a busy host.
-        assert_eq!(startable(&pending, &busy, 2), Some(0));
-        assert_eq!(startable(&[], &BTreeMap::new(), 1), None);
+        assert_eq!(startable(&pending, &busy, &none, 2), Some(0));
+        assert_eq!(startable(&[], &BTreeMap::new(), &none, 1), None);
+    }
+
+    #[test]
+    fn a_shard_moved_twice_moves_in_plan_order() {
+        let count = ShardCount::new(8).unwrap_or_else(|_| unreachable!());
+        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
+        let mv = |s: i64, from: &str, to: &str| PlannedMove {
+            shard: LogicalShard::new(s, count).unwrap_or_else(|_| unreachable!()),
+            from: h(from),
+            to: h(to),
+            bytes: 1,
+        };
+        // Shard 4 goes c -> d, then d -> a; the second must not start first, though its
+        // hosts are free while c -> b runs.
+        let pending: Vec<(usize, PlannedMove)> =
+            [mv(3, "c", "b"), mv(4, "c", "d"), mv(4, "d", "a")].into_iter().enumerate().collect();
+        let busy = BTreeMap::from([(h("c"), 1), (h("b"), 1)]);
+        let none = BTreeSet::new();
+        assert_eq!(startable(&pending, &busy, &none, 1), None);
+        // Once the first move of shard 4 has started (and left the pending list), the
+        // second waits for it to end.
+        let later = &pending[2..];
+        let moving = BTreeSet::from([later[0].1.shard]);
+        assert_eq!(startable(later, &BTreeMap::new(), &moving, 1), None);
+        assert_eq!(startable(later, &BTreeMap::new(), &none, 1), Some(0));
     }
 
     #[test]
