@@ -768,8 +768,16 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     assert_eq!(one["moves"].as_array().map(Vec::len), Some(1));
     assert!(one["moves"][0]["shard"].is_u64() && one["moves"][0]["to"] == "pg3", "{one}");
 
-    let said = cli(&f, &["rebalance", "--apply", "--parallel", "2"]).await?;
+    // Every move targets pg3: two at a time only with `--per-host 2`.
+    let said = cli(&f, &["rebalance", "--apply", "--parallel", "2", "--per-host", "2"]).await?;
     assert_eq!(said.lines().filter(|l| l.contains("-> pg3: 60 rows")).count(), plan.moves.len(), "{said}");
+    let journal = moves::list(&config).await?;
+    assert!(
+        journal.iter().enumerate().any(|(i, a)| journal[i + 1..]
+            .iter()
+            .any(|b| a.started_at < b.updated_at && b.started_at < a.updated_at)),
+        "no two moves onto pg3 ran at once: {journal:?}"
+    );
     let map: serde_json::Value = serde_json::from_str(&cli(&f, &["map", "--json"]).await?)?;
     let shards: Vec<i64> = (0..3).filter_map(|h| map["hosts"][h]["shards"].as_i64()).collect();
     assert_eq!(shards.iter().sum::<i64>(), 8);

@@ -79,9 +79,14 @@ pub struct RebalanceOpt {
     /// At most this many moves.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=2000))]
     pub max_moves: u16,
-    /// Moves at a time, between disjoint host pairs: no host takes part in two at once.
+    /// Moves at a time, between disjoint host pairs: no host takes part in two at once
+    /// (see `--per-host`).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     pub parallel: u16,
+    /// Running moves one host may take part in, as source or target: more than 1 lets
+    /// moves onto one new host run at once, sharing its disks and cores.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub per_host: u16,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -229,7 +234,7 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
     let results = rt.block_on(shardline_ops::rebalance::apply(
         config,
         &plan,
-        shardline_ops::rebalance::Parallel::disjoint(usize::from(opt.parallel)),
+        shardline_ops::rebalance::Parallel::new(usize::from(opt.parallel), usize::from(opt.per_host)),
         &options,
     ));
     if !print_moves(&results, opt.json, out)? && !opt.json {

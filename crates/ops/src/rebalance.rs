@@ -217,6 +217,11 @@ impl Parallel {
     pub fn shared(n: usize) -> Self {
         Parallel { moves: n.max(1), per_host: n.max(1) }
     }
+
+    /// `moves` at a time, `per_host` of them at most on any one host (each at least 1).
+    pub fn new(moves: usize, per_host: usize) -> Self {
+        Parallel { moves: moves.max(1), per_host: per_host.max(1) }
+    }
 }
 
 /// The first pending move (in plan order) whose two hosts each take part in fewer than
