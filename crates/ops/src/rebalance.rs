@@ -301,16 +301,23 @@ mod tests {
         list.iter().filter_map(|&(s, b)| LogicalShard::new(s, *count).ok().map(|s| (s, b))).collect()
     }
 
-    #[test]
-    fn running_moves_share_no_host_unless_allowed() {
+    fn h(name: &str) -> HostName {
+        HostName::new(name).unwrap_or_else(|_| unreachable!())
+    }
+
+    /// A planned move of shard `s` (of 8), 1 byte.
+    fn mv(s: i64, from: &str, to: &str) -> PlannedMove {
         let count = ShardCount::new(8).unwrap_or_else(|_| unreachable!());
-        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
-        let mv = |s: i64, from: &str, to: &str| PlannedMove {
+        PlannedMove {
             shard: LogicalShard::new(s, count).unwrap_or_else(|_| unreachable!()),
             from: h(from),
             to: h(to),
             bytes: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn running_moves_share_no_host_unless_allowed() {
         let pending: Vec<(usize, PlannedMove)> =
             [mv(0, "a", "c"), mv(1, "a", "d"), mv(2, "b", "c"), mv(3, "b", "d")]
                 .into_iter()
@@ -333,14 +340,6 @@ mod tests {
 
     #[test]
     fn a_shard_moved_twice_moves_in_plan_order() {
-        let count = ShardCount::new(8).unwrap_or_else(|_| unreachable!());
-        let h = |n: &str| HostName::new(n).unwrap_or_else(|_| unreachable!());
-        let mv = |s: i64, from: &str, to: &str| PlannedMove {
-            shard: LogicalShard::new(s, count).unwrap_or_else(|_| unreachable!()),
-            from: h(from),
-            to: h(to),
-            bytes: 1,
-        };
         // Shard 4 goes c -> d, then d -> a; the second must not start first, though its
         // hosts are free while c -> b runs.
         let pending: Vec<(usize, PlannedMove)> =
