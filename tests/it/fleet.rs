@@ -238,6 +238,15 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
         again.as_ref().is_err_and(|e| e.contains("host pg3: is already a host of this cluster")),
         "{again:?}"
     );
+    // A name that differs from pg3 only in case or punctuation would read pg3's
+    // password variable: refused.
+    let (_, alike) = cli_full(&f, &["host", "add", "PG3", "--url", &pg3.url(f.db())]).await;
+    assert!(
+        alike
+            .as_ref()
+            .is_err_and(|e| e.contains("host PG3: it and host pg3 differ only in case or punctuation")),
+        "{alike:?}"
+    );
     let (_, secret) = cli_full(&f, &["host", "add", "pg4", "--url", "postgres://u:pw@x/db"]).await;
     assert!(secret.as_ref().is_err_and(|e| e.contains("--url holds a password")), "{secret:?}");
     hosts_become(&cluster, &["pg1", "pg2", "pg3"]).await?;

@@ -806,9 +806,22 @@ impl Catalog {
     ///
     /// # Errors
     ///
-    /// [`Error::Catalog`] (a name already known among them: SQLSTATE 23505).
+    /// [`Error::Catalog`] (a name already known among them: SQLSTATE 23505);
+    /// [`Error::Invalid`] when another host's name differs from `name` only in case or
+    /// punctuation ([`HostName::env_form`]).
     pub async fn add_host(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<()> {
         let (address, peer) = (recordable(name, url)?, recordable(name, peer_url)?);
+        if let Some(other) =
+            self.hosts().await?.into_iter().find(|h| h.name != *name && h.name.env_form() == name.env_form())
+        {
+            return Err(Error::Invalid {
+                what: format!(
+                    "host {name}: it and host {} differ only in case or punctuation: both would be {} in an environment variable's name (`[credentials] password_env`), so one could be sent the other's password",
+                    other.name,
+                    name.env_form()
+                ),
+            });
+        }
         self.client
             .execute(
                 "INSERT INTO shardline.hosts (name, position, address, peer_address)
