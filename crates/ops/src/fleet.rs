@@ -198,8 +198,9 @@ async fn no_move_on(catalog: &Catalog, name: &HostName, what: &str) -> Result<()
 /// # Errors
 ///
 /// [`Error::Fleet`] when the host is already active, or the server fails a check
-/// (unreachable, a standby, `wal_level` below logical, an app role missing); the catalog
-/// unreachable.
+/// (unreachable, a standby, `wal_level` below logical, an app role missing); the
+/// catalog's [`shardline_repo::catalog::name_clash`] refusal, before any connection to
+/// the server; the catalog unreachable.
 pub async fn add(
     config: &Config,
     name: &HostName,
@@ -216,6 +217,11 @@ pub async fn add(
     };
     let (catalog, _) = Catalog::open(config).await?;
     let before = catalog.hosts().await?;
+    // Before anything connects: the credentials would hand this name the other host's
+    // password.
+    if let Some(clash) = shardline_repo::catalog::name_clash(name, &before) {
+        return Err(clash.into());
+    }
     let existing = before.iter().find(|h| &h.name == name);
     match existing.map(|h| h.state) {
         Some(HostState::Active) => return Err(refused(name, "is already a host of this cluster")),

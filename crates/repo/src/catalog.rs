@@ -378,7 +378,8 @@ impl Catalog {
     /// # Errors
     ///
     /// [`Error::Mismatch`]; [`Error::InvalidCatalog`]; [`Error::Catalog`] when a
-    /// statement fails; `check`'s error.
+    /// statement fails; [`Error::Invalid`] for a config host whose name clashes with
+    /// another's ([`name_clash`]); `check`'s error.
     pub async fn prepare<E: From<Error>>(
         &self,
         config: &Config,
@@ -755,6 +756,21 @@ fn recordable(name: &HostName, url: &DbUrl) -> Result<DbUrl> {
     Ok(bare)
 }
 
+/// [`Error::Invalid`] when a host of `hosts` other than `name` differs from it only in
+/// case or punctuation ([`HostName::env_form`]): under `[credentials] password_env`
+/// both would read one variable, and one would be sent the other's password. Removed
+/// hosts count: `shardline host add` brings them back.
+pub fn name_clash(name: &HostName, hosts: &[CatalogHost]) -> Option<Error> {
+    let other = hosts.iter().find(|h| h.name != *name && h.name.env_form() == name.env_form())?;
+    Some(Error::Invalid {
+        what: format!(
+            "host {name}: it and host {} differ only in case or punctuation: both would be {} in an environment variable's name (`[credentials] password_env`), so one could be sent the other's password",
+            other.name,
+            name.env_form()
+        ),
+    })
+}
+
 impl CatalogHost {
     /// A host record, as the catalog would hold it.
     pub fn new(
@@ -811,16 +827,8 @@ impl Catalog {
     /// punctuation ([`HostName::env_form`]).
     pub async fn add_host(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<()> {
         let (address, peer) = (recordable(name, url)?, recordable(name, peer_url)?);
-        if let Some(other) =
-            self.hosts().await?.into_iter().find(|h| h.name != *name && h.name.env_form() == name.env_form())
-        {
-            return Err(Error::Invalid {
-                what: format!(
-                    "host {name}: it and host {} differ only in case or punctuation: both would be {} in an environment variable's name (`[credentials] password_env`), so one could be sent the other's password",
-                    other.name,
-                    name.env_form()
-                ),
-            });
+        if let Some(clash) = name_clash(name, &self.hosts().await?) {
+            return Err(clash);
         }
         self.client
             .execute(

@@ -641,17 +641,6 @@ impl Config {
                     format!("{host_name} is already the name of hosts[{first}]"),
                 ));
             }
-            if let Some(first) = hosts.iter().position(|o| o.name.env_form() == host_name.env_form()) {
-                return Err(src.err(
-                    name.span().start,
-                    &key("name"),
-                    format!(
-                        "{host_name} and hosts[{first}] ({}) differ only in case or punctuation: both would be {} in an environment variable's name",
-                        hosts[first].name,
-                        host_name.env_form()
-                    ),
-                ));
-            }
             let url = src
                 .url(at, &key("url"), h.url, h.url_env)?
                 .ok_or_else(|| src.err(at, &key("url"), "missing: give url or url_env"))?;
@@ -934,10 +923,6 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             (
                 "[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://b/db\"\n",
                 "shardline.toml:7: hosts[1].name: a is already the name of hosts[0]",
-            ),
-            (
-                "[[hosts]]\nname = \"pg-1\"\nurl = \"postgres://a/db\"\n[[hosts]]\nname = \"PG_1\"\nurl = \"postgres://b/db\"\n",
-                "shardline.toml:7: hosts[1].name: PG_1 and hosts[0] (pg-1) differ only in case or punctuation: both would be PG_1 in an environment variable's name",
             ),
             (
                 "[[hosts]]\nname = \"a b\"\nurl = \"postgres://a/db\"\n",

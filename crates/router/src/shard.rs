@@ -221,7 +221,7 @@ impl HostName {
     /// The name as it goes into an environment variable's name (`{host}` in
     /// `[credentials] password_env`): letters upper-cased, `-`, `_` and `.` as `_`. Two
     /// names of one form (`pg-1`, `pg_1`, `PG.1`) cannot be told apart there, so the
-    /// config and the catalog refuse the second (one would be sent the other's password).
+    /// catalog refuses the second (one would be sent the other's password).
     pub fn env_form(&self) -> String {
         self.0.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect()
     }
