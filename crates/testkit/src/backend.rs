@@ -86,6 +86,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// connections and returns it.
     async fn start_host(&self, index: usize, settings: &[(String, String)]) -> Result<Host>;
 
+    /// An address of the test process that the servers can reach, for a
+    /// [`crate::link::Link`] they connect through: loopback for local processes, the
+    /// Docker network's gateway for containers. Call it after a host started.
+    async fn peer_listen_ip(&self) -> Result<String>;
+
     /// Releases what the backend holds beside its hosts (network, directories). Called
     /// after every host was removed.
     async fn shutdown(&self) -> Result<()>;

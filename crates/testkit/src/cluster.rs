@@ -6,6 +6,7 @@ use futures::future::try_join_all;
 
 use crate::backend::{Backend, BackendKind, DEFAULT_IMAGE, IMAGE_ENV, docker_unavailable};
 use crate::docker::DockerBackend;
+use crate::link::Link;
 use crate::local::LocalBackend;
 use crate::{Error, Host, Result};
 
@@ -98,6 +99,39 @@ impl Cluster {
     /// The servers, in order: `pg1`, `pg2`, ...
     pub fn hosts(&self) -> &[Host] {
         &self.hosts
+    }
+
+    /// A [`Link`] from the test process to host number `index` (0-based): connect
+    /// through [`Link::url`] instead of [`Host::url`] and [`Link::cut`] partitions the
+    /// host from the test process alone; the other servers still reach it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoSuchHost`] for an index past the last host; [`Error::Io`] when no
+    /// port can be had.
+    pub async fn link(&self, index: usize) -> Result<Link> {
+        let host = self.host_at(index)?;
+        Link::start(&format!("test process to {}", host.name()), "127.0.0.1", host.endpoint().clone()).await
+    }
+
+    /// A [`Link`] the cluster's other servers reach host number `index` through: give
+    /// [`Link::url`] as the host's peer URL (where a move's subscription connects) and
+    /// [`Link::cut`] partitions the host from its peers alone; the test process still
+    /// reaches it. On both backends: the relay listens where the servers can reach the
+    /// test process (loopback, or the Docker network's gateway).
+    ///
+    /// # Errors
+    ///
+    /// As [`Cluster::link`]; the backend's error when its listening address cannot be
+    /// read.
+    pub async fn peer_link(&self, index: usize) -> Result<Link> {
+        let host = self.host_at(index)?;
+        let ip = self.backend.peer_listen_ip().await?;
+        Link::start(&format!("peers to {}", host.name()), &ip, host.endpoint().clone()).await
+    }
+
+    fn host_at(&self, index: usize) -> Result<&Host> {
+        self.hosts.get(index).ok_or(Error::NoSuchHost { index, hosts: self.hosts.len() })
     }
 
     /// How long [`Cluster::start`] took, backend choice included.

@@ -113,6 +113,13 @@ impl Backend for DockerBackend {
         Ok(host)
     }
 
+    async fn peer_listen_ip(&self) -> Result<String> {
+        let gateway =
+            docker_cli(&["network", "inspect", "--format", "{{(index .IPAM.Config 0).Gateway}}", &self.run])
+                .await?;
+        Ok(gateway.trim().to_owned())
+    }
+
     async fn shutdown(&self) -> Result<()> {
         // testcontainers removes the network once its last container is dropped.
         Ok(())

@@ -38,6 +38,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// A host was asked for by an index past the cluster's last.
+    #[error("host number {index} asked for, but the cluster has {hosts} hosts")]
+    NoSuchHost {
+        /// The 0-based index asked for.
+        index: usize,
+        /// How many hosts there are.
+        hosts: usize,
+    },
+
     /// A Docker operation failed.
     #[error("docker: {op} on host {host}")]
     Docker {

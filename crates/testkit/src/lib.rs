@@ -28,6 +28,9 @@
 //! - [`cluster`]: [`Cluster`], starting, healing and removing a set of hosts.
 //! - [`host`]: [`Host`], its URLs and fault handles; the [`HostControl`] trait.
 //! - [`backend`]: choosing a backend; the [`Backend`] trait.
+//! - [`link`]: [`Link`], a link to one host that a test can cut (a partition) and heal:
+//!   [`Cluster::link`] from the test process, [`Cluster::peer_link`] from the other
+//!   servers.
 //! - [`pgbouncer`]: [`pgbouncer::Pgbouncer`], a PgBouncer (session or transaction
 //!   mode) in front of one host.
 //! - [`tls`]: certificates made on the spot; [`Host::require_tls`] makes a host
@@ -60,6 +63,7 @@ mod docker;
 mod error;
 pub mod harness;
 pub mod host;
+pub mod link;
 mod local;
 pub mod pgbouncer;
 pub mod tls;
@@ -70,6 +74,7 @@ pub use error::{Error, Result};
 pub use host::{Endpoint, Host, HostControl, HostState};
 #[doc(hidden)]
 pub use inventory;
+pub use link::Link;
 
 /// The README's code samples, compiled as doctests so they cannot rot.
 #[cfg(doctest)]

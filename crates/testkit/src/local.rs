@@ -204,6 +204,10 @@ impl Backend for LocalBackend {
         Ok(host)
     }
 
+    async fn peer_listen_ip(&self) -> Result<String> {
+        Ok("127.0.0.1".into())
+    }
+
     async fn shutdown(&self) -> Result<()> {
         let base = self.base.clone();
         tokio::task::spawn_blocking(move || {
