@@ -341,7 +341,9 @@ async fn run(
     let config = &match crate::fleet::resolved(config).await {
         Ok(c) => c,
         // The hosts are checked first, then the catalog (below), which says it.
-        Err(Error::Repo(shardline_repo::Error::Connect { .. })) => config.clone(),
+        Err(Error::Repo(
+            shardline_repo::Error::Connect { .. } | shardline_repo::Error::ConnectTimeout { .. },
+        )) => config.clone(),
         Err(e) => return Err(e),
     };
     let started = Instant::now();

@@ -189,11 +189,18 @@ impl ClusterInfo {
 /// # Errors
 ///
 /// [`Error::BadUrl`] when the URL does not parse; [`Error::Connect`] when the server
-/// cannot be reached or refuses.
+/// cannot be reached or refuses; [`Error::ConnectTimeout`] when it took the connection
+/// but did not finish the start-up in time.
 pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
     let (config, tls) = crate::tls::prepare(url, target)?;
-    let (client, connection) =
-        with_defaults(config).connect(tls).await.map_err(|source| connect_error(target, source))?;
+    let config = with_defaults(config);
+    // The driver's connect timeout covers the TCP connect only: a server that accepts and
+    // then says nothing (paused, or cut off behind a relay) would hang the start-up.
+    let after = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let (client, connection) = tokio::time::timeout(after, config.connect(tls))
+        .await
+        .map_err(|_| Error::ConnectTimeout { target: target.to_owned(), after })?
+        .map_err(|source| connect_error(target, source))?;
     let target = target.to_owned();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
@@ -950,8 +957,11 @@ impl MapListener {
     pub async fn start(url: &DbUrl) -> Result<MapListener> {
         use futures::StreamExt as _;
         let (config, tls) = pg_config_tls(url, "catalog")?;
-        let (client, mut connection) =
-            config.connect(tls).await.map_err(|source| connect_error("catalog", source))?;
+        let after = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        let (client, mut connection) = tokio::time::timeout(after, config.connect(tls))
+            .await
+            .map_err(|_| Error::ConnectTimeout { target: "catalog".to_owned(), after })?
+            .map_err(|source| connect_error("catalog", source))?;
         let (tx, versions) = tokio::sync::mpsc::unbounded_channel();
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         tokio::spawn(async move {

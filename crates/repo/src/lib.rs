@@ -126,6 +126,16 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A server took the connection but did not finish its start-up within the connect
+    /// timeout: it is hung (paused, out of processes) or cut off behind something that
+    /// accepted for it. The driver's own timeout covers only the TCP connect.
+    #[error("{target} is unreachable: no answer to the connection's start-up within {after:?}")]
+    ConnectTimeout {
+        /// What was being reached: `catalog` or `host pg1`.
+        target: String,
+        /// The connect timeout.
+        after: std::time::Duration,
+    },
     /// A statement on the catalog failed.
     #[error("catalog: {what} failed (SQLSTATE {})", msg::sqlstate(sqlstate))]
     Catalog {
@@ -497,7 +507,7 @@ impl Error {
     /// [`Error::outcome_unknown`].
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Pool { .. } => true,
+            Error::Timeout { .. } | Error::Pool { .. } | Error::ConnectTimeout { .. } => true,
             // Refused by the server: retry only what passes (too many connections, a server
             // starting or shutting down), never a password or a missing database.
             Error::Connect { source, .. } => source.as_db_error().is_none_or(|d| {

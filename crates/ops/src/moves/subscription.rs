@@ -20,6 +20,8 @@
 //!
 //! Errors are redacted here too: a libpq message may quote the connection string.
 
+use std::time::Duration;
+
 use tokio_postgres::Client;
 
 use super::preflight::quote_literal;
@@ -41,13 +43,37 @@ pub(crate) async fn create_subscription(
 ) -> Result<(), (Option<String>, String)> {
     let sql = format!("CREATE SUBSCRIPTION {name} CONNECTION {} {rest}", quote_literal(conninfo));
     // Not batch_execute, simple_query, query or execute: see the module's docs.
-    match c.query_typed(&sql, &[]).await {
+    match peer_bounded(c, c.query_typed(&sql, &[])).await {
         Ok(_) => Ok(()),
         Err(e) => {
             let (sqlstate, message) = describe(&e);
             Err((sqlstate, redact(&message, conninfo)))
         }
     }
+}
+
+/// How long a statement that makes the target connect to the source (`CREATE` or
+/// `DROP SUBSCRIPTION`) may run. Postgres 15's walreceiver waits for the source's answer
+/// with no timeout of its own (libpq's `connect_timeout` is not applied there), so a
+/// source that is hung or cut off would hold the statement, and the move, forever.
+pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Runs `work` (one statement on `c` that connects to a peer) under a
+/// `statement_timeout` of [`PEER_TIMEOUT`], set for the session around it (not in a
+/// transaction: such statements refuse one).
+///
+/// # Errors
+///
+/// Setting or resetting the timeout failed, or `work`'s own error (SQLSTATE 57014 when
+/// it ran out of time).
+pub(crate) async fn peer_bounded<T>(
+    c: &Client,
+    work: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, tokio_postgres::Error> {
+    c.batch_execute(&format!("SET statement_timeout = {}", PEER_TIMEOUT.as_millis())).await?;
+    let result = work.await;
+    c.batch_execute("RESET statement_timeout").await?;
+    result
 }
 
 /// `message` with `conninfo`, and any password it holds, replaced by `***`.

@@ -234,14 +234,24 @@ pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -
     if !exists {
         return Ok(());
     }
-    if c.batch_execute(&format!("DROP SUBSCRIPTION {name}")).await.is_ok() {
+    // Dropping it drops its slot on the source, connecting there: bounded, since the
+    // source may be hung or cut off (then the slot is the source's cleanup, below).
+    let drop = format!("DROP SUBSCRIPTION {name}");
+    if crate::moves::subscription::peer_bounded(c, c.batch_execute(&drop)).await.is_ok() {
         return Ok(());
     }
+    // Detached from its slot, and pointed at an address that fails at once: Postgres 15
+    // still connects to drop the table-sync slots of a copy under way, and gives up
+    // quietly only when that connection fails (a hung or cut-off source would hold it).
     c.batch_execute(&format!(
-        "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE); DROP SUBSCRIPTION {name}"
+        "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE);
+         ALTER SUBSCRIPTION {name} CONNECTION 'host=/nonexistent/shardline-detached'"
     ))
     .await
-    .map_err(on(host, "drop the subscription"))
+    .map_err(on(host, "detach the subscription"))?;
+    crate::moves::subscription::peer_bounded(c, c.batch_execute(&format!("DROP SUBSCRIPTION {name}")))
+        .await
+        .map_err(on(host, "drop the subscription"))
 }
 
 /// Drops, on the source, publication and slot `name`, the table-sync slots of
