@@ -11,6 +11,7 @@ use clap::Parser as _;
 use shardline_ops::{Error as OpsError, Options, Progress, Report};
 use shardline_repo::catalog::{LOCK_KEY, MapListener};
 use shardline_router::Config;
+use shardline_testkit::Link;
 use shardline_testkit::harness::{TestContext, TestResult};
 use tokio_postgres::Client;
 
@@ -63,16 +64,8 @@ impl Fixture {
             std::fs::copy(entry.path(), f.dir.join("migrations").join(entry.file_name()))?;
         }
         let first = kit.hosts().first().ok_or("the kit has no host")?;
-        let mut text = format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{}\"\n", first.url(db));
-        for (i, h) in kit.hosts().iter().enumerate() {
-            text.push_str(&format!(
-                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
-                i + 1,
-                h.url(db),
-                h.peer_url(db)
-            ));
-        }
-        std::fs::write(f.path(), text)?;
+        let urls: Vec<(String, String)> = kit.hosts().iter().map(|h| (h.url(db), h.peer_url(db))).collect();
+        f.write_config_at(&first.url(db), &urls, shards)?;
         Ok(f)
     }
 
@@ -92,14 +85,38 @@ impl Fixture {
         url: impl Fn(usize, String) -> String,
         shards: u16,
     ) -> Result<(), BoxError> {
-        let mut text =
-            format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{}\"\n", ctx.hosts()[0].url(&self.db));
-        for (i, h) in ctx.hosts().iter().take(self.hosts).enumerate() {
+        let hosts = &ctx.hosts()[..self.hosts];
+        let urls: Vec<(String, String)> =
+            hosts.iter().enumerate().map(|(i, h)| (url(i, h.url(&self.db)), h.peer_url(&self.db))).collect();
+        self.write_config_at(&ctx.hosts()[0].url(&self.db), &urls, shards)
+    }
+
+    /// Writes the config with every party reached through a link a test can cut: the
+    /// application's to the catalog and to each host, and each host's peers' to it.
+    pub(crate) fn write_config_through(
+        &self,
+        catalog: &Link,
+        app: &[Link],
+        peers: &[Link],
+        shards: u16,
+    ) -> Result<(), BoxError> {
+        let urls: Vec<(String, String)> =
+            app.iter().zip(peers).map(|(a, p)| (a.url(&self.db), p.url(&self.db))).collect();
+        self.write_config_at(&catalog.url(&self.db), &urls, shards)
+    }
+
+    /// Writes the config: the catalog's URL, and each host's URL and peer URL.
+    fn write_config_at(
+        &self,
+        catalog: &str,
+        hosts: &[(String, String)],
+        shards: u16,
+    ) -> Result<(), BoxError> {
+        let mut text = format!("logical_shards = {shards}\n\n[catalog]\nurl = \"{catalog}\"\n");
+        for (i, (url, peer)) in hosts.iter().enumerate() {
             text.push_str(&format!(
-                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
-                i + 1,
-                url(i, h.url(&self.db)),
-                h.peer_url(&self.db)
+                "\n[[hosts]]\nname = \"pg{}\"\nurl = \"{url}\"\npeer_url = \"{peer}\"\n",
+                i + 1
             ));
         }
         std::fs::write(self.path(), text)?;

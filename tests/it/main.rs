@@ -13,6 +13,7 @@ mod fleet;
 mod ids;
 mod lifecycle;
 mod moves;
+mod partitions;
 mod pooler;
 mod promises;
 mod reliability;

@@ -18,7 +18,7 @@ use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
 
 /// Subscriptions, slots and publications of this test's database, and what moves'
 /// change logs left (trigger functions, triggers, logged rows), per host.
-async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
+pub(crate) async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
     let mut out = Vec::new();
     for h in 0..3 {
         let c = f.client(ctx, h).await?;
@@ -182,13 +182,18 @@ async fn stopped_after(
     }
 }
 
-fn photo(user_id: i64, n: usize) -> NewPhoto {
+pub(crate) fn photo(user_id: i64, n: usize) -> NewPhoto {
     NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
 
 /// Fills shard `shard` (of `count`): `per_user` photos for each of 20 users, a like and
 /// a comment on each. Returns the photos.
-async fn seed(cluster: &Cluster, shard: i64, count: i64, per_user: usize) -> Result<Vec<Photo>, BoxError> {
+pub(crate) async fn seed(
+    cluster: &Cluster,
+    shard: i64,
+    count: i64,
+    per_user: usize,
+) -> Result<Vec<Photo>, BoxError> {
     let new: Vec<NewPhoto> =
         (0..20).flat_map(|u| (0..per_user).map(move |i| photo(shard + u * count, i))).collect();
     let made = cluster.repo::<Photo>()?.insert_many(&new).await?;
@@ -204,7 +209,7 @@ async fn seed(cluster: &Cluster, shard: i64, count: i64, per_user: usize) -> Res
 }
 
 /// Rows of photos, likes and comments in `schema` on host `h`; `None` without the schema.
-async fn counts(
+pub(crate) async fn counts(
     f: &Fixture,
     ctx: &TestContext,
     h: usize,
