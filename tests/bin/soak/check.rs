@@ -1,0 +1,381 @@
+//! The soak's checker: the history of writes against what the hosts hold at the end.
+//! Pure: the soak gathers [`Observed`] from the hosts; [`check`] says what is wrong.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// Which table a write went to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Table {
+    /// `photos`: minted in the owner's shard.
+    Photos,
+    /// `comments`: minted in the photo's shard.
+    Comments,
+}
+
+impl Table {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Table::Photos => "photos",
+            Table::Comments => "comments",
+        }
+    }
+}
+
+/// How a write ended, as the application saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Acknowledged, with the row's ID.
+    Acked(i64),
+    /// Failed; `unknown` is the error's `outcome_unknown()`.
+    Failed { unknown: bool, error: String },
+}
+
+/// One write of the history.
+#[derive(Debug, Clone)]
+pub(crate) struct Write {
+    /// Which worker made it.
+    pub(crate) worker: u32,
+    pub(crate) table: Table,
+    /// Unique in the run: the photo's caption or the comment's body.
+    pub(crate) token: String,
+    /// The row's content as [`Row::content`] spells it.
+    pub(crate) content: String,
+    /// Since the soak started: when the call was made and when it returned.
+    pub(crate) start: Duration,
+    pub(crate) end: Duration,
+    pub(crate) outcome: Outcome,
+}
+
+/// A row found on a host.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    pub(crate) host: String,
+    pub(crate) schema: String,
+    pub(crate) table: Table,
+    pub(crate) id: i64,
+    /// The shard the ID says minted it.
+    pub(crate) id_shard: u32,
+    /// The shard whose schema holds it.
+    pub(crate) schema_shard: u32,
+    /// The shard its routing key (the photo's owner, the comment's photo) routes to.
+    pub(crate) key_shard: u32,
+    pub(crate) token: String,
+    /// `user|url|caption` for a photo, `user|photo_id|body` for a comment.
+    pub(crate) content: String,
+}
+
+/// What the hosts hold once everything is healed, the moves finished and `gc` run.
+#[derive(Debug, Default)]
+pub(crate) struct Observed {
+    /// Rows of the schemas the map places on their host (the live copies).
+    pub(crate) live: Vec<Row>,
+    /// Rows of any other shard schema (a copy the map does not name).
+    pub(crate) stray: Vec<Row>,
+    /// Shard schemas found on a host the map does not place them on: `host.schema`.
+    pub(crate) stray_schemas: Vec<String>,
+    /// Shards whose schema is missing from the host the map places them on.
+    pub(crate) missing_schemas: Vec<String>,
+    /// Replication slots, publications and subscriptions left on a host.
+    pub(crate) replication_left: Vec<String>,
+    /// Shards a write failed in at the end, with the error.
+    pub(crate) unwritable: Vec<String>,
+    /// Moves still running in the journal after recovery.
+    pub(crate) moves_left: Vec<String>,
+    /// Reads of acknowledged rows that answered wrong during the run.
+    pub(crate) bad_reads: Vec<String>,
+}
+
+/// Every violation of the soak's promises; empty when none.
+pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut by_token: HashMap<&str, Vec<&Row>> = HashMap::new();
+    for r in &seen.live {
+        by_token.entry(r.token.as_str()).or_default().push(r);
+        if r.schema_shard != r.key_shard {
+            out.push(format!(
+                "{} row {} ({}) is in shard {}'s schema but its key routes to shard {}",
+                r.table.name(),
+                r.id,
+                r.token,
+                r.schema_shard,
+                r.key_shard
+            ));
+        }
+        if r.id_shard != r.schema_shard {
+            out.push(format!(
+                "{} row {} ({}) carries shard {} in its ID but is in shard {}",
+                r.table.name(),
+                r.id,
+                r.token,
+                r.id_shard,
+                r.schema_shard
+            ));
+        }
+    }
+    let mut written: HashMap<&str, &Write> = HashMap::new();
+    for w in history {
+        if written.insert(w.token.as_str(), w).is_some() {
+            out.push(format!("the history has token {} twice (a bug of the soak)", w.token));
+        }
+        let rows = by_token.get(w.token.as_str()).map_or(&[][..], Vec::as_slice);
+        match &w.outcome {
+            Outcome::Acked(id) => match rows {
+                [] => out.push(format!(
+                    "lost: {} {} acknowledged with ID {id} is absent",
+                    w.table.name(),
+                    w.token
+                )),
+                [r] if r.id != *id => out.push(format!(
+                    "{} {} was acknowledged with ID {id} but is stored with ID {}",
+                    w.table.name(),
+                    w.token,
+                    r.id
+                )),
+                [r] if r.content != w.content => out.push(format!(
+                    "{} {} (ID {id}) holds {:?}, written {:?}",
+                    w.table.name(),
+                    w.token,
+                    r.content,
+                    w.content
+                )),
+                [_] => {}
+                many => out.push(format!(
+                    "applied {} times: {} {} acknowledged with ID {id} (IDs {})",
+                    many.len(),
+                    w.table.name(),
+                    w.token,
+                    ids(many)
+                )),
+            },
+            Outcome::Failed { unknown: false, error } if !rows.is_empty() => out.push(format!(
+                "a write reported as not applied is present: {} {} (IDs {}); it failed with {error}",
+                w.table.name(),
+                w.token,
+                ids(rows)
+            )),
+            Outcome::Failed { unknown: true, .. } if rows.len() > 1 => out.push(format!(
+                "applied {} times: {} {} (outcome unknown; IDs {})",
+                rows.len(),
+                w.table.name(),
+                w.token,
+                ids(rows)
+            )),
+            Outcome::Failed { .. } => {}
+        }
+    }
+    for (token, rows) in &by_token {
+        if !written.contains_key(token) {
+            out.push(format!("rows no write made: {token} (IDs {})", ids(rows)));
+        }
+    }
+    // No ID anywhere twice: live copies, and strays beside them.
+    let mut by_id: HashMap<i64, Vec<&Row>> = HashMap::new();
+    for r in seen.live.iter().chain(&seen.stray) {
+        by_id.entry(r.id).or_default().push(r);
+    }
+    let mut repeated: Vec<_> = by_id.into_iter().filter(|(_, rows)| rows.len() > 1).collect();
+    repeated.sort_by_key(|(id, _)| *id);
+    for (id, rows) in repeated {
+        let mut at = String::new();
+        for r in rows {
+            let _ = write!(at, " {}.{}.{} ({})", r.host, r.schema, r.table.name(), r.token);
+        }
+        out.push(format!("ID {id} appears more than once:{at}"));
+    }
+    // IDs of the default layout, which the soak uses.
+    out.extend(time_order(history, |id| shardline_id::Id::from_i64(id).ok().map(shardline_id::Id::shard)));
+    for s in &seen.stray_schemas {
+        out.push(format!(
+            "the map and the data disagree: schema {s} is on a host the map does not place it on"
+        ));
+    }
+    for s in &seen.missing_schemas {
+        out.push(format!("the map and the data disagree: {s}"));
+    }
+    for s in &seen.replication_left {
+        out.push(format!("left behind: {s}"));
+    }
+    for s in &seen.unwritable {
+        out.push(format!("not writable at the end: {s}"));
+    }
+    for s in &seen.moves_left {
+        out.push(format!("a move still running after recovery: {s}"));
+    }
+    out.extend(seen.bad_reads.iter().cloned());
+    out
+}
+
+fn ids(rows: &[&Row]) -> String {
+    rows.iter().map(|r| r.id.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// IDs minted on one shard never go back in time: a write that started after another
+/// write to the same shard was acknowledged has the greater ID, across moves too.
+fn time_order(history: &[Write], shard_of: impl Fn(i64) -> Option<u32>) -> Vec<String> {
+    let mut per_shard: BTreeMap<u32, Vec<(&Write, i64)>> = BTreeMap::new();
+    for w in history {
+        if let Outcome::Acked(id) = w.outcome
+            && let Some(s) = shard_of(id)
+        {
+            per_shard.entry(s).or_default().push((w, id));
+        }
+    }
+    let mut out = Vec::new();
+    for (shard, mut writes) in per_shard {
+        let mut by_end: Vec<(Duration, i64, &str)> =
+            writes.iter().map(|(w, id)| (w.end, *id, w.token.as_str())).collect();
+        by_end.sort_unstable();
+        writes.sort_by_key(|(w, _)| w.start);
+        let (mut next, mut max): (usize, Option<(i64, &str, Duration)>) = (0, None);
+        for (w, id) in writes {
+            while next < by_end.len() && by_end[next].0 < w.start {
+                let (end, done, token) = by_end[next];
+                if max.is_none_or(|(m, _, _)| done > m) {
+                    max = Some((done, token, end));
+                }
+                next += 1;
+            }
+            if let Some((m, token, end)) = max
+                && id <= m
+            {
+                out.push(format!(
+                    "shard {shard}: {} started at {:?} got ID {id}, not above ID {m} of {token} acknowledged at {end:?}",
+                    w.token, w.start
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(token: &str, start: u64, end: u64, outcome: Outcome) -> Write {
+        Write {
+            worker: 0,
+            table: Table::Photos,
+            token: token.into(),
+            content: format!("1|u|{token}"),
+            start: Duration::from_millis(start),
+            end: Duration::from_millis(end),
+            outcome,
+        }
+    }
+
+    fn id(ms: i64, shard: u32, seq: u32) -> i64 {
+        shardline_id::Id::from_parts(1_800_000_000_000 + ms, shard, seq).unwrap().as_i64()
+    }
+
+    fn row(token: &str, id: i64) -> Row {
+        let shard = shardline_id::Id::from_i64(id).unwrap().shard();
+        Row {
+            host: "pg1".into(),
+            schema: format!("shard_{shard:04}"),
+            table: Table::Photos,
+            id,
+            id_shard: shard,
+            schema_shard: shard,
+            key_shard: shard,
+            token: token.into(),
+            content: format!("1|u|{token}"),
+        }
+    }
+
+    fn seen(live: Vec<Row>) -> Observed {
+        Observed { live, ..Observed::default() }
+    }
+
+    #[test]
+    fn a_clean_history_has_no_violation() {
+        let (a, b) = (id(1, 3, 0), id(2, 3, 0));
+        let history = [
+            write("a", 0, 5, Outcome::Acked(a)),
+            write("b", 6, 9, Outcome::Acked(b)),
+            write("c", 6, 9, Outcome::Failed { unknown: false, error: "refused".into() }),
+            write("d", 6, 9, Outcome::Failed { unknown: true, error: "timeout".into() }),
+        ];
+        assert_eq!(
+            check(&history, &seen(vec![row("a", a), row("b", b), row("d", id(3, 3, 0))])),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn each_broken_promise_is_named() {
+        let (a, b) = (id(1, 3, 0), id(2, 3, 0));
+        let cases: Vec<(&str, Vec<Write>, Observed)> = vec![
+            ("lost", vec![write("a", 0, 5, Outcome::Acked(a))], seen(vec![])),
+            (
+                "applied 2 times",
+                vec![write("a", 0, 5, Outcome::Acked(a))],
+                seen(vec![row("a", a), row("a", b)]),
+            ),
+            (
+                "reported as not applied is present",
+                vec![write("a", 0, 5, Outcome::Failed { unknown: false, error: "refused".into() })],
+                seen(vec![row("a", a)]),
+            ),
+            (
+                "applied 2 times",
+                vec![write("a", 0, 5, Outcome::Failed { unknown: true, error: "timeout".into() })],
+                seen(vec![row("a", a), row("a", b)]),
+            ),
+            (
+                "holds",
+                vec![write("a", 0, 5, Outcome::Acked(a))],
+                seen(vec![Row { content: "x".into(), ..row("a", a) }]),
+            ),
+            ("stored with ID", vec![write("a", 0, 5, Outcome::Acked(a))], seen(vec![row("a", b)])),
+            (
+                "appears more than once",
+                vec![write("a", 0, 5, Outcome::Acked(a)), write("b", 0, 5, Outcome::Acked(b))],
+                seen(vec![row("a", a), row("b", b), Row { token: "a".into(), ..row("a", a) }]),
+            ),
+            (
+                "not above ID",
+                // b started after a was acknowledged, in the same shard, with a lower ID.
+                vec![write("a", 0, 5, Outcome::Acked(b)), write("b", 6, 9, Outcome::Acked(a))],
+                seen(vec![row("a", b), row("b", a)]),
+            ),
+            ("rows no write made", vec![], seen(vec![row("z", a)])),
+            (
+                "its key routes to shard",
+                vec![write("a", 0, 5, Outcome::Acked(a))],
+                seen(vec![Row { key_shard: 4, ..row("a", a) }]),
+            ),
+            (
+                "carries shard",
+                vec![write("a", 0, 5, Outcome::Acked(a))],
+                seen(vec![Row { id_shard: 4, ..row("a", a) }]),
+            ),
+            (
+                "disagree",
+                vec![],
+                Observed { stray_schemas: vec!["pg2.shard_0003".into()], ..Observed::default() },
+            ),
+            (
+                "left behind",
+                vec![],
+                Observed { replication_left: vec!["pg1: slot s".into()], ..Observed::default() },
+            ),
+            ("not writable", vec![], Observed { unwritable: vec!["shard 3".into()], ..Observed::default() }),
+            ("still running", vec![], Observed { moves_left: vec!["move 4".into()], ..Observed::default() }),
+        ];
+        for (what, history, observed) in cases {
+            let found = check(&history, &observed);
+            assert!(found.iter().any(|v| v.contains(what)), "{what}: found {found:?}");
+        }
+    }
+
+    #[test]
+    fn concurrent_writes_may_mint_in_either_order() {
+        let (a, b) = (id(1, 3, 0), id(2, 3, 0));
+        // b started before a was acknowledged: no order between them.
+        let history = [write("a", 0, 5, Outcome::Acked(b)), write("b", 4, 9, Outcome::Acked(a))];
+        assert_eq!(check(&history, &seen(vec![row("a", b), row("b", a)])), Vec::<String>::new());
+    }
+}

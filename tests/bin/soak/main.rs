@@ -1,0 +1,957 @@
+//! `soak`: random faults under sustained load, and a checker that proves nothing is
+//! lost (docs/reliability.md, "The soak").
+//!
+//! `soak [SECONDS] [SEED]` (or `scripts/soak.sh MINUTES [SEED]`) starts 4 hosts on the
+//! backend `SHARDLINE_TEST_BACKEND` names, every link between the parties cuttable
+//! ([`shardline_testkit::Link`]), and for `SECONDS` runs at once:
+//!
+//! - **the load**: the example application's workload through the repository API
+//!   (photos posted, comments on them, photos read back), every write recorded with its
+//!   start, end and outcome;
+//! - **the mover**: single moves of random shards to random hosts, and now and then a
+//!   rebalance; a migration a third of the way in;
+//! - **the nemesis**, drawn from `SEED`: one fault at a time, either at a random moment
+//!   or when the running move reaches a random step: a host killed, paused or restarted,
+//!   the link from the application to a host, to the catalog, or from a host's peers to
+//!   it cut, every connection of a link reset, or the mover killed (then resumed or
+//!   undone).
+//!
+//! Then every fault is healed, unfinished moves are resumed, `gc` runs, and the checker
+//! ([`check::check`]) compares the history with what the hosts hold. Exit status 0 when
+//! there is no violation, 1 when there is one (the seed and the history's file are
+//! printed), 2 when the soak could not run.
+#![allow(clippy::print_stderr, reason = "a command-line tool reports on stderr")]
+
+mod check;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use check::{Observed, Outcome, Row, Table, Write};
+use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
+use shardline_id::ident::quote;
+use shardline_ops::moves::{self, MoveOptions, MoveProgress, State, Step};
+use shardline_ops::rebalance::{self, Parallel};
+use shardline_repo::{Cluster, ClusterOptions, Id};
+use shardline_router::{Config, HostName, LogicalShard};
+use shardline_testkit::{Link, backend::BackendKind};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const DB: &str = "soak";
+const HOSTS: usize = 4;
+const SHARDS: u16 = 32;
+const WORKERS: u32 = 4;
+const USERS: u64 = 5000;
+
+/// A small, seeded generator (xorshift): the same seed draws the same schedule.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+    fn index(&mut self, n: usize) -> usize {
+        usize::try_from(self.below(n as u64)).unwrap_or(0)
+    }
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to.saturating_sub(from).max(1)))
+    }
+}
+
+/// What the run shares between its tasks.
+struct Run {
+    seed: u64,
+    began: Instant,
+    deadline: Instant,
+    kit: shardline_testkit::Cluster,
+    /// The application's links to each host, and to the catalog (on pg1).
+    links: Vec<Link>,
+    catalog_link: Link,
+    /// The links through which each host's peers reach it.
+    peer_links: Vec<Link>,
+    config: Config,
+    dir: PathBuf,
+    cluster: Cluster,
+    history: Mutex<Vec<Write>>,
+    bad_reads: Mutex<Vec<String>>,
+    /// Acknowledged photos: ID and content, for comments and reads.
+    photos: Mutex<Vec<(Id, String)>>,
+    reads: AtomicU64,
+    read_errors: AtomicU64,
+    /// The move under way and its step, for faults that wait for a step.
+    current: Mutex<Option<(usize, usize, Step)>>,
+    kill_mover: tokio::sync::Notify,
+    /// Whether the mover is inside a move or a rebalance now.
+    moving: AtomicBool,
+    stopping: AtomicBool,
+    faults: Mutex<BTreeMap<&'static str, u64>>,
+    moves: Mutex<BTreeMap<&'static str, u64>>,
+    log: Mutex<Vec<String>>,
+}
+
+impl Run {
+    fn now(&self) -> Duration {
+        self.began.elapsed()
+    }
+    fn note(&self, line: String) {
+        let line = format!("{:>8.3} s  {line}", self.now().as_secs_f64());
+        eprintln!("  {line}");
+        lock(&self.log).push(line);
+    }
+    fn count(map: &Mutex<BTreeMap<&'static str, u64>>, what: &'static str) {
+        *lock(map).entry(what).or_default() += 1;
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let parsed = (|| -> Result<(u64, u64), BoxError> {
+        let secs = args.first().map(|s| s.parse()).transpose()?.unwrap_or(120);
+        let seed = match args.get(1) {
+            Some(s) => s.parse()?,
+            None => {
+                u64::from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos())
+            }
+        };
+        if args.len() > 2 {
+            return Err("too many arguments".into());
+        }
+        Ok((secs, seed))
+    })();
+    let (secs, seed) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("usage: soak [SECONDS] [SEED]: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let dir = std::env::temp_dir().join(format!("shardline-soak-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(dir.join("migrations")) {
+        eprintln!("soak: cannot make {}: {e}", dir.display());
+        return std::process::ExitCode::from(2);
+    }
+    // The product's own logging, as the CLI sets it up, into a file beside the history.
+    let log = match std::fs::File::create(dir.join("soak.log")) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("soak: cannot write its log: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(Mutex::new(log))
+        .with_ansi(false)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("soak: no runtime: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    eprintln!(
+        "soak: {secs} s, seed {seed} (replay: scripts/soak.sh with the same seed); files in {}",
+        dir.display()
+    );
+    match rt.block_on(soak(secs, seed, &dir)) {
+        Ok(violations) if violations.is_empty() => {
+            eprintln!("soak: seed {seed}: no violation");
+            let _ = std::fs::remove_dir_all(&dir);
+            std::process::ExitCode::SUCCESS
+        }
+        Ok(violations) => {
+            eprintln!("soak: seed {seed}: {} violation(s):", violations.len());
+            for v in violations.iter().take(50) {
+                eprintln!("  - {v}");
+            }
+            eprintln!(
+                "soak: the history (every write, fault and move) is in {}; replay with `scripts/soak.sh {} {seed}`",
+                dir.display(),
+                secs.div_ceil(60)
+            );
+            std::process::ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("soak: seed {seed}: could not run: {e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn soak(secs: u64, seed: u64, dir: &Path) -> Result<Vec<String>, BoxError> {
+    let kit = shardline_testkit::Cluster::start_on(BackendKind::from_env()?, HOSTS).await?;
+    soak_on(kit, secs, seed, dir).await
+}
+
+async fn soak_on(
+    kit: shardline_testkit::Cluster,
+    secs: u64,
+    seed: u64,
+    dir: &Path,
+) -> Result<Vec<String>, BoxError> {
+    eprintln!("soak: {} hosts on the {} backend", HOSTS, kit.backend());
+    kit.create_database(DB).await?;
+    let mut links = Vec::new();
+    let mut peer_links = Vec::new();
+    for i in 0..HOSTS {
+        links.push(kit.link(i).await?);
+        peer_links.push(kit.peer_link(i).await?);
+    }
+    let catalog_link = kit.link(0).await?;
+    let repo_migrations = Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    for entry in std::fs::read_dir(&repo_migrations)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), dir.join("migrations").join(entry.file_name()))?;
+    }
+    let mut text = format!(
+        "logical_shards = {SHARDS}\nmigrations = \"{}\"\n[catalog]\nurl = \"{}\"\n",
+        dir.join("migrations").display(),
+        catalog_link.url(DB)
+    );
+    for i in 0..HOSTS {
+        text.push_str(&format!(
+            "[[hosts]]\nname = \"pg{}\"\nurl = \"{}\"\npeer_url = \"{}\"\n",
+            i + 1,
+            links[i].url(DB),
+            peer_links[i].url(DB)
+        ));
+    }
+    std::fs::write(dir.join("shardline.toml"), &text)?;
+    let config = Config::from_toml(&text, "shardline.toml", dir, &|_| None)?;
+    shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let began = Instant::now();
+    let run = Arc::new(Run {
+        seed,
+        began,
+        deadline: began + Duration::from_secs(secs),
+        kit,
+        links,
+        catalog_link,
+        peer_links,
+        config,
+        dir: dir.to_owned(),
+        cluster,
+        history: Mutex::new(Vec::new()),
+        bad_reads: Mutex::new(Vec::new()),
+        photos: Mutex::new(Vec::new()),
+        reads: AtomicU64::new(0),
+        read_errors: AtomicU64::new(0),
+        current: Mutex::new(None),
+        kill_mover: tokio::sync::Notify::new(),
+        moving: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
+        faults: Mutex::new(BTreeMap::new()),
+        moves: Mutex::new(BTreeMap::new()),
+        log: Mutex::new(Vec::new()),
+    });
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let run = run.clone();
+            tokio::spawn(async move { worker(&run, w).await })
+        })
+        .collect();
+    let mover = {
+        let run = run.clone();
+        tokio::spawn(async move { mover(&run).await })
+    };
+    let nemesis = {
+        let run = run.clone();
+        tokio::spawn(async move { nemesis(&run).await })
+    };
+    for w in workers {
+        w.await?;
+    }
+    run.stopping.store(true, Ordering::Relaxed);
+    nemesis.await?;
+    // The mover finishes the move it is in (it starts no other), or is killed after 2
+    // minutes, its move then resumed below.
+    let abort = mover.abort_handle();
+    if tokio::time::timeout(Duration::from_secs(120), mover).await.is_err() {
+        abort.abort();
+        run.note("the mover did not finish its move in 120 s; killed".into());
+    }
+    let (ops, acked) = {
+        let h = lock(&run.history);
+        (h.len(), h.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_))).count())
+    };
+    run.note(format!(
+        "load done: {ops} writes ({acked} acknowledged), {} reads ({} failed)",
+        run.reads.load(Ordering::Relaxed),
+        run.read_errors.load(Ordering::Relaxed)
+    ));
+    let observed = recover_and_observe(&run).await?;
+    let history = lock(&run.history).clone();
+    let violations = check::check(&history, &observed);
+    report(&run, &history, &violations)?;
+    run.kit.shutdown().await?;
+    Ok(violations)
+}
+
+/// Writes the history and the fault log to the run's directory, and prints the summary.
+fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), BoxError> {
+    use std::io::Write as _;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(run.dir.join("history.tsv"))?);
+    writeln!(f, "worker\ttable\ttoken\tstart_ms\tend_ms\toutcome\tid_or_error")?;
+    for w in history {
+        let (outcome, detail) = match &w.outcome {
+            Outcome::Acked(id) => ("ok", id.to_string()),
+            Outcome::Failed { unknown: true, error } => ("unknown", error.clone()),
+            Outcome::Failed { unknown: false, error } => ("failed", error.clone()),
+        };
+        writeln!(
+            f,
+            "{}\t{}\t{}\t{}\t{}\t{outcome}\t{}",
+            w.worker,
+            w.table.name(),
+            w.token,
+            w.start.as_millis(),
+            w.end.as_millis(),
+            detail.replace(['\t', '\n'], " ")
+        )?;
+    }
+    std::fs::write(run.dir.join("events.log"), lock(&run.log).join("\n"))?;
+    let acked = history.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_))).count();
+    let unknown =
+        history.iter().filter(|w| matches!(w.outcome, Outcome::Failed { unknown: true, .. })).count();
+    let secs = run.deadline.duration_since(run.began).as_secs_f64();
+    eprintln!("soak summary (seed {}):", run.seed);
+    eprintln!(
+        "  writes: {} ({acked} acknowledged, {unknown} outcome unknown, {} failed), {:.0} writes/s; reads: {}",
+        history.len(),
+        history.len() - acked - unknown,
+        history.len() as f64 / secs,
+        run.reads.load(Ordering::Relaxed)
+    );
+    eprintln!("  faults: {:?}", lock(&run.faults));
+    eprintln!("  moves: {:?}", lock(&run.moves));
+    eprintln!("  violations: {}", violations.len());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The load.
+
+async fn worker(run: &Run, w: u32) {
+    let mut rng = Rng::new(run.seed ^ (u64::from(w) + 1) << 32);
+    let (Ok(photos), Ok(comments)) = (run.cluster.repo::<Photo>(), run.cluster.repo::<Comment>()) else {
+        lock(&run.bad_reads).push(format!("worker {w}: no repository"));
+        return;
+    };
+    let mut n = 0_u64;
+    while Instant::now() < run.deadline {
+        n += 1;
+        let token = format!("s{}w{w}n{n}", run.seed);
+        let pick = rng.below(10);
+        let known = {
+            let p = lock(&run.photos);
+            if p.is_empty() { None } else { Some(p[rng.index(p.len())].clone()) }
+        };
+        match (pick, known) {
+            (0..=5, _) | (_, None) => {
+                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+                let new =
+                    NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
+                let content = format!("{user}|{}|{token}", new.url);
+                let start = run.now();
+                let result = photos.insert(&new).await;
+                let end = run.now();
+                let outcome = match &result {
+                    Ok(p) => {
+                        lock(&run.photos).push((p.id, content.clone()));
+                        Outcome::Acked(p.id.as_i64())
+                    }
+                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                };
+                lock(&run.history).push(Write {
+                    worker: w,
+                    table: Table::Photos,
+                    token,
+                    content,
+                    start,
+                    end,
+                    outcome,
+                });
+            }
+            (6..=7, Some((photo, _))) => {
+                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+                let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
+                let content = format!("{user}|{}|{token}", photo.as_i64());
+                let start = run.now();
+                let result = comments.insert(&new).await;
+                let end = run.now();
+                let outcome = match &result {
+                    Ok(c) => Outcome::Acked(c.id.as_i64()),
+                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                };
+                lock(&run.history).push(Write {
+                    worker: w,
+                    table: Table::Comments,
+                    token,
+                    content,
+                    start,
+                    end,
+                    outcome,
+                });
+            }
+            (_, Some((id, content))) => {
+                run.reads.fetch_add(1, Ordering::Relaxed);
+                match photos.get(id).await {
+                    Ok(Some(p)) => {
+                        let got = format!("{}|{}|{}", p.user_id, p.url, p.caption);
+                        if got != content {
+                            lock(&run.bad_reads).push(format!(
+                                "read of photo {} at {:?} answered {got:?}, written {content:?}",
+                                id.as_i64(),
+                                run.now()
+                            ));
+                        }
+                    }
+                    Ok(None) => lock(&run.bad_reads).push(format!(
+                        "read of acknowledged photo {} ({content}) at {:?} found nothing",
+                        id.as_i64(),
+                        run.now()
+                    )),
+                    Err(_) => {
+                        run.read_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The mover: moves, rebalances, one migration.
+
+fn host_name(i: usize) -> Result<HostName, BoxError> {
+    Ok(HostName::new(&format!("pg{}", i + 1))?)
+}
+
+fn host_index(h: &HostName) -> usize {
+    h.as_str().trim_start_matches("pg").parse::<usize>().unwrap_or(1).saturating_sub(1)
+}
+
+async fn mover(run: &Arc<Run>) {
+    let mut rng = Rng::new(run.seed ^ 0x6d6f_7665);
+    let mut round = 0_u64;
+    let mut migrated = false;
+    while Instant::now() < run.deadline {
+        tokio::time::sleep(rng.millis(300, 1500)).await;
+        if Instant::now() >= run.deadline {
+            break;
+        }
+        round += 1;
+        if !migrated && run.now() > run.deadline.duration_since(run.began) / 3 {
+            migrated = true;
+            migrate(run).await;
+            continue;
+        }
+        if round.is_multiple_of(5) {
+            rebalance_once(run).await;
+            continue;
+        }
+        let shard = match LogicalShard::new(
+            i64::try_from(rng.below(u64::from(SHARDS))).unwrap_or(0),
+            run.cluster.map().count(),
+        ) {
+            Ok(s) => s,
+            Err(_) => continue,
+        };
+        let _ = run.cluster.refresh().await;
+        let source = host_index(&run.cluster.route(shard).host);
+        let target = (source + 1 + rng.index(HOSTS - 1)) % HOSTS;
+        let Ok(to) = host_name(target) else { continue };
+        *lock(&run.current) = Some((source, target, Step::Started));
+        let progress_run = run.clone();
+        let mut options = MoveOptions::default();
+        options.progress = Some(Arc::new(move |p: &MoveProgress| {
+            if let MoveProgress::Step { step, .. } = p
+                && let Some(c) = lock(&progress_run.current).as_mut()
+            {
+                c.2 = *step;
+            }
+        }));
+        run.moving.store(true, Ordering::Relaxed);
+        let result = tokio::select! {
+            r = moves::run(&run.config, shard, &to, &options) => Some(r),
+            () = run.kill_mover.notified() => None,
+        };
+        run.moving.store(false, Ordering::Relaxed);
+        *lock(&run.current) = None;
+        match result {
+            Some(Ok(r)) => {
+                Run::count(&run.moves, "done");
+                run.note(format!(
+                    "moved shard {shard} pg{} -> {to}: {} rows, write pause {} ms",
+                    source + 1,
+                    r.rows,
+                    r.pause_ms
+                ));
+            }
+            Some(Err(e)) => {
+                Run::count(&run.moves, "failed");
+                run.note(format!(
+                    "move of shard {shard} pg{} -> {to} failed: {}",
+                    source + 1,
+                    shardline_repo::error_chain(&e)
+                ));
+                finish_moves(run, &mut rng, "after a failed move").await;
+            }
+            None => {
+                Run::count(&run.moves, "mover killed");
+                run.note(format!("mover killed while moving shard {shard} pg{} -> {to}", source + 1));
+                finish_moves(run, &mut rng, "after the mover was killed").await;
+            }
+        }
+    }
+}
+
+async fn rebalance_once(run: &Run) {
+    let plan = match rebalance::plan(&run.config, 3).await {
+        Ok(p) => p,
+        Err(e) => {
+            run.note(format!("rebalance plan failed: {}", shardline_repo::error_chain(&e)));
+            return;
+        }
+    };
+    if plan.moves.is_empty() {
+        return;
+    }
+    let options = MoveOptions::default();
+    run.moving.store(true, Ordering::Relaxed);
+    let applied = tokio::select! {
+        r = rebalance::apply(&run.config, &plan, Parallel::disjoint(2), &options) => Some(r),
+        () = run.kill_mover.notified() => None,
+    };
+    run.moving.store(false, Ordering::Relaxed);
+    match applied {
+        Some(results) => {
+            let ok = results.iter().filter(|(_, r)| r.is_ok()).count();
+            Run::count(&run.moves, "rebalances");
+            for _ in 0..ok {
+                Run::count(&run.moves, "done");
+            }
+            for _ in ok..results.len() {
+                Run::count(&run.moves, "failed");
+            }
+            run.note(format!("rebalance: {ok} of {} moves done", results.len()));
+        }
+        None => {
+            Run::count(&run.moves, "mover killed");
+            run.note(format!("mover killed during a rebalance of {} moves", plan.moves.len()));
+        }
+    }
+    let mut rng = Rng::new(run.seed ^ 0x7265_6261);
+    finish_moves(run, &mut rng, "after a rebalance").await;
+}
+
+async fn migrate(run: &Run) {
+    let file = run.dir.join("migrations").join("0100_soak_index.sql");
+    if let Err(e) = std::fs::write(&file, "CREATE INDEX IF NOT EXISTS comments_by_body ON comments (body);\n")
+    {
+        run.note(format!("cannot write the migration: {e}"));
+        return;
+    }
+    for attempt in 1..=20 {
+        match shardline_ops::migrate(&run.config, &shardline_ops::Options::default(), &|_| {}).await {
+            Ok(r) => {
+                Run::count(&run.moves, "migrations");
+                run.note(format!("migrated ({} migrations), attempt {attempt}", r.migrations));
+                return;
+            }
+            Err(e) => {
+                run.note(format!("migrate attempt {attempt} failed: {}", shardline_repo::error_chain(&e)));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+    Run::count(&run.moves, "migration never applied");
+}
+
+/// Resumes or undoes (drawn) every move the journal still has running, until none is,
+/// trying again while faults get in the way (up to 3 minutes).
+async fn finish_moves(run: &Run, rng: &mut Rng, when: &str) {
+    let until = Instant::now() + Duration::from_secs(180);
+    loop {
+        let running: Vec<_> = match moves::list(&run.config).await {
+            Ok(j) => j.into_iter().filter(|m| m.state == State::Running).collect(),
+            Err(e) => {
+                if Instant::now() > until {
+                    run.note(format!("{when}: cannot read the journal: {}", shardline_repo::error_chain(&e)));
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let Some(m) = running.first() else { return };
+        let undo = rng.below(2) == 0 && m.step < Step::Flipped;
+        let result = if undo {
+            moves::abort(&run.config, m.shard).await.map(|_| "undone")
+        } else {
+            moves::resume(&run.config, Some(m.shard), &MoveOptions::default()).await.map(|_| "resumed")
+        };
+        match result {
+            Ok(what) => {
+                Run::count(&run.moves, if undo { "undone" } else { "resumed" });
+                run.note(format!("{when}: move {} of shard {} at {} {what}", m.id, m.shard, m.step.as_str()));
+            }
+            Err(e) => {
+                if Instant::now() > until {
+                    run.note(format!(
+                        "{when}: move {} left running: {}",
+                        m.id,
+                        shardline_repo::error_chain(&e)
+                    ));
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The nemesis.
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Kill,
+    Pause,
+    Restart,
+    CutApp,
+    CutCatalog,
+    CutPeer,
+    Sever,
+    KillMover,
+}
+
+impl Fault {
+    const ALL: [Fault; 8] = [
+        Fault::Kill,
+        Fault::Pause,
+        Fault::Restart,
+        Fault::CutApp,
+        Fault::CutCatalog,
+        Fault::CutPeer,
+        Fault::Sever,
+        Fault::KillMover,
+    ];
+    fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "host killed",
+            Fault::Pause => "host paused",
+            Fault::Restart => "host restarted",
+            Fault::CutApp => "app-host link cut",
+            Fault::CutCatalog => "app-catalog link cut",
+            Fault::CutPeer => "peer link cut",
+            Fault::Sever => "app-host connections reset",
+            Fault::KillMover => "mover killed",
+        }
+    }
+}
+
+async fn nemesis(run: &Run) {
+    let mut rng = Rng::new(run.seed ^ 0x6e65_6d65);
+    while Instant::now() < run.deadline {
+        tokio::time::sleep(rng.millis(1000, 4000)).await;
+        if Instant::now() >= run.deadline {
+            break;
+        }
+        let fault = Fault::ALL[rng.index(Fault::ALL.len())];
+        // Half the faults wait (up to 10 s) for the running move to reach a drawn step,
+        // and then strike its source or its target.
+        let mut host = rng.index(HOSTS);
+        let (mut at, mut side) = (String::new(), String::new());
+        if rng.below(2) == 0 {
+            let step = Step::ALL[rng.index(Step::ALL.len() - 1)];
+            let source_side = rng.below(2) == 0;
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until && Instant::now() < run.deadline {
+                let current = *lock(&run.current);
+                if let Some((source, target, s)) = current
+                    && s >= step
+                {
+                    host = if source_side { source } else { target };
+                    at = format!(" while a move was at {}", s.as_str());
+                    side = format!(", its {}", if source_side { "source" } else { "target" });
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let held = match fault {
+            Fault::Pause => rng.millis(500, 8000),
+            Fault::Kill => rng.millis(500, 5000),
+            _ => rng.millis(500, 6000),
+        };
+        if matches!(fault, Fault::KillMover) && !wait_for_a_move(run).await {
+            continue;
+        }
+        let what = match fault {
+            Fault::CutCatalog | Fault::KillMover => format!("{}{at}", fault.name()),
+            _ => format!("{} ({}){at}{side}", fault.name(), run.kit.hosts()[host].name()),
+        };
+        run.note(format!("fault: {what}, for {} ms", held.as_millis()));
+        Run::count(&run.faults, fault.name());
+        if let Err(e) = strike(run, fault, host, held).await {
+            run.note(format!("fault: {what} could not be made or healed: {e}"));
+        }
+    }
+    heal_all(run).await;
+}
+
+async fn strike(run: &Run, fault: Fault, i: usize, held: Duration) -> Result<(), BoxError> {
+    let host = &run.kit.hosts()[i];
+    match fault {
+        Fault::Kill => {
+            host.kill().await?;
+            tokio::time::sleep(held).await;
+            host.start().await?;
+        }
+        Fault::Pause => {
+            host.pause().await?;
+            tokio::time::sleep(held).await;
+            host.resume().await?;
+        }
+        Fault::Restart => host.restart().await?,
+        Fault::CutApp => hold_cut(&run.links[i], held).await,
+        Fault::CutCatalog => hold_cut(&run.catalog_link, held).await,
+        Fault::CutPeer => hold_cut(&run.peer_links[i], held).await,
+        Fault::Sever => run.links[i].sever(),
+        Fault::KillMover => run.kill_mover.notify_waiters(),
+    }
+    Ok(())
+}
+
+/// Waits (up to 10 s) until the mover is inside a move or a rebalance; false if it never
+/// was.
+async fn wait_for_a_move(run: &Run) -> bool {
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until && Instant::now() < run.deadline {
+        if run.moving.load(Ordering::Relaxed) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
+async fn hold_cut(link: &Link, held: Duration) {
+    link.cut();
+    tokio::time::sleep(held).await;
+    link.heal();
+}
+
+async fn heal_all(run: &Run) {
+    for l in run.links.iter().chain(&run.peer_links).chain(std::iter::once(&run.catalog_link)) {
+        l.heal();
+    }
+    if let Err(e) = run.kit.heal().await {
+        run.note(format!("healing the hosts failed: {e}"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Recovery, and what the hosts hold.
+
+async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
+    heal_all(run).await;
+    let mut seen = Observed::default();
+    let mut rng = Rng::new(run.seed ^ 0x7265_636f);
+    // Every move the journal still has running is resumed (drawn: or undone).
+    finish_moves(run, &mut rng, "at the end").await;
+    for m in moves::list(&run.config).await? {
+        if m.state == State::Running {
+            seen.moves_left.push(format!("move {} of shard {} at {}", m.id, m.shard, m.step.as_str()));
+        }
+    }
+    let mut gc_done = false;
+    for attempt in 1..=10 {
+        match moves::gc(&run.config, Duration::ZERO).await {
+            Ok(r) => {
+                run.note(format!("gc: {} dropped", r.dropped.len()));
+                gc_done = true;
+                break;
+            }
+            Err(e) => {
+                run.note(format!("gc attempt {attempt}: {}", shardline_repo::error_chain(&e)));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+    if !gc_done {
+        return Err("gc never succeeded".into());
+    }
+    // A fresh handle: the map as the catalog has it now.
+    let cluster = Cluster::connect(&run.config, ClusterOptions::default()).await?;
+    let map = cluster.map();
+    let prefix = "shard_";
+    for (i, host) in run.kit.hosts().iter().enumerate() {
+        let name = host_name(i)?;
+        let client = host.connect(DB).await?;
+        let schemas: Vec<String> = client
+            .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%' ORDER BY 1", &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mine: Vec<String> = map.shards_of(&name).map(|s| cluster.route(s).schema.to_string()).collect();
+        for s in &mine {
+            if !schemas.contains(s) {
+                seen.missing_schemas.push(format!("{s} is missing on {name}, where the map places it"));
+            }
+        }
+        for schema in &schemas {
+            let live = mine.contains(schema);
+            if !live {
+                seen.stray_schemas.push(format!("{name}.{schema}"));
+            }
+            let schema_shard = schema
+                .strip_prefix(prefix)
+                .and_then(|s| s.split('_').next())
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(u32::MAX);
+            let rows = rows_of(&client, &cluster, &name, schema, schema_shard).await?;
+            if live { seen.live.extend(rows) } else { seen.stray.extend(rows) }
+        }
+        for (what, sql) in [
+            ("replication slot", "SELECT slot_name::text FROM pg_replication_slots"),
+            ("publication", "SELECT pubname::text FROM pg_publication"),
+            ("subscription", "SELECT subname::text FROM pg_subscription"),
+        ] {
+            for r in client.query(sql, &[]).await? {
+                seen.replication_left.push(format!("{name}: {what} {}", r.get::<_, String>(0)));
+            }
+        }
+    }
+    // Every shard takes a write.
+    let photos = cluster.repo::<Photo>()?;
+    let mut user = 1_i64;
+    for shard in map.count().shards() {
+        while cluster.route_user(user).shard != shard {
+            user += 1;
+        }
+        let token = format!("final {shard}");
+        let new = NewPhoto { user_id: user, url: format!("soak://{user}/final"), caption: token.clone() };
+        let start = run.now();
+        let r = photos.insert(&new).await;
+        let outcome = match r {
+            Ok(p) => Outcome::Acked(p.id.as_i64()),
+            Err(e) => {
+                seen.unwritable.push(format!("shard {shard}: {}", shardline_repo::error_chain(&e)));
+                Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() }
+            }
+        };
+        let content = format!("{user}|{}|{token}", new.url);
+        lock(&run.history).push(Write {
+            worker: u32::MAX,
+            table: Table::Photos,
+            token,
+            content,
+            start,
+            end: run.now(),
+            outcome,
+        });
+    }
+    // The final rows are read back with the rest.
+    for (i, host) in run.kit.hosts().iter().enumerate() {
+        let name = host_name(i)?;
+        let client = host.connect(DB).await?;
+        for s in map.shards_of(&name) {
+            let schema = cluster.route(s).schema.to_string();
+            let rows = client
+                .query(
+                    &format!(
+                        "SELECT id, user_id, url, caption FROM {}.photos WHERE caption LIKE 'final %'",
+                        quote(&schema)
+                    ),
+                    &[],
+                )
+                .await?;
+            for r in rows {
+                seen.live.push(photo_row(&cluster, &name, &schema, u32::from(s.get()), &r));
+            }
+        }
+    }
+    seen.bad_reads = lock(&run.bad_reads).clone();
+    Ok(seen)
+}
+
+async fn rows_of(
+    client: &tokio_postgres::Client,
+    cluster: &Cluster,
+    host: &HostName,
+    schema: &str,
+    schema_shard: u32,
+) -> Result<Vec<Row>, BoxError> {
+    let mut out = Vec::new();
+    for r in
+        client.query(&format!("SELECT id, user_id, url, caption FROM {}.photos", quote(schema)), &[]).await?
+    {
+        out.push(photo_row(cluster, host, schema, schema_shard, &r));
+    }
+    let comments = client
+        .query(&format!("SELECT id, user_id, photo_id, body FROM {}.comments", quote(schema)), &[])
+        .await?;
+    for r in comments {
+        let (id, user, photo, body): (i64, i64, i64, String) = (r.get(0), r.get(1), r.get(2), r.get(3));
+        out.push(Row {
+            host: host.to_string(),
+            schema: schema.to_owned(),
+            table: Table::Comments,
+            id,
+            id_shard: id_shard(id),
+            schema_shard,
+            key_shard: id_shard(photo),
+            content: format!("{user}|{photo}|{body}"),
+            token: body,
+        });
+    }
+    Ok(out)
+}
+
+fn photo_row(
+    cluster: &Cluster,
+    host: &HostName,
+    schema: &str,
+    schema_shard: u32,
+    r: &tokio_postgres::Row,
+) -> Row {
+    let (id, user, url, caption): (i64, i64, String, String) = (r.get(0), r.get(1), r.get(2), r.get(3));
+    Row {
+        host: host.to_string(),
+        schema: schema.to_owned(),
+        table: Table::Photos,
+        id,
+        id_shard: id_shard(id),
+        schema_shard,
+        key_shard: u32::from(cluster.route_user(user).shard.get()),
+        content: format!("{user}|{url}|{caption}"),
+        token: caption,
+    }
+}
+
+fn id_shard(id: i64) -> u32 {
+    Id::from_i64(id).map_or(u32::MAX, Id::shard)
+}
