@@ -16,5 +16,4 @@ cd "$(dirname "$0")/.."
 minutes="${1:-2}"
 case "${minutes}" in ''|*[!0-9]*) echo "soak.sh: MINUTES must be a whole number, got ${minutes}" >&2; exit 2;; esac
 seconds=$(( minutes * 60 ))
-cargo build -q -p shardline-tests --bin soak --locked
-exec target/debug/soak "${seconds}" ${2:+"$2"}
+exec cargo run -q -p shardline-tests --bin soak --locked -- "${seconds}" ${2:+"$2"}

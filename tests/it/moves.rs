@@ -1085,6 +1085,129 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     Ok(())
 }
 
+shardline_testkit::register!(exclusive: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
+/// A hung host, not a dead one: the source or the target is frozen (SIGSTOP, `docker
+/// pause`) inside each step of a move, as soon as the step before it is journaled, for
+/// 3 s, then thawed. Whatever the step, the move then completes, or fails and is resumed
+/// or undone; the shard ends on one host, whole, writable, with nothing orphaned.
+pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undone(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 3 bounces between pg2 and pg3; the catalog on pg1 stays up.
+    seed(&cluster, 3, 6, 2).await?;
+    let mut expected = [40, 40, 40];
+    let mut on = "pg2";
+    let (mut completed, mut returned_while_paused) = (0, 0);
+    for (i, after) in Step::ALL[..9].iter().copied().enumerate() {
+        for victim_is_source in [true, false] {
+            let other = if on == "pg2" { "pg3" } else { "pg2" };
+            let victim = if victim_is_source { on } else { other };
+            let case = format!(
+                "{} ({}) paused inside the step after {}",
+                victim,
+                if victim_is_source { "source" } else { "target" },
+                after.as_str()
+            );
+            let host = &ctx.hosts()[host_index(victim)];
+            // 2 s; the source 12 s while the shard is fenced, past the fence's lease (10 s).
+            let fenced = (Step::CaughtUp..=Step::SequenceCarried).contains(&after);
+            let hold = Duration::from_secs(if victim_is_source && fenced { 12 } else { 2 });
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let mut opts = MoveOptions::default();
+            opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+                if matches!(p, moves::MoveProgress::Step { step, .. } if *step == after) {
+                    let _ = tx.send(());
+                }
+            }));
+            let paused = AtomicBool::new(false);
+            let thawed = AtomicBool::new(false);
+            let (cfg, paused_ref, thawed_ref) = (&config, &paused, &thawed);
+            // The options (and the sender in them) go with the move: a move that ends
+            // before the step ends the freezer's wait too.
+            let mover = async move {
+                let r = moves::run(cfg, crate::shard(3), &crate::host(other), &opts).await;
+                (r, paused_ref.load(Ordering::SeqCst) && !thawed_ref.load(Ordering::SeqCst))
+            };
+            let freezer = async {
+                if rx.recv().await.is_some() {
+                    host.pause().await?;
+                    paused.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(hold).await;
+                    host.resume().await?;
+                    thawed.store(true, Ordering::SeqCst);
+                }
+                Ok::<_, BoxError>(())
+            };
+            let t = Instant::now();
+            let ((result, early), frozen) =
+                tokio::time::timeout(Duration::from_secs(120), async { futures::join!(mover, freezer) })
+                    .await
+                    .map_err(|_| format!("{case}: the move did not end within 120 s"))?;
+            frozen?;
+            if host.state() == shardline_testkit::HostState::Paused {
+                host.resume().await?;
+            }
+            assert!(paused.load(Ordering::SeqCst), "{case}: the host was never paused");
+            returned_while_paused += usize::from(early);
+            let took = t.elapsed();
+            let latest = || async {
+                let all = moves::list(&config).await?;
+                all.into_iter().max_by_key(|m| m.id).ok_or_else(|| BoxError::from("no move"))
+            };
+            if let Err(e) = &result {
+                let m = latest().await?;
+                eprintln!("      {case}: failed after {took:?} at {}: {e}", m.step.as_str());
+                if m.state == State::Running {
+                    // Odd cases are undone when still possible, the others resumed.
+                    if i % 2 == 1 && m.step < Step::Flipped {
+                        moves::abort(&config, crate::shard(3))
+                            .await
+                            .map_err(|e| format!("{case}: abort: {e}"))?;
+                    } else {
+                        moves::resume(&config, Some(crate::shard(3)), &MoveOptions::default())
+                            .await
+                            .map_err(|e| format!("{case}: resume: {e}"))?;
+                    }
+                }
+            }
+            let undone = match latest().await?.state {
+                State::Done => false,
+                State::RolledBack => true,
+                other => return Err(format!("{case}: the move ended {other:?}").into()),
+            };
+            completed += usize::from(!undone);
+            let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+            let now_on = if undone { on } else { other };
+            let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
+            assert_eq!(
+                cluster.refresh().await.map(|_| cluster.route_user(3).host.to_string())?,
+                now_on,
+                "{case}"
+            );
+            assert_eq!(counts(&f, &ctx, host_index(now_on), "shard_0003").await?, Some(expected), "{case}");
+            assert_eq!(counts(&f, &ctx, host_index(gone), "shard_0003").await?, None, "{case}: {said}");
+            assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{case}: {said}");
+            cluster
+                .repo::<Photo>()?
+                .insert(&photo(3, 2000 + 2 * i + usize::from(victim_is_source)))
+                .await
+                .map_err(|e| format!("{case}: {e}"))?;
+            expected[0] += 1;
+            on = now_on;
+        }
+    }
+    eprintln!(
+        "    18 (step x host) pauses: {completed} moves completed, {} ended undone; \
+         {returned_while_paused} returned while the host was still paused",
+        18 - completed
+    );
+    Ok(())
+}
+
 /// Sequence values (time and counter fields, which with the shard fix an ID) as
 /// inclusive ranges, sorted and merged.
 fn merged(mut ranges: Vec<(i64, i64)>) -> Vec<(i64, i64)> {

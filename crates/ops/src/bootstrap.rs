@@ -196,6 +196,9 @@ async fn connect_all(config: &Config, per_host: usize) -> Result<Vec<(HostName, 
             Err(shardline_repo::Error::Connect { source, .. }) => {
                 down.push((name.clone(), shardline_repo::error_chain(&source)))
             }
+            Err(shardline_repo::Error::ConnectTimeout { after, .. }) => {
+                down.push((name.clone(), format!("no answer to the connection's start-up within {after:?}")))
+            }
             Err(e) => down.push((name.clone(), shardline_repo::error_chain(&e))),
         }
     }

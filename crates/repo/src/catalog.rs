@@ -194,9 +194,7 @@ impl ClusterInfo {
 pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
     let (config, tls) = crate::tls::prepare(url, target)?;
     let config = with_defaults(config);
-    // The driver's connect timeout covers the TCP connect only: a server that accepts and
-    // then says nothing (paused, or cut off behind a relay) would hang the start-up.
-    let after = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let after = startup_budget(&config);
     let (client, connection) = tokio::time::timeout(after, config.connect(tls))
         .await
         .map_err(|_| Error::ConnectTimeout { target: target.to_owned(), after })?
@@ -253,6 +251,17 @@ pub(crate) fn connect_error(target: &str, source: tokio_postgres::Error) -> Erro
         cause = e.source();
     }
     Error::Connect { target: target.to_owned(), source }
+}
+
+/// How long a whole connection may take, start-up included. The driver's
+/// `connect_timeout` covers each TCP connect only, so a server that accepts and then says
+/// nothing (paused, or cut off behind something that accepted for it) would hang the
+/// start-up forever. One connect timeout per host the URL lists (the driver tries them in
+/// turn), and one more for the start-up (TLS, authentication).
+fn startup_budget(config: &tokio_postgres::Config) -> Duration {
+    let per = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let attempts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    per.saturating_mul(attempts.saturating_add(1))
 }
 
 fn with_defaults(mut config: tokio_postgres::Config) -> tokio_postgres::Config {
@@ -957,7 +966,7 @@ impl MapListener {
     pub async fn start(url: &DbUrl) -> Result<MapListener> {
         use futures::StreamExt as _;
         let (config, tls) = pg_config_tls(url, "catalog")?;
-        let after = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        let after = startup_budget(&config);
         let (client, mut connection) = tokio::time::timeout(after, config.connect(tls))
             .await
             .map_err(|_| Error::ConnectTimeout { target: "catalog".to_owned(), after })?

@@ -426,7 +426,9 @@ impl Error {
     /// A host did not answer in time, or no connection could be had in time.
     pub fn is_timeout(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Pool { timed_out: true, .. } => true,
+            Error::Timeout { .. } | Error::Pool { timed_out: true, .. } | Error::ConnectTimeout { .. } => {
+                true
+            }
             Error::InsertMany { source, .. } => source.is_timeout(),
             _ => false,
         }

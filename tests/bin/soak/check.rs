@@ -133,6 +133,12 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
                     w.token,
                     r.id
                 )),
+                [r] if r.table != w.table => out.push(format!(
+                    "{} {} (ID {id}) is stored in {}",
+                    w.table.name(),
+                    w.token,
+                    r.table.name()
+                )),
                 [r] if r.content != w.content => out.push(format!(
                     "{} {} (ID {id}) holds {:?}, written {:?}",
                     w.table.name(),
@@ -330,6 +336,11 @@ mod tests {
                 seen(vec![Row { content: "x".into(), ..row("a", a) }]),
             ),
             ("stored with ID", vec![write("a", 0, 5, Outcome::Acked(a))], seen(vec![row("a", b)])),
+            (
+                "is stored in comments",
+                vec![write("a", 0, 5, Outcome::Acked(a))],
+                seen(vec![Row { table: Table::Comments, ..row("a", a) }]),
+            ),
             (
                 "appears more than once",
                 vec![write("a", 0, 5, Outcome::Acked(a)), write("b", 0, 5, Outcome::Acked(b))],

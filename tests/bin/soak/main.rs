@@ -467,7 +467,7 @@ async fn mover(run: &Arc<Run>) {
             continue;
         }
         if round.is_multiple_of(5) {
-            rebalance_once(run).await;
+            rebalance_once(run, &mut rng).await;
             continue;
         }
         let shard = match LogicalShard::new(
@@ -526,7 +526,7 @@ async fn mover(run: &Arc<Run>) {
     }
 }
 
-async fn rebalance_once(run: &Run) {
+async fn rebalance_once(run: &Run, rng: &mut Rng) {
     let plan = match rebalance::plan(&run.config, 3).await {
         Ok(p) => p,
         Err(e) => {
@@ -561,8 +561,7 @@ async fn rebalance_once(run: &Run) {
             run.note(format!("mover killed during a rebalance of {} moves", plan.moves.len()));
         }
     }
-    let mut rng = Rng::new(run.seed ^ 0x7265_6261);
-    finish_moves(run, &mut rng, "after a rebalance").await;
+    finish_moves(run, rng, "after a rebalance").await;
 }
 
 async fn migrate(run: &Run) {
@@ -789,10 +788,14 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
     let mut gc_done = false;
     for attempt in 1..=10 {
         match moves::gc(&run.config, Duration::ZERO).await {
-            Ok(r) => {
+            Ok(r) if r.unreachable.is_empty() => {
                 run.note(format!("gc: {} dropped", r.dropped.len()));
                 gc_done = true;
                 break;
+            }
+            Ok(r) => {
+                run.note(format!("gc attempt {attempt}: unreachable: {}", r.unreachable.join("; ")));
+                tokio::time::sleep(Duration::from_secs(2)).await;
             }
             Err(e) => {
                 run.note(format!("gc attempt {attempt}: {}", shardline_repo::error_chain(&e)));

@@ -177,11 +177,16 @@ impl Mover<'_> {
         let total = self.detail.bytes;
         // The subscription the journal names must be the one on the target: a restart
         // of the copy (below) that was cut short may have dropped it, or made a new one
-        // without journaling it. Missing: the copy starts over, from empty tables.
+        // without journaling it. Missing, or detached from its slot by an undo that could
+        // not finish dropping it (it cannot be enabled again): the copy starts over, from
+        // empty tables.
         let live: Option<i64> = self
             .dst()
             .await?
-            .query_opt("SELECT oid::bigint FROM pg_subscription WHERE subname = $1", &[&name])
+            .query_opt(
+                "SELECT oid::bigint FROM pg_subscription WHERE subname = $1 AND subslotname IS NOT NULL",
+                &[&name],
+            )
             .await
             .map_err(on(&target, "look for the subscription"))?
             .map(|r| r.get(0));
