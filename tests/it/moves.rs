@@ -1088,124 +1088,179 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
 shardline_testkit::register!(exclusive: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
 /// A hung host, not a dead one: the source or the target is frozen (SIGSTOP, `docker
 /// pause`) inside each step of a move, as soon as the step before it is journaled, for
-/// 3 s, then thawed. Whatever the step, the move then completes, or fails and is resumed
-/// or undone; the shard ends on one host, whole, writable, with nothing orphaned.
+/// 2 s (the source 12 s while the shard is fenced: past the fence's lease), then thawed.
+/// Whatever the step, the move then completes, or fails and is resumed or undone; the
+/// shard ends on one host, whole, writable, with nothing orphaned.
 pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undone(
     ctx: TestContext,
 ) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 6).await?;
+    let cases: Vec<(Step, bool, Option<Duration>)> = Step::ALL[..9]
+        .iter()
+        .flat_map(|after| {
+            let fenced = (Step::CaughtUp..=Step::SequenceCarried).contains(after);
+            [true, false].map(|source| {
+                (*after, source, Some(Duration::from_secs(if source && fenced { 12 } else { 2 })))
+            })
+        })
+        .collect();
+    let (completed, early) = pause_cases(&ctx, &cases, MoveOptions::default().hung_after).await?;
+    eprintln!(
+        "    18 (step x host) pauses: {completed} moves completed, {} ended undone; \
+         {early} returned while the host was still paused",
+        18 - completed
+    );
+    Ok(())
+}
+
+shardline_testkit::register!(exclusive: a_host_hung_for_good_inside_a_step_fails_the_move_in_time);
+/// A host frozen inside a step and not thawed until the move returns: the move gives the
+/// step up once the host has answered no probe for `hung_after` (4 s here), instead of
+/// waiting for as long as the host is hung; thawed, the move is resumed or undone and the
+/// shard ends whole on one host. The source inside the copy, the fence, the flip's
+/// decision; the target inside the sync and the verification.
+pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
+    ctx: TestContext,
+) -> TestResult {
+    let cases = [
+        (Step::Prepared, true, None),
+        (Step::CaughtUp, true, None),
+        (Step::Fenced, false, None),
+        (Step::SequenceCarried, false, None),
+        (Step::Verified, true, None),
+    ];
+    let (completed, early) = pause_cases(&ctx, &cases, Duration::from_secs(4)).await?;
+    assert_eq!(early, cases.len(), "every move returned while its host was still hung");
+    eprintln!("    5 hung hosts: {completed} moves completed after the thaw, {} ended undone", 5 - completed);
+    Ok(())
+}
+
+/// Runs each case on shard 3 (bouncing between pg2 and pg3; the catalog on pg1 stays up):
+/// a move whose source (`true`) or target is paused as soon as the move journals the
+/// step, for the given time or (`None`) until the move returns. A move that fails is
+/// resumed or undone once the host is thawed; then the shard must be on one host, whole,
+/// writable, with nothing orphaned. Returns how many moves completed, and how many
+/// returned while their host was still paused.
+async fn pause_cases(
+    ctx: &TestContext,
+    cases: &[(Step, bool, Option<Duration>)],
+    hung_after: Duration,
+) -> Result<(usize, usize), BoxError> {
+    let f = Fixture::new(ctx, 3, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    // Shard 3 bounces between pg2 and pg3; the catalog on pg1 stays up.
     seed(&cluster, 3, 6, 2).await?;
     let mut expected = [40, 40, 40];
     let mut on = "pg2";
     let (mut completed, mut returned_while_paused) = (0, 0);
-    for (i, after) in Step::ALL[..9].iter().copied().enumerate() {
-        for victim_is_source in [true, false] {
-            let other = if on == "pg2" { "pg3" } else { "pg2" };
-            let victim = if victim_is_source { on } else { other };
-            let case = format!(
-                "{} ({}) paused inside the step after {}",
-                victim,
-                if victim_is_source { "source" } else { "target" },
-                after.as_str()
-            );
-            let host = &ctx.hosts()[host_index(victim)];
-            // 2 s; the source 12 s while the shard is fenced, past the fence's lease (10 s).
-            let fenced = (Step::CaughtUp..=Step::SequenceCarried).contains(&after);
-            let hold = Duration::from_secs(if victim_is_source && fenced { 12 } else { 2 });
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            let mut opts = MoveOptions::default();
-            opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
-                if matches!(p, moves::MoveProgress::Step { step, .. } if *step == after) {
-                    let _ = tx.send(());
-                }
-            }));
-            let paused = AtomicBool::new(false);
-            let thawed = AtomicBool::new(false);
-            let (cfg, paused_ref, thawed_ref) = (&config, &paused, &thawed);
-            // The options (and the sender in them) go with the move: a move that ends
-            // before the step ends the freezer's wait too.
-            let mover = async move {
-                let r = moves::run(cfg, crate::shard(3), &crate::host(other), &opts).await;
-                (r, paused_ref.load(Ordering::SeqCst) && !thawed_ref.load(Ordering::SeqCst))
-            };
-            let freezer = async {
-                if rx.recv().await.is_some() {
-                    host.pause().await?;
-                    paused.store(true, Ordering::SeqCst);
-                    tokio::time::sleep(hold).await;
-                    host.resume().await?;
-                    thawed.store(true, Ordering::SeqCst);
-                }
-                Ok::<_, BoxError>(())
-            };
-            let t = Instant::now();
-            let ((result, early), frozen) =
-                tokio::time::timeout(Duration::from_secs(120), async { futures::join!(mover, freezer) })
-                    .await
-                    .map_err(|_| format!("{case}: the move did not end within 120 s"))?;
-            frozen?;
-            if host.state() == shardline_testkit::HostState::Paused {
-                host.resume().await?;
+    for (i, &(after, victim_is_source, hold)) in cases.iter().enumerate() {
+        let other = if on == "pg2" { "pg3" } else { "pg2" };
+        let victim = if victim_is_source { on } else { other };
+        let case = format!(
+            "{} ({}) paused inside the step after {}{}",
+            victim,
+            if victim_is_source { "source" } else { "target" },
+            after.as_str(),
+            hold.map_or(" until the move returned".to_owned(), |h| format!(" for {h:?}"))
+        );
+        let host = &ctx.hosts()[host_index(victim)];
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut opts = MoveOptions::default();
+        opts.hung_after = hung_after;
+        opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+            if matches!(p, moves::MoveProgress::Step { step, .. } if *step == after) {
+                let _ = tx.send(Instant::now());
             }
-            assert!(paused.load(Ordering::SeqCst), "{case}: the host was never paused");
-            returned_while_paused += usize::from(early);
-            let took = t.elapsed();
-            let latest = || async {
-                let all = moves::list(&config).await?;
-                all.into_iter().max_by_key(|m| m.id).ok_or_else(|| BoxError::from("no move"))
-            };
-            if let Err(e) = &result {
-                let m = latest().await?;
-                eprintln!("      {case}: failed after {took:?} at {}: {e}", m.step.as_str());
-                if m.state == State::Running {
-                    // Odd cases are undone when still possible, the others resumed.
-                    if i % 2 == 1 && m.step < Step::Flipped {
-                        moves::abort(&config, crate::shard(3))
-                            .await
-                            .map_err(|e| format!("{case}: abort: {e}"))?;
-                    } else {
-                        moves::resume(&config, Some(crate::shard(3)), &MoveOptions::default())
-                            .await
-                            .map_err(|e| format!("{case}: resume: {e}"))?;
-                    }
-                }
+        }));
+        let paused = AtomicBool::new(false);
+        let thawed = AtomicBool::new(false);
+        let returned = tokio::sync::Notify::new();
+        let (cfg, paused_ref, thawed_ref, returned_ref) = (&config, &paused, &thawed, &returned);
+        // The options (and the sender in them) go with the move: a move that ends
+        // before the step ends the freezer's wait too.
+        let mover = async move {
+            let r = moves::run(cfg, crate::shard(3), &crate::host(other), &opts).await;
+            let early = paused_ref.load(Ordering::SeqCst) && !thawed_ref.load(Ordering::SeqCst);
+            returned_ref.notify_one();
+            (r, early, Instant::now())
+        };
+        let freezer = async {
+            let Some(at) = rx.recv().await else { return Ok::<_, BoxError>(None) };
+            host.pause().await?;
+            paused.store(true, Ordering::SeqCst);
+            match hold {
+                Some(h) => tokio::time::sleep(h).await,
+                None => returned.notified().await,
             }
-            let undone = match latest().await?.state {
-                State::Done => false,
-                State::RolledBack => true,
-                other => return Err(format!("{case}: the move ended {other:?}").into()),
-            };
-            completed += usize::from(!undone);
-            let said = cli(&f, &["gc", "--grace", "0s"]).await?;
-            let now_on = if undone { on } else { other };
-            let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
-            assert_eq!(
-                cluster.refresh().await.map(|_| cluster.route_user(3).host.to_string())?,
-                now_on,
-                "{case}"
-            );
-            assert_eq!(counts(&f, &ctx, host_index(now_on), "shard_0003").await?, Some(expected), "{case}");
-            assert_eq!(counts(&f, &ctx, host_index(gone), "shard_0003").await?, None, "{case}: {said}");
-            assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{case}: {said}");
-            cluster
-                .repo::<Photo>()?
-                .insert(&photo(3, 2000 + 2 * i + usize::from(victim_is_source)))
+            host.resume().await?;
+            thawed.store(true, Ordering::SeqCst);
+            Ok(Some(at))
+        };
+        let ((result, early, ended), frozen) =
+            tokio::time::timeout(Duration::from_secs(120), async { futures::join!(mover, freezer) })
                 .await
-                .map_err(|e| format!("{case}: {e}"))?;
-            expected[0] += 1;
-            on = now_on;
+                .map_err(|_| format!("{case}: the move did not end within 120 s"))?;
+        let frozen_at =
+            frozen?.ok_or_else(|| format!("{case}: the move never reached the step: {result:?}"))?;
+        if host.state() == shardline_testkit::HostState::Paused {
+            host.resume().await?;
         }
+        returned_while_paused += usize::from(early);
+        let took = ended.duration_since(frozen_at);
+        if hold.is_none() {
+            // The watchdog's bound, one probe's limit (5 s) and slack for a busy machine.
+            assert!(result.is_err(), "{case}: the move completed with its host hung");
+            assert!(
+                took < hung_after + Duration::from_secs(15),
+                "{case}: the move returned {took:?} after the freeze"
+            );
+        }
+        let latest = || async {
+            let all = moves::list(&config).await?;
+            all.into_iter().max_by_key(|m| m.id).ok_or_else(|| BoxError::from("no move"))
+        };
+        if let Err(e) = &result {
+            let m = latest().await?;
+            eprintln!("      {case}: failed {took:?} after the freeze, at {}: {e}", m.step.as_str());
+            if hold.is_none() {
+                assert!(e.to_string().contains(victim), "{case}: the error names {victim}: {e}");
+            }
+            if m.state == State::Running {
+                // Odd cases are undone when still possible, the others resumed; an undo
+                // begun (and cut short by the hung host) is finished.
+                if m.detail.undoing || (i % 2 == 1 && m.step < Step::Flipped) {
+                    moves::abort(&config, crate::shard(3))
+                        .await
+                        .map_err(|e| format!("{case}: abort: {e}"))?;
+                } else {
+                    moves::resume(&config, Some(crate::shard(3)), &MoveOptions::default())
+                        .await
+                        .map_err(|e| format!("{case}: resume: {e}"))?;
+                }
+            }
+        }
+        let undone = match latest().await?.state {
+            State::Done => false,
+            State::RolledBack => true,
+            other => return Err(format!("{case}: the move ended {other:?}").into()),
+        };
+        completed += usize::from(!undone);
+        let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+        let now_on = if undone { on } else { other };
+        let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
+        assert_eq!(
+            cluster.refresh().await.map(|_| cluster.route_user(3).host.to_string())?,
+            now_on,
+            "{case}"
+        );
+        assert_eq!(counts(&f, ctx, host_index(now_on), "shard_0003").await?, Some(expected), "{case}");
+        assert_eq!(counts(&f, ctx, host_index(gone), "shard_0003").await?, None, "{case}: {said}");
+        assert_eq!(leftovers(&f, ctx).await?, vec![0, 0, 0], "{case}: {said}");
+        cluster.repo::<Photo>()?.insert(&photo(3, 2000 + i)).await.map_err(|e| format!("{case}: {e}"))?;
+        expected[0] += 1;
+        on = now_on;
     }
-    eprintln!(
-        "    18 (step x host) pauses: {completed} moves completed, {} ended undone; \
-         {returned_while_paused} returned while the host was still paused",
-        18 - completed
-    );
-    Ok(())
+    Ok((completed, returned_while_paused))
 }
 
 /// Sequence values (time and counter fields, which with the shard fix an ID) as

@@ -228,6 +228,14 @@ pub struct MoveOptions {
     /// Drill: run and awaited in every round before the fence, right after it took its
     /// keys. For tests that write at that point.
     pub on_round: Option<HookFn>,
+    /// How long the source or the target may go without answering a probe (`SELECT 1`
+    /// on a connection of its own, every second) before the step in progress is given
+    /// up (default 15 s): a host that is hung (paused, out of memory) or cut off would
+    /// otherwise hold a statement, and the move, for as long as it lasts. A step given
+    /// up while the shard is fenced is undone as any failure there is, if the source
+    /// answers; otherwise the move stays journaled for `--resume` or `--abort`, and the
+    /// fence's lease frees the shard once the source is back.
+    pub hung_after: Duration,
 }
 
 impl Default for MoveOptions {
@@ -247,6 +255,7 @@ impl Default for MoveOptions {
             round_keys: changes::SMALL_ROUND,
             max_rounds: changes::MAX_ROUNDS,
             on_round: None,
+            hung_after: Duration::from_secs(15),
         }
     }
 }
@@ -513,6 +522,46 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
     Ok(c)
 }
 
+/// How often the watchdog probes each host, and how long one probe may take.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+const PROBE_LIMIT: Duration = Duration::from_secs(5);
+
+/// Resolves, with the error to fail the move with, once one of `hosts` has answered no
+/// probe for `hung_after`: a `SELECT 1` on a connection of the watchdog's own (so a
+/// long statement of the move's does not count), every [`PROBE_EVERY`].
+pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Duration) -> Error {
+    let mut answered = vec![Instant::now(); hosts.len()];
+    let mut clients: Vec<Option<Client>> = hosts.iter().map(|_| None).collect();
+    loop {
+        tokio::time::sleep(PROBE_EVERY).await;
+        for (i, host) in hosts.iter().enumerate() {
+            let slot = &mut clients[i];
+            let probe = async {
+                if slot.as_ref().is_none_or(Client::is_closed) {
+                    *slot = Some(host_client(config, host).await?);
+                }
+                match slot.as_ref() {
+                    Some(c) => c.simple_query("SELECT 1").await.map(drop).map_err(on(host, "answer a probe")),
+                    None => Ok(()),
+                }
+            };
+            match tokio::time::timeout(PROBE_LIMIT, probe).await {
+                Ok(Ok(())) => answered[i] = Instant::now(),
+                // A new connection next time: this one may be the stuck one.
+                _ => *slot = None,
+            }
+            if answered[i].elapsed() >= hung_after {
+                tracing::warn!(host = %host, ?hung_after, "a host of the move answers no probe; giving up the step");
+                return Error::Timeout {
+                    host: host.clone(),
+                    what: "answer the move's probe (the host is hung or cut off)".into(),
+                    after: hung_after,
+                };
+            }
+        }
+    }
+}
+
 fn on(host: &HostName, what: impl Into<String>) -> impl Fn(tokio_postgres::Error) -> Error {
     let (host, what) = (host.clone(), what.into());
     move |e| host_err(&host, &what, &e)
@@ -698,32 +747,45 @@ impl<'a> Mover<'a> {
         Ok(())
     }
 
-    /// Runs the steps after the journaled one, through the end.
+    /// Runs the step after the journaled one.
+    async fn run_step(&mut self) -> Result<()> {
+        match self.step {
+            Step::Started => self.prepare().await,
+            Step::Prepared => self.subscribe().await,
+            Step::Copying => self.catch_up().await,
+            Step::CaughtUp => self.fence().await,
+            Step::Fenced => self.sync().await,
+            Step::Synced => self.carry_sequence().await,
+            Step::SequenceCarried => self.verify().await,
+            Step::Verified => {
+                // Grants made on the source during the move, before the map moves.
+                self.carry_privileges(self.moved.clone()).await?;
+                self.lap("grants");
+                self.flip().await
+            }
+            Step::Flipped | Step::Cleaned => self.clean().await,
+        }
+    }
+
+    /// Runs the steps after the journaled one, through the end; gives up the step in
+    /// progress when the source or the target stops answering (see
+    /// [`MoveOptions::hung_after`]).
     async fn drive(&mut self) -> Result<MoveReport> {
         // A resumed move whose shard is (or may be) fenced: hold the lease again, or
         // learn that it ran out and the fence was undone.
         if self.step.pauses_writes() || self.step == Step::CaughtUp {
             self.hold_lease().await?;
         }
+        let hosts = [self.source.clone(), self.target.clone()];
+        let dog = watchdog(self.config, &hosts, self.options.hung_after);
+        tokio::pin!(dog);
         while self.step < Step::Cleaned {
             if self.options.stop_after == Some(self.step) {
                 return Err(Error::Interrupted { id: self.id, step: self.step });
             }
-            match self.step {
-                Step::Started => self.prepare().await?,
-                Step::Prepared => self.subscribe().await?,
-                Step::Copying => self.catch_up().await?,
-                Step::CaughtUp => self.fence().await?,
-                Step::Fenced => self.sync().await?,
-                Step::Synced => self.carry_sequence().await?,
-                Step::SequenceCarried => self.verify().await?,
-                Step::Verified => {
-                    // Grants made on the source during the move, before the map moves.
-                    self.carry_privileges(self.moved.clone()).await?;
-                    self.lap("grants");
-                    self.flip().await?
-                }
-                Step::Flipped | Step::Cleaned => self.clean().await?,
+            tokio::select! {
+                r = self.run_step() => r?,
+                hung = &mut dog => return Err(hung),
             }
         }
         Ok(MoveReport {
@@ -800,7 +862,15 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
             if fenced || verify {
                 let said = shardline_repo::error_chain(&e);
                 tracing::warn!(id = mover.id, error = %said, "the move failed while the shard was fenced; undoing it");
-                if let Err(undo) = undo(&mut mover, &said).await {
+                // The undo needs the source: bounded as the steps are, in case it is the
+                // host that hung (a hung target's part is left to `gc` by the undo).
+                let (config, hosts) = (mover.config, [mover.source.clone()]);
+                let hung_after = mover.options.hung_after;
+                let undone = tokio::select! {
+                    r = undo(&mut mover, &said) => r.map(drop),
+                    hung = watchdog(config, &hosts, hung_after) => Err(hung),
+                };
+                if let Err(undo) = undone {
                     if matches!(undo, Error::FlipDecided { .. }) {
                         tracing::error!(
                             id = mover.id,

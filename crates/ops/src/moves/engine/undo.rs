@@ -50,7 +50,13 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     }
     let mut pending = Vec::new();
     let mut target_left = false;
-    if let Err(e) = mover.clean_target(true).await {
+    // A hung target is left to `gc` too, rather than holding the undo.
+    let (config, target, hung_after) = (mover.config, [mover.target.clone()], mover.options.hung_after);
+    let cleaned = tokio::select! {
+        r = mover.clean_target(true) => r,
+        hung = watchdog(config, &target, hung_after) => Err(hung),
+    };
+    if let Err(e) = cleaned {
         pending.push(format!(
             "{}: subscription {} and schema {} ({})",
             mover.target,
