@@ -41,6 +41,11 @@ pub struct MoveOpt {
     /// source. Keep the routers' `move_wait` above it plus 5 s.
     #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// Give up the step in progress once the source or the target has answered no probe
+    /// for this long (a host hung or cut off); the move then fails, or is undone while
+    /// fenced, as any failure there.
+    #[arg(long, default_value = "15s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub hung_after: Duration,
     /// Stop after this step as if killed (a drill for `--resume` and `--abort`):
     /// started, prepared, copying, caught_up, fenced, synced, sequence_carried,
     /// verified, flipped.
@@ -132,12 +137,20 @@ fn progress() -> (ProgressBar, shardline_ops::moves::ProgressFn) {
 ///
 /// [`UsageError`] for a missing shard; the move's failure otherwise.
 pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    if opt.hung_after < Duration::from_secs(2) {
+        return Err(UsageError(format!(
+            "--hung-after {:?} is too short: the hosts are probed once a second (use 2s or more)",
+            opt.hung_after
+        ))
+        .into());
+    }
     let rt = runtime()?;
     let (bar, f) = progress();
     let mut options = MoveOptions::default();
     options.max_lag = opt.max_lag;
     options.stop_after = opt.stop_after;
     options.lease = opt.lease;
+    options.hung_after = opt.hung_after;
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
     let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
