@@ -97,7 +97,7 @@ impl Fixture {
         &self,
         catalog: &Link,
         app: &[Link],
-        peers: &[Link],
+        peers: &[&Link],
         shards: u16,
     ) -> Result<(), BoxError> {
         let urls: Vec<(String, String)> =

@@ -1014,17 +1014,8 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
             };
             assert!(undone || !abort, "{case}: an abort that did not undo");
             undone_count += usize::from(undone);
-            let said = cli(&f, &["gc", "--grace", "0s"]).await?;
             let now_on = if undone { on } else { other };
-            let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
-            assert_eq!(
-                cluster.refresh().await.map(|_| cluster.route_user(2).host.to_string())?,
-                now_on,
-                "{case}"
-            );
-            assert_eq!(counts(&f, &ctx, host_index(now_on), "shard_0002").await?, Some(expected), "{case}");
-            assert_eq!(counts(&f, &ctx, host_index(gone), "shard_0002").await?, None, "{case}: {said}");
-            assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{case}: {said}");
+            let said = ends_whole_on(&f, &ctx, &cluster, 2, now_on, expected, &case).await?;
             for h in 1..3 {
                 let old: i64 = f
                     .client(&ctx, h)
@@ -1245,22 +1236,64 @@ async fn pause_cases(
             other => return Err(format!("{case}: the move ended {other:?}").into()),
         };
         completed += usize::from(!undone);
-        let said = cli(&f, &["gc", "--grace", "0s"]).await?;
         let now_on = if undone { on } else { other };
-        let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
-        assert_eq!(
-            cluster.refresh().await.map(|_| cluster.route_user(3).host.to_string())?,
-            now_on,
-            "{case}"
-        );
-        assert_eq!(counts(&f, ctx, host_index(now_on), "shard_0003").await?, Some(expected), "{case}");
-        assert_eq!(counts(&f, ctx, host_index(gone), "shard_0003").await?, None, "{case}: {said}");
-        assert_eq!(leftovers(&f, ctx).await?, vec![0, 0, 0], "{case}: {said}");
+        ends_whole_on(&f, ctx, &cluster, 3, now_on, expected, &case).await?;
         cluster.repo::<Photo>()?.insert(&photo(3, 2000 + i)).await.map_err(|e| format!("{case}: {e}"))?;
         expected[0] += 1;
         on = now_on;
     }
     Ok((completed, returned_while_paused))
+}
+
+shardline_testkit::register!(shared: a_probe_left_by_a_killed_pre_flight_is_dropped_by_gc);
+/// The pre-flight probes whether the target reaches the source with a subscription it
+/// makes and drops; a pre-flight killed (or cut off) between the two left it on the
+/// target for good (the soak found two, seed 632483792). `gc` drops such probes, and a
+/// pre-flight whose probe was dropped under it goes on.
+pub(crate) async fn a_probe_left_by_a_killed_pre_flight_is_dropped_by_gc(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    // What a pre-flight leaves when it dies between making its probe and dropping it.
+    let target = f.client(&ctx, 2).await?;
+    target
+        .batch_execute(
+            "CREATE SUBSCRIPTION shardline_probe_1_0 CONNECTION 'host=/nonexistent' PUBLICATION shardline_probe
+               WITH (connect = false, enabled = false, create_slot = false, slot_name = NONE)",
+        )
+        .await?;
+    let said = cli(&f, &["gc", "--grace", "0s"]).await?;
+    assert!(said.contains("shardline_probe_1_0"), "gc did not say it dropped the probe: {said}");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{said}");
+    // The pre-flight itself still probes and leaves nothing.
+    let config = f.config()?;
+    let check = preflight(&config, crate::shard(0), &crate::host("pg3")).await?;
+    assert!(check.is_ok(), "{check:?}");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
+/// After a move of shard `n` (of 6, bouncing between pg2 and pg3) ended with the shard on
+/// `now_on`: `gc` runs; the map places the shard on `now_on`, which holds `expected` rows
+/// (photos, likes, comments); the other host holds no copy; no slot, publication,
+/// subscription or change log is left. Returns what `gc` printed.
+async fn ends_whole_on(
+    f: &Fixture,
+    ctx: &TestContext,
+    cluster: &Cluster,
+    n: u16,
+    now_on: &str,
+    expected: [i64; 3],
+    case: &str,
+) -> Result<String, BoxError> {
+    let said = cli(f, &["gc", "--grace", "0s"]).await?;
+    let schema = format!("shard_{n:04}");
+    let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
+    cluster.refresh().await?;
+    assert_eq!(cluster.route(crate::shard(n)).host.as_str(), now_on, "{case}");
+    assert_eq!(counts(f, ctx, host_index(now_on), &schema).await?, Some(expected), "{case}");
+    assert_eq!(counts(f, ctx, host_index(gone), &schema).await?, None, "{case}: {said}");
+    assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0], "{case}: {said}");
+    Ok(said)
 }
 
 /// Sequence values (time and counter fields, which with the shard fix an ID) as
@@ -2391,7 +2424,9 @@ pub(crate) async fn a_migration_and_a_move_never_overlap_under_writes(ctx: TestC
     assert_eq!(with_column("tags").await?, vec![1], "the shard migrated on its new host");
 
     // 2. A migration in progress, then a move.
-    f.migration("0006_mood.sql", "SELECT pg_sleep(0.4);\nALTER TABLE photos ADD COLUMN mood text;\n")?;
+    // Each shard's transaction sleeps 1.5 s, so the migration (3 shards on pg2, one at a
+    // time) outlasts the move's pre-flight on a loaded machine.
+    f.migration("0006_mood.sql", "SELECT pg_sleep(1.5);\nALTER TABLE photos ADD COLUMN mood text;\n")?;
     let migrating = {
         let config = config.clone();
         tokio::spawn(async move { shardline_ops::migrate(&config, &options(1), &quiet).await })
@@ -2403,7 +2438,7 @@ pub(crate) async fn a_migration_and_a_move_never_overlap_under_writes(ctx: TestC
         assert!(Instant::now() < deadline, "no migration seen in progress within 30 s");
         let sleeping: bool = watch
             .query_one(
-                "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE query LIKE '%pg_sleep(0.4)%'
+                "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE query LIKE '%pg_sleep(1.5)%'
                                    AND state = 'active' AND pid <> pg_backend_pid())",
                 &[],
             )

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use shardline_example_photos::Photo;
 use shardline_ops::moves::{self, MoveOptions, MoveProgress, State, Step};
 use shardline_repo::{Cluster, ClusterOptions};
+use shardline_router::Config;
 use shardline_testkit::Link;
 use shardline_testkit::harness::{TestContext, TestResult};
 
@@ -20,7 +21,7 @@ struct Linked {
     f: Fixture,
     catalog: Link,
     app: Vec<Link>,
-    peers: Vec<Link>,
+    peers: Vec<Arc<Link>>,
 }
 
 async fn linked(ctx: &TestContext) -> Result<Linked, BoxError> {
@@ -29,10 +30,11 @@ async fn linked(ctx: &TestContext) -> Result<Linked, BoxError> {
     let (mut app, mut peers) = (Vec::new(), Vec::new());
     for i in 0..3 {
         app.push(kit.link(i).await?);
-        peers.push(kit.peer_link(i).await?);
+        peers.push(Arc::new(kit.peer_link(i).await?));
     }
     let catalog = kit.link(0).await?;
-    f.write_config_through(&catalog, &app, &peers, 6)?;
+    let peer_links: Vec<&Link> = peers.iter().map(|p| &**p).collect();
+    f.write_config_through(&catalog, &app, &peer_links, 6)?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     Ok(Linked { f, catalog, app, peers })
 }
@@ -144,6 +146,16 @@ pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_ch
     Ok(())
 }
 
+/// [`linked`], a handle on it, and shard 0 holding 2,000 photos
+/// with a like and a comment each.
+async fn seeded(ctx: &TestContext) -> Result<(Linked, Config, Cluster), BoxError> {
+    let l = linked(ctx).await?;
+    let config = l.f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 100).await?;
+    Ok((l, config, cluster))
+}
+
 /// Cuts `link` when a move reports `step` done, so the cut lands inside the next step;
 /// the cell gets the moment of the cut.
 fn cut_at(step: Step, link: &Arc<Link>) -> (MoveOptions, Arc<OnceLock<Instant>>) {
@@ -163,11 +175,8 @@ shardline_testkit::register!(shared: a_peer_link_cut_during_the_copy_holds_the_m
 pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish(
     ctx: TestContext,
 ) -> TestResult {
-    let Linked { f, catalog: _catalog, app: _app, peers } = linked(&ctx).await?;
-    let peers: Vec<Arc<Link>> = peers.into_iter().map(Arc::new).collect();
-    let config = f.config()?;
-    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    seed(&cluster, 0, 6, 100).await?;
+    let (l, config, cluster) = seeded(&ctx).await?;
+    let (f, peers) = (&l.f, &l.peers);
     let from = cluster.route_user(0).host;
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
     // The source's peers lose it as the copy starts; the heal comes 3 s later.
@@ -190,10 +199,10 @@ pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_
     assert!(cut.get().is_some(), "the cut never happened");
     assert!(link.connections() > 0, "the target never reached the source through its peer link");
     eprintln!("      moved {} rows in {:?}, the peer link cut for 3 s of it", report.rows, t.elapsed());
-    assert_eq!(counts(&f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some([2000, 2000, 2000]));
-    crate::bootstrap::cli(&f, &["gc", "--grace", "0s"]).await?;
-    assert_eq!(counts(&f, &ctx, host_index(from.as_str()), "shard_0000").await?, None);
-    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some([2000, 2000, 2000]));
+    crate::bootstrap::cli(f, &["gc", "--grace", "0s"]).await?;
+    assert_eq!(counts(f, &ctx, host_index(from.as_str()), "shard_0000").await?, None);
+    assert_eq!(leftovers(f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }
 
@@ -201,11 +210,8 @@ shardline_testkit::register!(shared: a_peer_link_cut_past_the_moves_timeouts_fai
 pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole(
     ctx: TestContext,
 ) -> TestResult {
-    let Linked { f, catalog: _catalog, app: _app, peers } = linked(&ctx).await?;
-    let peers: Vec<Arc<Link>> = peers.into_iter().map(Arc::new).collect();
-    let config = f.config()?;
-    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    seed(&cluster, 0, 6, 100).await?;
+    let (l, config, cluster) = seeded(&ctx).await?;
+    let (f, peers) = (&l.f, &l.peers);
     let mut expected = [2000, 2000, 2000];
     // Cut as the subscription is about to be made (the target's connection to the
     // source never starts), and once it streams (the copy under way).
@@ -241,12 +247,12 @@ pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and
         link.heal();
         let last = moves::list(&config).await?.into_iter().max_by_key(|m| m.id).ok_or("no move journaled")?;
         assert_eq!(last.state, State::RolledBack, "cut after {}", step.as_str());
-        crate::bootstrap::cli(&f, &["gc", "--grace", "0s"]).await?;
+        crate::bootstrap::cli(f, &["gc", "--grace", "0s"]).await?;
         cluster.refresh().await?;
         assert_eq!(cluster.route_user(0).host, from, "the shard left its source");
-        assert_eq!(counts(&f, &ctx, host_index(from.as_str()), "shard_0000").await?, Some(expected));
-        assert_eq!(counts(&f, &ctx, host_index(to.as_str()), "shard_0000").await?, None);
-        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "cut after {}", step.as_str());
+        assert_eq!(counts(f, &ctx, host_index(from.as_str()), "shard_0000").await?, Some(expected));
+        assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, None);
+        assert_eq!(leftovers(f, &ctx).await?, vec![0, 0, 0], "cut after {}", step.as_str());
         cluster.repo::<Photo>()?.insert(&photo(0, 5000)).await?;
         expected[0] += 1;
     }
@@ -254,6 +260,6 @@ pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and
     let from = cluster.route_user(0).host;
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
     moves::run(&config, crate::shard(0), &to, &MoveOptions::default()).await?;
-    assert_eq!(counts(&f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some(expected));
+    assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some(expected));
     Ok(())
 }

@@ -146,6 +146,28 @@ async fn gc_host(
             report.dropped.push(format!("{host}: subscription {s}"));
         }
     }
+    // Pre-flight probes (`shardline_probe_*`: disabled, with no slot, so dropping one
+    // reaches nothing) whose pre-flight was killed or cut off between making and
+    // dropping it. A probe lives for one round trip: one still in use is dropped under a
+    // pre-flight that then finds it gone and goes on.
+    let probes: Vec<String> = c
+        .query(
+            "SELECT subname::text FROM pg_subscription
+              WHERE subname LIKE 'shardline\\_probe\\_%'
+                AND subdbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .await
+        .map_err(fail("list pre-flight probes"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for p in probes {
+        c.batch_execute(&format!("DROP SUBSCRIPTION IF EXISTS {}", quote_ident(&p)))
+            .await
+            .map_err(fail("drop a pre-flight probe"))?;
+        report.dropped.push(format!("{host}: subscription {p} (a pre-flight's probe)"));
+    }
     // Publications, slots and markers of moves whose source is this host.
     let pubs: Vec<String> = c
         .query(

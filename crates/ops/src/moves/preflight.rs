@@ -407,7 +407,8 @@ async fn check_target(
     // driver's logs and out of the message.
     match super::subscription::create_subscription(c, &probe, peer, rest).await {
         Ok(()) => {
-            c.batch_execute(&format!("DROP SUBSCRIPTION {probe}")).await.map_err(fail)?;
+            // IF EXISTS: `gc` drops probes left by pre-flights that died, maybe this one.
+            c.batch_execute(&format!("DROP SUBSCRIPTION IF EXISTS {probe}")).await.map_err(fail)?;
         }
         Err((_, message)) => {
             checks.add(
