@@ -143,8 +143,27 @@ impl Fixture {
         Ok(Config::from_toml(text, "shardline.toml", &self.dir, &|v| std::env::var(v).ok())?)
     }
 
-    pub(crate) async fn client(&self, ctx: &TestContext, host: usize) -> Result<Client, BoxError> {
-        Ok(ctx.hosts()[host].connect(&self.db).await?)
+    pub(crate) async fn client(&self, ctx: &impl Hosts, host: usize) -> Result<Client, BoxError> {
+        Ok(Hosts::hosts(ctx)[host].connect(&self.db).await?)
+    }
+}
+
+/// Where a fixture's hosts are: the harness's shared cluster (a [`TestContext`]) or a
+/// cluster a test started for itself.
+pub(crate) trait Hosts {
+    /// The hosts, `pg1` first.
+    fn hosts(&self) -> &[shardline_testkit::Host];
+}
+
+impl Hosts for TestContext {
+    fn hosts(&self) -> &[shardline_testkit::Host] {
+        TestContext::hosts(self)
+    }
+}
+
+impl Hosts for shardline_testkit::Cluster {
+    fn hosts(&self) -> &[shardline_testkit::Host] {
+        shardline_testkit::Cluster::hosts(self)
     }
 }
 

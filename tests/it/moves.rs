@@ -14,11 +14,11 @@ use shardline_ops::moves::{self, MoveOptions, State, Step, preflight};
 use shardline_repo::{Cluster, ClusterOptions};
 use shardline_testkit::harness::{TestContext, TestResult};
 
-use crate::bootstrap::{BoxError, Fixture, cli, cli_full, options, quiet};
+use crate::bootstrap::{BoxError, Fixture, Hosts, cli, cli_full, options, quiet};
 
 /// Subscriptions, slots and publications of this test's database, and what moves'
 /// change logs left (trigger functions, triggers, logged rows), per host.
-pub(crate) async fn leftovers(f: &Fixture, ctx: &TestContext) -> Result<Vec<i64>, BoxError> {
+pub(crate) async fn leftovers(f: &Fixture, ctx: &impl Hosts) -> Result<Vec<i64>, BoxError> {
     let mut out = Vec::new();
     for h in 0..3 {
         let c = f.client(ctx, h).await?;
@@ -211,7 +211,7 @@ pub(crate) async fn seed(
 /// Rows of photos, likes and comments in `schema` on host `h`; `None` without the schema.
 pub(crate) async fn counts(
     f: &Fixture,
-    ctx: &TestContext,
+    ctx: &impl Hosts,
     h: usize,
     schema: &str,
 ) -> Result<Option<[i64; 3]>, BoxError> {
@@ -1076,14 +1076,14 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
+shardline_testkit::register!(shared: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
 /// A hung host, not a dead one: the source or the target is frozen (SIGSTOP, `docker
 /// pause`) inside each step of a move, as soon as the step before it is journaled, for
 /// 2 s (the source 12 s while the shard is fenced: past the fence's lease), then thawed.
 /// Whatever the step, the move then completes, or fails and is resumed or undone; the
 /// shard ends on one host, whole, writable, with nothing orphaned.
 pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undone(
-    ctx: TestContext,
+    _ctx: TestContext,
 ) -> TestResult {
     let cases: Vec<(Step, bool, Option<Duration>)> = Step::ALL[..9]
         .iter()
@@ -1094,7 +1094,7 @@ pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undon
             })
         })
         .collect();
-    let (completed, early) = pause_cases(&ctx, &cases, MoveOptions::default().hung_after).await?;
+    let (completed, early) = pause_cases("paused_hosts", &cases, MoveOptions::default().hung_after).await?;
     eprintln!(
         "    18 (step x host) pauses: {completed} moves completed, {} ended undone; \
          {early} returned while the host was still paused",
@@ -1103,14 +1103,14 @@ pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undon
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: a_host_hung_for_good_inside_a_step_fails_the_move_in_time);
+shardline_testkit::register!(shared: a_host_hung_for_good_inside_a_step_fails_the_move_in_time);
 /// A host frozen inside a step and not thawed until the move returns: the move gives the
 /// step up once the host has answered no probe for `hung_after` (4 s here), instead of
 /// waiting for as long as the host is hung; thawed, the move is resumed or undone and the
 /// shard ends whole on one host. The source inside the copy, the fence, the flip's
 /// decision; the target inside the sync and the verification.
 pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
-    ctx: TestContext,
+    _ctx: TestContext,
 ) -> TestResult {
     let cases = [
         (Step::Prepared, true, None),
@@ -1119,24 +1119,27 @@ pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
         (Step::SequenceCarried, false, None),
         (Step::Verified, true, None),
     ];
-    let (completed, early) = pause_cases(&ctx, &cases, Duration::from_secs(4)).await?;
+    let (completed, early) = pause_cases("hung_hosts", &cases, Duration::from_secs(4)).await?;
     assert_eq!(early, cases.len(), "every move returned while its host was still hung");
     eprintln!("    5 hung hosts: {completed} moves completed after the thaw, {} ended undone", 5 - completed);
     Ok(())
 }
 
-/// Runs each case on shard 3 (bouncing between pg2 and pg3; the catalog on pg1 stays up):
+/// Runs each case on 3 hosts of its own (it pauses them; other tests run meanwhile), on
+/// shard 3 (bouncing between pg2 and pg3; the catalog on pg1 stays up):
 /// a move whose source (`true`) or target is paused as soon as the move journals the
 /// step, for the given time or (`None`) until the move returns. A move that fails is
 /// resumed or undone once the host is thawed; then the shard must be on one host, whole,
 /// writable, with nothing orphaned. Returns how many moves completed, and how many
 /// returned while their host was still paused.
 async fn pause_cases(
-    ctx: &TestContext,
+    db: &str,
     cases: &[(Step, bool, Option<Duration>)],
     hung_after: Duration,
 ) -> Result<(usize, usize), BoxError> {
-    let f = Fixture::new(ctx, 3, 6).await?;
+    let kit = shardline_testkit::Cluster::start(3).await?;
+    let ctx = &kit;
+    let f = Fixture::on_kit(&kit, db, 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -1242,6 +1245,7 @@ async fn pause_cases(
         expected[0] += 1;
         on = now_on;
     }
+    kit.shutdown().await?;
     Ok((completed, returned_while_paused))
 }
 
@@ -1278,7 +1282,7 @@ pub(crate) async fn a_probe_left_by_a_killed_pre_flight_is_dropped_by_gc(ctx: Te
 /// subscription or change log is left. Returns what `gc` printed.
 async fn ends_whole_on(
     f: &Fixture,
-    ctx: &TestContext,
+    ctx: &impl Hosts,
     cluster: &Cluster,
     n: u16,
     now_on: &str,
