@@ -234,7 +234,7 @@ pub struct MoveOptions {
     /// otherwise hold a statement, and the move, for as long as it lasts. A step given
     /// up while the shard is fenced is undone as any failure there is, if the source
     /// answers; otherwise the move stays journaled for `--resume` or `--abort`, and the
-    /// fence's lease frees the shard once the source is back.
+    /// fence's lease frees the shard once the source is back. At least 2 s is used.
     pub hung_after: Duration,
 }
 
@@ -522,6 +522,24 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
     Ok(c)
 }
 
+/// `work`, unless one of `hosts` answers no probe for `hung_after` first: then `Err`
+/// with the watchdog's error (and `work` is dropped where it was). `work` wins a tie.
+pub(super) async fn unless_hung<T>(
+    config: &Config,
+    hosts: &[HostName],
+    hung_after: Duration,
+    work: impl std::future::Future<Output = T>,
+) -> std::result::Result<T, Error> {
+    // On the heap: a step's future is big, and a debug build's stack is not.
+    let work = Box::pin(work);
+    let dog = Box::pin(watchdog(config, hosts, hung_after));
+    tokio::select! {
+        biased;
+        r = work => Ok(r),
+        hung = dog => Err(hung),
+    }
+}
+
 /// How often the watchdog probes each host, and how long one probe may take.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 const PROBE_LIMIT: Duration = Duration::from_secs(5);
@@ -530,6 +548,8 @@ const PROBE_LIMIT: Duration = Duration::from_secs(5);
 /// probe for `hung_after`: a `SELECT 1` on a connection of the watchdog's own (so a
 /// long statement of the move's does not count), every [`PROBE_EVERY`].
 pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Duration) -> Error {
+    // Two probes at least: one missed probe is not a hang.
+    let hung_after = hung_after.max(PROBE_EVERY * 2);
     let mut answered = vec![Instant::now(); hosts.len()];
     let mut clients: Vec<Option<Client>> = hosts.iter().map(|_| None).collect();
     loop {
@@ -541,12 +561,24 @@ pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Du
                     *slot = Some(host_client(config, host).await?);
                 }
                 match slot.as_ref() {
-                    Some(c) => c.simple_query("SELECT 1").await.map(drop).map_err(on(host, "answer a probe")),
+                    Some(c) => match c.simple_query("SELECT 1").await {
+                        Ok(_) => Ok(()),
+                        // The server answered, with an error: it is not hung.
+                        Err(e) if e.as_db_error().is_some() => Ok(()),
+                        Err(e) => Err(on(host, "answer a probe")(e)),
+                    },
                     None => Ok(()),
                 }
             };
             match tokio::time::timeout(PROBE_LIMIT, probe).await {
                 Ok(Ok(())) => answered[i] = Instant::now(),
+                // A server that refused the connection with an error answered too.
+                Ok(Err(Error::Repo(shardline_repo::Error::Connect { source, .. })))
+                    if source.as_db_error().is_some() =>
+                {
+                    answered[i] = Instant::now();
+                    *slot = None;
+                }
                 // A new connection next time: this one may be the stuck one.
                 _ => *slot = None,
             }
@@ -759,11 +791,40 @@ impl<'a> Mover<'a> {
             Step::SequenceCarried => self.verify().await,
             Step::Verified => {
                 // Grants made on the source during the move, before the map moves.
-                self.carry_privileges(self.moved.clone()).await?;
+                let (config, hung_after) = (self.config, self.options.hung_after);
+                let both = [self.source.clone(), self.target.clone()];
+                let moved = self.moved.clone();
+                let carried = unless_hung(config, &both, hung_after, self.carry_privileges(moved)).await;
+                self.settle(carried).await?;
                 self.lap("grants");
                 self.flip().await
             }
             Step::Flipped | Step::Cleaned => self.clean().await,
+        }
+    }
+
+    /// After the watchdog gave up a step: the step's statements may still be running,
+    /// or have left a transaction open, on the move's connections. They are dropped
+    /// (the next use reconnects, and `mover_client` ends the old sessions on the host,
+    /// rolling their work back), and the catalog's connection is opened anew.
+    /// The result of work run [`unless_hung`]: its own, or the watchdog's error once
+    /// the move's connections were forgotten ([`Mover::forget_connections`]).
+    pub(super) async fn settle<T>(&mut self, r: std::result::Result<Result<T>, Error>) -> Result<T> {
+        match r {
+            Ok(r) => r,
+            Err(hung) => {
+                self.forget_connections().await;
+                Err(hung)
+            }
+        }
+    }
+
+    async fn forget_connections(&mut self) {
+        self.src = None;
+        self.dst = None;
+        match Catalog::open(self.config).await {
+            Ok((catalog, _)) if lock_move(&catalog, self.id).await.is_ok() => self.catalog = catalog,
+            _ => tracing::warn!(id = self.id, "could not reopen the catalog after a hung step"),
         }
     }
 
@@ -774,19 +835,25 @@ impl<'a> Mover<'a> {
         // A resumed move whose shard is (or may be) fenced: hold the lease again, or
         // learn that it ran out and the fence was undone.
         if self.step.pauses_writes() || self.step == Step::CaughtUp {
-            self.hold_lease().await?;
+            let (config, hung_after, source) = (self.config, self.options.hung_after, [self.source.clone()]);
+            let held = unless_hung(config, &source, hung_after, self.hold_lease()).await;
+            self.settle(held).await?;
         }
+        let (config, hung_after) = (self.config, self.options.hung_after);
         let hosts = [self.source.clone(), self.target.clone()];
-        let dog = watchdog(self.config, &hosts, self.options.hung_after);
-        tokio::pin!(dog);
         while self.step < Step::Cleaned {
             if self.options.stop_after == Some(self.step) {
                 return Err(Error::Interrupted { id: self.id, step: self.step });
             }
-            tokio::select! {
-                r = self.run_step() => r?,
-                hung = &mut dog => return Err(hung),
+            // The flip's decision and what follows bound their own parts (the
+            // decision by the source's probes; the clean-up leaves a hung host's part
+            // to gc): once decided, nothing may be given up as a failure.
+            if self.step >= Step::Verified {
+                self.run_step().await?;
+                continue;
             }
+            let r = unless_hung(config, &hosts, hung_after, self.run_step()).await;
+            self.settle(r).await?;
         }
         Ok(MoveReport {
             id: self.id,
@@ -866,10 +933,8 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                 // host that hung (a hung target's part is left to `gc` by the undo).
                 let (config, hosts) = (mover.config, [mover.source.clone()]);
                 let hung_after = mover.options.hung_after;
-                let undone = tokio::select! {
-                    r = undo(&mut mover, &said) => r.map(drop),
-                    hung = watchdog(config, &hosts, hung_after) => Err(hung),
-                };
+                let undone = unless_hung(config, &hosts, hung_after, undo(&mut mover, &said)).await;
+                let undone = mover.settle(undone).await.map(drop);
                 if let Err(undo) = undone {
                     if matches!(undo, Error::FlipDecided { .. }) {
                         tracing::error!(

@@ -86,7 +86,12 @@ impl Mover<'_> {
     /// completes the flip with `shardline.complete_flip` once the catalog is back, and
     /// so does `--resume`).
     pub(super) async fn flip(&mut self) -> Result<()> {
-        self.decide_flip().await?;
+        // Bounded by the source's probes. Given up, the decision may or may not have
+        // been made: the undo that follows asks the source, which refuses once `flip`
+        // is decided (then routers or `--resume` complete it).
+        let (config, hung_after, source) = (self.config, self.options.hung_after, [self.source.clone()]);
+        let decided = unless_hung(config, &source, hung_after, self.decide_flip()).await;
+        self.settle(decided).await?;
         self.lap("decide the flip");
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
@@ -127,14 +132,23 @@ impl Mover<'_> {
     /// Drops the subscription (and with it the slot), the publication and the markers.
     /// A host that is down leaves its part to `shardline gc`, named in the journal.
     pub(super) async fn clean(&mut self) -> Result<()> {
-        if self.detail.precheck.is_some()
-            && self.detail.rechecked_rows.is_some()
-            && let Err(e) = self.count_moved().await
-        {
-            tracing::warn!(id = self.id, error = %e, "cannot count the rows moved; the journal keeps the comparison's counts");
+        // Each part bounded by its host's probes: a hung host's part is left to gc.
+        let (config, hung_after) = (self.config, self.options.hung_after);
+        let (source, target) = ([self.source.clone()], [self.target.clone()]);
+        if self.detail.precheck.is_some() && self.detail.rechecked_rows.is_some() {
+            let counted = unless_hung(config, &source, hung_after, self.count_moved()).await;
+            if let Err(e) = counted.and_then(|r| r) {
+                self.src = None;
+                tracing::warn!(id = self.id, error = %e, "cannot count the rows moved; the journal keeps the comparison's counts");
+            }
         }
         let mut pending = Vec::new();
-        if let Err(e) = self.clean_target(false).await {
+        let cleaned =
+            unless_hung(config, &target, hung_after, self.clean_target(false)).await.and_then(|r| r);
+        if cleaned.is_err() {
+            self.dst = None;
+        }
+        if let Err(e) = cleaned {
             pending.push(format!(
                 "{}: subscription {} ({})",
                 self.target,
@@ -142,7 +156,11 @@ impl Mover<'_> {
                 shardline_repo::error_chain(&e)
             ));
         }
-        if let Err(e) = self.clean_source().await {
+        let cleaned = unless_hung(config, &source, hung_after, self.clean_source()).await.and_then(|r| r);
+        if cleaned.is_err() {
+            self.src = None;
+        }
+        if let Err(e) = cleaned {
             pending.push(format!(
                 "{}: publication and slots of {} ({})",
                 self.source,
