@@ -2554,3 +2554,73 @@ async fn disjoint_pairs_on(kit: &shardline_testkit::Cluster) -> Result<(), BoxEr
     assert!(shards.iter().all(|&n| n >= 1), "every host holds a shard: {map}");
     Ok(())
 }
+
+shardline_testkit::register!(shared: an_autovacuum_under_way_does_not_hold_the_move_or_its_fence);
+/// An autovacuum of the moving shard's table, under way while the move locks the table
+/// (its change log's triggers, its fence), holds a lock the move needs, and the shard's
+/// writers queue behind the move's wait. Postgres cancels an autovacuum that blocks a
+/// lock request only once the request has waited `deadlock_timeout` (1 s by default: the
+/// 1M-row pause benchmark's 1 s fences). The mover's sessions set theirs to 20 ms. Here
+/// the hosts' own is 60 s and the autovacuum crawls (cost limit 1), so without that the
+/// move runs out of its lock timeout on every attempt and fails.
+pub(crate) async fn an_autovacuum_under_way_does_not_hold_the_move_or_its_fence(
+    _ctx: TestContext,
+) -> TestResult {
+    let settings = [("autovacuum_naptime", "1s"), ("deadlock_timeout", "60s")];
+    let kit = shardline_testkit::Cluster::start_with(2, &settings).await?;
+    let result = autovacuum_under_the_fence(&kit).await;
+    let down = kit.shutdown().await;
+    result?;
+    down?;
+    Ok(())
+}
+
+async fn autovacuum_under_the_fence(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(kit, "autovacuum_fence", 2).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let schema = config.schema_prefix.schema(crate::shard(1));
+    let mut on = None;
+    for h in 0..2 {
+        if counts(&f, kit, h, schema.as_str()).await?.is_some() {
+            on = Some(h);
+        }
+    }
+    let source = on.ok_or("shard 1 is on no host")?;
+    let (source_name, target_name) = if source == 0 { ("pg1", "pg2") } else { ("pg2", "pg1") };
+    let src = f.client(kit, source).await?;
+    // Every autovacuum of photos crawls: it sleeps 100-400 ms after each page.
+    src.batch_execute(&format!(
+        "ALTER TABLE {}.photos SET (autovacuum_vacuum_cost_limit = 1, autovacuum_vacuum_cost_delay = 100)",
+        schema.quoted()
+    ))
+    .await?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // 10,000 inserted rows start an autovacuum (over the insert threshold) within the
+    // naptime.
+    seed(&cluster, 1, 2, 500).await?;
+    let vacuuming = "SELECT count(*) FROM pg_stat_progress_vacuum
+                      WHERE datname = current_database() AND relid = to_regclass($1)";
+    let photos = format!("{}.photos", schema.quoted());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n: i64 = src.query_one(vacuuming, &[&photos]).await?.get(0);
+        if n > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no autovacuum of {photos} started within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let started = Instant::now();
+    let report = moves::run(&config, crate::shard(1), &crate::host(target_name), &MoveOptions::default())
+        .await
+        .map_err(|e| format!("the move from {source_name}, with an autovacuum of photos under way: {e}"))?;
+    eprintln!("      moved beside an autovacuum in {:?}; pause {} ms", started.elapsed(), report.pause_ms);
+    // The hosts' deadlock_timeout is 60 s and the move's lock timeout 2 s: a pause under
+    // that says the mover's 20 ms did it.
+    assert!(report.pause_ms < 2_000, "the fence waited out the autovacuum: {} ms", report.pause_ms);
+    let target = if source == 0 { 1 } else { 0 };
+    assert_eq!(counts(&f, kit, target, schema.as_str()).await?, Some([10_000, 10_000, 10_000]));
+    assert_eq!(counts(&f, kit, source, schema.as_str()).await?, None);
+    Ok(())
+}

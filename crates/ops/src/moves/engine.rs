@@ -516,11 +516,26 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    c.execute("SELECT set_config('application_name', $1, false)", &[&app])
-        .await
-        .map_err(on(name, "name the mover's session"))?;
+    // An autovacuum of a shard's table holds a lock the mover's DDL and fence need, and
+    // writers queue behind the mover's wait. Postgres cancels the autovacuum only once
+    // the waiter has waited `deadlock_timeout` (1 s by default): the mover's own session
+    // waits far less, where its role may set it (a superuser, or `GRANT SET ON PARAMETER
+    // deadlock_timeout`).
+    c.execute(
+        "SELECT set_config('application_name', $1, false),
+                CASE WHEN has_parameter_privilege('deadlock_timeout', 'SET')
+                     THEN set_config('deadlock_timeout', $2, false) END",
+        &[&app, &format!("{}ms", MOVER_DEADLOCK_TIMEOUT.as_millis())],
+    )
+    .await
+    .map_err(on(name, "name the mover's session"))?;
     Ok(c)
 }
+
+/// The mover's sessions' `deadlock_timeout`: how long a lock wait of the mover (its
+/// fence, its triggers, its clean-up) lets an autovacuum worker holding the lock run
+/// before Postgres cancels the worker. Writers to the shard queue behind such a wait.
+const MOVER_DEADLOCK_TIMEOUT: Duration = Duration::from_millis(20);
 
 /// `work`, unless one of `hosts` answers no probe for `hung_after` first: then `Err`
 /// with the watchdog's error (and `work` is dropped where it was). `work` wins a tie.
