@@ -23,6 +23,8 @@ use shardline_router::{HostName, LogicalShard};
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "common/cpu.rs"]
+mod cpu;
 #[path = "common/fill.rs"]
 mod fill;
 #[path = "common/writers.rs"]
@@ -69,10 +71,20 @@ async fn main() -> Result<(), BoxError> {
 
     // 1. Copy throughput: the move vs pg_dump | psql of the same schema.
     let t = Instant::now();
-    let report =
-        moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg2")?, &MoveOptions::default())
-            .await?;
+    let sampler = cpu::Sampler::start();
+    // The copy's span for the CPU figures: from `prepared` journaled to `caught_up`.
+    let steps: Arc<std::sync::Mutex<Vec<(moves::Step, Instant)>>> = Arc::default();
+    let mut opts = MoveOptions::default();
+    let seen = Arc::clone(&steps);
+    opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+        if let moves::MoveProgress::Step { step, .. } = p {
+            seen.lock().unwrap().push((*step, Instant::now()));
+        }
+    }));
+    let report = moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg2")?, &opts).await?;
     let whole = t.elapsed();
+    let at = |s: moves::Step| steps.lock().unwrap().iter().find(|(x, _)| *x == s).map(|(_, t)| *t);
+    let copy_span = (at(moves::Step::Prepared), at(moves::Step::CaughtUp));
     let copy = Duration::from_millis(report.copy_ms);
     let moved = format!("shard_0000_moved_{}", report.id);
     kit.create_database("bench_dump").await?;
@@ -81,6 +93,7 @@ async fn main() -> Result<(), BoxError> {
         kit.hosts()[0].url("bench_moves"),
         kit.hosts()[2].url("bench_dump")
     );
+    let rival_start = Instant::now();
     let t = Instant::now();
     let status = tokio::process::Command::new("sh")
         .arg("-c")
@@ -89,6 +102,8 @@ async fn main() -> Result<(), BoxError> {
         .status()
         .await?;
     let rival = t.elapsed();
+    let rival_end = Instant::now();
+    let samples = sampler.finish();
     assert!(status.success(), "pg_dump | psql failed");
     let restored: i64 = kit.hosts()[2]
         .connect("bench_dump")
@@ -114,6 +129,14 @@ async fn main() -> Result<(), BoxError> {
         rival.as_secs_f64() / copy.as_secs_f64()
     );
     println!("  whole move, pre-flight to clean-up: {}, write pause {} ms", ms(whole), report.pause_ms);
+    if let (Some(from), Some(to)) = copy_span
+        && let (Some(c), Some(r)) = (samples.window(from, to), samples.window(rival_start, rival_end))
+    {
+        println!(
+            "  (the move's span below: from `prepared` to `caught_up`, so subscribing and catching up too)"
+        );
+        cpu::print_side_by_side(["move's copy", "pg_dump | psql"], [&c, &r]);
+    }
 
     // 2. The write pause under a steady load on the moving shard, at two sizes.
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -162,5 +185,73 @@ async fn main() -> Result<(), BoxError> {
             if r.pause_ms < 100 { "  (goal < 100 ms: met)" } else { "  (goal < 100 ms: missed)" }
         );
     }
+
+    // 3. Gentle on the source: writers to another shard of the source, with no move, then
+    // during a move's copy (a shard as big as the first).
+    let mut by_host: std::collections::BTreeMap<String, Vec<i64>> = std::collections::BTreeMap::new();
+    // Shards 0 and 1 hold the sections above's data.
+    for s in 2..i64::from(count) {
+        by_host.entry(cluster.route(LogicalShard::bounded(s)?).host.as_str().to_owned()).or_default().push(s);
+    }
+    let Some((source, shards)) = by_host.iter().find(|(_, v)| v.len() >= 2) else {
+        println!("gentle on the source: no host holds two shards; skipped");
+        return Ok(());
+    };
+    let (moving, staying) = (shards[0], shards[1]);
+    let target = ["pg1", "pg2", "pg3"].into_iter().find(|h| h != source).unwrap_or("pg2");
+    let src =
+        kit.hosts()[source.trim_start_matches("pg").parse::<usize>()? - 1].connect("bench_moves").await?;
+    fill(&src, moving, i64::from(count), photos).await?;
+    // Neither the fill's autovacuum nor its checkpoint inside the baseline or the copy.
+    let s = format!("shard_{moving:04}");
+    src.batch_execute(&format!("VACUUM {s}.photos, {s}.likes, {s}.comments")).await?;
+    src.batch_execute("CHECKPOINT").await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = writers(&cluster, i64::from(count), staying, rate, &stop);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let steps: Arc<std::sync::Mutex<Vec<(moves::Step, Instant)>>> = Arc::default();
+    let seen = Arc::clone(&steps);
+    let mut opts = MoveOptions::default();
+    opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+        if let moves::MoveProgress::Step { step, .. } = p {
+            seen.lock().unwrap().push((*step, Instant::now()));
+        }
+    }));
+    let move_start = Instant::now();
+    let r = moves::run(&config, LogicalShard::bounded(moving)?, &HostName::new(target)?, &opts).await?;
+    stop.store(true, Ordering::Relaxed);
+    let at = |s: moves::Step| steps.lock().unwrap().iter().find(|(x, _)| *x == s).map(|(_, t)| *t);
+    let (from, to) =
+        (at(moves::Step::Prepared).unwrap_or(move_start), at(moves::Step::CaughtUp).unwrap_or(move_start));
+    let mut all = Vec::new();
+    for w in load {
+        all.extend(w.await?);
+    }
+    let mut before: Vec<Duration> = all.iter().filter(|(t, _)| *t < move_start).map(|x| x.1).collect();
+    let mut during: Vec<Duration> = all.iter().filter(|(t, _)| *t >= from && *t <= to).map(|x| x.1).collect();
+    println!(
+        "gentle on the source: 4 writers x {rate}/s on shard {staying} (stays on {source}) while shard {moving} ({} rows, {:.1} MB) is copied from {source} to {target}",
+        r.rows,
+        r.bytes as f64 / 1e6
+    );
+    println!("  {:>22} {:>7} {:>10} {:>10} {:>10}", "", "writes", "p50", "p99", "max");
+    for (name, v) in [("no move (5 s)", &mut before), ("during the copy", &mut during)] {
+        let n = v.len();
+        println!(
+            "  {name:>22} {n:>7} {:>10} {:>10} {:>10}",
+            ms(pct(v, 0.5)),
+            ms(pct(v, 0.99)),
+            ms(pct(v, 1.0))
+        );
+    }
+    if during.is_empty() || before.is_empty() {
+        println!("  no writes to compare (the copy took less than one write's interval)");
+        return Ok(());
+    }
+    let ratio = pct(&mut during, 0.99).as_secs_f64() / pct(&mut before, 0.99).as_secs_f64().max(1e-9);
+    println!(
+        "  p99 during the copy / without: {ratio:.2}x (goal <= 2x: {})",
+        if ratio <= 2.0 { "met" } else { "missed" }
+    );
     Ok(())
 }

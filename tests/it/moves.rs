@@ -2559,10 +2559,11 @@ shardline_testkit::register!(shared: an_autovacuum_under_way_does_not_hold_the_m
 /// An autovacuum of the moving shard's table, under way while the move locks the table
 /// (its change log's triggers, its fence), holds a lock the move needs, and the shard's
 /// writers queue behind the move's wait. Postgres cancels an autovacuum that blocks a
-/// lock request only once the request has waited `deadlock_timeout` (1 s by default: the
-/// 1M-row pause benchmark's 1 s fences). The mover's sessions set theirs to 20 ms. Here
-/// the hosts' own is 60 s and the autovacuum crawls (cost limit 1), so without that the
-/// move runs out of its lock timeout on every attempt and fails.
+/// lock request only once the request has waited `deadlock_timeout` (1 s by default).
+/// The mover's sessions set theirs to 20 ms. Here the hosts' own is 60 s, the
+/// autovacuum crawls (cost limit 1), the move makes one attempt at each lock (2 s lock
+/// timeout), and the fence starts only once an autovacuum of `photos` is seen under way:
+/// without the mover's setting the move fails on the first lock it waits for.
 pub(crate) async fn an_autovacuum_under_way_does_not_hold_the_move_or_its_fence(
     _ctx: TestContext,
 ) -> TestResult {
@@ -2588,37 +2589,60 @@ async fn autovacuum_under_the_fence(kit: &shardline_testkit::Cluster) -> Result<
     }
     let source = on.ok_or("shard 1 is on no host")?;
     let (source_name, target_name) = if source == 0 { ("pg1", "pg2") } else { ("pg2", "pg1") };
-    let src = f.client(kit, source).await?;
+    let src = Arc::new(f.client(kit, source).await?);
     // Every autovacuum of photos crawls: it sleeps 100-400 ms after each page.
+    let photos = format!("{}.photos", schema.quoted());
     src.batch_execute(&format!(
-        "ALTER TABLE {}.photos SET (autovacuum_vacuum_cost_limit = 1, autovacuum_vacuum_cost_delay = 100)",
-        schema.quoted()
+        "ALTER TABLE {photos} SET (autovacuum_vacuum_cost_limit = 1, autovacuum_vacuum_cost_delay = 100)"
     ))
     .await?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     // 10,000 inserted rows start an autovacuum (over the insert threshold) within the
-    // naptime.
+    // naptime; one cancelled starts again within it.
     seed(&cluster, 1, 2, 500).await?;
-    let vacuuming = "SELECT count(*) FROM pg_stat_progress_vacuum
-                      WHERE datname = current_database() AND relid = to_regclass($1)";
-    let photos = format!("{}.photos", schema.quoted());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let n: i64 = src.query_one(vacuuming, &[&photos]).await?.get(0);
-        if n > 0 {
-            break;
+    let vacuuming = |src: Arc<tokio_postgres::Client>, photos: String| async move {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let n: i64 = src
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_progress_vacuum
+                      WHERE datname = current_database() AND relid = to_regclass($1)",
+                    &[&photos],
+                )
+                .await
+                .map_or(0, |r| r.get(0));
+            if n > 0 {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(Instant::now() < deadline, "no autovacuum of {photos} started within 60 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
+    assert!(
+        vacuuming(Arc::clone(&src), photos.clone()).await,
+        "no autovacuum of {photos} started within 60 s"
+    );
+    let before_fence = Arc::new(AtomicBool::new(false));
+    let mut opts = MoveOptions::default();
+    opts.fence_attempts = 1;
+    let (seen, hook_src, hook_photos) = (Arc::clone(&before_fence), Arc::clone(&src), photos.clone());
+    opts.on_compared = Some(Arc::new(move || {
+        let (seen, src, photos) = (Arc::clone(&seen), Arc::clone(&hook_src), hook_photos.clone());
+        Box::pin(async move {
+            seen.store(vacuuming(src, photos).await, Ordering::SeqCst);
+        })
+    }));
     let started = Instant::now();
-    let report = moves::run(&config, crate::shard(1), &crate::host(target_name), &MoveOptions::default())
+    let report = moves::run(&config, crate::shard(1), &crate::host(target_name), &opts)
         .await
         .map_err(|e| format!("the move from {source_name}, with an autovacuum of photos under way: {e}"))?;
     eprintln!("      moved beside an autovacuum in {:?}; pause {} ms", started.elapsed(), report.pause_ms);
-    // The hosts' deadlock_timeout is 60 s and the move's lock timeout 2 s: a pause under
-    // that says the mover's 20 ms did it.
-    assert!(report.pause_ms < 2_000, "the fence waited out the autovacuum: {} ms", report.pause_ms);
+    assert!(
+        before_fence.load(Ordering::SeqCst),
+        "an autovacuum of {photos} was under way as the fence began"
+    );
     let target = if source == 0 { 1 } else { 0 };
     assert_eq!(counts(&f, kit, target, schema.as_str()).await?, Some([10_000, 10_000, 10_000]));
     assert_eq!(counts(&f, kit, source, schema.as_str()).await?, None);

@@ -305,7 +305,13 @@ impl Shared {
             read = Some(self.exclusive.read().await);
             write = None;
         }
+        let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
+        // Where a suite's time goes, in CI's log: every test that took 10 s or more.
+        let took = began.elapsed();
+        if took >= Duration::from_secs(10) {
+            eprintln!("shardline-testkit: {name} took {:.1} s", took.as_secs_f64());
+        }
         let result = match outcome {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(Failed::from(error_chain(e.as_ref()))),

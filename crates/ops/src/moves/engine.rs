@@ -516,26 +516,32 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // An autovacuum of a shard's table holds a lock the mover's DDL and fence need, and
-    // writers queue behind the mover's wait. Postgres cancels the autovacuum only once
-    // the waiter has waited `deadlock_timeout` (1 s by default): the mover's own session
-    // waits far less, where its role may set it (a superuser, or `GRANT SET ON PARAMETER
-    // deadlock_timeout`).
+    maintenance_session(&c, name, &app).await?;
+    Ok(c)
+}
+
+/// Names `c`'s session `app` on the server and, where its role may set it (a superuser,
+/// or `GRANT SET ON PARAMETER deadlock_timeout`), sets its `deadlock_timeout` to
+/// [`MAINTENANCE_DEADLOCK_TIMEOUT`]. For the sessions of moves and `gc`, which lock the
+/// shard's tables (the fence, the change log's triggers, their clean-up) while the
+/// shard's writers queue behind their wait: Postgres cancels an autovacuum that holds
+/// such a lock only once the waiter has waited `deadlock_timeout` (1 s by default).
+pub(crate) async fn maintenance_session(c: &Client, host: &HostName, app: &str) -> Result<()> {
     c.execute(
         "SELECT set_config('application_name', $1, false),
                 CASE WHEN has_parameter_privilege('deadlock_timeout', 'SET')
                      THEN set_config('deadlock_timeout', $2, false) END",
-        &[&app, &format!("{}ms", MOVER_DEADLOCK_TIMEOUT.as_millis())],
+        &[&app, &format!("{}ms", MAINTENANCE_DEADLOCK_TIMEOUT.as_millis())],
     )
     .await
-    .map_err(on(name, "name the mover's session"))?;
-    Ok(c)
+    .map_err(on(host, "set up the session"))?;
+    Ok(())
 }
 
-/// The mover's sessions' `deadlock_timeout`: how long a lock wait of the mover (its
-/// fence, its triggers, its clean-up) lets an autovacuum worker holding the lock run
-/// before Postgres cancels the worker. Writers to the shard queue behind such a wait.
-const MOVER_DEADLOCK_TIMEOUT: Duration = Duration::from_millis(20);
+/// The `deadlock_timeout` of the sessions of moves and `gc` (see [`maintenance_session`]):
+/// how long their lock waits let an autovacuum worker holding the lock run before
+/// Postgres cancels the worker.
+const MAINTENANCE_DEADLOCK_TIMEOUT: Duration = Duration::from_millis(20);
 
 /// `work`, unless one of `hosts` answers no probe for `hung_after` first: then `Err`
 /// with the watchdog's error (and `work` is dropped where it was). `work` wins a tie.

@@ -81,7 +81,12 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let old = journal::done_before(&catalog, grace_s).await?;
     let by_id: HashMap<i64, &MoveRecord> = moves.iter().map(|m| (m.id, m)).collect();
     for host in &config.hosts {
-        let c = match shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await {
+        let session = async {
+            let c = shardline_repo::catalog::connect(&host.url, &format!("host {}", host.name)).await?;
+            super::engine::maintenance_session(&c, &host.name, "shardline gc").await?;
+            Ok::<_, crate::Error>(c)
+        };
+        let c = match session.await {
             Ok(c) => c,
             Err(e) => {
                 report.unreachable.push(format!("{} ({})", host.name, shardline_repo::error_chain(&e)));
