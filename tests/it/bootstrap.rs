@@ -381,6 +381,20 @@ pub(crate) async fn refusals_change_nothing(ctx: TestContext) -> TestResult {
     holder.execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY]).await?;
     assert_eq!(snapshot(&f, &ctx).await?, done);
     std::fs::remove_file(f.dir.join("migrations/0004_more.sql"))?;
+    // A lock let go a moment later (an operation that just ended, its server session
+    // still on its way out: `init` right after another was refused so, now and then) is
+    // waited for.
+    holder.execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY]).await?;
+    let (config, opts) = (f.config()?, options(1));
+    let (released, waited) = futures::join!(
+        async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            holder.execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY]).await
+        },
+        shardline_ops::init(&config, &opts, &quiet)
+    );
+    released?;
+    assert!(!waited?.changed(), "init after a lock let go 300 ms later runs, and changes nothing");
 
     // A config that contradicts the catalog.
     for (config, message) in [

@@ -166,9 +166,19 @@ impl fmt::Display for Report {
     }
 }
 
-/// The catalog's transaction-spanning lock, released when the connection closes.
+/// The catalog's transaction-spanning lock, released when the connection closes. An
+/// operation that just ended holds it until its server notices the session is gone, a
+/// few milliseconds after (an `init` right after another was refused so): that is
+/// waited out, as for a move's own lock, for at most 3 s.
 async fn lock(catalog: &Catalog) -> Result<()> {
-    if catalog.try_lock().await? { Ok(()) } else { Err(Error::Busy) }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !catalog.try_lock().await? {
+        if Instant::now() >= deadline {
+            return Err(Error::Busy);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 fn catalog_err(what: &str, e: &tokio_postgres::Error) -> Error {
