@@ -1076,7 +1076,7 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     Ok(())
 }
 
-shardline_testkit::register!(shared: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
+shardline_testkit::register!(own: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
 /// A hung host, not a dead one: the source or the target is frozen (SIGSTOP, `docker
 /// pause`) inside each step of a move, as soon as the step before it is journaled, for
 /// 2 s (the source 12 s while the shard is fenced: past the fence's lease), then thawed.
@@ -1103,12 +1103,14 @@ pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undon
     Ok(())
 }
 
-shardline_testkit::register!(shared: a_host_hung_for_good_inside_a_step_fails_the_move_in_time);
+shardline_testkit::register!(own: a_host_hung_for_good_inside_a_step_fails_the_move_in_time);
 /// A host frozen inside a step and not thawed until the move returns: the move gives the
 /// step up once the host has answered no probe for `hung_after` (4 s here), instead of
 /// waiting for as long as the host is hung; thawed, the move is resumed or undone and the
 /// shard ends whole on one host. The source inside the copy, the fence, the flip's
-/// decision; the target inside the sync and the verification.
+/// decision; the target inside the sync and the verification. Either inside the
+/// clean-up after the flip: the move completes while the host is still hung (a move that
+/// flipped is never reported failed), its part left to `gc`.
 pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
     _ctx: TestContext,
 ) -> TestResult {
@@ -1118,10 +1120,18 @@ pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
         (Step::Fenced, false, None),
         (Step::SequenceCarried, false, None),
         (Step::Verified, true, None),
+        // After the flip: the clean-up meets the hung host, leaves its part to gc, and
+        // the move completes.
+        (Step::Flipped, true, None),
+        (Step::Flipped, false, None),
     ];
     let (completed, early) = pause_cases("hung_hosts", &cases, Duration::from_secs(4)).await?;
     assert_eq!(early, cases.len(), "every move returned while its host was still hung");
-    eprintln!("    5 hung hosts: {completed} moves completed after the thaw, {} ended undone", 5 - completed);
+    eprintln!(
+        "    {} hung hosts: {completed} moves completed, {} ended undone",
+        cases.len(),
+        cases.len() - completed
+    );
     Ok(())
 }
 
@@ -1215,6 +1225,9 @@ async fn pause_cases(
             let all = moves::list(&config).await?;
             all.into_iter().max_by_key(|m| m.id).ok_or_else(|| BoxError::from("no move"))
         };
+        if after >= Step::Flipped {
+            assert!(result.is_ok(), "{case}: a move that flipped is never reported failed: {result:?}");
+        }
         if let Err(e) = &result {
             let m = latest().await?;
             eprintln!("      {case}: failed {took:?} after the freeze, at {}: {e}", m.step.as_str());
@@ -2479,7 +2492,7 @@ pub(crate) async fn a_migration_and_a_move_never_overlap_under_writes(ctx: TestC
     Ok(())
 }
 
-shardline_testkit::register!(shared: rebalance_runs_moves_between_disjoint_host_pairs_at_once);
+shardline_testkit::register!(own: rebalance_runs_moves_between_disjoint_host_pairs_at_once);
 /// `rebalance --apply --parallel 2` on four hosts of the test's own, two of them new and
 /// empty. The shards are sized so that the plan's first two moves share a host (both
 /// leave pg1) and a later one shares none with the first: the later one starts beside
@@ -2555,7 +2568,7 @@ async fn disjoint_pairs_on(kit: &shardline_testkit::Cluster) -> Result<(), BoxEr
     Ok(())
 }
 
-shardline_testkit::register!(shared: an_autovacuum_under_way_does_not_hold_the_move_or_its_fence);
+shardline_testkit::register!(own: an_autovacuum_under_way_does_not_hold_the_move_or_its_fence);
 /// An autovacuum of the moving shard's table, under way while the move locks the table
 /// (its change log's triggers, its fence), holds a lock the move needs, and the shard's
 /// writers queue behind the move's wait. Postgres cancels an autovacuum that blocks a
@@ -2646,5 +2659,56 @@ async fn autovacuum_under_the_fence(kit: &shardline_testkit::Cluster) -> Result<
     let target = if source == 0 { 1 } else { 0 };
     assert_eq!(counts(&f, kit, target, schema.as_str()).await?, Some([10_000, 10_000, 10_000]));
     assert_eq!(counts(&f, kit, source, schema.as_str()).await?, None);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_subscription_left_detached_by_an_undo_is_made_again_on_resume);
+/// An undo that cannot drop the move's subscription (the target cut off from the source)
+/// detaches it: disabled, no slot, pointed at an address that fails at once. Cut short
+/// there (the mover killed), the move stays running at `copying`. Resumed instead of
+/// undone, it must not try to enable the detached subscription (Postgres refuses one
+/// without a slot, so every resume failed: "cannot enable subscription that does not
+/// have a slot name"): the copy starts over, and the move completes with every row and
+/// nothing left behind.
+pub(crate) async fn a_subscription_left_detached_by_an_undo_is_made_again_on_resume(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 lives on pg2.
+    seed(&cluster, 2, 6, 2).await?;
+    let stopped = moves::run(
+        &config,
+        crate::shard(2),
+        &crate::host("pg3"),
+        &MoveOptions::default().stopping_after(Step::Copying),
+    )
+    .await;
+    assert!(stopped.is_err(), "the drill stops the move after copying: {stopped:?}");
+    let target = f.client(&ctx, 2).await?;
+    let name: String = target
+        .query_one("SELECT subname::text FROM pg_subscription WHERE subname LIKE 'shardline\\_move\\_%'", &[])
+        .await?
+        .get(0);
+    // What the undo's fallback leaves (`drop_subscription`, when DROP SUBSCRIPTION fails).
+    target
+        .batch_execute(&format!(
+            "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE);
+             ALTER SUBSCRIPTION {name} CONNECTION 'host=/nonexistent/shardline-detached'"
+        ))
+        .await?;
+    let mut opts = MoveOptions::default();
+    opts.copy_timeout = Duration::from_secs(60);
+    let reports = moves::resume(&config, Some(crate::shard(2)), &opts)
+        .await
+        .map_err(|e| format!("resume with the subscription detached: {e}"))?;
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0].target.as_str(), "pg3");
+    let m = moves::list(&config).await?.into_iter().max_by_key(|m| m.id).ok_or("no move")?;
+    assert_eq!(m.state, State::Done);
+    let said = ends_whole_on(&f, &ctx, &cluster, 2, "pg3", [40, 40, 40], "detached subscription").await?;
+    eprintln!("      resumed past a detached subscription; gc: {}", said.trim());
     Ok(())
 }

@@ -55,8 +55,22 @@ type TestFn = Arc<dyn Fn(TestContext) -> BoxFuture<'static, TestResult> + Send +
 
 struct Case {
     name: String,
-    exclusive: bool,
+    sharing: Sharing,
     run: TestFn,
+}
+
+/// How a test shares the binary's cluster with the others.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// It runs beside the other shared tests (and the own-cluster ones).
+    Shared,
+    /// It runs alone among the tests of the shared cluster (it faults hosts); every host
+    /// is healed afterwards.
+    Exclusive,
+    /// It starts a cluster of its own and never touches the shared one: it runs beside
+    /// every other test, exclusive ones too, and starts first (these are the longest).
+    Own,
 }
 
 /// What a test gets: the shared cluster, and fresh databases on demand.
@@ -130,13 +144,13 @@ impl Harness {
         Harness { hosts, cases: Vec::new() }
     }
 
-    /// Adds every test the binary registered with [`register!`](crate::register), in
-    /// name order.
+    /// Adds every test the binary registered with [`register!`](crate::register): those
+    /// with a cluster of their own first, then the others, each in name order.
     pub fn registered(mut self) -> Self {
         let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
-        all.sort_by_key(|r| r.path());
+        all.sort_by_key(|r| (r.sharing != Sharing::Own, r.path()));
         for r in all {
-            self = self.add(&r.path(), r.exclusive, r.run);
+            self = self.add(&r.path(), r.sharing, r.run);
         }
         self
     }
@@ -147,7 +161,7 @@ impl Harness {
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = TestResult> + Send + 'static,
     {
-        self.add(name, false, test)
+        self.add(name, Sharing::Shared, test)
     }
 
     /// Adds a test that runs alone (it may stop, kill or pause hosts); every host is
@@ -157,16 +171,26 @@ impl Harness {
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = TestResult> + Send + 'static,
     {
-        self.add(name, true, test)
+        self.add(name, Sharing::Exclusive, test)
     }
 
-    fn add<F, Fut>(mut self, name: &str, exclusive: bool, test: F) -> Self
+    /// Adds a test that starts a cluster of its own and never touches the shared one: it
+    /// runs beside every other test, exclusive ones too.
+    pub fn own<F, Fut>(self, name: &str, test: F) -> Self
+    where
+        F: Fn(TestContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TestResult> + Send + 'static,
+    {
+        self.add(name, Sharing::Own, test)
+    }
+
+    fn add<F, Fut>(mut self, name: &str, sharing: Sharing, test: F) -> Self
     where
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = TestResult> + Send + 'static,
     {
         let run: TestFn = Arc::new(move |ctx| Box::pin(test(ctx)));
-        self.cases.push(Case { name: name.to_owned(), exclusive, run });
+        self.cases.push(Case { name: name.to_owned(), sharing, run });
         self
     }
 
@@ -182,7 +206,9 @@ impl Harness {
         }
         let mut args = Arguments::from_args();
         // The tests wait on servers, not on the CPU: more threads than cores pay off.
-        args.test_threads.get_or_insert(4);
+        // Those with a cluster of their own (the longest) start first and hold up to 4
+        // threads; 6 leave the others 2 at least.
+        args.test_threads.get_or_insert(6);
         let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {
@@ -209,7 +235,7 @@ impl Harness {
                 let handle = runtime.handle().clone();
                 let name = case.name.clone();
                 Trial::test(case.name, move || {
-                    handle.block_on(shared.run_case(&name, case.exclusive, &case.run))
+                    handle.block_on(shared.run_case(&name, case.sharing, &case.run))
                 })
             })
             .collect();
@@ -290,21 +316,19 @@ impl Shared {
         cluster.clone().map_err(Failed::from)
     }
 
-    async fn run_case(&self, name: &str, exclusive: bool, run: &TestFn) -> std::result::Result<(), Failed> {
+    async fn run_case(&self, name: &str, sharing: Sharing, run: &TestFn) -> std::result::Result<(), Failed> {
         let cluster = self.cluster().await?;
         let ctx = TestContext {
             cluster: Arc::clone(&cluster),
             name: name.into(),
             databases: Arc::clone(&self.databases),
         };
-        let (read, write);
-        if exclusive {
-            write = Some(self.exclusive.write().await);
-            read = None;
-        } else {
-            read = Some(self.exclusive.read().await);
-            write = None;
-        }
+        let exclusive = sharing == Sharing::Exclusive;
+        let (read, write) = match sharing {
+            Sharing::Exclusive => (None, Some(self.exclusive.write().await)),
+            Sharing::Shared => (Some(self.exclusive.read().await), None),
+            Sharing::Own => (None, None),
+        };
         let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
         // Where a suite's time goes, in CI's log: every test that took 10 s or more.
@@ -348,7 +372,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub struct Registered {
     module: &'static str,
     name: &'static str,
-    exclusive: bool,
+    sharing: Sharing,
     run: fn(TestContext) -> std::pin::Pin<Box<dyn Future<Output = TestResult> + Send>>,
 }
 
@@ -358,10 +382,10 @@ impl Registered {
     pub const fn new(
         module: &'static str,
         name: &'static str,
-        exclusive: bool,
+        sharing: Sharing,
         run: fn(TestContext) -> std::pin::Pin<Box<dyn Future<Output = TestResult> + Send>>,
     ) -> Self {
-        Registered { module, name, exclusive, run }
+        Registered { module, name, sharing, run }
     }
 
     /// `module::function`, the crate's own name left out (`moves::a_shard_moves`).
@@ -375,20 +399,25 @@ inventory::collect!(Registered);
 
 /// Registers a test where it is written, the one place it is named:
 /// `shardline_testkit::register!(shared: name);` runs in parallel with the others,
-/// `shardline_testkit::register!(exclusive: name);` alone (it faults hosts). Put it
+/// `shardline_testkit::register!(exclusive: name);` alone (it faults hosts),
+/// `shardline_testkit::register!(own: name);` beside every other, first (it starts a
+/// cluster of its own and never touches the shared one). Put it
 /// above the test's doc comment; [`Harness::registered`] collects every one the binary
 /// holds, named `module::function`.
 #[macro_export]
 macro_rules! register {
     (shared: $test:ident) => {
-        $crate::register!(@ false, $test);
+        $crate::register!(@ Shared, $test);
     };
     (exclusive: $test:ident) => {
-        $crate::register!(@ true, $test);
+        $crate::register!(@ Exclusive, $test);
     };
-    (@ $exclusive:expr, $test:ident) => {
+    (own: $test:ident) => {
+        $crate::register!(@ Own, $test);
+    };
+    (@ $sharing:ident, $test:ident) => {
         $crate::inventory::submit! {
-            $crate::harness::Registered::new(module_path!(), stringify!($test), $exclusive, |ctx| {
+            $crate::harness::Registered::new(module_path!(), stringify!($test), $crate::harness::Sharing::$sharing, |ctx| {
                 ::std::boxed::Box::pin($test(ctx))
             })
         }
