@@ -2712,3 +2712,79 @@ pub(crate) async fn a_subscription_left_detached_by_an_undo_is_made_again_on_res
     eprintln!("      resumed past a detached subscription; gc: {}", said.trim());
     Ok(())
 }
+
+shardline_testkit::register!(own: gc_gives_up_a_host_that_hangs_under_it_and_goes_on);
+/// `gc` on a host that hangs while gc waits on it (frozen while its `DROP SCHEMA` of an
+/// old copy waits for a reader's lock) gives that host up once it has answered no probe
+/// for 15 s, reports it unreachable, and returns while the host is still frozen; the next
+/// run, the host thawed, drops what was left.
+pub(crate) async fn gc_gives_up_a_host_that_hangs_under_it_and_goes_on(_ctx: TestContext) -> TestResult {
+    let kit = shardline_testkit::Cluster::start(3).await?;
+    let result = gc_under_a_hung_host(&kit).await;
+    let down = kit.shutdown().await;
+    result?;
+    down?;
+    Ok(())
+}
+
+async fn gc_under_a_hung_host(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(kit, "gc_hung", 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 lives on pg2; moved to pg3, its old copy stays on pg2 for gc.
+    seed(&cluster, 2, 6, 2).await?;
+    let report = moves::run(&config, crate::shard(2), &crate::host("pg3"), &MoveOptions::default()).await?;
+    let moved = format!("shard_0002_moved_{}", report.id);
+    // A reader of the old copy holds gc's DROP SCHEMA back.
+    let reader = f.client(kit, 1).await?;
+    reader.batch_execute(&format!("BEGIN; LOCK TABLE {moved}.photos IN ACCESS SHARE MODE")).await?;
+    let watch = f.client(kit, 1).await?;
+    let gc_config = config.clone();
+    let gc = tokio::spawn(async move {
+        let r = shardline_ops::moves::gc(&gc_config, Duration::ZERO).await;
+        (r, Instant::now())
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: i64 = watch
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = 'shardline gc' AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(!gc.is_finished(), "gc ended before it waited on pg2: {:?}", gc.await?.0);
+        assert!(Instant::now() < deadline, "gc never waited on pg2's lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pg2 = &kit.hosts()[1];
+    pg2.pause().await?;
+    let frozen = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(60), gc).await;
+    pg2.resume().await?;
+    let (result, at) = ended.map_err(|_| "gc did not return within 60 s of pg2's freeze")??;
+    let gc_report = result?;
+    let took = at.duration_since(frozen);
+    eprintln!("      gc returned {took:?} after pg2 froze: {gc_report}");
+    assert!(
+        gc_report.unreachable.iter().any(|u| u.starts_with("pg2")),
+        "gc reports pg2 unreachable: {gc_report}"
+    );
+    reader.batch_execute("ROLLBACK").await?;
+    // Thawed and free: the old copy goes, by the given-up run's own statement (pg2 had
+    // received it whole, and runs it once the reader lets go) or by the next run.
+    let again = shardline_ops::moves::gc(&config, Duration::ZERO).await?;
+    assert!(again.unreachable.is_empty(), "{again}");
+    let left: bool = watch
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&moved])
+        .await?
+        .get(0);
+    assert!(!left, "the old copy {moved} is gone: {again}");
+    assert_eq!(leftovers(&f, kit).await?, vec![0, 0, 0], "{again}");
+    Ok(())
+}

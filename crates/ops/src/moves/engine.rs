@@ -604,10 +604,10 @@ pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Du
                 _ => *slot = None,
             }
             if answered[i].elapsed() >= hung_after {
-                tracing::warn!(host = %host, ?hung_after, "a host of the move answers no probe; giving up the step");
+                tracing::warn!(host = %host, ?hung_after, "a host answers no probe; giving up the work on it");
                 return Error::Timeout {
                     host: host.clone(),
-                    what: "answer the move's probe (the host is hung or cut off)".into(),
+                    what: "an answer to a liveness probe (the host is hung or cut off)".into(),
                     after: hung_after,
                 };
             }

@@ -50,13 +50,18 @@ impl std::fmt::Display for GcReport {
     }
 }
 
+/// How long a host may go without answering `gc`'s probes before its part of the run is
+/// given up (as for a move's steps: [`super::MoveOptions::hung_after`]'s default).
+const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
+
 /// Drops what moves left behind (see the module docs); old source schemas only after
 /// `grace` since their move finished.
 ///
 /// # Errors
 ///
 /// The catalog unreachable; a statement failing on a reachable host. An unreachable
-/// host is reported, not an error.
+/// host, or one that stops answering (hung, cut off) for 15 s, is reported,
+/// not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
@@ -64,7 +69,16 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     // Moves whose fence's lease ran out and was undone on the source (by a router),
     // their mover gone: finish undoing them, so the journal agrees.
     for m in journal::running(&catalog, None).await? {
-        match super::engine::finish_undone(config, &m).await {
+        let hosts = [m.source.clone()];
+        let finished = super::engine::unless_hung(
+            config,
+            &hosts,
+            GC_HUNG_AFTER,
+            super::engine::finish_undone(config, &m),
+        )
+        .await
+        .and_then(|r| r);
+        match finished {
             Ok(true) => report.dropped.push(format!(
                 "{}: fence of move {} (its lease ran out; the move is undone)",
                 m.source, m.id
@@ -93,7 +107,16 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
                 continue;
             }
         };
-        gc_host(&c, &host.name, &moves, &by_id, &old, &map, config, &mut report).await?;
+        // A host that stops answering (hung, or cut off) mid-way is left for the next run,
+        // as an unreachable one is: its statements are not waited for.
+        let name = std::slice::from_ref(&host.name);
+        let work = gc_host(&c, &host.name, &moves, &by_id, &old, &map, config, &mut report);
+        match super::engine::unless_hung(config, name, GC_HUNG_AFTER, work).await {
+            Ok(done) => done?,
+            Err(hung) => {
+                report.unreachable.push(format!("{} ({})", host.name, shardline_repo::error_chain(&hung)))
+            }
+        }
     }
     // Journal what is gone, so `moves` shows it.
     for m in &moves {
