@@ -69,7 +69,8 @@ pub enum Sharing {
     /// is healed afterwards.
     Exclusive,
     /// It starts a cluster of its own and never touches the shared one: it runs beside
-    /// every other test, exclusive ones too, and starts first (these are the longest).
+    /// the shared tests, and starts first (these are the longest); exclusive tests wait
+    /// for it.
     Own,
 }
 
@@ -145,10 +146,17 @@ impl Harness {
     }
 
     /// Adds every test the binary registered with [`register!`](crate::register): those
-    /// with a cluster of their own first, then the others, each in name order.
+    /// with a cluster of their own first (the longest), then the shared ones, then the
+    /// exclusive ones (each drains the others: last, they drain nothing twice), each
+    /// group in name order.
     pub fn registered(mut self) -> Self {
         let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
-        all.sort_by_key(|r| (r.sharing != Sharing::Own, r.path()));
+        let rank = |s: Sharing| match s {
+            Sharing::Own => 0,
+            Sharing::Shared => 1,
+            Sharing::Exclusive => 2,
+        };
+        all.sort_by_key(|r| (rank(r.sharing), r.path()));
         for r in all {
             self = self.add(&r.path(), r.sharing, r.run);
         }
@@ -175,7 +183,7 @@ impl Harness {
     }
 
     /// Adds a test that starts a cluster of its own and never touches the shared one: it
-    /// runs beside every other test, exclusive ones too.
+    /// runs beside the shared tests; exclusive tests wait for it.
     pub fn own<F, Fut>(self, name: &str, test: F) -> Self
     where
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
@@ -206,8 +214,8 @@ impl Harness {
         }
         let mut args = Arguments::from_args();
         // The tests wait on servers, not on the CPU: more threads than cores pay off.
-        // Those with a cluster of their own (the longest) start first and hold up to 4
-        // threads; 6 leave the others 2 at least.
+        // Those with a cluster of their own (the longest) start first, one thread each;
+        // the shared ones run beside them on the threads left.
         args.test_threads.get_or_insert(6);
         let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
             Ok(rt) => rt,
@@ -224,6 +232,7 @@ impl Harness {
             hosts: self.hosts,
             cluster: OnceCell::new(),
             exclusive: RwLock::new(()),
+            own: RwLock::new(()),
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
         });
@@ -290,6 +299,9 @@ struct Shared {
     cluster: OnceCell<std::result::Result<Arc<Cluster>, String>>,
     /// Read-held by ordinary tests, write-held by exclusive ones.
     exclusive: RwLock<()>,
+    /// Read-held by tests with a cluster of their own, write-held by exclusive ones: an
+    /// exclusive test runs on a machine no other test loads (some assert latencies).
+    own: RwLock<()>,
     databases: Arc<AtomicUsize>,
     timeout: Duration,
 }
@@ -324,6 +336,14 @@ impl Shared {
             databases: Arc::clone(&self.databases),
         };
         let exclusive = sharing == Sharing::Exclusive;
+        // An exclusive test first waits for the tests with clusters of their own (they
+        // start first, so they are done by the time the exclusive ones, last, begin),
+        // then for the shared ones.
+        let (own_read, own_write) = match sharing {
+            Sharing::Exclusive => (None, Some(self.own.write().await)),
+            Sharing::Own => (Some(self.own.read().await), None),
+            Sharing::Shared => (None, None),
+        };
         let (read, write) = match sharing {
             Sharing::Exclusive => (None, Some(self.exclusive.write().await)),
             Sharing::Shared => (Some(self.exclusive.read().await), None),
@@ -351,7 +371,7 @@ impl Shared {
                 Err(f) => Failed::from(format!("{}\n{healed}", f.message().unwrap_or_default())),
             });
         }
-        drop((read, write));
+        drop((read, write, own_read, own_write));
         result
     }
 }
@@ -400,8 +420,8 @@ inventory::collect!(Registered);
 /// Registers a test where it is written, the one place it is named:
 /// `shardline_testkit::register!(shared: name);` runs in parallel with the others,
 /// `shardline_testkit::register!(exclusive: name);` alone (it faults hosts),
-/// `shardline_testkit::register!(own: name);` beside every other, first (it starts a
-/// cluster of its own and never touches the shared one). Put it
+/// `shardline_testkit::register!(own: name);` first, beside the shared ones (it starts a
+/// cluster of its own and never touches the shared one); exclusive tests run last. Put it
 /// above the test's doc comment; [`Harness::registered`] collects every one the binary
 /// holds, named `module::function`.
 #[macro_export]

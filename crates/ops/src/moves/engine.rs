@@ -1041,8 +1041,10 @@ pub async fn resume(
 ///
 /// # Errors
 ///
-/// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable
-/// (the move stays journaled; abort again when it is back).
+/// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable,
+/// or answering no probe for [`MoveOptions::hung_after`]'s default (the move stays
+/// journaled; abort again when it is back). A target that is down or hung is left to
+/// `gc` (named in [`AbortReport::cleanup_pending`]).
 pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
@@ -1058,5 +1060,10 @@ pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> 
     }
     let options = MoveOptions::default();
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
-    undo(&mut mover, "aborted by the operator").await
+    // Bounded as a move's undo is: a source that stops answering fails the abort, naming
+    // it, and the move stays as it was (a hung target's part is left to `gc` by the undo).
+    let hosts = [mover.source.clone()];
+    let undone =
+        unless_hung(config, &hosts, options.hung_after, undo(&mut mover, "aborted by the operator")).await;
+    mover.settle(undone).await
 }

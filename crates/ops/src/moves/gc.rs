@@ -86,6 +86,9 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             Ok(false) => {}
             Err(e) => {
                 tracing::warn!(id = m.id, error = %shardline_repo::error_chain(&e), "cannot finish undoing a move whose lease ran out");
+                if matches!(e, crate::Error::Timeout { .. }) {
+                    report.unreachable.push(format!("{} ({})", m.source, shardline_repo::error_chain(&e)));
+                }
             }
         }
     }
@@ -277,7 +280,8 @@ async fn gc_host(
             continue;
         }
         c.batch_execute(&format!(
-            "BEGIN; DROP SCHEMA {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+            // IF EXISTS: a run given up on a hung host may still drop it meanwhile.
+            "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
             quote_ident(moved),
             quote_literal(moved)
         ))
