@@ -30,12 +30,10 @@ shardline_testkit::register!(exclusive: concurrent_fan_outs_leave_the_lock_table
 pub(crate) async fn concurrent_fan_outs_leave_the_lock_table_to_other_queries(
     _ctx: TestContext,
 ) -> TestResult {
-    let kit = shardline_testkit::Cluster::start_with(1, shardline_testkit::stock_limits()).await?;
-    let result = fan_outs_on_a_stock_host(&kit).await;
-    let down = kit.shutdown().await;
-    result?;
-    down?;
-    Ok(())
+    crate::moves::on_own_kit(1, shardline_testkit::stock_limits(), |kit| {
+        Box::pin(fan_outs_on_a_stock_host(kit))
+    })
+    .await
 }
 
 async fn fan_outs_on_a_stock_host(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {

@@ -2509,11 +2509,7 @@ shardline_testkit::register!(own: rebalance_runs_moves_between_disjoint_host_pai
 pub(crate) async fn rebalance_runs_moves_between_disjoint_host_pairs_at_once(
     _ctx: TestContext,
 ) -> TestResult {
-    let kit = shardline_testkit::Cluster::start(4).await?;
-    let result = disjoint_pairs_on(&kit).await;
-    let down = kit.shutdown().await;
-    result?;
-    down?;
+    on_own_kit(4, &[], |kit| Box::pin(disjoint_pairs_on(kit))).await?;
     Ok(())
 }
 
@@ -2589,12 +2585,7 @@ pub(crate) async fn an_autovacuum_under_way_does_not_hold_the_move_or_its_fence(
     _ctx: TestContext,
 ) -> TestResult {
     let settings = [("autovacuum_naptime", "1s"), ("deadlock_timeout", "60s")];
-    let kit = shardline_testkit::Cluster::start_with(2, &settings).await?;
-    let result = autovacuum_under_the_fence(&kit).await;
-    let down = kit.shutdown().await;
-    result?;
-    down?;
-    Ok(())
+    on_own_kit(2, &settings, |kit| Box::pin(autovacuum_under_the_fence(kit))).await
 }
 
 async fn autovacuum_under_the_fence(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
@@ -2731,12 +2722,7 @@ shardline_testkit::register!(own: gc_gives_up_a_host_that_hangs_under_it_and_goe
 /// for 15 s, reports it unreachable, and returns while the host is still frozen; the next
 /// run, the host thawed, drops what was left.
 pub(crate) async fn gc_gives_up_a_host_that_hangs_under_it_and_goes_on(_ctx: TestContext) -> TestResult {
-    let kit = shardline_testkit::Cluster::start(3).await?;
-    let result = gc_under_a_hung_host(&kit).await;
-    let down = kit.shutdown().await;
-    result?;
-    down?;
-    Ok(())
+    on_own_kit(3, &[], |kit| Box::pin(gc_under_a_hung_host(kit))).await
 }
 
 async fn gc_under_a_hung_host(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
@@ -2753,35 +2739,9 @@ async fn gc_under_a_hung_host(kit: &shardline_testkit::Cluster) -> Result<(), Bo
     reader.batch_execute(&format!("BEGIN; LOCK TABLE {moved}.photos IN ACCESS SHARE MODE")).await?;
     let watch = f.client(kit, 1).await?;
     let gc_config = config.clone();
-    let gc = tokio::spawn(async move {
-        let r = shardline_ops::moves::gc(&gc_config, Duration::ZERO).await;
-        (r, Instant::now())
-    });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let waiting: i64 = watch
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
-                  WHERE application_name = 'shardline gc' AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await?
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(!gc.is_finished(), "gc ended before it waited on pg2: {:?}", gc.await?.0);
-        assert!(Instant::now() < deadline, "gc never waited on pg2's lock");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let pg2 = &kit.hosts()[1];
-    pg2.pause().await?;
-    let frozen = Instant::now();
-    let ended = tokio::time::timeout(Duration::from_secs(60), gc).await;
-    pg2.resume().await?;
-    let (result, at) = ended.map_err(|_| "gc did not return within 60 s of pg2's freeze")??;
+    let work = async move { shardline_ops::moves::gc(&gc_config, Duration::ZERO).await };
+    let (result, took) = freeze_while_it_waits(&f, kit, 1, "shardline gc", work).await?;
     let gc_report = result?;
-    let took = at.duration_since(frozen);
     eprintln!("      gc returned {took:?} after pg2 froze: {gc_report}");
     assert!(
         gc_report.unreachable.iter().any(|u| u.starts_with("pg2")),
@@ -2810,12 +2770,7 @@ shardline_testkit::register!(own: an_abort_with_a_hung_host_returns_while_it_is_
 /// hung; the move stays running, and the source thawed, aborting again undoes it. Either
 /// way `gc` then leaves nothing.
 pub(crate) async fn an_abort_with_a_hung_host_returns_while_it_is_hung(_ctx: TestContext) -> TestResult {
-    let kit = shardline_testkit::Cluster::start(3).await?;
-    let result = aborts_beside_hung_hosts(&kit).await;
-    let down = kit.shutdown().await;
-    result?;
-    down?;
-    Ok(())
+    on_own_kit(3, &[], |kit| Box::pin(aborts_beside_hung_hosts(kit))).await
 }
 
 async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
@@ -2846,45 +2801,11 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
             })
             .await?;
         let abort_config = config.clone();
-        let abort = tokio::spawn(async move {
-            let r = moves::abort(&abort_config, crate::shard(2)).await;
-            (r, Instant::now())
-        });
-        // Another session: inside the blocker's transaction pg_stat_activity stays as it
-        // first read it.
-        let watch = f.client(kit, h).await?;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let waiting: i64 = watch
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
-                    &[&format!("shardline move {id}")],
-                )
-                .await?
-                .get(0);
-            if waiting > 0 {
-                break;
-            }
-            assert!(
-                !abort.is_finished(),
-                "the abort ended before it waited on the {victim}: {:?}",
-                abort.await?.0
-            );
-            assert!(Instant::now() < deadline, "the abort never waited on the {victim}'s lock");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let host = &kit.hosts()[h];
-        host.pause().await?;
-        let frozen = Instant::now();
-        let ended = tokio::time::timeout(Duration::from_secs(60), abort).await;
-        host.resume().await?;
-        let (aborted, at) =
-            ended.map_err(|_| format!("the abort did not return within 60 s of the {victim}'s freeze"))??;
+        let work = async move { moves::abort(&abort_config, crate::shard(2)).await };
+        let app = format!("shardline move {id}");
+        let (aborted, took) = freeze_while_it_waits(&f, kit, h, &app, work).await?;
         blocker.batch_execute("ROLLBACK").await?;
-        eprintln!(
-            "      abort with the {victim} hung returned {:?} after the freeze: {aborted:?}",
-            at.duration_since(frozen)
-        );
+        eprintln!("      abort with the {victim} hung returned {took:?} after the freeze: {aborted:?}");
         if victim == "target" {
             let report = aborted.map_err(|e| format!("abort with the target hung: {e}"))?;
             assert!(report.unfenced, "the source was unfenced");
@@ -2904,4 +2825,67 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
         ends_whole_on(&f, kit, &cluster, 2, "pg2", [40, 40, 40], victim).await?;
     }
     Ok(())
+}
+
+/// Runs `body` on `hosts` servers of the test's own (started with the kit's settings and
+/// `settings`), then shuts them down, whatever `body` returned.
+pub(crate) async fn on_own_kit(
+    hosts: usize,
+    settings: &[(&str, &str)],
+    body: impl for<'k> FnOnce(
+        &'k shardline_testkit::Cluster,
+    ) -> futures::future::BoxFuture<'k, Result<(), BoxError>>,
+) -> TestResult {
+    let kit = shardline_testkit::Cluster::start_with(hosts, settings).await?;
+    let result = body(&kit).await;
+    let down = kit.shutdown().await;
+    result?;
+    down?;
+    Ok(())
+}
+
+/// Runs `work` until a session named `app` waits on a lock on host `h` (a test session
+/// holds it), then freezes the host until `work` ends (at most 60 s), and thaws it.
+/// Returns what `work` returned and how long after the freeze it ended.
+async fn freeze_while_it_waits<T: Send + 'static>(
+    f: &Fixture,
+    kit: &shardline_testkit::Cluster,
+    h: usize,
+    app: &str,
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<(T, Duration), BoxError> {
+    let work = tokio::spawn(async move {
+        let r = work.await;
+        (r, Instant::now())
+    });
+    // A session of its own: inside a transaction pg_stat_activity stays as first read.
+    let watch = f.client(kit, h).await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: i64 = watch
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&app],
+            )
+            .await?
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        if work.is_finished() {
+            return Err(format!("{app} ended before it waited on pg{}'s lock", h + 1).into());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("{app} never waited on pg{}'s lock", h + 1).into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let host = &kit.hosts()[h];
+    host.pause().await?;
+    let frozen = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(60), work).await;
+    host.resume().await?;
+    let (out, at) =
+        ended.map_err(|_| format!("{app} did not return within 60 s of pg{}'s freeze", h + 1))??;
+    Ok((out, at.duration_since(frozen)))
 }

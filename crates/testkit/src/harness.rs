@@ -213,10 +213,11 @@ impl Harness {
             hold(hosts)
         }
         let mut args = Arguments::from_args();
-        // The tests wait on servers, not on the CPU: more threads than cores pay off.
-        // Those with a cluster of their own (the longest) start first, one thread each;
-        // the shared ones run beside them on the threads left.
-        args.test_threads.get_or_insert(6);
+        // The tests wait on servers, not on the CPU: more threads than cores pay off, up
+        // to a point (6 overloaded two cores: latencies tripled). Those with a cluster of
+        // their own (the longest) start first, one thread each; the shared ones run beside
+        // them on the threads left, and the exclusive ones last.
+        args.test_threads.get_or_insert(4);
         let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {

@@ -660,25 +660,19 @@ impl Mover<'_> {
                         || la.keys.get(&k.table).is_some_and(|s| s.contains(key))
                         || lb.keys.get(&k.table).is_some_and(|s| s.contains(key))
                 };
-                let unexplained: Vec<&String> =
-                    d.iter().filter(|(key, _)| !logged(key)).map(|(_, shown)| shown).collect();
+                let unexplained: Vec<String> = d.keys().filter(|key| !logged(key)).cloned().collect();
                 in_flight += i64::try_from(d.len() - unexplained.len()).unwrap_or(i64::MAX);
                 if !unexplained.is_empty() {
-                    let shown: Vec<&str> = unexplained.iter().take(20).map(|s| s.as_str()).collect();
-                    let key: Vec<&str> = k.cols.iter().map(|c| c.0.as_str()).collect();
-                    differences.push(format!(
-                        "{}: {} differing key(s) ({}): {}",
-                        k.table,
-                        unexplained.len(),
-                        key.join(", "),
-                        shown.join(", ")
-                    ));
+                    differences.push((k.clone(), unexplained));
                 }
             }
         }
         if !differences.is_empty() {
-            self.detail.differences.clone_from(&differences);
-            return Err(Error::Verify { id, shard, differences });
+            let differences = self.look_again(&differences, Which::After(0), "before a second look").await?;
+            if !differences.is_empty() {
+                self.detail.differences.clone_from(&differences);
+                return Err(Error::Verify { id, shard, differences });
+            }
         }
         let compared_ms = ms(started.elapsed());
         let rounds = self.rounds(&src_keyed).await?;
@@ -714,6 +708,96 @@ impl Mover<'_> {
             hook().await;
         }
         Ok(())
+    }
+
+    /// A second look at keys that differed and are in no change log, before failing the
+    /// move for them: once the target has everything the source committed before a new
+    /// marker, they are read again on both sides, in snapshots taken at once. A row still
+    /// on its way when they were first read (the apply behind, on a loaded machine) is
+    /// equal now, or differs and is logged since (`which`); a key that still differs and
+    /// is in no log is a copy that differs. Returns a line per table for those.
+    async fn look_again(
+        &mut self,
+        unexplained: &[(Keyed, Vec<String>)],
+        which: Which,
+        why: &str,
+    ) -> Result<Vec<String>> {
+        let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
+        let schema = self.schema.as_str().to_owned();
+        let mark: i64 = self
+            .src()
+            .await?
+            .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
+            .await
+            .map_err(on(&source, "write the marker"))?
+            .get(0);
+        let deadline = Instant::now() + self.options.sync_timeout;
+        self.wait_mark(mark, deadline, why).await?;
+        self.src().await?;
+        self.dst().await?;
+        let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+            return Err(Error::Busy);
+        };
+        let begin = "SET TimeZone = 'UTC'; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+        futures::try_join!(
+            async { src.batch_execute(begin).await.map_err(on(&source, "take a snapshot")) },
+            async { dst.batch_execute(begin).await.map_err(on(&target, "take a snapshot")) }
+        )?;
+        let read = async {
+            let mut differ = Vec::new();
+            for (k, keys) in unexplained {
+                let list = json_array(keys.iter());
+                let (a, b) = futures::try_join!(
+                    rows_by_key(src, &source, &schema, k, &list),
+                    rows_by_key(dst, &target, &schema, k, &list)
+                )?;
+                let d = differing(&a, &b);
+                if !d.is_empty() {
+                    differ.push((k, d));
+                }
+            }
+            Ok::<_, Error>(differ)
+        }
+        .await;
+        let _ = futures::join!(src.batch_execute("COMMIT"), dst.batch_execute("COMMIT"));
+        let differ = read?;
+        let first: usize = unexplained.iter().map(|(_, keys)| keys.len()).sum();
+        if differ.is_empty() {
+            tracing::warn!(
+                id,
+                keys = first,
+                "keys that differed, in no change log, are equal at a second look"
+            );
+            return Ok(Vec::new());
+        }
+        let keyed: Vec<Keyed> = differ.iter().map(|(k, _)| (*k).clone()).collect();
+        let (la, lb) = futures::try_join!(
+            read_log(src, &source, id, &keyed, which),
+            read_log(dst, &target, id, &keyed, which)
+        )?;
+        let mut lines = Vec::new();
+        for (k, d) in &differ {
+            let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
+            let logged = |key: &String| {
+                truncated
+                    || la.keys.get(&k.table).is_some_and(|s| s.contains(key))
+                    || lb.keys.get(&k.table).is_some_and(|s| s.contains(key))
+            };
+            let still: Vec<&str> =
+                d.iter().filter(|(key, _)| !logged(key)).map(|(_, shown)| shown.as_str()).collect();
+            if !still.is_empty() {
+                let cols: Vec<&str> = k.cols.iter().map(|c| c.0.as_str()).collect();
+                let shown: Vec<&str> = still.iter().take(20).copied().collect();
+                lines.push(format!(
+                    "{}: {} differing key(s) ({}): {}",
+                    k.table,
+                    still.len(),
+                    cols.join(", "),
+                    shown.join(", ")
+                ));
+            }
+        }
+        Ok(lines)
     }
 
     /// The rounds after the comparison, outside the fence, like a live migration's
@@ -807,24 +891,19 @@ impl Mover<'_> {
                         || la.keys.get(&k.table).is_some_and(|s| s.contains(key))
                         || lb.keys.get(&k.table).is_some_and(|s| s.contains(key))
                 };
-                let unexplained: Vec<&String> =
-                    d.iter().filter(|(key, _)| !logged(key)).map(|(_, shown)| shown).collect();
+                let unexplained: Vec<String> = d.keys().filter(|key| !logged(key)).cloned().collect();
                 in_flight += i64::try_from(d.len() - unexplained.len()).unwrap_or(i64::MAX);
                 if !unexplained.is_empty() {
-                    let shown: Vec<&str> = unexplained.iter().take(20).map(|s| s.as_str()).collect();
-                    let cols: Vec<&str> = k.cols.iter().map(|c| c.0.as_str()).collect();
-                    differences.push(format!(
-                        "{}: {} differing key(s) ({}): {}",
-                        k.table,
-                        unexplained.len(),
-                        cols.join(", "),
-                        shown.join(", ")
-                    ));
+                    differences.push(((*k).clone(), unexplained));
                 }
             }
             if !differences.is_empty() {
-                self.detail.differences.clone_from(&differences);
-                return Err(Error::Verify { id, shard, differences });
+                let differences =
+                    self.look_again(&differences, Which::After(n), "before a second look").await?;
+                if !differences.is_empty() {
+                    self.detail.differences.clone_from(&differences);
+                    return Err(Error::Verify { id, shard, differences });
+                }
             }
             let pending: usize = keyed
                 .iter()
