@@ -804,13 +804,16 @@ impl Mover<'_> {
     /// pre-copy rounds: round `n` takes the keys logged so far (marks them `round =
     /// n`, on both sides), waits for the target to catch up to a marker, and reads them
     /// on both sides in snapshots taken at once. A key whose rows are equal there is
-    /// verified as of its last write taken; one that differs must have been logged again
-    /// since the round began (a row in flight, taken by the next round or read inside
-    /// the fence), else the move fails with [`Error::Verify`] before the fence. The
+    /// verified as of its last write taken; one that differs is a row in flight: logged
+    /// again since the round began, or else put back into the log (taken on one side
+    /// only, its write not yet visible on the other), it is taken by the next round or
+    /// read inside the fence. Every key a round reads is logged, so a round never fails
+    /// the move: a copy that differs where nothing was written is the comparison's to
+    /// find, and a logged key the fence's. The
     /// rounds go on until the keys logged since the last one began are at most
     /// `round_keys`, or `max_rounds` ran (see [`MoveOptions`]). Returns them, in order.
     pub(super) async fn rounds(&mut self, keyed: &[Keyed]) -> Result<Vec<Round>> {
-        let (source, target, id, shard) = (self.source.clone(), self.target.clone(), self.id, self.shard);
+        let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let schema = self.schema.as_str().to_owned();
         let mut out = Vec::new();
         for n in 1..=self.options.max_rounds.max(1) {
@@ -883,7 +886,7 @@ impl Mover<'_> {
                 read_log(dst, &target, id, keyed, Which::After(n))
             )?;
             let mut in_flight = 0;
-            let mut differences = Vec::new();
+            let mut requeued = 0;
             for (k, d) in &differ {
                 let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
                 let logged = |key: &String| {
@@ -891,19 +894,41 @@ impl Mover<'_> {
                         || la.keys.get(&k.table).is_some_and(|s| s.contains(key))
                         || lb.keys.get(&k.table).is_some_and(|s| s.contains(key))
                 };
-                let unexplained: Vec<String> = d.keys().filter(|key| !logged(key)).cloned().collect();
-                in_flight += i64::try_from(d.len() - unexplained.len()).unwrap_or(i64::MAX);
+                let unexplained: Vec<&String> = d.keys().filter(|key| !logged(key)).collect();
+                in_flight += i64::try_from(d.len()).unwrap_or(i64::MAX);
                 if !unexplained.is_empty() {
-                    differences.push(((*k).clone(), unexplained));
+                    // Taken by this round on one side only while the other had not yet
+                    // made its write visible (a commit is sent to the target before the
+                    // source's own sessions see it): a row in flight all the same. Every
+                    // key a round reads is logged, so nothing here is the comparison's
+                    // business: the keys go back to the log, for a later round or the
+                    // fence, which reads them on both sides once synced.
+                    let list = json_array(unexplained.iter().copied());
+                    let requeue = "UPDATE shardline.move_changes SET round = NULL
+                                    WHERE move_id = $1 AND tbl = $2
+                                      AND key IN (SELECT value FROM jsonb_array_elements($3::text::jsonb))";
+                    futures::try_join!(
+                        async {
+                            src.execute(requeue, &[&id, &k.table, &list])
+                                .await
+                                .map_err(on(&source, "put a round's keys back"))
+                        },
+                        async {
+                            dst.execute(requeue, &[&id, &k.table, &list])
+                                .await
+                                .map_err(on(&target, "put a round's keys back"))
+                        }
+                    )?;
+                    requeued += unexplained.len();
                 }
             }
-            if !differences.is_empty() {
-                let differences =
-                    self.look_again(&differences, Which::After(n), "before a second look").await?;
-                if !differences.is_empty() {
-                    self.detail.differences.clone_from(&differences);
-                    return Err(Error::Verify { id, shard, differences });
-                }
+            if requeued > 0 {
+                tracing::info!(
+                    id,
+                    round = n,
+                    keys = requeued,
+                    "keys a round took on one side only go back to the log"
+                );
             }
             let pending: usize = keyed
                 .iter()
@@ -913,7 +938,7 @@ impl Mover<'_> {
                     set.len()
                 })
                 .sum();
-            let pending = i64::try_from(pending).unwrap_or(i64::MAX);
+            let pending = i64::try_from(pending + requeued).unwrap_or(i64::MAX);
             out.push(Round { keys, in_flight, pending, ms: ms(started.elapsed()) });
             tracing::debug!(id, round = n, keys, in_flight, pending, "a round before the fence");
             if pending <= self.options.round_keys {
