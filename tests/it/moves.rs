@@ -2889,3 +2889,41 @@ async fn freeze_while_it_waits<T: Send + 'static>(
         ended.map_err(|_| format!("{app} did not return within 60 s of pg{}'s freeze", h + 1))??;
     Ok((out, at.duration_since(frozen)))
 }
+
+shardline_testkit::register!(shared: a_logged_key_that_really_differs_is_found_by_the_fence_and_not_flipped);
+/// A key in the change log whose copy really differs (a like deleted on the target once
+/// its triggers exist, before the comparison) is a row in flight to the comparison. Each
+/// round before the fence finds it differing with no new write, and logs it anew rather
+/// than failing the move (the same sight as a write the target applied before the
+/// source's own sessions could see it); the fence reads it, finds it missing on the
+/// target, and the move is not flipped but undone, the shard whole on its source.
+pub(crate) async fn a_logged_key_that_really_differs_is_found_by_the_fence_and_not_flipped(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let made = seed(&cluster, 0, 6, 2).await?;
+    let stopping = MoveOptions::default().stopping_after(Step::CaughtUp);
+    moves::run(&config, crate::shard(0), &crate::host("pg2"), &stopping).await.unwrap_err();
+    let pg2 = f.client(&ctx, 1).await?;
+    let gone = pg2.execute("DELETE FROM shard_0000.likes WHERE photo_id = $1", &[&made[4].id]).await?;
+    assert_eq!(gone, 1);
+    let options = MoveOptions::default().with_rounds(0, 3);
+    let err = moves::resume(&config, Some(crate::shard(0)), &options).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, OpsError::Verify { .. }), "{text}");
+    assert!(text.contains("likes: 1 differing key(s)"), "{text}");
+    let journal = moves::list(&config).await?;
+    let m = journal.iter().max_by_key(|m| m.id).ok_or("no move")?;
+    assert_eq!(m.state, State::RolledBack);
+    let pre = m.detail.precheck.clone().ok_or("the comparison journaled")?;
+    let in_flight: Vec<i64> = pre.rounds.iter().map(|r| r.in_flight).collect();
+    assert_eq!(in_flight, [1, 1, 1], "each round found the key differing and logged it anew: {pre:?}");
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([40, 40, 40]));
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}

@@ -309,7 +309,8 @@ pub struct Precheck {
     /// The rounds after the comparison, outside the fence, in order (see
     /// `docs/moves.md`, "Rounds before the fence").
     pub rounds: Vec<Round>,
-    /// The last round whose keys were all verified: the fence rechecks only the keys
+    /// The last round that completed: every key it and the rounds before it took was
+    /// verified equal, or logged anew (a row in flight); the fence rechecks only the keys
     /// logged that no round up to this one took (`0`: every logged key).
     pub verified_round: i32,
 }
@@ -322,10 +323,11 @@ pub struct Precheck {
 pub struct Round {
     /// Distinct keys the round read on both sides.
     pub keys: i64,
-    /// Of those, keys that differed and were logged again since the round began (rows
-    /// in flight, read again by a later round or inside the fence).
+    /// Of those, keys that differed: rows in flight, logged again since the round began
+    /// or logged anew by the round, and read again by a later round or inside the fence.
     pub in_flight: i64,
-    /// Distinct keys logged since the round began, counted at its end.
+    /// Distinct keys logged since the round began, counted at its end, plus those the
+    /// round logged anew.
     pub pending: i64,
     /// How long it took, in ms.
     pub ms: u64,

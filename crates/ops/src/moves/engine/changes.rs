@@ -901,24 +901,37 @@ impl Mover<'_> {
                     // made its write visible (a commit is sent to the target before the
                     // source's own sessions see it): a row in flight all the same. Every
                     // key a round reads is logged, so nothing here is the comparison's
-                    // business: the keys go back to the log, for a later round or the
-                    // fence, which reads them on both sides once synced.
+                    // business: each key is logged anew (a row with `round` NULL, on
+                    // both hosts, rendered as `read_log` reads it back), for a later
+                    // round or the fence, which reads it on both sides once synced.
+                    // Inserted, not matched: a stored key rendered in another session's
+                    // TimeZone (a timestamptz key) would not match, and the key would
+                    // be skipped by the fence.
                     let list = json_array(unexplained.iter().copied());
-                    let requeue = "UPDATE shardline.move_changes SET round = NULL
-                                    WHERE move_id = $1 AND tbl = $2
-                                      AND key IN (SELECT value FROM jsonb_array_elements($3::text::jsonb))";
-                    futures::try_join!(
+                    let again = "INSERT INTO shardline.move_changes (move_id, tbl, key)
+                                 SELECT $1, $2, value FROM jsonb_array_elements($3::text::jsonb)";
+                    let (a, b) = futures::try_join!(
                         async {
-                            src.execute(requeue, &[&id, &k.table, &list])
+                            src.execute(again, &[&id, &k.table, &list])
                                 .await
-                                .map_err(on(&source, "put a round's keys back"))
+                                .map_err(on(&source, "log a round's keys again"))
                         },
                         async {
-                            dst.execute(requeue, &[&id, &k.table, &list])
+                            dst.execute(again, &[&id, &k.table, &list])
                                 .await
-                                .map_err(on(&target, "put a round's keys back"))
+                                .map_err(on(&target, "log a round's keys again"))
                         }
                     )?;
+                    let want = u64::try_from(unexplained.len()).unwrap_or(u64::MAX);
+                    if a != want || b != want {
+                        return Err(Error::Journal {
+                            id,
+                            message: format!(
+                                "logging {want} key(s) of {} again wrote {a} row(s) on {source} and {b} on {target}",
+                                k.table
+                            ),
+                        });
+                    }
                     requeued += unexplained.len();
                 }
             }
