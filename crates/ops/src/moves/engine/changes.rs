@@ -562,15 +562,7 @@ impl Mover<'_> {
             .map_err(on(&source, "reset the change log's rounds"))?;
         // Everything the source committed before its triggers (unlogged there) reaches
         // the target before the snapshots are taken.
-        let n: i64 = self
-            .src()
-            .await?
-            .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
-            .await
-            .map_err(on(&source, "write the marker"))?
-            .get(0);
-        let deadline = Instant::now() + self.options.sync_timeout;
-        self.wait_mark(n, deadline, "before the comparison").await?;
+        self.new_mark(Instant::now() + self.options.sync_timeout, "before the comparison").await?;
         self.src().await?;
         self.dst().await?;
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
@@ -724,15 +716,7 @@ impl Mover<'_> {
     ) -> Result<Vec<String>> {
         let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let schema = self.schema.as_str().to_owned();
-        let mark: i64 = self
-            .src()
-            .await?
-            .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
-            .await
-            .map_err(on(&source, "write the marker"))?
-            .get(0);
-        let deadline = Instant::now() + self.options.sync_timeout;
-        self.wait_mark(mark, deadline, why).await?;
+        self.new_mark(Instant::now() + self.options.sync_timeout, why).await?;
         self.src().await?;
         self.dst().await?;
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
@@ -826,15 +810,7 @@ impl Mover<'_> {
                 hook().await;
             }
             // Everything the source committed before it took its keys is on the target.
-            let mark: i64 = self
-                .src()
-                .await?
-                .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
-                .await
-                .map_err(on(&source, "write the marker"))?
-                .get(0);
-            let deadline = Instant::now() + self.options.sync_timeout;
-            self.wait_mark(mark, deadline, "before a round").await?;
+            self.new_mark(Instant::now() + self.options.sync_timeout, "before a round").await?;
             self.src().await?;
             self.dst().await?;
             let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {

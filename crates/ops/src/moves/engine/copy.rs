@@ -170,7 +170,7 @@ impl Mover<'_> {
     /// Enables the subscription, waits for every table's copy, then for the lag to fall
     /// under `max_lag`.
     pub(super) async fn catch_up(&mut self) -> Result<()> {
-        let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
+        let (name, target) = (self.name(), self.target.clone());
         let started = Instant::now();
         let mut deadline = started + self.options.copy_timeout;
         let schema = self.schema.clone();
@@ -289,14 +289,7 @@ impl Mover<'_> {
         }
         loop {
             let round = Instant::now();
-            let n: i64 = self
-                .src()
-                .await?
-                .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
-                .await
-                .map_err(on(&source, "write the lag marker"))?
-                .get(0);
-            self.wait_mark(n, deadline, "catch up").await?;
+            self.new_mark(deadline, "catch up").await?;
             let lag = ms(round.elapsed());
             self.report(MoveProgress::Lag { ms: lag });
             if round.elapsed() <= self.options.max_lag {
@@ -452,6 +445,22 @@ impl Mover<'_> {
             dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")))?;
         }
         Ok(())
+    }
+
+    /// Bumps the move's marker on the source, then waits (until `deadline`) for the
+    /// target to apply it: everything the source committed before is then on the
+    /// target. `what` names the wait in its timeout.
+    pub(super) async fn new_mark(&mut self, deadline: Instant, what: &str) -> Result<i64> {
+        let (source, id) = (self.source.clone(), self.id);
+        let n: i64 = self
+            .src()
+            .await?
+            .query_one("UPDATE shardline.move_marks SET n = n + 1 WHERE move_id = $1 RETURNING n", &[&id])
+            .await
+            .map_err(on(&source, "write the marker"))?
+            .get(0);
+        self.wait_mark(n, deadline, what).await?;
+        Ok(n)
     }
 
     /// Waits until the target's marker reaches `n`.
