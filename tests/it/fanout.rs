@@ -217,6 +217,72 @@ pub(crate) async fn a_failed_statement_of_a_fan_out_names_its_shards_only(ctx: T
     Ok(())
 }
 
+shardline_testkit::register!(shared: generic_plans_plan_a_kept_fan_out_once_from_its_first_run);
+/// `generic_plans` with a statement cache: a fan-out's kept statements run a generic
+/// plan from their first run on a new connection (Postgres's own counters in
+/// `pg_prepared_statements`), where by default each of their first five runs is planned
+/// for its values. Without a statement cache, or behind a transaction pooler, the option
+/// changes nothing on the connection.
+pub(crate) async fn generic_plans_plan_a_kept_fan_out_once_from_its_first_run(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 1, 24).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let start = SystemTime::now() - Duration::from_secs(1);
+    {
+        let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+        let new: Vec<NewPhoto> = (0..48)
+            .map(|u| NewPhoto { user_id: u, url: format!("https://cdn/{u}.jpg"), caption: String::new() })
+            .collect();
+        cluster.repo::<Photo>()?.insert_many(&new).await?;
+    }
+    let end = SystemTime::now() + Duration::from_secs(1);
+    let cases = [
+        // (statement_cache, generic_plans, transaction_pooler, plan_cache_mode, kept plans: (generic, custom))
+        (64, true, false, "force_generic_plan", Some((3, 0))),
+        (64, false, false, "auto", Some((0, 3))),
+        (0, true, false, "auto", None),
+        (64, true, true, "auto", None),
+    ];
+    for (cache, generic, pooler, mode, plans) in cases {
+        let o = ClusterOptions {
+            pool_size: 1,
+            fan_out_batch: 8,
+            statement_cache: cache,
+            generic_plans: generic,
+            transaction_pooler: pooler,
+            listen: false,
+            ..ClusterOptions::default()
+        };
+        let cluster = Cluster::connect(&f.config()?, o).await?;
+        let photos = cluster.repo::<Photo>()?;
+        for _ in 0..3 {
+            let w = photos.created_between(start, end, 100).await?;
+            assert!(w.is_complete());
+            assert_eq!(w.rows.len(), 48);
+        }
+        let conn = cluster.client(&cluster.route_user(0).host).await?;
+        let shown: String = conn.query_one("SHOW plan_cache_mode", &[]).await?.get(0);
+        let what = format!("statement_cache {cache}, generic_plans {generic}, transaction_pooler {pooler}");
+        assert_eq!(shown, mode, "{what}");
+        let kept = conn
+            .query(
+                // The fan-out's statements (this one is prepared too, and is not one).
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements \
+                 WHERE left(statement, 15) = 'SELECT * FROM ('",
+                &[],
+            )
+            .await?;
+        let counts: Vec<(i64, i64)> = kept.iter().map(|r| (r.get(0), r.get(1))).collect();
+        match plans {
+            // Three statements of 8 shards, each run 3 times.
+            Some(each) => assert_eq!(counts, vec![each; 3], "{what}"),
+            None => assert!(counts.is_empty(), "{what}: {counts:?}"),
+        }
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_connection_past_its_uses_is_replaced);
 /// `connection_max_uses`: a pooled connection handed out that many times is closed
 /// when it comes back, and the next request gets a new backend; by default the same

@@ -222,16 +222,21 @@ async fn run(
 
     // The application's handle knows the hosts there are now; the one still to join
     // it learns from the catalog. It reaches the hosts directly (no pooler), so
-    // statements are kept prepared per connection, and fan-outs read 64 shards per
-    // statement (docs/repository.md).
-    let options = ClusterOptions { statement_cache: 1024, fan_out_batch: 64, ..ClusterOptions::default() };
+    // statements are kept prepared per connection and planned once each (generic
+    // plans), and fan-outs read 64 shards per statement (docs/repository.md).
+    let options = ClusterOptions {
+        statement_cache: 1024,
+        generic_plans: true,
+        fan_out_batch: 64,
+        ..ClusterOptions::default()
+    };
     let cluster = Cluster::connect(&config, options).await?;
     let users = i64::from(opt.users);
     let hot_user = 42 * 7919i64;
     let hot = cluster.route_user(hot_user);
     writeln!(
         out,
-        "workload: {} users, 8 workers through {} (statement_cache 1024, fan_out_batch 64), {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
+        "workload: {} users, 8 workers through {} (statement_cache 1024, generic_plans, fan_out_batch 64), {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
         opt.users,
         if opt.via == "sqlx" { "sqlx" } else { "the repository API" },
         opt.seconds,

@@ -91,6 +91,17 @@ pub struct ClusterOptions {
     /// on each call (6–9× less server CPU per fan-out, observed in
     /// `docs/benchmarks.md`, "Fan-out at 2000 shards").
     pub statement_cache: usize,
+    /// With [`ClusterOptions::statement_cache`]: each pooled connection runs with
+    /// `plan_cache_mode = force_generic_plan` (default false), so a kept statement is
+    /// planned once per connection instead of its first five runs each planning anew.
+    /// A fan-out's statement of 64 shards costs a plan of every branch on each of those
+    /// runs, paid again by every new pooled connection: this is what brings the demo's
+    /// time window from 134–164 ms to 52–76 ms (p50, observed in `docs/benchmarks.md`,
+    /// "The demo's mix"). The repository's own statements (by ID, by primary-key range)
+    /// plan the same for every value; a page of a column whose values are skewed (one
+    /// user with most rows) may be better served by a plan made for its value, which
+    /// this gives up. Ignored without a statement cache or behind a transaction pooler.
+    pub generic_plans: bool,
     /// How long a pooled connection is kept, at most (default 30 min; `None`: for
     /// ever). A server backend keeps the catalog entries of every table and index it
     /// has opened until it ends, and a pooled connection that serves fan-outs opens every
@@ -122,6 +133,7 @@ impl Default for ClusterOptions {
             map_check: Duration::from_secs(5),
             transaction_pooler: false,
             statement_cache: 0,
+            generic_plans: false,
             move_wait: Duration::from_secs(20),
             connection_max_lifetime: Some(Duration::from_secs(30 * 60)),
             connection_max_uses: None,
@@ -680,7 +692,20 @@ fn make_pool(
     pg.connect_timeout(options.connect_timeout);
     let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
+    let generic = options.generic_plans && options.statement_cache > 0 && !options.transaction_pooler;
     Pool::builder(manager)
+        // A `SET` on each new connection rather than a start-up option: a session-mode
+        // pooler refuses start-up options it does not know.
+        .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+            Box::pin(async move {
+                if generic {
+                    client.batch_execute("SET plan_cache_mode = force_generic_plan").await.map_err(|e| {
+                        deadpool_postgres::HookError::message(format!("set plan_cache_mode: {e}"))
+                    })?;
+                }
+                Ok(())
+            })
+        }))
         .max_size(options.pool_size.max(1))
         // Checked as a connection is handed out again: one past its lifetime or
         // its uses is closed (the pool makes a new one).
