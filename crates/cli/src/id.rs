@@ -48,7 +48,8 @@ pub enum IdCommand {
         epoch_ms: i64,
     },
     /// Print the SQL that installs the ID minter (sequence, next_id(), id_parts(),
-    /// reserve_ids()) in one shard schema.
+    /// reserve_ids()) in one shard schema, and the catch-up every schema of the database
+    /// shares (schema shardline_minter) when it is missing.
     Sql {
         /// The shard's schema (it must exist before the SQL runs).
         #[arg(long, value_name = "SCHEMA")]

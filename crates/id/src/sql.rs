@@ -11,7 +11,10 @@
 //!   and composes the ID; otherwise it calls `shardline_catch_up()`.
 //! - `shardline_catch_up()`: the slow path. It catches the sequence up to the
 //!   transaction's start when it lags, only forward, while no other transaction can take
-//!   a value (see below), mints, and grants the session a lease.
+//!   a value (see below), mints, and grants the session a lease. It reads the sequence
+//!   and calls [`CATCH_UP_FUNCTION`], made once per database by [`host_install`] (part of
+//!   the install), which does the work for every schema: a session compiles and plans
+//!   it once, not once per schema it inserts into.
 //! - `id_parts(bigint)`: the decoder, `(unix_ms, shard, sequence)`.
 //! - `reserve_ids(n)`: `n` values of the same sequence, as ranges, for minting in the
 //!   application ([`crate::generator::ReservedBlocks`]).
@@ -107,6 +110,139 @@ pub const CATCH_UP_RETRY_MS: i64 = 1000;
 /// The largest `n` one `reserve_ids(n)` call hands out.
 pub const MAX_RESERVE: i32 = 1_000_000;
 
+/// The schema of the minter's parts shared by every shard schema of a database.
+pub const SHARED_SCHEMA: &str = "shardline_minter";
+
+/// The catch-up shared by every shard schema of a database, with its argument types
+/// (versioned: a change gets a new name, so installs never replace it under a running
+/// one). Each schema's `shardline_catch_up()` calls it with the schema's sequence and
+/// constants.
+pub const CATCH_UP_FUNCTION: &str = "shardline_minter.catch_up_v1";
+
+/// `CATCH_UP_FUNCTION`'s argument types, as `to_regprocedure` wants them.
+const CATCH_UP_ARGS: &str = "regclass, bigint, text, integer, integer, bigint, bigint, bigint, bigint";
+
+/// The SQL that makes the minter's shared parts in a database when they are missing:
+/// the schema [`SHARED_SCHEMA`] (usable by every role) and the catch-up
+/// [`CATCH_UP_FUNCTION`]. [`ShardSql::install`] includes it. Safe to run from many
+/// sessions at once: one makes them, the others find them made (or wait for that
+/// session's transaction, then find them).
+///
+/// The function is `SECURITY INVOKER`: it alters, reads and sets the sequence it is given
+/// with its caller's rights. Each schema's `shardline_catch_up()` is `SECURITY DEFINER`
+/// (its owner owns the sequence) and is the only caller shardline makes; a role that
+/// calls it directly can do no more than its own rights allow.
+pub fn host_install() -> String {
+    format!(
+        r#"DO $shardline_minter$
+BEGIN
+    IF to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})') IS NULL THEN
+        BEGIN
+            IF to_regnamespace('{SHARED_SCHEMA}') IS NULL THEN
+                CREATE SCHEMA {SHARED_SCHEMA};
+                GRANT USAGE ON SCHEMA {SHARED_SCHEMA} TO PUBLIC;
+            END IF;
+            -- `read` is the sequence's last value as the caller read it with a plain
+            -- SELECT (an ACCESS SHARE lock: it waits for no one and blocks no one).
+            -- pg_sequence_last_value() would take nextval's ROW EXCLUSIVE lock for the
+            -- rest of the transaction, and a session waiting below for another's
+            -- catch-up must not hold it: that catch-up waits for every holder.
+            CREATE FUNCTION {catch_up_fn}(seq regclass, read bigint, tag text, shard integer,
+                seq_bits integer, epoch bigint, clock_offset bigint, lag bigint, last_ticks bigint)
+                RETURNS bigint
+            LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $fn$
+            DECLARE
+                now_ms bigint := floor(extract(epoch FROM now()) * 1000)::bigint + clock_offset;
+                now_ticks bigint := now_ms - epoch;
+                -- Catch up once the sequence lags by more than half the bound, so a lease
+                -- granted here is good for at least half the bound.
+                catch_up_lag bigint := lag / 2;
+                target bigint;
+                last bigint := read;
+                retry_at text := current_setting('shardline.catch_up_retry_' || tag, true);
+                -- Set (transaction-local) once this transaction took a value here: it then
+                -- holds nextval's ROW EXCLUSIVE lock, so it must not wait for a catch-up or
+                -- do one.
+                minted text := current_setting('shardline.minted_' || tag, true);
+                lock_key bigint := (seq::oid::bigint) | (CAST({lock_class} AS bigint) << 32);
+                v bigint;
+            BEGIN
+                IF now_ticks > last_ticks THEN
+                    RAISE EXCEPTION 'shard %: the ID layout ends at % ms since the Unix epoch', shard, last_ticks + epoch
+                        USING ERRCODE = 'numeric_value_out_of_range';
+                END IF;
+                target := greatest(now_ticks, 0) << seq_bits;
+                IF (last >> seq_bits) < now_ticks - catch_up_lag
+                    AND coalesce(minted, '') = ''
+                    AND (coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms) THEN
+                    BEGIN
+                        IF pg_try_advisory_xact_lock(lock_key) THEN
+                            -- This session catches up; the others wait for it below.
+                            -- It may take nextval's lock now (the same read, NULL before
+                            -- the first nextval): no one waits for it while it holds it.
+                            last := coalesce(pg_sequence_last_value(seq), 0);
+                            IF (last >> seq_bits) < now_ticks - catch_up_lag THEN
+                                PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
+                                -- SHARE ROW EXCLUSIVE: granted once no other transaction
+                                -- holds nextval's ROW EXCLUSIVE lock, and it keeps new ones
+                                -- out. No rewrite: setval sticks.
+                                EXECUTE format('ALTER SEQUENCE %s OWNED BY NONE', seq);
+                                last := coalesce(pg_sequence_last_value(seq), 0);
+                                IF target > last THEN
+                                    PERFORM setval(seq, target);
+                                END IF;
+                            END IF;
+                        ELSE
+                            -- Another session is catching up: wait for it (a shared lock,
+                            -- granted to every waiter at once when it ends) rather than
+                            -- queue on the sequence one by one.
+                            PERFORM set_config('lock_timeout', '{wait_timeout}ms', true);
+                            PERFORM pg_advisory_xact_lock_shared(lock_key);
+                        END IF;
+                        -- Roll the subtransaction back: that releases the locks now.
+                        RAISE SQLSTATE 'SLC01';
+                    EXCEPTION
+                        WHEN SQLSTATE 'SLC01' THEN NULL;
+                        -- Another transaction that minted holds nextval's lock
+                        -- (lock_timeout), or is itself catching up while holding it (a
+                        -- deadlock Postgres reports): give way and mint from the lagging
+                        -- sequence. Below half the bound behind, that value is still
+                        -- within it, and the next call tries again.
+                        WHEN lock_not_available OR deadlock_detected THEN NULL;
+                    END;
+                END IF;
+                v := nextval(seq);
+                PERFORM set_config('shardline.minted_' || tag, '1', true);
+                IF (v >> seq_bits) < now_ticks - lag THEN
+                    -- Gave way (or waited for a catch-up that did): mint from the lagging
+                    -- sequence for a while rather than stall every statement on the
+                    -- sequence's lock.
+                    PERFORM set_config('shardline.catch_up_retry_' || tag, (now_ms + {retry_ms})::text, false);
+                END IF;
+                -- A lease: while this session's clock (now()) is at most this, any later
+                -- nextval (> v) is at most lag ms behind it, so next_id() need not look.
+                IF (v >> seq_bits) >= now_ticks - lag THEN
+                    PERFORM set_config('shardline.lease_' || tag, ((v >> seq_bits) + lag)::text, false);
+                END IF;
+                RETURN v;
+            END
+            $fn$;
+            GRANT EXECUTE ON FUNCTION {catch_up_fn}({CATCH_UP_ARGS}) TO PUBLIC;
+        EXCEPTION WHEN unique_violation OR duplicate_schema OR duplicate_function THEN
+            -- Another session made them at the same time, and has committed.
+            NULL;
+        END;
+    END IF;
+END
+$shardline_minter$;"#,
+        catch_up_fn = CATCH_UP_FUNCTION,
+        lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
+        wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
+        lock_class = ADVISORY_LOCK_CLASS,
+        retry_ms = CATCH_UP_RETRY_MS,
+    )
+}
+
 /// The minter of one logical shard, as SQL for its schema.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardSql {
@@ -172,7 +308,8 @@ impl ShardSql {
 
     /// The statements that install (or update) the minter in the schema, which must
     /// exist. Idempotent: run it again to change the layout's options; the sequence is
-    /// only ever moved forward.
+    /// only ever moved forward. It begins with [`host_install`]: the catch-up shared by
+    /// every schema of the database, made when missing.
     ///
     /// They run no function: the first `next_id()` catches the sequence up. (A session
     /// that ran each schema's PL/pgSQL catch-up keeps its plans, and every later DDL
@@ -188,12 +325,7 @@ impl ShardSql {
         let offset = self.clock_offset_ms;
         let lag = self.max_lag_ms;
         let shard = self.shard;
-        let retry_guc = format!("shardline.catch_up_retry_{}", self.schema);
         let lease_guc = format!("shardline.lease_{}", self.schema);
-        let minted_guc = format!("shardline.minted_{}", self.schema);
-        // Catch up once the sequence lags by more than half the bound, so a lease (see the
-        // module doc) granted by the slow path is good for at least half the bound.
-        let catch_up_lag = lag / 2;
         // Every shift is on bigint: `x << 23` on an int wraps silently in Postgres.
         let compose = |v: &str| {
             format!("((({v} >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint | ({v} & {max_seq}))")
@@ -209,75 +341,16 @@ impl ShardSql {
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
 COMMENT ON SEQUENCE {seq} IS 'shardline id sequence: (ms since epoch << {seq_bits}) | counter; layout {ts}/{sb}/{seq_bits}, epoch {epoch} ms, shard {shard}';
 
+{host_part}
+
 CREATE OR REPLACE FUNCTION {s}.shardline_catch_up() RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
-    now_ms bigint := floor(extract(epoch FROM now()) * 1000)::bigint + ({offset});
-    now_ticks bigint := now_ms - {epoch};
-    target bigint;
-    last bigint;
-    retry_at text := current_setting('{retry_guc}', true);
-    -- Set (transaction-local) once this transaction took a value here: it then holds
-    -- nextval's ROW EXCLUSIVE lock, so it must not wait for a catch-up or do one.
-    minted text := current_setting('{minted_guc}', true);
-    lock_key bigint := ('{seq}'::regclass::oid::bigint) | (CAST({lock_class} AS bigint) << 32);
     v bigint;
 BEGIN
-    IF now_ticks > {last_ticks} THEN
-        RAISE EXCEPTION 'shard {shard}: the ID layout ends at % ms since the Unix epoch', {last_unix_ms}
-            USING ERRCODE = 'numeric_value_out_of_range';
-    END IF;
-    target := greatest(now_ticks, 0) << {seq_bits};
     -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
-    SELECT s.last_value INTO last FROM {seq} AS s;
-    IF (last >> {seq_bits}) < now_ticks - {catch_up_lag}
-        AND coalesce(minted, '') = ''
-        AND (coalesce(retry_at, '') = '' OR retry_at::bigint <= now_ms) THEN
-        BEGIN
-            IF pg_try_advisory_xact_lock(lock_key) THEN
-                -- This session catches up; the others wait for it below.
-                SELECT s.last_value INTO last FROM {seq} AS s;
-                IF (last >> {seq_bits}) < now_ticks - {catch_up_lag} THEN
-                    PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
-                    -- SHARE ROW EXCLUSIVE: granted once no other transaction holds
-                    -- nextval's ROW EXCLUSIVE lock, and it keeps new ones out. No
-                    -- rewrite: setval sticks.
-                    ALTER SEQUENCE {seq} OWNED BY NONE;
-                    SELECT s.last_value INTO last FROM {seq} AS s;
-                    IF target > last THEN
-                        PERFORM setval('{seq}', target);
-                    END IF;
-                END IF;
-            ELSE
-                -- Another session is catching up: wait for it (a shared lock, granted
-                -- to every waiter at once when it ends) rather than queue on the
-                -- sequence one by one.
-                PERFORM set_config('lock_timeout', '{wait_timeout}ms', true);
-                PERFORM pg_advisory_xact_lock_shared(lock_key);
-            END IF;
-            -- Roll the subtransaction back: that releases the locks now.
-            RAISE SQLSTATE 'SLC01';
-        EXCEPTION
-            WHEN SQLSTATE 'SLC01' THEN NULL;
-            -- Another transaction that minted holds nextval's lock (lock_timeout), or
-            -- is itself catching up while holding it (a deadlock Postgres reports):
-            -- give way and mint from the lagging sequence. Below half the bound
-            -- behind, that value is still within it, and the next call tries again.
-            WHEN lock_not_available OR deadlock_detected THEN NULL;
-        END;
-    END IF;
-    v := nextval('{seq}');
-    PERFORM set_config('{minted_guc}', '1', true);
-    IF (v >> {seq_bits}) < now_ticks - {lag} THEN
-        -- Gave way (or waited for a catch-up that did): mint from the lagging sequence
-        -- for a while rather than stall every statement on the sequence's lock.
-        PERFORM set_config('{retry_guc}', (now_ms + {retry_ms})::text, false);
-    END IF;
-    -- A lease: while this session's clock (now()) is at most this, any later nextval
-    -- (> v) is at most {lag} ms behind it, so next_id() need not look.
-    IF (v >> {seq_bits}) >= now_ticks - {lag} THEN
-        PERFORM set_config('{lease_guc}', ((v >> {seq_bits}) + {lag})::text, false);
-    END IF;
+    SELECT s.last_value INTO v FROM {seq} AS s;
+    v := {catch_up_fn}('{seq}'::regclass, v, '{tag}', {shard}, {seq_bits}, {epoch}, {offset}, {lag}, {last_ticks});
     RETURN {slow_compose};
 END
 $fn$;
@@ -316,12 +389,10 @@ $fn$;
 "#,
             ts = l.timestamp_bits(),
             sb = l.shard_bits(),
+            host_part = host_install(),
+            catch_up_fn = CATCH_UP_FUNCTION,
+            tag = self.schema,
             last_ticks = l.last_unix_ms() - epoch,
-            last_unix_ms = l.last_unix_ms(),
-            lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
-            wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
-            lock_class = ADVISORY_LOCK_CLASS,
-            retry_ms = CATCH_UP_RETRY_MS,
             shard_shift = l.shard_shift(),
             max_shard = l.max_shard(),
             max_reserve = MAX_RESERVE,
