@@ -927,3 +927,73 @@ pub(crate) async fn migrate_on_a_hung_host_fails_in_time_and_completes_later(ctx
     assert_eq!(each_shard_whole(&f, &ctx, &[after]).await?, 60);
     Ok(())
 }
+
+shardline_testkit::register!(shared: shards_installed_beside_each_other_do_not_wait_for_the_first);
+/// `init` on fresh hosts installs shards four at a time, each in one transaction with a
+/// slow migration (300 ms) under a 100 ms `lock_timeout`. The catch-up every schema of a
+/// database shares is made in a short transaction of its own first: made inside the first
+/// shard's transaction, it held the other three installs until that one committed, and
+/// they failed with "canceling statement due to lock timeout" (observed before the fix).
+pub(crate) async fn shards_installed_beside_each_other_do_not_wait_for_the_first(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    f.migration("0005_slow.sql", "SELECT pg_sleep(0.3);")?;
+    let o = Options { jobs_per_host: 4, lock_timeout: Duration::from_millis(100), ..Options::default() };
+    let report = shardline_ops::init(&f.config()?, &o, &quiet).await?;
+    assert_eq!(report.shards_migrated, 8, "{report:?}");
+    for host in 0..2 {
+        let c = f.client(&ctx, host).await?;
+        let made: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_proc WHERE oid = to_regprocedure(
+                   'shardline_minter.catch_up_v1(regclass, bigint, text, integer, integer, bigint, bigint, bigint, bigint)')",
+                &[],
+            )
+            .await?
+            .get(0);
+        assert_eq!(made, 1, "pg{} has the shared catch-up", host + 1);
+    }
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_shared_catch_up_planted_by_another_role_is_refused);
+/// A role that may create schemas in the database (its owner, say) makes schema
+/// `shardline_minter` and a `catch_up_v1` of its own before `init`. Each shard's
+/// `SECURITY DEFINER` wrapper would run that function with its owner's rights, so the
+/// install refuses it (SQLSTATE 42501), naming the schema, and makes no shard there.
+pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 1, 2).await?;
+    let admin = f.client(&ctx, 0).await?;
+    let role = "shardline_test_planter".to_owned();
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role} NOLOGIN; GRANT CREATE ON DATABASE {db} TO {role};
+             SET ROLE {role};
+             CREATE SCHEMA shardline_minter;
+             CREATE FUNCTION shardline_minter.catch_up_v1(seq regclass, read bigint, tag text, shard integer,
+                 seq_bits integer, epoch bigint, clock_offset bigint, lag bigint, last_ticks bigint)
+                 RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
+             RESET ROLE",
+            db = f.db()
+        ))
+        .await?;
+    let e = shardline_ops::init(&f.config()?, &options(2), &quiet)
+        .await
+        .expect_err("a planted catch-up is refused");
+    let text = format!("{e}");
+    assert_eq!(e.sqlstate(), Some("42501"), "{text}");
+    assert!(text.contains("shardline_minter") && text.contains(&role), "{text}");
+    let shards: i64 = admin
+        .query_one("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'shard\\_%'", &[])
+        .await?
+        .get(0);
+    assert_eq!(shards, 0, "no shard made");
+    admin
+        .batch_execute(&format!(
+            "DROP SCHEMA shardline_minter CASCADE; REVOKE CREATE ON DATABASE {db} FROM {role}; DROP ROLE {role}",
+            db = f.db()
+        ))
+        .await?;
+    Ok(())
+}

@@ -78,7 +78,8 @@ const OPS: [&str; 6] = ["post photo", "like", "comment", "get by ID", "user's pa
 struct Stats {
     latencies: [Vec<Duration>; 6],
     errors: [u64; 6],
-    first_error: Option<String>,
+    /// The first few errors, each with when it happened (since the workload began).
+    first_errors: Vec<(Duration, String)>,
 }
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
@@ -247,7 +248,8 @@ async fn run(
     let stats = Arc::new(Mutex::new(Stats::default()));
     let moves_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let recent: Arc<Mutex<Vec<Photo>>> = Arc::new(Mutex::new(Vec::new()));
-    let deadline = Instant::now() + Duration::from_secs(opt.seconds);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(opt.seconds);
     let began = SystemTime::now();
     let workers: Vec<_> = (0..8u64)
         .map(|w| {
@@ -255,7 +257,7 @@ async fn run(
                 (cluster.clone(), stats.clone(), recent.clone(), moves_done.clone());
             let sqlx = opt.via == "sqlx";
             tokio::spawn(async move {
-                worker(w, &cluster, sqlx, users, hot_user, (deadline, &done), &stats, &recent).await
+                worker(w, &cluster, sqlx, users, hot_user, (started, deadline, &done), &stats, &recent).await
             })
         })
         .collect();
@@ -270,8 +272,14 @@ async fn run(
     let moved = shardline_ops::moves::run(&config, hot.shard, &to, &MoveOptions::default()).await?;
     writeln!(
         out,
-        "  moved the hot shard {} {} -> {}: {} rows in {} ms of copy, write pause {} ms",
-        moved.shard, moved.source, moved.target, moved.rows, moved.copy_ms, moved.pause_ms
+        "  moved the hot shard {} {} -> {}: {} rows in {} ms of copy, write pause {} ms (done at {:.1} s)",
+        moved.shard,
+        moved.source,
+        moved.target,
+        moved.rows,
+        moved.copy_ms,
+        moved.pause_ms,
+        started.elapsed().as_secs_f64()
     )?;
     out.flush()?;
     moves.push(moved);
@@ -300,8 +308,13 @@ async fn run(
         let r = r.with_context(|| format!("moving shard {} to {}", m.shard, m.to))?;
         writeln!(
             out,
-            "  moved shard {} {} -> {}: {} rows, write pause {} ms",
-            r.shard, r.source, r.target, r.rows, r.pause_ms
+            "  moved shard {} {} -> {}: {} rows, write pause {} ms (done at {:.1} s)",
+            r.shard,
+            r.source,
+            r.target,
+            r.rows,
+            r.pause_ms,
+            started.elapsed().as_secs_f64()
         )?;
         moves.push(r);
     }
@@ -322,7 +335,7 @@ async fn worker(
     sqlx: bool,
     users: i64,
     hot_user: i64,
-    (deadline, moves_done): (Instant, &std::sync::atomic::AtomicBool),
+    (started, deadline, moves_done): (Instant, Instant, &std::sync::atomic::AtomicBool),
     stats: &Mutex<Stats>,
     recent: &Mutex<Vec<Photo>>,
 ) {
@@ -415,9 +428,12 @@ async fn worker(
             Ok(()) => local.latencies[op].push(t.elapsed()),
             Err(e) => {
                 local.errors[op] += 1;
-                local
-                    .first_error
-                    .get_or_insert_with(|| format!("{}: {}", OPS[op], shardline_repo::error_chain(&e)));
+                if local.first_errors.len() < 3 {
+                    let at = started.elapsed();
+                    local
+                        .first_errors
+                        .push((at, format!("{}: {}", OPS[op], shardline_repo::error_chain(&e))));
+                }
             }
         }
         n += 1;
@@ -427,9 +443,7 @@ async fn worker(
             s.latencies[i].append(&mut local.latencies[i]);
             s.errors[i] += local.errors[i];
         }
-        if s.first_error.is_none() {
-            s.first_error = local.first_error;
-        }
+        s.first_errors.append(&mut local.first_errors);
     }
 }
 
@@ -481,8 +495,9 @@ async fn summary(
     #[expect(clippy::cast_precision_loss, reason = "a rate shown without decimals")]
     let all = total as f64 / elapsed.as_secs_f64().max(0.001);
     writeln!(out, "{:<13} {total:>8} {all:>9.0}", "all")?;
-    if let Some(e) = &stats.first_error {
-        writeln!(out, "first error: {e}")?;
+    stats.first_errors.sort_by_key(|(at, _)| *at);
+    for (at, e) in stats.first_errors.iter().take(5) {
+        writeln!(out, "error at {:.1} s: {e}", at.as_secs_f64())?;
     }
 
     writeln!(out, "\n== moves ==")?;

@@ -125,8 +125,17 @@ const CATCH_UP_ARGS: &str = "regclass, bigint, text, integer, integer, bigint, b
 /// The SQL that makes the minter's shared parts in a database when they are missing:
 /// the schema [`SHARED_SCHEMA`] (usable by every role) and the catch-up
 /// [`CATCH_UP_FUNCTION`]. [`ShardSql::install`] includes it. Safe to run from many
-/// sessions at once: one makes them, the others find them made (or wait for that
-/// session's transaction, then find them).
+/// sessions at once: one makes them, the others find them made, or wait for that
+/// session's transaction and then find them. So run it on its own (its own short
+/// transaction) before installs that run in long transactions beside each other, as
+/// `init`, `migrate` and moves do: otherwise they wait for the first one's whole
+/// transaction, under its `lock_timeout`.
+///
+/// It refuses (SQLSTATE 42501) a schema or function of that name owned by a role other
+/// than the current one or a superuser: each schema's wrapper runs the function as the
+/// wrapper's owner, so whoever controls the function (or its schema) would run code with
+/// that owner's rights. Install every shard of a database as the same role (or as
+/// superusers).
 ///
 /// The function is `SECURITY INVOKER`: it alters, reads and sets the sequence it is given
 /// with its caller's rights. Each schema's `shardline_catch_up()` is `SECURITY DEFINER`
@@ -135,11 +144,31 @@ const CATCH_UP_ARGS: &str = "regclass, bigint, text, integer, integer, bigint, b
 pub fn host_install() -> String {
     format!(
         r#"DO $shardline_minter$
+DECLARE
+    owner oid;
 BEGIN
+    -- Each schema's SECURITY DEFINER wrapper runs this function as its owner: never
+    -- trust a schema or a function that a role this one does not act for controls.
+    SELECT nspowner INTO owner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}';
+    IF owner IS NOT NULL AND owner <> current_user::regrole
+        AND NOT (SELECT rolsuper FROM pg_roles WHERE oid = owner) THEN
+        RAISE EXCEPTION 'schema {SHARED_SCHEMA} is owned by role %, neither % nor a superuser: shardline will not run its functions', owner::regrole, current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    SELECT proowner INTO owner FROM pg_proc WHERE oid = to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})');
+    IF owner IS NOT NULL AND owner <> current_user::regrole
+        AND NOT (SELECT rolsuper FROM pg_roles WHERE oid = owner) THEN
+        RAISE EXCEPTION 'function {catch_up_fn} is owned by role %, neither % nor a superuser: shardline will not run it', owner::regrole, current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF to_regnamespace('{SHARED_SCHEMA}') IS NOT NULL
+        AND NOT has_schema_privilege('public', '{SHARED_SCHEMA}', 'USAGE') THEN
+        GRANT USAGE ON SCHEMA {SHARED_SCHEMA} TO PUBLIC;
+    END IF;
     IF to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})') IS NULL THEN
         BEGIN
             IF to_regnamespace('{SHARED_SCHEMA}') IS NULL THEN
-                CREATE SCHEMA {SHARED_SCHEMA};
+                CREATE SCHEMA {SHARED_SCHEMA} AUTHORIZATION CURRENT_USER;
                 GRANT USAGE ON SCHEMA {SHARED_SCHEMA} TO PUBLIC;
             END IF;
             -- `read` is the sequence's last value as the caller read it with a plain
@@ -178,11 +207,13 @@ BEGIN
                     BEGIN
                         IF pg_try_advisory_xact_lock(lock_key) THEN
                             -- This session catches up; the others wait for it below.
-                            -- It may take nextval's lock now (the same read, NULL before
-                            -- the first nextval): no one waits for it while it holds it.
+                            -- Every lock it waits for from here waits at most this long.
+                            PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
+                            -- It may take nextval's lock now (the same read; NULL while
+                            -- the sequence's is_called is false, when it holds 0): no one
+                            -- waits for it while it holds it.
                             last := coalesce(pg_sequence_last_value(seq), 0);
                             IF (last >> seq_bits) < now_ticks - catch_up_lag THEN
-                                PERFORM set_config('lock_timeout', '{lock_timeout}ms', true);
                                 -- SHARE ROW EXCLUSIVE: granted once no other transaction
                                 -- holds nextval's ROW EXCLUSIVE lock, and it keeps new ones
                                 -- out. No rewrite: setval sticks.

@@ -244,6 +244,20 @@ pub(crate) async fn apply_shard(
 ) -> Result<()> {
     let q = w.schema.quoted();
     let shard = w.shard;
+    if w.minter.is_some() {
+        // The catch-up every schema of the database shares, made (when missing) in a
+        // transaction of its own: made inside the shard's, it would hold up every other
+        // shard installed beside it until that whole transaction ends.
+        client.batch_execute(&shardline_id::sql::host_install()).await.map_err(|e| {
+            let (sqlstate, message) = describe(&e);
+            Error::Host {
+                host: host.to_string(),
+                what: format!("shard {shard} ({}): make the minter's shared catch-up", w.schema),
+                sqlstate,
+                message,
+            }
+        })?;
+    }
     let mut batch: Vec<(Origin, String)> = vec![(
         Origin::Ours("begin the shard's transaction"),
         format!(

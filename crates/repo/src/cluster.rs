@@ -91,16 +91,21 @@ pub struct ClusterOptions {
     /// on each call (6–9× less server CPU per fan-out, observed in
     /// `docs/benchmarks.md`, "Fan-out at 2000 shards").
     pub statement_cache: usize,
-    /// With [`ClusterOptions::statement_cache`]: each pooled connection runs with
-    /// `plan_cache_mode = force_generic_plan` (default false), so a kept statement is
-    /// planned once per connection instead of its first five runs each planning anew.
-    /// A fan-out's statement of 64 shards costs a plan of every branch on each of those
-    /// runs, paid again by every new pooled connection: this is what brings the demo's
-    /// time window from 134–164 ms to 52–76 ms (p50, observed in `docs/benchmarks.md`,
-    /// "The demo's mix"). The repository's own statements (by ID, by primary-key range)
-    /// plan the same for every value; a page of a column whose values are skewed (one
-    /// user with most rows) may be better served by a plan made for its value, which
-    /// this gives up. Ignored without a statement cache or behind a transaction pooler.
+    /// With [`ClusterOptions::statement_cache`]: each connection of the repository's
+    /// pools runs with `plan_cache_mode = force_generic_plan` (default false), so a kept
+    /// statement is planned once per connection instead of on each of its first five
+    /// runs. A fan-out's statement of a batch of shards costs a plan of every branch on
+    /// each of those runs, paid again by every new pooled connection: with batches of 64
+    /// this brings the demo's time window from 134–164 ms to 52–76 ms (p50, observed in
+    /// `docs/benchmarks.md`, "The demo's mix"). The setting is the session's: it also
+    /// applies to SQL run on these connections by [`crate::ShardTx`] or
+    /// [`Cluster::client`], and to the PL/pgSQL functions and triggers they call. A plan
+    /// made once for every value gives up what a plan made for the value can do: an index
+    /// for one very common value of a skewed column (a page of one user with most rows),
+    /// a prefix `LIKE $1`, partitions pruned at planning. Not set on [`Cluster::sqlx`]'s
+    /// pools; ignored without a statement cache or behind a transaction pooler. A
+    /// `RESET ALL` or `DISCARD ALL` run on a connection takes it away for that
+    /// connection's life.
     pub generic_plans: bool,
     /// How long a pooled connection is kept, at most (default 30 min; `None`: for
     /// ever). A server backend keeps the catalog entries of every table and index it
@@ -693,15 +698,30 @@ fn make_pool(
     let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
     let generic = options.generic_plans && options.statement_cache > 0 && !options.transaction_pooler;
+    let connect_timeout = options.connect_timeout;
     Pool::builder(manager)
         // A `SET` on each new connection rather than a start-up option: a session-mode
         // pooler refuses start-up options it does not know.
         .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
             Box::pin(async move {
+                // Within the connect timeout: a host that took the connection and then
+                // stalls must not hold the caller past it (the pool's create timeout
+                // does not cover this hook).
                 if generic {
-                    client.batch_execute("SET plan_cache_mode = force_generic_plan").await.map_err(|e| {
-                        deadpool_postgres::HookError::message(format!("set plan_cache_mode: {e}"))
-                    })?;
+                    let set = client.batch_execute("SET plan_cache_mode = force_generic_plan");
+                    match tokio::time::timeout(connect_timeout, set).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            return Err(deadpool_postgres::HookError::message(format!(
+                                "set plan_cache_mode: {e}"
+                            )));
+                        }
+                        Err(_) => {
+                            return Err(deadpool_postgres::HookError::message(format!(
+                                "set plan_cache_mode: no answer within {connect_timeout:?}"
+                            )));
+                        }
+                    }
                 }
                 Ok(())
             })
