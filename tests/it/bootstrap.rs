@@ -997,3 +997,21 @@ pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: Te
         .await?;
     Ok(())
 }
+
+shardline_testkit::register!(shared: migrate_makes_a_dropped_shared_catch_up_again);
+/// Nothing ties a shard's minter to the catch-up every schema of the database shares:
+/// dropped by hand, every insert that needs a catch-up fails (3F000, no such schema). `migrate`, with
+/// no migration pending, makes it again, and inserts work.
+pub(crate) async fn migrate_makes_a_dropped_shared_catch_up_again(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 1, 2).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let c = f.client(&ctx, 0).await?;
+    c.batch_execute("DROP SCHEMA shardline_minter CASCADE").await?;
+    let insert = "INSERT INTO shard_0000.photos (user_id, url) VALUES (0, 'https://cdn/a.jpg') RETURNING id";
+    let e = c.query_one(insert, &[]).await.expect_err("no catch-up to call");
+    assert_eq!(e.code().map(tokio_postgres::error::SqlState::code), Some("3F000"), "{e}");
+    shardline_ops::migrate(&f.config()?, &options(2), &quiet).await?;
+    let id: i64 = c.query_one(insert, &[]).await?.get(0);
+    assert!(id > 0);
+    Ok(())
+}

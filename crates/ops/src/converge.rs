@@ -235,6 +235,21 @@ enum Origin {
 
 use shardline_id::ident::literal;
 
+/// Makes the catch-up every shard schema of the database shares, when it is missing
+/// (`shardline_id::sql::host_install`), in a transaction of its own. `what` names the
+/// work it is for in an error.
+async fn shared_minter(client: &Client, host: &HostName, what: &str) -> Result<()> {
+    client.batch_execute(&shardline_id::sql::host_install()).await.map_err(|e| {
+        let (sqlstate, message) = describe(&e);
+        Error::Host {
+            host: host.to_string(),
+            what: format!("{what}: make the minter's shared catch-up"),
+            sqlstate,
+            message,
+        }
+    })
+}
+
 /// Applies one shard's work in one transaction, pipelined.
 pub(crate) async fn apply_shard(
     client: &Client,
@@ -245,18 +260,9 @@ pub(crate) async fn apply_shard(
     let q = w.schema.quoted();
     let shard = w.shard;
     if w.minter.is_some() {
-        // The catch-up every schema of the database shares, made (when missing) in a
-        // transaction of its own: made inside the shard's, it would hold up every other
-        // shard installed beside it until that whole transaction ends.
-        client.batch_execute(&shardline_id::sql::host_install()).await.map_err(|e| {
-            let (sqlstate, message) = describe(&e);
-            Error::Host {
-                host: host.to_string(),
-                what: format!("shard {shard} ({}): make the minter's shared catch-up", w.schema),
-                sqlstate,
-                message,
-            }
-        })?;
+        // Made inside the shard's transaction, it would hold up every other shard
+        // installed beside it until that whole transaction ends.
+        shared_minter(client, host, &format!("shard {shard} ({})", w.schema)).await?;
     }
     let mut batch: Vec<(Origin, String)> = vec![(
         Origin::Ours("begin the shard's transaction"),
@@ -337,6 +343,14 @@ pub(crate) async fn run_host(
     stop: &AtomicBool,
     done: &(dyn Fn(&HostName, LogicalShard) + Sync),
 ) -> (Done, Option<Error>) {
+    // Every run makes the shared catch-up when it is missing (dropped by hand, say), even
+    // with no shard to install: each schema's minter calls it.
+    if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty()) {
+        if let Err(e) = shared_minter(client, &plan.host, "the host's shards").await {
+            stop.store(true, Ordering::Relaxed);
+            return (Done::default(), Some(e));
+        }
+    }
     let queue: Mutex<VecDeque<&ShardWork>> = Mutex::new(plan.work.iter().collect());
     let totals = Mutex::new(Done::default());
     let next = || queue.lock().ok().and_then(|mut q| q.pop_front());
