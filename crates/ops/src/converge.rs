@@ -345,11 +345,11 @@ pub(crate) async fn run_host(
 ) -> (Done, Option<Error>) {
     // Every run makes the shared catch-up when it is missing (dropped by hand, say), even
     // with no shard to install: each schema's minter calls it.
-    if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty()) {
-        if let Err(e) = shared_minter(client, &plan.host, "the host's shards").await {
-            stop.store(true, Ordering::Relaxed);
-            return (Done::default(), Some(e));
-        }
+    if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty())
+        && let Err(e) = shared_minter(client, &plan.host, "the host's shards").await
+    {
+        stop.store(true, Ordering::Relaxed);
+        return (Done::default(), Some(e));
     }
     let queue: Mutex<VecDeque<&ShardWork>> = Mutex::new(plan.work.iter().collect());
     let totals = Mutex::new(Done::default());
