@@ -989,6 +989,37 @@ pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: Te
         .await?
         .get(0);
     assert_eq!(shards, 0, "no shard made");
+
+    // Made by the installer this time; then a DBA lets the role create in it, and it adds
+    // an overload that an untyped call could resolve to.
+    admin.batch_execute("DROP SCHEMA shardline_minter CASCADE").await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    admin
+        .batch_execute(&format!(
+            "GRANT CREATE ON SCHEMA shardline_minter TO {role};
+             SET ROLE {role};
+             CREATE FUNCTION shardline_minter.catch_up_v1(seq regclass, read bigint, tag text, shard integer,
+                 seq_bits integer, epoch bigint, clock_offset integer, lag integer, last_ticks bigint)
+                 RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
+             RESET ROLE"
+        ))
+        .await?;
+    // The minters call exactly their function: IDs still carry the time.
+    let id: i64 = admin
+        .query_one(
+            "INSERT INTO shard_0000.photos (user_id, url) VALUES (0, 'https://cdn/a.jpg') RETURNING id",
+            &[],
+        )
+        .await?
+        .get(0);
+    let ms = (id >> 23) + 1_314_220_021_721;
+    let now = i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis())?;
+    assert!((now - ms).abs() < 60_000, "an ID of {ms} ms at {now}");
+    let e =
+        shardline_ops::migrate(&f.config()?, &options(2), &quiet).await.expect_err("an overload is refused");
+    let text = format!("{e}");
+    assert_eq!(e.sqlstate(), Some("42501"), "{text}");
+    assert!(text.contains("shardline_minter") && text.contains(&role), "{text}");
     admin
         .batch_execute(&format!(
             "DROP SCHEMA shardline_minter CASCADE; REVOKE CREATE ON DATABASE {db} FROM {role}; DROP ROLE {role}",

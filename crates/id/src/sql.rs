@@ -131,11 +131,13 @@ const CATCH_UP_ARGS: &str = "regclass, bigint, text, integer, integer, bigint, b
 /// `init`, `migrate` and moves do: otherwise they wait for the first one's whole
 /// transaction, under its `lock_timeout`.
 ///
-/// It refuses (SQLSTATE 42501) a schema or function of that name owned by a role other
-/// than the current one or a superuser: each schema's wrapper runs the function as the
-/// wrapper's owner, so whoever controls the function (or its schema) would run code with
-/// that owner's rights. Install every shard of a database as the same role (or as
-/// superusers).
+/// It refuses (SQLSTATE 42501) a schema [`SHARED_SCHEMA`], or a function in it, owned by
+/// a role that may not act as the current one (`pg_has_role(owner, current_user,
+/// 'MEMBER')`: itself, a superuser, a member of it), and refuses to make the function
+/// when a shard's wrapper is owned by a role the current one may not act as: each
+/// schema's wrapper runs the function as the wrapper's owner, so whoever controls the
+/// function (or its schema) runs code with that owner's rights. Install every shard of a
+/// database as the same role.
 ///
 /// The function is `SECURITY INVOKER`: it alters, reads and sets the sequence it is given
 /// with its caller's rights. Each schema's `shardline_catch_up()` is `SECURITY DEFINER`
@@ -145,27 +147,18 @@ pub fn host_install() -> String {
     format!(
         r#"DO $shardline_minter$
 DECLARE
-    owner oid;
+    untrusted text;
 BEGIN
-    -- Each schema's SECURITY DEFINER wrapper runs this function as its owner: never
-    -- trust a schema or a function that a role this one does not act for controls.
-    SELECT nspowner INTO owner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}';
-    IF owner IS NOT NULL AND owner <> current_user::regrole
-        AND NOT (SELECT rolsuper FROM pg_roles WHERE oid = owner) THEN
-        RAISE EXCEPTION 'schema {SHARED_SCHEMA} is owned by role %, neither % nor a superuser: shardline will not run its functions', owner::regrole, current_user
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    SELECT proowner INTO owner FROM pg_proc WHERE oid = to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})');
-    IF owner IS NOT NULL AND owner <> current_user::regrole
-        AND NOT (SELECT rolsuper FROM pg_roles WHERE oid = owner) THEN
-        RAISE EXCEPTION 'function {catch_up_fn} is owned by role %, neither % nor a superuser: shardline will not run it', owner::regrole, current_user
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    IF to_regnamespace('{SHARED_SCHEMA}') IS NOT NULL
-        AND NOT has_schema_privilege('public', '{SHARED_SCHEMA}', 'USAGE') THEN
-        GRANT USAGE ON SCHEMA {SHARED_SCHEMA} TO PUBLIC;
-    END IF;
     IF to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})') IS NULL THEN
+        -- Every schema's SECURITY DEFINER wrapper will run what is made here as the
+        -- wrapper's owner: make it only as a role that may act as each of them.
+        SELECT string_agg(DISTINCT proowner::regrole::text, ', ') INTO untrusted FROM pg_proc
+        WHERE proname = 'shardline_catch_up' AND prosecdef
+            AND NOT pg_has_role(current_user, proowner, 'MEMBER');
+        IF untrusted IS NOT NULL THEN
+            RAISE EXCEPTION '{catch_up_fn} is missing, and % may not make it: the minters of role(s) % would run it as their own; run this as one of them (install every shard of a database as the same role)', current_user, untrusted
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
         BEGIN
             IF to_regnamespace('{SHARED_SCHEMA}') IS NULL THEN
                 CREATE SCHEMA {SHARED_SCHEMA} AUTHORIZATION CURRENT_USER;
@@ -263,6 +256,25 @@ BEGIN
             -- Another session made them at the same time, and has committed.
             NULL;
         END;
+    END IF;
+    -- Checked after making, so a schema another session made first is checked too. The
+    -- schema and every function in it must be owned by a role that may act as this one
+    -- (itself, a superuser, or a member of it): each wrapper runs the function as its
+    -- owner, and whoever owns the schema or a function in it (an overload the call
+    -- could resolve to) could run code with that owner's rights.
+    SELECT string_agg(DISTINCT owner::regrole::text, ', ') INTO untrusted FROM (
+        SELECT nspowner AS owner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}'
+        UNION ALL
+        SELECT p.proowner FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+        WHERE n.nspname = '{SHARED_SCHEMA}'
+    ) AS o WHERE NOT pg_has_role(o.owner, current_user, 'MEMBER');
+    IF untrusted IS NOT NULL THEN
+        RAISE EXCEPTION 'schema {SHARED_SCHEMA} or a function in it is owned by %, a role that may not act as %: shardline will not run its functions (install every shard of a database as the same role)', untrusted, current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NOT has_schema_privilege('public', '{SHARED_SCHEMA}', 'USAGE')
+        AND pg_has_role(current_user, (SELECT nspowner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}'), 'USAGE') THEN
+        GRANT USAGE ON SCHEMA {SHARED_SCHEMA} TO PUBLIC;
     END IF;
 END
 $shardline_minter$;"#,
@@ -381,7 +393,9 @@ DECLARE
 BEGIN
     -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
     SELECT s.last_value INTO v FROM {seq} AS s;
-    v := {catch_up_fn}('{seq}'::regclass, v, '{tag}', {shard}, {seq_bits}, {epoch}, {offset}, {lag}, {last_ticks});
+    -- Every argument typed: the call resolves to exactly the function's signature.
+    v := {catch_up_fn}('{seq}'::regclass, v, '{tag}'::text, {shard}::integer, {seq_bits}::integer,
+        ({epoch})::bigint, ({offset})::bigint, ({lag})::bigint, ({last_ticks})::bigint);
     RETURN {slow_compose};
 END
 $fn$;

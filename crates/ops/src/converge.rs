@@ -345,8 +345,19 @@ pub(crate) async fn run_host(
 ) -> (Done, Option<Error>) {
     // Every run makes the shared catch-up when it is missing (dropped by hand, say), even
     // with no shard to install: each schema's minter calls it.
+    let shared = |client| async move {
+        tokio::time::timeout(inputs.shard_timeout, shared_minter(client, &plan.host, "the host's shards"))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    host: plan.host.clone(),
+                    what: "making the minter's shared catch-up".into(),
+                    after: inputs.shard_timeout,
+                })
+            })
+    };
     if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty())
-        && let Err(e) = shared_minter(client, &plan.host, "the host's shards").await
+        && let Err(e) = shared(client).await
     {
         stop.store(true, Ordering::Relaxed);
         return (Done::default(), Some(e));
