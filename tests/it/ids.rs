@@ -514,3 +514,71 @@ pub(crate) async fn schemas_installed_at_once_share_one_catch_up_and_a_session_s
     assert_eq!(shared, 1, "one shared catch-up");
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_non_superuser_with_a_mixed_case_name_installs_beside_a_temporary_decoy);
+/// The minter's install as a role that is not a superuser, whose name needs quoting
+/// (mixed case, a dot and an `@`, as cloud IAM users are named), on a database it owns:
+/// twice over (idempotent), two schemas, and IDs minted through them. Meanwhile another
+/// role, with no right but to connect, keeps a session open with a temporary sequence
+/// and a `SECURITY DEFINER` `pg_temp.shardline_catch_up()` beside it: that decoy is no
+/// shard's minter, so it does not stop the install from making the shared catch-up.
+pub(crate) async fn a_non_superuser_with_a_mixed_case_name_installs_beside_a_temporary_decoy(
+    ctx: TestContext,
+) -> TestResult {
+    let db = ctx.databases().await?;
+    let admin = ctx.hosts()[0].connect(&db).await?;
+    let (deployer, plain) = ("Shardline.Deploy@test", "shardline_test_plain");
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{deployer}\" LOGIN; CREATE ROLE {plain} LOGIN;
+             ALTER DATABASE \"{db}\" OWNER TO \"{deployer}\";"
+        ))
+        .await?;
+    let decoy = ctx.hosts()[0].connect(&db).await?;
+    decoy
+        .batch_execute(&format!(
+            "SET ROLE {plain};
+             CREATE TEMPORARY SEQUENCE shardline_id_seq;
+             CREATE FUNCTION pg_temp.shardline_catch_up() RETURNS bigint LANGUAGE sql SECURITY DEFINER
+                 AS 'SELECT 1::bigint';"
+        ))
+        .await?;
+    let installer = ctx.hosts()[0].connect(&db).await?;
+    installer.batch_execute(&format!("SET ROLE \"{deployer}\"")).await?;
+    for _ in 0..2 {
+        for shard in [1u32, 2] {
+            let sql = ShardSql::new(L, &format!("shard_{shard:04}"), shard)?;
+            installer
+                .batch_execute(&format!(
+                    "CREATE SCHEMA IF NOT EXISTS {}; {}",
+                    sql.quoted_schema(),
+                    sql.install()
+                ))
+                .await?;
+        }
+    }
+    let made: Vec<Id> =
+        ids(&installer, "SELECT shard_0001.next_id() UNION ALL SELECT shard_0002.next_id()").await?;
+    let now = i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis())?;
+    for (id, shard) in made.iter().zip([1u32, 2]) {
+        let parts = L.decode(*id);
+        assert_eq!(parts.shard, shard, "{id:?}");
+        assert!((now - parts.unix_ms).abs() < 60_000, "{id:?} at {now}");
+    }
+    let owner: String = admin
+        .query_one("SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'shardline_minter'", &[])
+        .await?
+        .get(0);
+    assert_eq!(owner, format!("\"{deployer}\""));
+    decoy
+        .batch_execute("DROP FUNCTION pg_temp.shardline_catch_up(); DROP SEQUENCE pg_temp.shardline_id_seq")
+        .await?;
+    drop((decoy, installer));
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{db}\" OWNER TO postgres; DROP SCHEMA shardline_minter, shard_0001, shard_0002 CASCADE;
+             DROP ROLE {plain}; DROP ROLE \"{deployer}\""
+        ))
+        .await?;
+    Ok(())
+}

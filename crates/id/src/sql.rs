@@ -148,13 +148,27 @@ pub fn host_install() -> String {
         r#"DO $shardline_minter$
 DECLARE
     untrusted text;
+    schema_owner oid;
 BEGIN
+    -- A schema there already: its owner first (to_regprocedure needs USAGE on it). See
+    -- the last check for why.
+    SELECT nspowner INTO schema_owner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}';
+    IF schema_owner IS NOT NULL AND NOT pg_has_role(schema_owner, current_user, 'MEMBER') THEN
+        RAISE EXCEPTION 'schema {SHARED_SCHEMA} is owned by %, a role that may not act as %: shardline will not run its functions (install every shard of a database as the same role)', schema_owner::regrole, current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     IF to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})') IS NULL THEN
-        -- Every schema's SECURITY DEFINER wrapper will run what is made here as the
-        -- wrapper's owner: make it only as a role that may act as each of them.
-        SELECT string_agg(DISTINCT proowner::regrole::text, ', ') INTO untrusted FROM pg_proc
-        WHERE proname = 'shardline_catch_up' AND prosecdef
-            AND NOT pg_has_role(current_user, proowner, 'MEMBER');
+        -- Every shard's SECURITY DEFINER wrapper (beside the shard's sequence, owned by
+        -- the same role; not in a session's temporary schema) will run what is made here
+        -- as its owner: make it only as a role that may act as each of them.
+        SELECT string_agg(DISTINCT p.proowner::regrole::text, ', ') INTO untrusted
+        FROM pg_proc AS p
+        JOIN pg_namespace AS n ON n.oid = p.pronamespace
+        JOIN pg_class AS c ON c.relnamespace = p.pronamespace AND c.relname = 'shardline_id_seq'
+            AND c.relkind = 'S' AND c.relowner = p.proowner
+        WHERE p.proname = 'shardline_catch_up' AND p.prosecdef
+            AND n.nspname !~ '^pg_(toast_)?temp_'
+            AND NOT pg_has_role(current_user, p.proowner, 'MEMBER');
         IF untrusted IS NOT NULL THEN
             RAISE EXCEPTION '{catch_up_fn} is missing, and % may not make it: the minters of role(s) % would run it as their own; run this as one of them (install every shard of a database as the same role)', current_user, untrusted
                 USING ERRCODE = 'insufficient_privilege';
@@ -256,6 +270,16 @@ BEGIN
             -- Another session made them at the same time, and has committed.
             NULL;
         END;
+    END IF;
+    -- The checks below read the catalog in this transaction's snapshot; what another
+    -- session made after it began (found above by name, outside the snapshot) they
+    -- would not see. Refuse rather than pass it unchecked.
+    IF (to_regnamespace('{SHARED_SCHEMA}') IS NOT NULL
+            AND NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}'))
+        OR (to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})') IS NOT NULL
+            AND NOT EXISTS (SELECT FROM pg_proc WHERE oid = to_regprocedure('{catch_up_fn}({CATCH_UP_ARGS})'))) THEN
+        RAISE EXCEPTION 'schema {SHARED_SCHEMA} or {catch_up_fn} was made by another session after this transaction began, and cannot be checked in it: run the install again'
+            USING ERRCODE = 'serialization_failure';
     END IF;
     -- Checked after making, so a schema another session made first is checked too. The
     -- schema and every function in it must be owned by a role that may act as this one
