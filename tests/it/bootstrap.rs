@@ -928,6 +928,60 @@ pub(crate) async fn migrate_on_a_hung_host_fails_in_time_and_completes_later(ctx
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_statement_past_the_shard_timeout_is_cancelled_on_the_server);
+/// A migration whose statement outlives `shard_timeout` (an `ALTER TABLE`, then a 60 s
+/// statement) fails in time, and the server stops running it: within 5 s of `migrate`
+/// failing, no session of the database still runs it or holds a lock on a table. Before
+/// the fix the future was only dropped: the server ran the statement on for its 60 s,
+/// holding the `ALTER TABLE`'s lock, which blocks every read of the table.
+pub(crate) async fn a_statement_past_the_shard_timeout_is_cancelled_on_the_server(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    f.migration("0005_slow.sql", "ALTER TABLE photos ADD COLUMN tags text;\nSELECT pg_sleep(60);\n")?;
+    let o = Options { jobs_per_host: 1, shard_timeout: Duration::from_secs(2), ..Options::default() };
+    let t = Instant::now();
+    let err =
+        shardline_ops::migrate(&config, &o, &quiet).await.expect_err("the statement outlives the timeout");
+    assert!(matches!(&err, OpsError::Timeout { .. }), "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(10), "migrate took {:?} with a 2 s shard timeout", t.elapsed());
+    for host in 0..2 {
+        let c = f.client(&ctx, host).await?;
+        let mut left = (0_i64, 0_i64);
+        for _ in 0..50 {
+            let row = c
+                .query_one(
+                    "SELECT (SELECT count(*) FROM pg_stat_activity
+                             WHERE datname = current_database() AND pid <> pg_backend_pid()
+                               AND query LIKE '%pg_sleep(60)%'),
+                            (SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)
+                             WHERE a.datname = current_database() AND l.pid <> pg_backend_pid()
+                               AND l.locktype = 'relation')",
+                    &[],
+                )
+                .await?;
+            left = (row.get(0), row.get(1));
+            if left == (0, 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            left,
+            (0, 0),
+            "pg{}: (sessions still running the statement, relation locks held) 5 s after",
+            host + 1
+        );
+    }
+    // Nothing of the migration stayed: a re-run without the sleep applies it whole.
+    f.migration("0005_slow.sql", "ALTER TABLE photos ADD COLUMN tags text;\n")?;
+    let report = shardline_ops::migrate(&config, &options(1), &quiet).await?;
+    assert_eq!(report.migrations_applied, 4, "{report:?}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: shards_installed_beside_each_other_do_not_wait_for_the_first);
 /// `init` on fresh hosts installs shards four at a time, each in one transaction with a
 /// slow migration (300 ms) under a 100 ms `lock_timeout`. The catch-up every schema of a

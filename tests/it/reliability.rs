@@ -62,6 +62,83 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_write_that_timed_out_is_cancelled_and_holds_up_no_one);
+/// An insert waits on a lock another session holds on its shard's table past
+/// `host_timeout`: it fails with a timeout, and then
+/// - the next statement on that host, on another shard, answers at once, although the
+///   pool holds one connection (the timed-out one is closed, not handed out again with
+///   the insert still in flight on it: before, the next statement waited behind it and
+///   timed out too);
+/// - the insert is cancelled on the server: it leaves the lock's queue, and when the lock
+///   goes it does not commit after the caller was told it timed out (before, it did);
+/// - in a shard transaction, such a statement ends the transaction (rolled back, and
+///   cancelled on the server too), even when the closure carries on.
+pub(crate) async fn a_write_that_timed_out_is_cancelled_and_holds_up_no_one(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let timeout = Duration::from_millis(800);
+    let o = ClusterOptions { pool_size: 1, host_timeout: timeout, ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    photos.insert(&NewPhoto::numbered(0, 1)).await?;
+    let route = cluster.route_user(0);
+    let host = if route.host.as_str() == "pg1" { 0 } else { 1 };
+    let other = (1..1000)
+        .find(|u| {
+            let r = cluster.route_user(*u);
+            r.host == route.host && r.shard != route.shard
+        })
+        .ok_or("no other shard on the host")?;
+    let side = f.client(&ctx, host).await?;
+    side.batch_execute(&format!(
+        "BEGIN; LOCK TABLE {}.photos IN ACCESS EXCLUSIVE MODE",
+        route.schema.quoted()
+    ))
+    .await?;
+
+    let t = Instant::now();
+    let err = photos.insert(&NewPhoto::numbered(0, 2)).await.unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(t.elapsed() < timeout * 2, "the insert failed after {:?}", t.elapsed());
+    let t = Instant::now();
+    photos.insert(&NewPhoto::numbered(other, 1)).await?;
+    assert!(t.elapsed() < timeout / 2, "the next statement on the host took {:?}", t.elapsed());
+
+    // In a shard transaction, a statement that times out ends the transaction: the
+    // closure swallows the error, and the transaction answers that it rolled back.
+    let outcome = cluster
+        .transaction(route.shard, |tx| {
+            Box::pin(async move {
+                let err = tx.execute("SELECT count(*) FROM photos", &[]).await.unwrap_err();
+                assert!(err.is_timeout(), "{err}");
+                Ok::<_, shardline_repo::Error>(())
+            })
+        })
+        .await;
+    assert!(matches!(outcome, Err(shardline_repo::Error::RolledBack { .. })), "{outcome:?}");
+
+    // The insert and the transaction's statement leave the lock's queue (cancelled),
+    // before the lock goes.
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
+    let mut left = -1_i64;
+    for _ in 0..50 {
+        left = side.query_one(waiting, &[]).await?.get(0);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 0, "a session still waits on the lock 5 s after the timeout");
+    side.batch_execute("COMMIT").await?;
+    let rows: i64 = side
+        .query_one(&format!("SELECT count(*) FROM {}.photos WHERE user_id = 0", route.schema.quoted()), &[])
+        .await?
+        .get(0);
+    assert_eq!(rows, 1, "the insert that timed out committed after all");
+    Ok(())
+}
+
 shardline_testkit::register!(exclusive: with_the_catalog_down_known_routes_work_and_map_changes_are_refused);
 pub(crate) async fn with_the_catalog_down_known_routes_work_and_map_changes_are_refused(
     ctx: TestContext,

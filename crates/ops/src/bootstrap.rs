@@ -186,7 +186,7 @@ fn catalog_err(what: &str, e: &tokio_postgres::Error) -> Error {
     Error::Host { host: "catalog".into(), what: what.into(), sqlstate, message }
 }
 
-/// Connects to every host of the config, in parallel.
+/// Connects to every host of the config, in parallel; the answer is in the config's order.
 ///
 /// # Errors
 ///
@@ -398,23 +398,27 @@ async fn run(
         shard_timeout: options.shard_timeout,
     };
 
-    let plans = futures::future::join_all(hosts.iter().map(|(name, clients)| async {
-        match clients.first() {
-            Some(c) => tokio::time::timeout(options.shard_timeout, converge::plan_host(c, name, &inputs))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(Error::Timeout {
-                        host: name.clone(),
-                        what: "reading what its shards need".into(),
-                        after: options.shard_timeout,
-                    })
-                }),
-            None => Ok(HostPlan { host: name.clone(), work: Vec::new(), shards: Vec::new() }),
-        }
-    }))
-    .await
-    .into_iter()
-    .collect::<Result<Vec<_>>>()?;
+    // `hosts` is in the config's order.
+    let plans =
+        futures::future::join_all(hosts.iter().zip(&config.hosts).map(|((name, clients), h)| async {
+            match clients.first() {
+                Some(c) => {
+                    converge::bounded(
+                        c,
+                        &h.url,
+                        name,
+                        || "reading what its shards need".into(),
+                        options.shard_timeout,
+                        converge::plan_host(c, name, &inputs),
+                    )
+                    .await
+                }
+                None => Ok(HostPlan { host: name.clone(), work: Vec::new(), shards: Vec::new() }),
+            }
+        }))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
     progress(Progress::Planned { shards: plans.iter().map(|p| p.work.len()).sum() });
 
     let stop = AtomicBool::new(false);
@@ -425,12 +429,9 @@ async fn run(
         }
         progress(Progress::ShardDone { host: host.clone(), shard });
     };
-    let outcomes = futures::future::join_all(
-        plans
-            .iter()
-            .zip(&hosts)
-            .map(|(plan, (_, clients))| converge::run_host(plan, clients, &inputs, &stop, &on_done)),
-    )
+    let outcomes = futures::future::join_all(plans.iter().zip(&hosts).zip(&config.hosts).map(
+        |((plan, (_, clients)), h)| converge::run_host(plan, &h.url, clients, &inputs, &stop, &on_done),
+    ))
     .await;
 
     let finished = finished.into_inner().unwrap_or_default();

@@ -20,6 +20,8 @@ use std::time::Duration;
 
 use shardline_id::Layout;
 use shardline_id::sql::ShardSql;
+use shardline_repo::catalog;
+use shardline_router::config::DbUrl;
 use shardline_router::{HostName, LogicalShard, SchemaName, SchemaPrefix, ShardMap};
 use tokio_postgres::Client;
 
@@ -333,11 +335,51 @@ pub(crate) async fn apply_shard(
     })
 }
 
-/// Works through one host's plan with `clients` (one worker each), stopping early
+/// How long [`bounded`] waits for a host to take the cancel of a statement that ran out
+/// of time: a host that answers takes it in milliseconds; one that does not (hung, cut
+/// off) would not run the statement on either.
+const CANCEL_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a host may take to answer what it is asked, at most, as `what`, on `client`
+/// (connected to `url`): past `after`, the statement in flight is cancelled on the
+/// server, and the answer is [`Error::Timeout`]. Dropping the future alone would leave
+/// the server running the statement to its end, and holding its locks (a migration's
+/// `ALTER TABLE` blocks the application's reads of the table) after the operator was
+/// told it had given up.
+pub(crate) async fn bounded<T>(
+    client: &Client,
+    url: &DbUrl,
+    host: &HostName,
+    what: impl FnOnce() -> String,
+    after: Duration,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(after, work).await {
+        Ok(result) => result,
+        Err(_) => {
+            let what = what();
+            let (token, target) = (client.cancel_token(), format!("host {host}"));
+            let cancel = catalog::cancel(&token, url, &target);
+            match tokio::time::timeout(CANCEL_WAIT, cancel).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(%host, %what, error = %e, "timed out, and could not cancel the statement in flight")
+                }
+                Err(_) => {
+                    tracing::warn!(%host, %what, "timed out, and the host took no cancel within {CANCEL_WAIT:?}")
+                }
+            }
+            Err(Error::Timeout { host: host.clone(), what, after })
+        }
+    }
+}
+
+/// Works through one host's plan with `clients` (one worker each, connected to `url`), stopping early
 /// when `stop` is set (by this or another host's failure). Calls `done` after each
 /// shard commits. Returns the shards that committed, and the first error.
 pub(crate) async fn run_host(
     plan: &HostPlan,
+    url: &DbUrl,
     clients: &[Client],
     inputs: &Inputs<'_>,
     stop: &AtomicBool,
@@ -346,15 +388,15 @@ pub(crate) async fn run_host(
     // Every run makes the shared catch-up when it is missing (dropped by hand, say), even
     // with no shard to install: each schema's minter calls it.
     let shared = |client| async move {
-        tokio::time::timeout(inputs.shard_timeout, shared_minter(client, &plan.host, "the host's shards"))
-            .await
-            .unwrap_or_else(|_| {
-                Err(Error::Timeout {
-                    host: plan.host.clone(),
-                    what: "making the minter's shared catch-up".into(),
-                    after: inputs.shard_timeout,
-                })
-            })
+        bounded(
+            client,
+            url,
+            &plan.host,
+            || "making the minter's shared catch-up".into(),
+            inputs.shard_timeout,
+            shared_minter(client, &plan.host, "the host's shards"),
+        )
+        .await
     };
     if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty())
         && let Err(e) = shared(client).await
@@ -368,16 +410,15 @@ pub(crate) async fn run_host(
     let workers = clients.iter().map(|client| async {
         while !stop.load(Ordering::Relaxed) {
             let Some(w) = next() else { break };
-            let applied =
-                tokio::time::timeout(inputs.shard_timeout, apply_shard(client, &plan.host, w, inputs))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(Error::Timeout {
-                            host: plan.host.clone(),
-                            what: format!("shard {}'s transaction (whole or not at all)", w.shard),
-                            after: inputs.shard_timeout,
-                        })
-                    });
+            let applied = bounded(
+                client,
+                url,
+                &plan.host,
+                || format!("shard {}'s transaction (whole or not at all)", w.shard),
+                inputs.shard_timeout,
+                apply_shard(client, &plan.host, w, inputs),
+            )
+            .await;
             if let Err(e) = applied {
                 stop.store(true, Ordering::Relaxed);
                 return Some(e);

@@ -208,6 +208,25 @@ pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
     Ok(client)
 }
 
+/// Asks the server `url` points at to cancel the statement in flight on the connection
+/// `token` came from (`Client::cancel_token`), on a
+/// connection of its own, at most as long as a connection's start-up may take. Dropping
+/// a query's future does not: the server runs the statement to its end and keeps its
+/// locks until then. Use it when giving up on a statement; the cancel reaches only what
+/// is running when it arrives.
+///
+/// # Errors
+///
+/// As [`connect`]: the cancel request could not be sent in time.
+pub async fn cancel(token: &tokio_postgres::CancelToken, url: &DbUrl, target: &str) -> Result<()> {
+    let (config, tls) = crate::tls::prepare(url, target)?;
+    let after = startup_budget(&with_defaults(config));
+    tokio::time::timeout(after, token.cancel_query(tls))
+        .await
+        .map_err(|_| Error::ConnectTimeout { target: target.to_owned(), after })?
+        .map_err(|source| connect_error(target, source))
+}
+
 /// The driver's configuration for `url`, with shardline's defaults: a connect timeout
 /// of [`DEFAULT_CONNECT_TIMEOUT`] and `application_name = shardline`, unless the URL
 /// sets them.

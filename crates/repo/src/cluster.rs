@@ -11,6 +11,7 @@
 //! reloads it and, if the shard now lives elsewhere, runs once more there.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -486,11 +487,18 @@ impl Cluster {
     /// within `after`. Running out of time before a connection was had is
     /// [`Error::Pool`] with `timed_out` (nothing was sent); after, [`Error::Timeout`] (a
     /// statement may have been sent). The one place a routed statement is timed.
+    ///
+    /// Past the deadline the work is dropped, its connection is closed rather than
+    /// returned to the pool ([`Lent`]), and the statement in flight on it is cancelled on
+    /// the server (in the background: the caller does not wait for it). Otherwise the
+    /// server would run that statement to its end (a write waiting on a lock would still
+    /// commit once it got it, after the caller was told it timed out), and whoever took
+    /// the connection next would wait behind it.
     pub(crate) async fn on_host<T, Fut>(
         &self,
         host: &HostName,
         after: Duration,
-        work: impl FnOnce(Object) -> Fut,
+        work: impl FnOnce(Lent) -> Fut,
     ) -> Result<T>
     where
         Fut: std::future::Future<Output = Result<T>>,
@@ -506,9 +514,34 @@ impl Cluster {
                 });
             }
         };
-        tokio::time::timeout_at(deadline, work(client))
-            .await
-            .map_err(|_| Error::Timeout { host: host.clone(), after })?
+        let token = client.cancel_token();
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let lent = Lent { object: Some(client), abandoned: Arc::clone(&abandoned) };
+        let mut work = std::pin::pin!(tokio::time::timeout_at(deadline, work(lent)));
+        match work.as_mut().await {
+            Ok(result) => result,
+            Err(_) => {
+                // Set before the work (and the connection with it) is dropped, at the end
+                // of this scope.
+                abandoned.store(true, Ordering::Release);
+                self.cancel_abandoned(host, token);
+                Err(Error::Timeout { host: host.clone(), after })
+            }
+        }
+    }
+
+    /// Cancels on the server, in the background, the statement in flight on a connection
+    /// to `host` that `token` came from, given up on and closed by its caller. Only for a
+    /// connection no one uses any more: the cancel reaches whatever the connection's
+    /// server session runs when it arrives.
+    pub(crate) fn cancel_abandoned(&self, host: &HostName, token: tokio_postgres::CancelToken) {
+        let Ok(pool) = self.host_pool(host) else { return };
+        let (host, url) = (host.clone(), pool.url);
+        tokio::spawn(async move {
+            if let Err(e) = catalog::cancel(&token, &url, &format!("host {host}")).await {
+                tracing::debug!(%host, error = %e, "could not cancel a statement that ran out of time");
+            }
+        });
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -683,6 +716,51 @@ fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, HostPool>) -> Result<()
         }
     }
     Ok(())
+}
+
+/// A pooled connection lent to one piece of routed work by [`Cluster::on_host`]. Dropped
+/// after the work ran out of time, it is closed rather than returned to the pool: a
+/// statement still in flight on it would hold up whoever took it next (a connection
+/// answers its statements in order), and `on_host` cancels that statement on the server,
+/// which is only safe on a connection no one else will use.
+#[derive(Debug)]
+pub(crate) struct Lent {
+    object: Option<Object>,
+    abandoned: Arc<AtomicBool>,
+}
+
+impl Lent {
+    /// The connection itself, for work that keeps it to the end of a transaction and
+    /// closes it when dropped unfinished ([`crate::shard::Pinned`]).
+    pub(crate) fn keep(mut self) -> Object {
+        match self.object.take() {
+            Some(object) => object,
+            // Taken out only here (which consumes the `Lent`) and in `drop`.
+            None => unreachable!("a lent connection is kept twice"),
+        }
+    }
+}
+
+impl std::ops::Deref for Lent {
+    type Target = Object;
+
+    fn deref(&self) -> &Object {
+        match self.object.as_ref() {
+            Some(object) => object,
+            // Only `keep` (which consumes the `Lent`) and `drop` take it out.
+            None => unreachable!("a lent connection is used after it was kept"),
+        }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.take()
+            && self.abandoned.load(Ordering::Acquire)
+        {
+            drop(Object::take(object));
+        }
+    }
 }
 
 /// A pool for `name` at `url`, sized and timed as `options` say (connections open on

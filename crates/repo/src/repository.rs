@@ -650,8 +650,8 @@ impl<E: Entity> Repo<E> {
             }
         }
         let chunks = &chunks;
-        let work = |client| async move {
-            let tx = Pinned::new(client);
+        let work = |client: crate::cluster::Lent| async move {
+            let tx = Pinned::new(client.keep());
             let client = tx.client()?;
             client.batch_execute("BEGIN").await.map_err(|e| Error::host(host, None, "insert many", e))?;
             let mut out = Vec::with_capacity(new.len().min(1 << 16));
@@ -789,7 +789,7 @@ impl<E: Entity> Repo<E> {
                     // A statement per `fan_out_batch` shards, all sent at once on one
                     // connection: each is its own implicit transaction, so the locks it
                     // takes are released as it ends (see `ClusterOptions::fan_out_batch`).
-                    let work = |client: deadpool_postgres::Object| async move {
+                    let work = |client: crate::cluster::Lent| async move {
                         let first =
                             names.first().copied().ok_or(Error::Empty { what: "get many (no schema)" })?;
                         let select = self.across_select(&client, host_ref, first).await?;
@@ -1039,7 +1039,7 @@ impl<E: Entity> Repo<E> {
                 // A statement per `fan_out_batch` shards, all sent at once on one
                 // connection: each is its own implicit transaction, so the locks it takes
                 // are released as it ends (see `ClusterOptions::fan_out_batch`).
-                let work = |client: deadpool_postgres::Object| async move {
+                let work = |client: crate::cluster::Lent| async move {
                     let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
                     let select = self.across_select(&client, host_ref, first).await?;
                     // With a statement cache (direct connections only), each batch's

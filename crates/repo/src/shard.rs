@@ -88,6 +88,8 @@ pub struct ShardTx<'env> {
     route: Route,
     timeout: Duration,
     moved: bool,
+    /// A statement ran out of time: the transaction is over (see `after`).
+    abandoned: bool,
 }
 
 impl ShardTx<'_> {
@@ -151,10 +153,35 @@ impl ShardTx<'_> {
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
+        if self.abandoned {
+            return Err(Error::RolledBack { host: self.route.host.clone(), shard: self.route.shard });
+        }
         self.client
             .as_ref()
             .ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })?
             .client()
+    }
+
+    /// Notes what a statement's outcome means for the transaction. One that ran out of
+    /// time ends it: its connection is closed (the server rolls the transaction back) and
+    /// the statement is cancelled on the server, so it neither runs on holding its locks
+    /// nor holds up the statements sent after it. Later statements, and `COMMIT`, get
+    /// [`Error::RolledBack`].
+    fn after<T>(&mut self, result: &Result<T>) {
+        match result {
+            Err(e) if e.is_moved() => self.moved = true,
+            Err(Error::Timeout { .. }) => {
+                self.abandoned = true;
+                if let Some(pinned) = self.client.take() {
+                    let token = pinned.client().ok().map(|c| c.cancel_token());
+                    drop(pinned);
+                    if let Some(token) = token {
+                        self.cluster.cancel_abandoned(&self.route.host, token);
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -204,9 +231,7 @@ impl ShardTx<'_> {
             }
         };
         let result = within(&route.host, self.timeout, work).await;
-        if matches!(&result, Err(e) if e.is_moved()) {
-            self.moved = true;
-        }
+        self.after(&result);
         result
     }
 
@@ -230,9 +255,7 @@ impl ShardTx<'_> {
             Ok(rows)
         };
         let result = within(&route.host, self.timeout, work).await;
-        if matches!(&result, Err(e) if e.is_moved()) {
-            self.moved = true;
-        }
+        self.after(&result);
         result
     }
 
@@ -366,7 +389,14 @@ impl Cluster {
                 Failed::new(Er::from(e), moved, [shard])
             })?);
             let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
-            let mut tx = ShardTx { client: Some(client), cluster: self, route, timeout, moved: false };
+            let mut tx = ShardTx {
+                client: Some(client),
+                cluster: self,
+                route,
+                timeout,
+                moved: false,
+                abandoned: false,
+            };
             let (host, c) = (&tx.route.host, tx.client()?);
             within(host, timeout, async {
                 c.batch_execute(&begin).await.map_err(|e| Error::host(host, Some(shard), "begin", e))
