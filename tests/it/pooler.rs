@@ -296,6 +296,20 @@ pub(crate) async fn behind_a_transaction_pooler_a_schema_type_is_refused_clearly
     Ok(())
 }
 
+shardline_testkit::register!(shared: behind_pgbouncer_a_statement_that_timed_out_is_cancelled);
+/// `reliability::a_write_that_timed_out_is_cancelled_and_holds_up_no_one` with pg1
+/// behind PgBouncer in transaction mode: the cancel of a statement that ran out of time
+/// goes through the pooler, which passes it on only while the client that sent the
+/// statement is still connected (so shardline closes that connection after the cancel,
+/// not before). The insert that timed out leaves the lock's queue and never commits.
+pub(crate) async fn behind_pgbouncer_a_statement_that_timed_out_is_cancelled(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let bouncer = Pgbouncer::start(&ctx.hosts()[0], PoolMode::Transaction, 4).await?;
+    let text = format!("transaction_pooler = true\n{}", through(&f, &ctx, &bouncer)?);
+    crate::reliability::timed_out_statements_are_cancelled(&f, &ctx, &text).await
+}
+
 shardline_testkit::register!(shared: a_notification_lost_in_a_pooler_is_caught_by_the_map_check);
 /// The catalog's `LISTEN` through a transaction-mode pooler succeeds and receives
 /// nothing; the map check finds the change within `map_check` and reloads.

@@ -76,20 +76,31 @@ shardline_testkit::register!(shared: a_write_that_timed_out_is_cancelled_and_hol
 pub(crate) async fn a_write_that_timed_out_is_cancelled_and_holds_up_no_one(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    timed_out_statements_are_cancelled(&f, &ctx, &f.config_text()?).await
+}
+
+/// The body of [`a_write_that_timed_out_is_cancelled_and_holds_up_no_one`], with the
+/// cluster's config `text` (pg1 direct, or through a pooler): on pg1.
+pub(crate) async fn timed_out_statements_are_cancelled(
+    f: &Fixture,
+    ctx: &TestContext,
+    text: &str,
+) -> TestResult {
     let timeout = Duration::from_millis(800);
     let o = ClusterOptions { pool_size: 1, host_timeout: timeout, ..ClusterOptions::default() };
-    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let cluster = Cluster::connect(&f.config_from(text)?, o).await?;
     let photos = cluster.repo::<Photo>()?;
-    photos.insert(&NewPhoto::numbered(0, 1)).await?;
-    let route = cluster.route_user(0);
-    let host = if route.host.as_str() == "pg1" { 0 } else { 1 };
-    let other = (1..1000)
-        .find(|u| {
+    let on_pg1 = |skip: Option<shardline_router::LogicalShard>| {
+        (0..1000).find(|u| {
             let r = cluster.route_user(*u);
-            r.host == route.host && r.shard != route.shard
+            r.host.as_str() == "pg1" && Some(r.shard) != skip
         })
-        .ok_or("no other shard on the host")?;
-    let side = f.client(&ctx, host).await?;
+    };
+    let user = on_pg1(None).ok_or("no shard on pg1")?;
+    let route = cluster.route_user(user);
+    let other = on_pg1(Some(route.shard)).ok_or("no other shard on pg1")?;
+    photos.insert(&NewPhoto::numbered(user, 1)).await?;
+    let side = f.client(ctx, 0).await?;
     side.batch_execute(&format!(
         "BEGIN; LOCK TABLE {}.photos IN ACCESS EXCLUSIVE MODE",
         route.schema.quoted()
@@ -97,7 +108,7 @@ pub(crate) async fn a_write_that_timed_out_is_cancelled_and_holds_up_no_one(ctx:
     .await?;
 
     let t = Instant::now();
-    let err = photos.insert(&NewPhoto::numbered(0, 2)).await.unwrap_err();
+    let err = photos.insert(&NewPhoto::numbered(user, 2)).await.unwrap_err();
     assert!(err.is_timeout(), "{err}");
     assert!(t.elapsed() < timeout * 2, "the insert failed after {:?}", t.elapsed());
     let t = Instant::now();
@@ -132,7 +143,10 @@ pub(crate) async fn a_write_that_timed_out_is_cancelled_and_holds_up_no_one(ctx:
     assert_eq!(left, 0, "a session still waits on the lock 5 s after the timeout");
     side.batch_execute("COMMIT").await?;
     let rows: i64 = side
-        .query_one(&format!("SELECT count(*) FROM {}.photos WHERE user_id = 0", route.schema.quoted()), &[])
+        .query_one(
+            &format!("SELECT count(*) FROM {}.photos WHERE user_id = $1", route.schema.quoted()),
+            &[&user],
+        )
         .await?
         .get(0);
     assert_eq!(rows, 1, "the insert that timed out committed after all");
@@ -528,6 +542,25 @@ pub(crate) async fn tls_only_hosts_work_verified_and_bad_certificates_are_refuse
         assert!(pool.query_one(encrypted, &[]).await?.get::<_, bool>(0), "pg3's pool is encrypted");
         let catalog = connect(&config.catalog, "catalog").await?;
         assert!(catalog.query_one(encrypted, &[]).await?.get::<_, bool>(0), "the catalog is encrypted");
+        // The cancel of a statement that ran out of time crosses verified TLS too.
+        let pg3_config = &config.hosts[2].url;
+        let sleeper = connect(pg3_config, "host pg3").await?;
+        let token = sleeper.cancel_token();
+        let sleeping = tokio::spawn(async move { sleeper.simple_query("SELECT pg_sleep(30)").await.map(|_| ()) });
+        let mut started = false;
+        for _ in 0..100 {
+            let active = "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' AND state = 'active'";
+            started = pool.query_one(active, &[]).await?.get::<_, i64>(0) == 1;
+            if started {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(started, "the statement to cancel never started");
+        shardline_repo::catalog::cancel(&token, pg3_config, "host pg3").await?;
+        let ended = tokio::time::timeout(Duration::from_secs(5), sleeping).await??;
+        let code = ended.err().and_then(|e| e.code().cloned());
+        assert_eq!(code, Some(tokio_postgres::error::SqlState::QUERY_CANCELED), "cancelled over TLS");
         // Moves off and onto the TLS-only host: replication crosses TLS too.
         let off =
             shardline_ops::moves::run(&config, crate::shard(4), &crate::host("pg2"), &MoveOptions::default())

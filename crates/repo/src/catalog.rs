@@ -209,22 +209,121 @@ pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
 }
 
 /// Asks the server `url` points at to cancel the statement in flight on the connection
-/// `token` came from (`Client::cancel_token`), on a
-/// connection of its own, at most as long as a connection's start-up may take. Dropping
-/// a query's future does not: the server runs the statement to its end and keeps its
-/// locks until then. Use it when giving up on a statement; the cancel reaches only what
-/// is running when it arrives.
+/// `token` came from (`Client::cancel_token`), on a connection of its own, at most as
+/// long as a connection's start-up may take. Dropping a query's future does not: the
+/// server runs the statement to its end and keeps its locks until then. Use it when
+/// giving up on a statement; the cancel reaches only what is running when it arrives.
+///
+/// It waits for the server to close the cancel's connection, as libpq does: PgBouncer
+/// passes a cancel on only while the connection that sent it is open, and
+/// tokio-postgres's own `cancel_query` closes it as soon as the request is written (so
+/// through PgBouncer 1.18 it cancelled nothing). The request goes to each of the URL's
+/// hosts in turn until one takes it; a server the connection is not on ignores it.
 ///
 /// # Errors
 ///
 /// As [`connect`]: the cancel request could not be sent in time.
 pub async fn cancel(token: &tokio_postgres::CancelToken, url: &DbUrl, target: &str) -> Result<()> {
-    let (config, tls) = crate::tls::prepare(url, target)?;
-    let after = startup_budget(&with_defaults(config));
-    tokio::time::timeout(after, token.cancel_query(tls))
+    use tokio_postgres::config::Host;
+    use tokio_postgres::tls::MakeTlsConnect;
+    let (config, mut tls) = crate::tls::prepare(url, target)?;
+    let config = with_defaults(config);
+    let after = startup_budget(&config);
+    let failed = |message: String| Error::Cancel { target: target.to_owned(), message };
+    let ports = config.get_ports();
+    let send = async {
+        let mut last = failed("the URL names no host".into());
+        for (i, host) in config.get_hosts().iter().enumerate() {
+            let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
+            let sent = match host {
+                Host::Tcp(name) => match tokio::net::TcpStream::connect((name.as_str(), port)).await {
+                    Ok(socket) => {
+                        match MakeTlsConnect::<UntilClosed<tokio::net::TcpStream>>::make_tls_connect(
+                            &mut tls, name,
+                        ) {
+                            Ok(connector) => token.cancel_query_raw(UntilClosed(socket), connector).await,
+                            Err(e) => return Err(failed(format!("TLS: {e}"))),
+                        }
+                    }
+                    Err(e) => {
+                        last = failed(e.to_string());
+                        continue;
+                    }
+                },
+                // No TLS over a Unix socket (Postgres refuses it there).
+                Host::Unix(dir) => {
+                    match tokio::net::UnixStream::connect(dir.join(format!(".s.PGSQL.{port}"))).await {
+                        Ok(socket) => {
+                            token.cancel_query_raw(UntilClosed(socket), tokio_postgres::NoTls).await
+                        }
+                        Err(e) => {
+                            last = failed(e.to_string());
+                            continue;
+                        }
+                    }
+                }
+            };
+            match sent {
+                Ok(()) => return Ok(()),
+                Err(e) => last = failed(crate::error_chain(&e)),
+            }
+        }
+        Err(last)
+    };
+    tokio::time::timeout(after, send)
         .await
         .map_err(|_| Error::ConnectTimeout { target: target.to_owned(), after })?
-        .map_err(|source| connect_error(target, source))
+}
+
+/// A socket whose shutdown waits for the other side to close it (reading and dropping
+/// what comes) instead of closing it: what [`cancel`] gives tokio-postgres, which shuts
+/// the socket down right after writing the cancel request.
+struct UntilClosed<S>(S);
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for UntilClosed<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for UntilClosed<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let mut scratch = [0_u8; 256];
+        loop {
+            let mut buf = tokio::io::ReadBuf::new(&mut scratch);
+            match std::pin::Pin::new(&mut self.0).poll_read(cx, &mut buf) {
+                // Closed by the server: it has acted on the request.
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => {}
+                // Reset: closed as well.
+                Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
 }
 
 /// The driver's configuration for `url`, with shardline's defaults: a connect timeout

@@ -11,8 +11,7 @@
 //! reloads it and, if the shard now lives elsewhere, runs once more there.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -514,8 +513,7 @@ impl Cluster {
                 });
             }
         };
-        let token = client.cancel_token();
-        let abandoned = Arc::new(AtomicBool::new(false));
+        let abandoned = Arc::new(OnceLock::new());
         let lent = Lent { object: Some(client), abandoned: Arc::clone(&abandoned) };
         let mut work = std::pin::pin!(tokio::time::timeout_at(deadline, work(lent)));
         match work.as_mut().await {
@@ -523,25 +521,20 @@ impl Cluster {
             Err(_) => {
                 // Set before the work (and the connection with it) is dropped, at the end
                 // of this scope.
-                abandoned.store(true, Ordering::Release);
-                self.cancel_abandoned(host, token);
+                let _ = abandoned.set(self.cancel_to(host));
                 Err(Error::Timeout { host: host.clone(), after })
             }
         }
     }
 
-    /// Cancels on the server, in the background, the statement in flight on a connection
-    /// to `host` that `token` came from, given up on and closed by its caller. Only for a
-    /// connection no one uses any more: the cancel reaches whatever the connection's
-    /// server session runs when it arrives.
-    pub(crate) fn cancel_abandoned(&self, host: &HostName, token: tokio_postgres::CancelToken) {
-        let Ok(pool) = self.host_pool(host) else { return };
-        let (host, url) = (host.clone(), pool.url);
-        tokio::spawn(async move {
-            if let Err(e) = catalog::cancel(&token, &url, &format!("host {host}")).await {
-                tracing::debug!(%host, error = %e, "could not cancel a statement that ran out of time");
-            }
-        });
+    /// Where to send the cancel of a statement on `host` (none when the host has no pool
+    /// any more: its connections close, and that is all).
+    pub(crate) fn cancel_to(&self, host: &HostName) -> Option<CancelTo> {
+        self.host_pool(host).ok().map(|pool| CancelTo {
+            host: host.clone(),
+            url: pool.url,
+            wait: self.inner.options.host_timeout,
+        })
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -726,7 +719,8 @@ fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, HostPool>) -> Result<()
 #[derive(Debug)]
 pub(crate) struct Lent {
     object: Option<Object>,
-    abandoned: Arc<AtomicBool>,
+    /// Set when the work ran out of time: where to send the cancel.
+    abandoned: Arc<OnceLock<Option<CancelTo>>>,
 }
 
 impl Lent {
@@ -755,12 +749,54 @@ impl std::ops::Deref for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if let Some(object) = self.object.take()
-            && self.abandoned.load(Ordering::Acquire)
-        {
-            drop(Object::take(object));
+        if let (Some(object), Some(to)) = (self.object.take(), self.abandoned.get()) {
+            let client = Object::take(object);
+            let token = client.cancel_token();
+            cancel_then_close(to.clone(), token, move |wait| async move {
+                // Answered once the statement in flight has ended (the connection answers
+                // in order): cancelled, or finished just before.
+                let _ = tokio::time::timeout(wait, client.batch_execute("")).await;
+            });
         }
     }
+}
+
+/// Where [`cancel_then_close`] sends a cancel: the host, the URL its pool connects to,
+/// and how long to wait for the cancelled statement to end.
+#[derive(Debug, Clone)]
+pub(crate) struct CancelTo {
+    host: HostName,
+    url: shardline_router::config::DbUrl,
+    wait: Duration,
+}
+
+/// Cancels on the server the statement in flight on a connection given up on (which
+/// `token` came from), then runs `close`, which owns the connection: it waits (at most
+/// the time it is given) for the statement to end, then drops the connection. In the
+/// background, so the caller that gave up does not wait. Only for a connection no one
+/// else will use: the cancel reaches whatever its session runs when it arrives. The
+/// connection stays open until the statement ended, because a transaction-mode pooler
+/// passes a cancel on only while the client that sent the statement is connected (and
+/// answers the cancel request before it has). Without a destination (`None`), or outside
+/// a runtime, the connection is dropped at once.
+pub(crate) fn cancel_then_close<F, Fut>(to: Option<CancelTo>, token: tokio_postgres::CancelToken, close: F)
+where
+    F: FnOnce(Duration) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (Some(to), Ok(runtime)) = (to, tokio::runtime::Handle::try_current()) else {
+        return drop(close);
+    };
+    runtime.spawn(async move {
+        let target = format!("host {}", to.host);
+        match catalog::cancel(&token, &to.url, &target).await {
+            Ok(()) => close(to.wait).await,
+            Err(e) => {
+                tracing::debug!(host = %to.host, error = %e, "could not cancel a statement that ran out of time");
+                drop(close);
+            }
+        }
+    });
 }
 
 /// A pool for `name` at `url`, sized and timed as `options` say (connections open on

@@ -136,6 +136,15 @@ pub enum Error {
         /// The connect timeout.
         after: std::time::Duration,
     },
+    /// The cancel of a statement that ran out of time could not be sent (the statement
+    /// may run on).
+    #[error("{target}: the cancel request could not be sent: {message}")]
+    Cancel {
+        /// Where it was sent: `host pg1`.
+        target: String,
+        /// Why, as the socket, TLS or driver said it.
+        message: String,
+    },
     /// A statement on the catalog failed.
     #[error("catalog: {what} failed (SQLSTATE {})", msg::sqlstate(sqlstate))]
     Catalog {

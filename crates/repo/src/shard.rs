@@ -40,7 +40,7 @@ use shardline_router::{HostName, LogicalShard, Route, SchemaName};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use crate::cluster::{Cluster, Failed};
+use crate::cluster::{self, Cluster, Failed};
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
@@ -173,10 +173,17 @@ impl ShardTx<'_> {
             Err(Error::Timeout { .. }) => {
                 self.abandoned = true;
                 if let Some(pinned) = self.client.take() {
-                    let token = pinned.client().ok().map(|c| c.cancel_token());
-                    drop(pinned);
-                    if let Some(token) = token {
-                        self.cluster.cancel_abandoned(&self.route.host, token);
+                    // Not released: the connection closes once the statement ended.
+                    match pinned.client().map(|c| c.cancel_token()) {
+                        Ok(token) => {
+                            let to = self.cluster.cancel_to(&self.route.host);
+                            cluster::cancel_then_close(to, token, move |wait| async move {
+                                if let Ok(client) = pinned.client() {
+                                    let _ = tokio::time::timeout(wait, client.batch_execute("")).await;
+                                }
+                            });
+                        }
+                        Err(_) => drop(pinned),
                     }
                 }
             }
