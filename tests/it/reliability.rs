@@ -65,12 +65,14 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
 shardline_testkit::register!(shared: a_write_that_timed_out_is_cancelled_and_holds_up_no_one);
 /// An insert waits on a lock another session holds on its shard's table past
 /// `host_timeout`: it fails with a timeout, and then
-/// - the next statement on that host, on another shard, answers at once, although the
-///   pool holds one connection (the timed-out one is closed, not handed out again with
-///   the insert still in flight on it: before, the next statement waited behind it and
+/// - the next statement on that host, on another shard, answers within the timeout,
+///   although the pool holds one connection (the timed-out one is handed out again only
+///   once its insert was cancelled: before, the next statement waited behind it and
 ///   timed out too);
 /// - the insert is cancelled on the server: it leaves the lock's queue, and when the lock
 ///   goes it does not commit after the caller was told it timed out (before, it did);
+/// - the same for a batch (`insert_many`), and for an insert whose caller stops waiting
+///   (drops the future) before any timeout;
 /// - in a shard transaction, such a statement ends the transaction (rolled back, and
 ///   cancelled on the server too), even when the closure carries on.
 pub(crate) async fn a_write_that_timed_out_is_cancelled_and_holds_up_no_one(ctx: TestContext) -> TestResult {
@@ -113,7 +115,17 @@ pub(crate) async fn timed_out_statements_are_cancelled(
     assert!(t.elapsed() < timeout * 2, "the insert failed after {:?}", t.elapsed());
     let t = Instant::now();
     photos.insert(&NewPhoto::numbered(other, 1)).await?;
-    assert!(t.elapsed() < timeout / 2, "the next statement on the host took {:?}", t.elapsed());
+    assert!(t.elapsed() < timeout, "the next statement on the host took {:?}", t.elapsed());
+    // A batch the same way.
+    let err = photos.insert_many(&[NewPhoto::numbered(user, 3)]).await.unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    // An insert whose caller stops waiting (drops the future) before any timeout.
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(200), photos.insert(&NewPhoto::numbered(user, 4))).await;
+    assert!(dropped.is_err(), "the insert should still wait on the lock");
+    let t = Instant::now();
+    photos.insert(&NewPhoto::numbered(other, 2)).await?;
+    assert!(t.elapsed() < timeout, "after a dropped caller, the next statement took {:?}", t.elapsed());
 
     // In a shard transaction, a statement that times out ends the transaction: the
     // closure swallows the error, and the transaction answers that it rolled back.
@@ -128,8 +140,8 @@ pub(crate) async fn timed_out_statements_are_cancelled(
         .await;
     assert!(matches!(outcome, Err(shardline_repo::Error::RolledBack { .. })), "{outcome:?}");
 
-    // The insert and the transaction's statement leave the lock's queue (cancelled),
-    // before the lock goes.
+    // The inserts, the batch and the transaction's statement all leave the lock's queue
+    // (cancelled), before the lock goes.
     let waiting = "SELECT count(*) FROM pg_stat_activity
                    WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
     let mut left = -1_i64;
@@ -149,7 +161,7 @@ pub(crate) async fn timed_out_statements_are_cancelled(
         )
         .await?
         .get(0);
-    assert_eq!(rows, 1, "the insert that timed out committed after all");
+    assert_eq!(rows, 1, "an insert given up on committed after all");
     Ok(())
 }
 

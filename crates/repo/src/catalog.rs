@@ -209,70 +209,78 @@ pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
 }
 
 /// Asks the server `url` points at to cancel the statement in flight on the connection
-/// `token` came from (`Client::cancel_token`), on a connection of its own, at most as
-/// long as a connection's start-up may take. Dropping a query's future does not: the
-/// server runs the statement to its end and keeps its locks until then. Use it when
-/// giving up on a statement; the cancel reaches only what is running when it arrives.
+/// `token` came from (`Client::cancel_token`), on a connection of its own. Dropping a
+/// query's future does not: the server runs the statement to its end and keeps its
+/// locks until then. Use it when giving up on a statement; the cancel reaches whatever
+/// the session runs when it arrives, so only on a connection no one else uses.
 ///
 /// It waits for the server to close the cancel's connection, as libpq does: PgBouncer
-/// passes a cancel on only while the connection that sent it is open, and
-/// tokio-postgres's own `cancel_query` closes it as soon as the request is written (so
-/// through PgBouncer 1.18 it cancelled nothing). The request goes to each of the URL's
-/// hosts in turn until one takes it; a server the connection is not on ignores it.
+/// (1.18 and later) passes a cancel on only while the connection that sent it is open,
+/// and tokio-postgres's own `cancel_query` closes it as soon as the request is written
+/// (through PgBouncer 1.18 it cancelled nothing). The request goes to every host the URL
+/// names at once (its `hostaddr` when given), each within the connect timeout: a server
+/// the connection is not on ignores it.
 ///
 /// # Errors
 ///
-/// As [`connect`]: the cancel request could not be sent in time.
+/// [`Error::Cancel`] when no host took the request.
 pub async fn cancel(token: &tokio_postgres::CancelToken, url: &DbUrl, target: &str) -> Result<()> {
-    use tokio_postgres::config::Host;
-    use tokio_postgres::tls::MakeTlsConnect;
-    let (config, mut tls) = crate::tls::prepare(url, target)?;
+    let (config, tls) = crate::tls::prepare(url, target)?;
     let config = with_defaults(config);
-    let after = startup_budget(&config);
+    let each = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let failed = |message: String| Error::Cancel { target: target.to_owned(), message };
     let ports = config.get_ports();
-    let send = async {
-        let mut last = failed("the URL names no host".into());
-        for (i, host) in config.get_hosts().iter().enumerate() {
-            let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
-            let sent = match host {
-                Host::Tcp(name) => match tokio::net::TcpStream::connect((name.as_str(), port)).await {
-                    Ok(socket) => {
-                        match MakeTlsConnect::<UntilClosed<tokio::net::TcpStream>>::make_tls_connect(
-                            &mut tls, name,
-                        ) {
-                            Ok(connector) => token.cancel_query_raw(UntilClosed(socket), connector).await,
-                            Err(e) => return Err(failed(format!("TLS: {e}"))),
-                        }
-                    }
-                    Err(e) => {
-                        last = failed(e.to_string());
-                        continue;
-                    }
-                },
-                // No TLS over a Unix socket (Postgres refuses it there).
-                Host::Unix(dir) => {
-                    match tokio::net::UnixStream::connect(dir.join(format!(".s.PGSQL.{port}"))).await {
-                        Ok(socket) => {
-                            token.cancel_query_raw(UntilClosed(socket), tokio_postgres::NoTls).await
-                        }
-                        Err(e) => {
-                            last = failed(e.to_string());
-                            continue;
-                        }
-                    }
-                }
-            };
-            match sent {
-                Ok(()) => return Ok(()),
-                Err(e) => last = failed(crate::error_chain(&e)),
-            }
+    let addrs = config.get_hostaddrs();
+    let sends = config.get_hosts().iter().enumerate().map(|(i, host)| {
+        let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
+        let addr = addrs.get(i).copied();
+        let tls = tls.clone();
+        async move {
+            let sent = tokio::time::timeout(each, send_cancel(token, host, addr, port, tls)).await;
+            sent.unwrap_or_else(|_| Err(format!("no answer within {each:?}")))
         }
-        Err(last)
-    };
-    tokio::time::timeout(after, send)
-        .await
-        .map_err(|_| Error::ConnectTimeout { target: target.to_owned(), after })?
+    });
+    let outcomes = futures::future::join_all(sends).await;
+    if outcomes.iter().any(Result::is_ok) {
+        return Ok(());
+    }
+    let why: Vec<String> = outcomes.into_iter().filter_map(Result::err).collect();
+    Err(failed(if why.is_empty() { "the URL names no host".into() } else { why.join("; ") }))
+}
+
+/// One cancel request to one host (see [`cancel`]).
+async fn send_cancel(
+    token: &tokio_postgres::CancelToken,
+    host: &tokio_postgres::config::Host,
+    addr: Option<std::net::IpAddr>,
+    port: u16,
+    mut tls: tokio_postgres_rustls::MakeRustlsConnect,
+) -> std::result::Result<(), String> {
+    use tokio_postgres::config::Host;
+    use tokio_postgres::tls::MakeTlsConnect;
+    match host {
+        Host::Tcp(name) => {
+            let socket = match addr {
+                Some(ip) => tokio::net::TcpStream::connect((ip, port)).await,
+                None => tokio::net::TcpStream::connect((name.as_str(), port)).await,
+            }
+            .map_err(|e| e.to_string())?;
+            let connector =
+                MakeTlsConnect::<UntilClosed<tokio::net::TcpStream>>::make_tls_connect(&mut tls, name)
+                    .map_err(|e| format!("TLS: {e}"))?;
+            token.cancel_query_raw(UntilClosed(socket), connector).await.map_err(|e| crate::error_chain(&e))
+        }
+        // No TLS over a Unix socket (Postgres refuses it there).
+        Host::Unix(dir) => {
+            let socket = tokio::net::UnixStream::connect(dir.join(format!(".s.PGSQL.{port}")))
+                .await
+                .map_err(|e| e.to_string())?;
+            token
+                .cancel_query_raw(UntilClosed(socket), tokio_postgres::NoTls)
+                .await
+                .map_err(|e| crate::error_chain(&e))
+        }
+    }
 }
 
 /// A socket whose shutdown waits for the other side to close it (reading and dropping

@@ -34,6 +34,9 @@ const RETRY_POOL_AFTER: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
     /// Connections per host, at most (default 16). One pool per host, never per shard.
+    /// A connection given up on (its statement ran out of time) stays counted until its
+    /// statement was cancelled; one whose server does not answer within 60 s leaves the
+    /// pool, and its socket stays open until the server answers or the link breaks.
     pub pool_size: usize,
     /// How long to wait for a new connection (default 5 s).
     pub connect_timeout: Duration,
@@ -487,10 +490,11 @@ impl Cluster {
     /// [`Error::Pool`] with `timed_out` (nothing was sent); after, [`Error::Timeout`] (a
     /// statement may have been sent). The one place a routed statement is timed.
     ///
-    /// Past the deadline the work is dropped, its connection is closed rather than
-    /// returned to the pool ([`Lent`]), and the statement in flight on it is cancelled on
-    /// the server (in the background: the caller does not wait for it). Otherwise the
-    /// server would run that statement to its end (a write waiting on a lock would still
+    /// Past the deadline, or when the caller drops this future, the work is dropped and
+    /// its connection given up on ([`Lent`], [`give_up`]): the statement in flight on it
+    /// is cancelled on the server, in the background (the caller does not wait), and the
+    /// connection is handed out again only once that statement has ended. Otherwise the
+    /// server would run the statement to its end (a write waiting on a lock would still
     /// commit once it got it, after the caller was told it timed out), and whoever took
     /// the connection next would wait behind it.
     pub(crate) async fn on_host<T, Fut>(
@@ -516,25 +520,24 @@ impl Cluster {
         let abandoned = Arc::new(OnceLock::new());
         let lent = Lent { object: Some(client), abandoned: Arc::clone(&abandoned) };
         let mut work = std::pin::pin!(tokio::time::timeout_at(deadline, work(lent)));
-        match work.as_mut().await {
-            Ok(result) => result,
-            Err(_) => {
-                // Set before the work (and the connection with it) is dropped, at the end
-                // of this scope.
-                let _ = abandoned.set(self.cancel_to(host));
-                Err(Error::Timeout { host: host.clone(), after })
+        // Dropped before `work` (declared after it): unless the work finished, it marks
+        // the connection given up on before the `Lent` inside the work is dropped, when
+        // the time ran out and when the caller dropped this future as well.
+        let mut guard = GiveUpOnDrop { cluster: self, host, abandoned: &abandoned, armed: true };
+        let outcome = work.as_mut().await;
+        match outcome {
+            Ok(result) => {
+                guard.armed = false;
+                result
             }
+            Err(_) => Err(Error::Timeout { host: host.clone(), after }),
         }
     }
 
     /// Where to send the cancel of a statement on `host` (none when the host has no pool
     /// any more: its connections close, and that is all).
     pub(crate) fn cancel_to(&self, host: &HostName) -> Option<CancelTo> {
-        self.host_pool(host).ok().map(|pool| CancelTo {
-            host: host.clone(),
-            url: pool.url,
-            wait: self.inner.options.host_timeout,
-        })
+        self.host_pool(host).ok().map(|pool| CancelTo { host: host.clone(), url: pool.url })
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -634,23 +637,18 @@ impl Cluster {
         let mut resolved = false;
         for (shard, from) in shards {
             let schema = self.inner.prefix.schema(*shard);
-            let asked = async {
-                let c = self.client(from).await?;
+            let asked = self.on_host(from, self.inner.options.host_timeout, |c| async move {
                 c.query_one(
                     "SELECT outcome, move, token FROM shardline.resolve_fence($1)",
                     &[&schema.as_str()],
                 )
                 .await
                 .map_err(|e| Error::host(from, Some(*shard), "resolve a move's fence", e))
-            };
-            let row = match tokio::time::timeout(self.inner.options.host_timeout, asked).await {
-                Ok(Ok(row)) => row,
-                Ok(Err(e)) => {
+            });
+            let row = match asked.await {
+                Ok(row) => row,
+                Err(e) => {
                     tracing::warn!(shard = shard.get(), host = %from, error = %crate::error_chain(&e), "cannot resolve the shard's fence");
-                    continue;
-                }
-                Err(_) => {
-                    tracing::warn!(shard = shard.get(), host = %from, "resolving the shard's fence timed out");
                     continue;
                 }
             };
@@ -712,10 +710,10 @@ fn check_hosts(map: &ShardMap, pools: &HashMap<HostName, HostPool>) -> Result<()
 }
 
 /// A pooled connection lent to one piece of routed work by [`Cluster::on_host`]. Dropped
-/// after the work ran out of time, it is closed rather than returned to the pool: a
-/// statement still in flight on it would hold up whoever took it next (a connection
-/// answers its statements in order), and `on_host` cancels that statement on the server,
-/// which is only safe on a connection no one else will use.
+/// after the work ran out of time or was dropped by its caller, it is given up on
+/// ([`give_up`]) rather than handed out again at once: a statement still in flight on it
+/// would hold up whoever took it next (a connection answers its statements in order),
+/// and would run to its end on the server.
 #[derive(Debug)]
 pub(crate) struct Lent {
     object: Option<Object>,
@@ -725,7 +723,7 @@ pub(crate) struct Lent {
 
 impl Lent {
     /// The connection itself, for work that keeps it to the end of a transaction and
-    /// closes it when dropped unfinished ([`crate::shard::Pinned`]).
+    /// gives it up when dropped unfinished ([`crate::shard::Pinned`]).
     pub(crate) fn keep(mut self) -> Object {
         match self.object.take() {
             Some(object) => object,
@@ -749,52 +747,77 @@ impl std::ops::Deref for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if let (Some(object), Some(to)) = (self.object.take(), self.abandoned.get()) {
-            let client = Object::take(object);
-            let token = client.cancel_token();
-            cancel_then_close(to.clone(), token, move |wait| async move {
-                // Answered once the statement in flight has ended (the connection answers
-                // in order): cancelled, or finished just before.
-                let _ = tokio::time::timeout(wait, client.batch_execute("")).await;
-            });
+        if let Some(object) = self.object.take() {
+            match self.abandoned.get() {
+                Some(to) => give_up(to.clone(), object),
+                None => drop(object),
+            }
         }
     }
 }
 
-/// Where [`cancel_then_close`] sends a cancel: the host, the URL its pool connects to,
-/// and how long to wait for the cancelled statement to end.
+/// Marks, when dropped armed, the connection lent by [`Cluster::on_host`] as given up on.
+struct GiveUpOnDrop<'a> {
+    cluster: &'a Cluster,
+    host: &'a HostName,
+    abandoned: &'a OnceLock<Option<CancelTo>>,
+    armed: bool,
+}
+
+impl Drop for GiveUpOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.abandoned.set(self.cluster.cancel_to(self.host));
+        }
+    }
+}
+
+/// Where [`give_up`] sends its cancels: the host, and the URL its pool connects to.
 #[derive(Debug, Clone)]
 pub(crate) struct CancelTo {
     host: HostName,
     url: shardline_router::config::DbUrl,
-    wait: Duration,
 }
 
-/// Cancels on the server the statement in flight on a connection given up on (which
-/// `token` came from), then runs `close`, which owns the connection: it waits (at most
-/// the time it is given) for the statement to end, then drops the connection. In the
-/// background, so the caller that gave up does not wait. Only for a connection no one
-/// else will use: the cancel reaches whatever its session runs when it arrives. The
-/// connection stays open until the statement ended, because a transaction-mode pooler
-/// passes a cancel on only while the client that sent the statement is connected (and
-/// answers the cancel request before it has). Without a destination (`None`), or outside
-/// a runtime, the connection is dropped at once.
-pub(crate) fn cancel_then_close<F, Fut>(to: Option<CancelTo>, token: tokio_postgres::CancelToken, close: F)
-where
-    F: FnOnce(Duration) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
+/// How long a connection given up on ([`give_up`]) may take to end its statement before
+/// it is closed instead of going back to its pool.
+const GIVEN_UP_WAIT: Duration = Duration::from_secs(60);
+
+/// Ends, in the background, what a pooled connection given up on may still be running
+/// (its work ran out of time, its caller dropped it, its transaction was left
+/// unfinished): cancels the statement in flight on the server (again every second while
+/// the connection has not answered: statements queued behind it run next), then sends
+/// `ROLLBACK`. Once that is answered the connection is clean and goes back to its pool;
+/// one that does not answer within [`GIVEN_UP_WAIT`] is closed. Meanwhile it stays
+/// counted in its pool, so `pool_size` still bounds the host's connections, and the
+/// connection that sent the statement stays open: a transaction-mode pooler passes a
+/// cancel on only for a client still connected. The cancels reach only this
+/// connection's session, which no one else uses meanwhile. Without a destination (the
+/// host has no pool any more), or outside a runtime, the connection is closed at once.
+pub(crate) fn give_up(to: Option<CancelTo>, object: Object) {
     let (Some(to), Ok(runtime)) = (to, tokio::runtime::Handle::try_current()) else {
-        return drop(close);
+        return drop(Object::take(object));
     };
     runtime.spawn(async move {
+        let token = object.cancel_token();
         let target = format!("host {}", to.host);
-        match catalog::cancel(&token, &to.url, &target).await {
-            Ok(()) => close(to.wait).await,
-            Err(e) => {
-                tracing::debug!(host = %to.host, error = %e, "could not cancel a statement that ran out of time");
-                drop(close);
+        let deadline = tokio::time::Instant::now() + GIVEN_UP_WAIT;
+        let ended = {
+            let mut ending = std::pin::pin!(object.batch_execute("ROLLBACK"));
+            loop {
+                if let Err(e) = catalog::cancel(&token, &to.url, &target).await {
+                    tracing::debug!(host = %to.host, error = %e, "could not cancel a statement given up on");
+                }
+                match tokio::time::timeout(Duration::from_secs(1), ending.as_mut()).await {
+                    Ok(answered) => break answered.is_ok(),
+                    Err(_) if tokio::time::Instant::now() >= deadline => break false,
+                    Err(_) => {}
+                }
             }
+        };
+        if !ended {
+            tracing::debug!(host = %to.host, "a connection given up on did not end its statement: closed");
+            drop(Object::take(object));
         }
     });
 }

@@ -46,31 +46,39 @@ use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
 
 /// A pooled connection inside a transaction. Dropped before [`Pinned::release`] (a
-/// failure, a timeout, a cancelled caller), it is closed rather than returned to the
-/// pool, so the server rolls the transaction back and no pooled connection is left
-/// inside one.
+/// failure, a timeout, a cancelled caller), it is given up on ([`cluster::give_up`]):
+/// the statement in flight, if any, is cancelled on the server and the transaction
+/// rolled back before the connection is handed out again (or it is closed), so no pooled
+/// connection is left inside a transaction and no statement of it runs on.
 #[derive(Debug)]
-pub(crate) struct Pinned(Option<deadpool_postgres::Object>);
+pub(crate) struct Pinned {
+    object: Option<deadpool_postgres::Object>,
+    cancel_to: Option<cluster::CancelTo>,
+}
 
 impl Pinned {
-    pub(crate) fn new(client: deadpool_postgres::Object) -> Self {
-        Pinned(Some(client))
+    /// `object`, whose statements are cancelled through `cancel_to` when given up on
+    /// (closed at once without it).
+    pub(crate) fn new(object: deadpool_postgres::Object, cancel_to: Option<cluster::CancelTo>) -> Self {
+        Pinned { object: Some(object), cancel_to }
     }
 
     pub(crate) fn client(&self) -> Result<&deadpool_postgres::Object> {
-        self.0.as_ref().ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })
+        self.object
+            .as_ref()
+            .ok_or_else(|| Error::Invalid { what: "the transaction has already ended".into() })
     }
 
     /// The transaction ended cleanly: the connection goes back to the pool.
     pub(crate) fn release(mut self) {
-        drop(self.0.take());
+        drop(self.object.take());
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if let Some(client) = self.0.take() {
-            drop(deadpool_postgres::Object::take(client));
+        if let Some(object) = self.object.take() {
+            cluster::give_up(self.cancel_to.take(), object);
         }
     }
 }
@@ -163,29 +171,17 @@ impl ShardTx<'_> {
     }
 
     /// Notes what a statement's outcome means for the transaction. One that ran out of
-    /// time ends it: its connection is closed (the server rolls the transaction back) and
-    /// the statement is cancelled on the server, so it neither runs on holding its locks
-    /// nor holds up the statements sent after it. Later statements, and `COMMIT`, get
-    /// [`Error::RolledBack`].
+    /// time ends it: its connection is given up on (the statement cancelled on the
+    /// server, the transaction rolled back), so the statement neither runs on holding its
+    /// locks nor holds up the statements sent after it. Later statements, and `COMMIT`,
+    /// get [`Error::RolledBack`].
     fn after<T>(&mut self, result: &Result<T>) {
         match result {
             Err(e) if e.is_moved() => self.moved = true,
             Err(Error::Timeout { .. }) => {
                 self.abandoned = true;
-                if let Some(pinned) = self.client.take() {
-                    // Not released: the connection closes once the statement ended.
-                    match pinned.client().map(|c| c.cancel_token()) {
-                        Ok(token) => {
-                            let to = self.cluster.cancel_to(&self.route.host);
-                            cluster::cancel_then_close(to, token, move |wait| async move {
-                                if let Ok(client) = pinned.client() {
-                                    let _ = tokio::time::timeout(wait, client.batch_execute("")).await;
-                                }
-                            });
-                        }
-                        Err(_) => drop(pinned),
-                    }
-                }
+                // Given up on: cancelled and rolled back in the background.
+                drop(self.client.take());
             }
             _ => {}
         }
@@ -391,10 +387,11 @@ impl Cluster {
         let work = &tokio::sync::Mutex::new(work);
         self.with_move_retry(|map, _| async move {
             let route = map.route(shard, self.prefix());
-            let client = Pinned::new(self.client(&route.host).await.map_err(|e| {
+            let object = self.client(&route.host).await.map_err(|e| {
                 let moved = e.is_moved();
                 Failed::new(Er::from(e), moved, [shard])
-            })?);
+            })?;
+            let client = Pinned::new(object, self.cancel_to(&route.host));
             let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
             let mut tx = ShardTx {
                 client: Some(client),
