@@ -225,61 +225,128 @@ pub async fn connect(url: &DbUrl, target: &str) -> Result<Client> {
 ///
 /// [`Error::Cancel`] when no host took the request.
 pub async fn cancel(token: &tokio_postgres::CancelToken, url: &DbUrl, target: &str) -> Result<()> {
-    let (config, tls) = crate::tls::prepare(url, target)?;
-    let config = with_defaults(config);
-    let each = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-    let failed = |message: String| Error::Cancel { target: target.to_owned(), message };
-    let ports = config.get_ports();
-    let addrs = config.get_hostaddrs();
-    let sends = config.get_hosts().iter().enumerate().map(|(i, host)| {
-        let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
-        let addr = addrs.get(i).copied();
-        let tls = tls.clone();
-        async move {
-            let sent = tokio::time::timeout(each, send_cancel(token, host, addr, port, tls)).await;
-            sent.unwrap_or_else(|_| Err(format!("no answer within {each:?}")))
-        }
-    });
-    let outcomes = futures::future::join_all(sends).await;
-    if outcomes.iter().any(Result::is_ok) {
-        return Ok(());
+    let each = pg_config(url, target)?.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    match cancel_within(token, url, target, each).await? {
+        Cancelled { done: true, .. } => Ok(()),
+        Cancelled { why, .. } => Err(Error::Cancel { target: target.to_owned(), message: why.join("; ") }),
     }
-    let why: Vec<String> = outcomes.into_iter().filter_map(Result::err).collect();
-    Err(failed(if why.is_empty() { "the URL names no host".into() } else { why.join("; ") }))
 }
 
-/// One cancel request to one host (see [`cancel`]).
+/// What [`cancel_within`] did.
+#[derive(Debug)]
+pub(crate) struct Cancelled {
+    /// A server took the request and closed the cancel's connection: it has acted on it.
+    pub(crate) done: bool,
+    /// A request may have reached a server without that server having closed the
+    /// connection in time: it may still act on it, later, on whatever the session runs
+    /// then.
+    pub(crate) maybe_later: bool,
+    /// Why each host that did not take it did not, naming the host.
+    pub(crate) why: Vec<String>,
+}
+
+/// [`cancel`], each host within `each`; says which requests may still be acted on.
+pub(crate) async fn cancel_within(
+    token: &tokio_postgres::CancelToken,
+    url: &DbUrl,
+    target: &str,
+    each: Duration,
+) -> Result<Cancelled> {
+    use tokio_postgres::config::Host;
+    let (config, tls) = crate::tls::prepare(url, target)?;
+    let (hosts, addrs, ports) = (config.get_hosts(), config.get_hostaddrs(), config.get_ports());
+    let sends = (0..hosts.len().max(addrs.len())).map(|i| {
+        let port = ports.get(i).or_else(|| ports.first()).copied().unwrap_or(5432);
+        let (host, addr) = (hosts.get(i).cloned(), addrs.get(i).copied());
+        let name = match (&host, addr) {
+            (Some(Host::Tcp(name)), _) => name.clone(),
+            (Some(Host::Unix(dir)), _) => dir.display().to_string(),
+            (None, Some(ip)) => ip.to_string(),
+            (None, None) => String::new(),
+        };
+        let host = host.unwrap_or_else(|| Host::Tcp(name.clone()));
+        let tls = tls.clone();
+        async move { (name, send_cancel(token, &host, addr, port, tls, each).await) }
+    });
+    let mut out = Cancelled { done: false, maybe_later: false, why: Vec::new() };
+    for (name, sent) in futures::future::join_all(sends).await {
+        match sent {
+            Sent::Done => out.done = true,
+            Sent::No(why) => out.why.push(format!("{name}: {why}")),
+            Sent::Maybe(why) => {
+                out.maybe_later = true;
+                out.why.push(format!("{name}: {why}"));
+            }
+        }
+    }
+    if out.why.is_empty() && !out.done {
+        out.why.push("the URL names no host".into());
+    }
+    Ok(out)
+}
+
+/// How one cancel request went.
+enum Sent {
+    /// The server closed the connection: it has acted on the request.
+    Done,
+    /// Not sent (no connection).
+    No(String),
+    /// Perhaps sent, and not known to be acted on.
+    Maybe(String),
+}
+
+/// One cancel request to one host (see [`cancel`]): the connection within `each`, then
+/// the request and the server's close within `each` again.
 async fn send_cancel(
     token: &tokio_postgres::CancelToken,
     host: &tokio_postgres::config::Host,
     addr: Option<std::net::IpAddr>,
     port: u16,
     mut tls: tokio_postgres_rustls::MakeRustlsConnect,
-) -> std::result::Result<(), String> {
+    each: Duration,
+) -> Sent {
     use tokio_postgres::config::Host;
     use tokio_postgres::tls::MakeTlsConnect;
-    match host {
+    let late = |_| format!("no answer within {each:?}");
+    let sent = match host {
         Host::Tcp(name) => {
-            let socket = match addr {
-                Some(ip) => tokio::net::TcpStream::connect((ip, port)).await,
-                None => tokio::net::TcpStream::connect((name.as_str(), port)).await,
-            }
-            .map_err(|e| e.to_string())?;
-            let connector =
-                MakeTlsConnect::<UntilClosed<tokio::net::TcpStream>>::make_tls_connect(&mut tls, name)
-                    .map_err(|e| format!("TLS: {e}"))?;
-            token.cancel_query_raw(UntilClosed(socket), connector).await.map_err(|e| crate::error_chain(&e))
+            let connect = match addr {
+                Some(ip) => tokio::time::timeout(each, tokio::net::TcpStream::connect((ip, port))).await,
+                None => {
+                    tokio::time::timeout(each, tokio::net::TcpStream::connect((name.as_str(), port))).await
+                }
+            };
+            let socket = match connect.map_err(late) {
+                Ok(Ok(socket)) => socket,
+                Ok(Err(e)) => return Sent::No(e.to_string()),
+                Err(why) => return Sent::No(why),
+            };
+            let connector = match MakeTlsConnect::<UntilClosed<tokio::net::TcpStream>>::make_tls_connect(
+                &mut tls, name,
+            ) {
+                Ok(connector) => connector,
+                Err(e) => return Sent::No(format!("TLS: {e}")),
+            };
+            tokio::time::timeout(each, token.cancel_query_raw(UntilClosed(socket), connector)).await
         }
         // No TLS over a Unix socket (Postgres refuses it there).
         Host::Unix(dir) => {
-            let socket = tokio::net::UnixStream::connect(dir.join(format!(".s.PGSQL.{port}")))
+            let path = dir.join(format!(".s.PGSQL.{port}"));
+            let socket =
+                match tokio::time::timeout(each, tokio::net::UnixStream::connect(path)).await.map_err(late) {
+                    Ok(Ok(socket)) => socket,
+                    Ok(Err(e)) => return Sent::No(e.to_string()),
+                    Err(why) => return Sent::No(why),
+                };
+            tokio::time::timeout(each, token.cancel_query_raw(UntilClosed(socket), tokio_postgres::NoTls))
                 .await
-                .map_err(|e| e.to_string())?;
-            token
-                .cancel_query_raw(UntilClosed(socket), tokio_postgres::NoTls)
-                .await
-                .map_err(|e| crate::error_chain(&e))
         }
+    };
+    match sent {
+        Ok(Ok(())) => Sent::Done,
+        // Connected: whatever failed after, the request may have gone out.
+        Ok(Err(e)) => Sent::Maybe(crate::error_chain(&e)),
+        Err(_) => Sent::Maybe(format!("the server did not close the cancel's connection within {each:?}")),
     }
 }
 

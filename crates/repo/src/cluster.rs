@@ -35,8 +35,9 @@ const RETRY_POOL_AFTER: Duration = Duration::from_secs(5);
 pub struct ClusterOptions {
     /// Connections per host, at most (default 16). One pool per host, never per shard.
     /// A connection given up on (its statement ran out of time) stays counted until its
-    /// statement was cancelled; one whose server does not answer within 60 s leaves the
-    /// pool, and its socket stays open until the server answers or the link breaks.
+    /// statement was cancelled; one whose server does not answer within about a minute
+    /// leaves the pool, and its socket stays open until the server answers or the link
+    /// breaks.
     pub pool_size: usize,
     /// How long to wait for a new connection (default 5 s).
     pub connect_timeout: Duration,
@@ -537,7 +538,11 @@ impl Cluster {
     /// Where to send the cancel of a statement on `host` (none when the host has no pool
     /// any more: its connections close, and that is all).
     pub(crate) fn cancel_to(&self, host: &HostName) -> Option<CancelTo> {
-        self.host_pool(host).ok().map(|pool| CancelTo { host: host.clone(), url: pool.url })
+        self.host_pool(host).ok().map(|pool| CancelTo {
+            host: host.clone(),
+            url: pool.url,
+            connect_timeout: self.inner.options.connect_timeout,
+        })
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -772,41 +777,71 @@ impl Drop for GiveUpOnDrop<'_> {
     }
 }
 
-/// Where [`give_up`] sends its cancels: the host, and the URL its pool connects to.
+/// Where [`give_up`] sends its cancels: the host, the URL its pool connects to, and the
+/// pool's connect timeout.
 #[derive(Debug, Clone)]
 pub(crate) struct CancelTo {
     host: HostName,
     url: shardline_router::config::DbUrl,
+    connect_timeout: Duration,
 }
 
 /// How long a connection given up on ([`give_up`]) may take to end its statement before
 /// it is closed instead of going back to its pool.
 const GIVEN_UP_WAIT: Duration = Duration::from_secs(60);
 
+/// A pooled connection that goes back to its pool only when marked clean: dropped any
+/// other way (its task dropped by a runtime shutting down, say), it is closed.
+struct UntilClean(Option<Object>);
+
+impl Drop for UntilClean {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(Object::take(object));
+        }
+    }
+}
+
 /// Ends, in the background, what a pooled connection given up on may still be running
 /// (its work ran out of time, its caller dropped it, its transaction was left
 /// unfinished): cancels the statement in flight on the server (again every second while
 /// the connection has not answered: statements queued behind it run next), then sends
-/// `ROLLBACK`. Once that is answered the connection is clean and goes back to its pool;
-/// one that does not answer within [`GIVEN_UP_WAIT`] is closed. Meanwhile it stays
-/// counted in its pool, so `pool_size` still bounds the host's connections, and the
-/// connection that sent the statement stays open: a transaction-mode pooler passes a
-/// cancel on only for a client still connected. The cancels reach only this
-/// connection's session, which no one else uses meanwhile. Without a destination (the
-/// host has no pool any more), or outside a runtime, the connection is closed at once.
+/// `ROLLBACK`. Once that is answered, and every cancel sent is known to have been acted
+/// on (the server closed the cancel's connection), the connection is clean and goes back
+/// to its pool. Otherwise it is closed: one that does not answer within about
+/// [`GIVEN_UP_WAIT`], and one a cancel may still reach later (a server that took the
+/// request but did not answer it in time could act on it during the next borrower's
+/// statement). Meanwhile it stays counted in its pool, so `pool_size` still bounds the
+/// host's connections, and the connection that sent the statement stays open: a
+/// transaction-mode pooler passes a cancel on only for a client still connected. The
+/// cancels reach only this connection's session, which no one else uses meanwhile.
+/// Without a destination (the host has no pool any more), or outside a runtime, the
+/// connection is closed at once.
 pub(crate) fn give_up(to: Option<CancelTo>, object: Object) {
     let (Some(to), Ok(runtime)) = (to, tokio::runtime::Handle::try_current()) else {
         return drop(Object::take(object));
     };
+    let mut held = UntilClean(Some(object));
     runtime.spawn(async move {
+        let Some(object) = held.0.as_ref() else { return };
         let token = object.cancel_token();
         let target = format!("host {}", to.host);
         let deadline = tokio::time::Instant::now() + GIVEN_UP_WAIT;
+        let mut maybe_later = false;
         let ended = {
             let mut ending = std::pin::pin!(object.batch_execute("ROLLBACK"));
             loop {
-                if let Err(e) = catalog::cancel(&token, &to.url, &target).await {
-                    tracing::debug!(host = %to.host, error = %e, "could not cancel a statement given up on");
+                match catalog::cancel_within(&token, &to.url, &target, to.connect_timeout).await {
+                    Ok(c) => {
+                        maybe_later |= c.maybe_later;
+                        if !c.done {
+                            tracing::debug!(host = %to.host, why = ?c.why, "a cancel of a statement given up on was not taken");
+                        }
+                    }
+                    Err(e) => tracing::debug!(host = %to.host, error = %e, "could not cancel a statement given up on"),
+                }
+                if object.is_closed() {
+                    break false;
                 }
                 match tokio::time::timeout(Duration::from_secs(1), ending.as_mut()).await {
                     Ok(answered) => break answered.is_ok(),
@@ -815,9 +850,11 @@ pub(crate) fn give_up(to: Option<CancelTo>, object: Object) {
                 }
             }
         };
-        if !ended {
-            tracing::debug!(host = %to.host, "a connection given up on did not end its statement: closed");
-            drop(Object::take(object));
+        if ended && !maybe_later {
+            // Clean: back to the pool.
+            drop(held.0.take());
+        } else {
+            tracing::debug!(host = %to.host, ended, maybe_later, "a connection given up on is closed");
         }
     });
 }

@@ -87,8 +87,9 @@ impl Drop for Pinned {
 ///
 /// `'env` is the life of the call: the closure's future may borrow anything that
 /// outlives it. If the transaction is dropped unfinished (its caller cancelled or timed
-/// out), its connection is closed rather than returned to the pool, so the server rolls
-/// it back and no pooled connection is left inside a transaction.
+/// out), its connection is given up on: the statement in flight is cancelled and the
+/// transaction rolled back before the connection is handed out again (or it is closed),
+/// so no pooled connection is left inside a transaction.
 #[derive(Debug)]
 pub struct ShardTx<'env> {
     client: Option<Pinned>,
@@ -416,8 +417,8 @@ impl Cluster {
                     Err(e) => Err(e.into()),
                 },
                 Err(e) => {
-                    // A rollback that fails leaves the connection to be closed (Drop),
-                    // which rolls back as well.
+                    // A rollback that fails leaves the connection to be given up on
+                    // (Drop), which rolls back as well.
                     let _ = tx.rollback().await;
                     Err(Failed::new(e, tx.moved, [shard]))
                 }
