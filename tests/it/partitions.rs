@@ -108,6 +108,88 @@ pub(crate) async fn a_cut_link_to_one_host_fails_its_requests_in_time_and_the_re
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_cancel_held_by_a_cut_link_closes_the_connection_it_was_for);
+/// An insert waits on a lock (another session, past every link, holds the shard's
+/// table); once it waits, the application's link to its host is cut. The insert times
+/// out, and its connection is given up on: its cancel is taken by the cut link and held,
+/// so shardline cannot know whether, or when, the server will act on it. Once a second
+/// cancel came (the first ran out of time), the link heals: the held cancel reaches the
+/// server and the insert is cancelled, never applied. The connection is then closed, not
+/// handed out again: the pool's next connection is another server session (before, the
+/// same one came back, which a late cancel could reach in its next borrower's statement).
+pub(crate) async fn a_cancel_held_by_a_cut_link_closes_the_connection_it_was_for(
+    ctx: TestContext,
+) -> TestResult {
+    let l = linked(&ctx).await?;
+    let o = ClusterOptions {
+        pool_size: 1,
+        host_timeout: Duration::from_millis(800),
+        connect_timeout: Duration::from_secs(1),
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::connect(&l.f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let route = cluster.route_user(1);
+    let (h, link) = (host_index(route.host.as_str()), &l.app[host_index(route.host.as_str())]);
+    photos.insert(&photo(1, 0)).await?;
+    let pid = "SELECT pg_backend_pid()";
+    let first: i32 = cluster.client(&route.host).await?.query_one(pid, &[]).await?.get(0);
+    let side = l.f.client(&ctx, h).await?;
+    side.batch_execute(&format!(
+        "BEGIN; LOCK TABLE {}.photos IN ACCESS EXCLUSIVE MODE",
+        route.schema.quoted()
+    ))
+    .await?;
+    let watcher = l.f.client(&ctx, h).await?;
+    let cut_once_waiting = async {
+        let waiting = "SELECT count(*) FROM pg_stat_activity
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        for _ in 0..200 {
+            if watcher.query_one(waiting, &[]).await?.get::<_, i64>(0) > 0 {
+                link.cut();
+                return Ok::<_, BoxError>(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err("the insert never waited on the lock".into())
+    };
+    let lost = photo(1, 1);
+    let (inserted, cut) = tokio::join!(photos.insert(&lost), cut_once_waiting);
+    cut?;
+    let err = inserted.expect_err("the insert waits on the lock past the timeout");
+    assert!(err.is_timeout(), "{err}");
+    // Heal once the link has taken a second cancel: the first ran out of time.
+    let before = link.connections();
+    let mut second = false;
+    for _ in 0..200 {
+        if link.connections() >= before + 2 {
+            second = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    link.heal();
+    assert!(second, "no second cancel came within 5 s (link connections: {})", link.connections() - before);
+    // The pool's next connection: another session.
+    let mut next = None;
+    for _ in 0..100 {
+        if let Ok(c) = cluster.client(&route.host).await {
+            next = Some(c.query_one(pid, &[]).await?.get::<_, i32>(0));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let next = next.ok_or("no pooled connection to the host within 10 s of the heal")?;
+    assert_ne!(next, first, "the connection a cancel may still reach was handed out again");
+    side.batch_execute("COMMIT").await?;
+    assert_eq!(
+        stored(&l, &ctx, h, route.schema.as_str(), &lost.url).await?,
+        0,
+        "the insert given up on was applied"
+    );
+    Ok(())
+}
+
 shardline_testkit::register!(shared: with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing);
 pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing(
     ctx: TestContext,
