@@ -165,6 +165,62 @@ pub(crate) async fn timed_out_statements_are_cancelled(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_fan_out_that_timed_out_cancels_every_statement_it_queued);
+/// A fan-out over one host's four shards, one statement per shard pipelined on the one
+/// pooled connection, while another session holds two of the shards' tables: the host
+/// times out (its shards are named missing), and every statement it had queued is
+/// cancelled in turn (cancelling once ends only the one running: the next then waits on
+/// the other lock), within 5 s. Cleanly ended, the connection goes back to the pool:
+/// the next statement runs on the same server session.
+pub(crate) async fn a_fan_out_that_timed_out_cancels_every_statement_it_queued(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 1, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let timeout = Duration::from_millis(800);
+    let o =
+        ClusterOptions { pool_size: 1, host_timeout: timeout, fan_out_batch: 1, ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let start = std::time::SystemTime::now() - Duration::from_secs(1);
+    for user in 0..4 {
+        photos.insert(&NewPhoto::numbered(user, 1)).await?;
+    }
+    let host = cluster.route_user(0).host;
+    let pid = "SELECT pg_backend_pid()";
+    let first: i32 = cluster.client(&host).await?.query_one(pid, &[]).await?.get(0);
+    let side = f.client(&ctx, 0).await?;
+    side.batch_execute("BEGIN; LOCK TABLE shard_0001.photos, shard_0002.photos IN ACCESS EXCLUSIVE MODE")
+        .await?;
+    let now = std::time::SystemTime::now() + Duration::from_secs(1);
+    let part = photos.created_between(start, now, 100).await?;
+    assert!(!part.is_complete(), "the locked shards cannot answer in time");
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
+    let mut left = -1_i64;
+    for _ in 0..50 {
+        left = side.query_one(waiting, &[]).await?.get(0);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 0, "a queued statement still waits on a lock 5 s after the timeout");
+    let mut next = None;
+    for _ in 0..50 {
+        if let Ok(c) = cluster.client(&host).await {
+            next = Some(c.query_one(pid, &[]).await?.get::<_, i32>(0));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(next, Some(first), "the connection, cleanly ended, is handed out again");
+    side.batch_execute("COMMIT").await?;
+    let all = photos.created_between(start, now, 100).await?;
+    assert!(all.is_complete() && all.rows.len() == 4, "{:?}", all.missing);
+    Ok(())
+}
+
 shardline_testkit::register!(exclusive: with_the_catalog_down_known_routes_work_and_map_changes_are_refused);
 pub(crate) async fn with_the_catalog_down_known_routes_work_and_map_changes_are_refused(
     ctx: TestContext,
