@@ -165,6 +165,52 @@ pub(crate) async fn timed_out_statements_are_cancelled(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_commit_that_timed_out_is_cancelled_and_never_lands);
+/// A shard transaction whose `COMMIT` waits: its deferred foreign key checks the parent
+/// row, which another session holds `FOR UPDATE`. The `COMMIT` times out, the
+/// transaction's connection is given up on, and the waiting `COMMIT` is cancelled: it
+/// leaves the lock's queue within 5 s, and once the row is free the child row is not
+/// there (before, the `COMMIT` went on waiting and committed then).
+pub(crate) async fn a_commit_that_timed_out_is_cancelled_and_never_lands(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 1, 2).await?;
+    f.migration(
+        "0005_kids.sql",
+        "CREATE TABLE parents (id bigint PRIMARY KEY);
+         CREATE TABLE kids (id bigint PRIMARY KEY DEFAULT next_id(),
+                            parent bigint NOT NULL REFERENCES parents DEFERRABLE INITIALLY DEFERRED);",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let o = ClusterOptions { host_timeout: Duration::from_millis(800), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let route = cluster.route_user(0);
+    let side = f.client(&ctx, 0).await?;
+    let schema = route.schema.quoted();
+    side.batch_execute(&format!("INSERT INTO {schema}.parents VALUES (1)")).await?;
+    side.batch_execute(&format!("BEGIN; SELECT * FROM {schema}.parents WHERE id = 1 FOR UPDATE")).await?;
+    let outcome = cluster
+        .transaction(route.shard, |tx| {
+            Box::pin(async move { tx.execute("INSERT INTO kids (parent) VALUES (1)", &[]).await.map(drop) })
+        })
+        .await;
+    let err = outcome.expect_err("the COMMIT waits on the parent row past the timeout");
+    assert!(err.is_timeout(), "{err}");
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
+    let mut left = -1_i64;
+    for _ in 0..50 {
+        left = side.query_one(waiting, &[]).await?.get(0);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 0, "the COMMIT still waits on the parent row 5 s after it timed out");
+    side.batch_execute("COMMIT").await?;
+    let kids: i64 = side.query_one(&format!("SELECT count(*) FROM {schema}.kids"), &[]).await?.get(0);
+    assert_eq!(kids, 0, "the transaction whose COMMIT timed out committed after all");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_fan_out_that_timed_out_cancels_every_statement_it_queued);
 /// A fan-out over one host's four shards, one statement per shard pipelined on the one
 /// pooled connection, while another session holds two of the shards' tables: the host
