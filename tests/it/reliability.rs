@@ -62,6 +62,22 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     Ok(())
 }
 
+/// Sessions of `client`'s database (other than its own) waiting on a lock, once there
+/// are none or 5 s have passed.
+async fn lock_waits_after_5_s(client: &tokio_postgres::Client) -> Result<i64, crate::bootstrap::BoxError> {
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
+    let mut left = -1;
+    for _ in 0..50 {
+        left = client.query_one(waiting, &[]).await?.get(0);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(left)
+}
+
 shardline_testkit::register!(shared: a_write_that_timed_out_is_cancelled_and_holds_up_no_one);
 /// An insert waits on a lock another session holds on its shard's table past
 /// `host_timeout`: it fails with a timeout, and then
@@ -142,17 +158,11 @@ pub(crate) async fn timed_out_statements_are_cancelled(
 
     // The inserts, the batch and the transaction's statement all leave the lock's queue
     // (cancelled), before the lock goes.
-    let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
-    let mut left = -1_i64;
-    for _ in 0..50 {
-        left = side.query_one(waiting, &[]).await?.get(0);
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(left, 0, "a session still waits on the lock 5 s after the timeout");
+    assert_eq!(
+        lock_waits_after_5_s(&side).await?,
+        0,
+        "a session still waits on the lock 5 s after the timeout"
+    );
     side.batch_execute("COMMIT").await?;
     let rows: i64 = side
         .query_one(
@@ -194,17 +204,11 @@ pub(crate) async fn a_commit_that_timed_out_is_cancelled_and_never_lands(ctx: Te
         .await;
     let err = outcome.expect_err("the COMMIT waits on the parent row past the timeout");
     assert!(err.is_timeout(), "{err}");
-    let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
-    let mut left = -1_i64;
-    for _ in 0..50 {
-        left = side.query_one(waiting, &[]).await?.get(0);
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(left, 0, "the COMMIT still waits on the parent row 5 s after it timed out");
+    assert_eq!(
+        lock_waits_after_5_s(&side).await?,
+        0,
+        "the COMMIT still waits on the parent row 5 s after it timed out"
+    );
     side.batch_execute("COMMIT").await?;
     let kids: i64 = side.query_one(&format!("SELECT count(*) FROM {schema}.kids"), &[]).await?.get(0);
     assert_eq!(kids, 0, "the transaction whose COMMIT timed out committed after all");
@@ -241,17 +245,11 @@ pub(crate) async fn a_fan_out_that_timed_out_cancels_every_statement_it_queued(
     let now = std::time::SystemTime::now() + Duration::from_secs(1);
     let part = photos.created_between(start, now, 100).await?;
     assert!(!part.is_complete(), "the locked shards cannot answer in time");
-    let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'";
-    let mut left = -1_i64;
-    for _ in 0..50 {
-        left = side.query_one(waiting, &[]).await?.get(0);
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(left, 0, "a queued statement still waits on a lock 5 s after the timeout");
+    assert_eq!(
+        lock_waits_after_5_s(&side).await?,
+        0,
+        "a queued statement still waits on a lock 5 s after the timeout"
+    );
     let mut next = None;
     for _ in 0..50 {
         if let Ok(c) = cluster.client(&host).await {
