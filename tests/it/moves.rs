@@ -2500,6 +2500,181 @@ pub(crate) async fn a_migration_and_a_move_never_overlap_under_writes(ctx: TestC
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_move_is_reverted_after_its_flip_onto_its_old_copy_under_writes);
+/// `move --revert` after the flip, with a writer inserting, updating and deleting on the
+/// shard throughout (through the repository):
+/// 1. shard 0 moves pg1 -> pg2; one row of the old copy left on pg1 is then changed by
+///    hand: the revert's comparison finds it, nothing flips, the revert is undone (the
+///    shard stays writable on pg2), and a second revert is refused, naming why;
+/// 2. the shard moves pg2 -> pg3, then `shardline move 0 --revert` brings it back to pg2
+///    onto the old copy (the same tables, not a new copy), with every write made on pg3
+///    since the flip;
+/// 3. every acknowledged write is on pg2 once (deleted rows gone, updated rows at their
+///    last value); IDs minted after the revert are above every earlier one; `gc` then
+///    leaves no slot, publication or subscription.
+pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_writes(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let seeded = seed(&cluster, 0, 6, 2).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writer = {
+        let (cluster, stop, progress, seeded) =
+            (cluster.clone(), stop.clone(), progress.clone(), seeded.clone());
+        tokio::spawn(async move {
+            let photos = cluster.repo::<Photo>()?;
+            let (mut acked, mut deleted, mut captions) = (Vec::new(), Vec::new(), Vec::new());
+            let mut n = 0_usize;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                progress.store(n, Ordering::Relaxed);
+                let user = 6 * i64::try_from(n % 20).unwrap_or(0);
+                acked.push(photos.insert(&photo(user, 1000 + n)).await?.id);
+                if n % 5 == 0 && acked.len() > 3 {
+                    let gone = acked[acked.len() - 3];
+                    if photos.delete(gone).await? {
+                        deleted.push(gone);
+                    }
+                }
+                if n % 3 == 0 {
+                    let p = &seeded[n % seeded.len()];
+                    let caption = format!("w{n}");
+                    if photos.update(p.id, &[("caption", &caption)]).await?.is_some() {
+                        captions.push((p.id, caption));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+            Ok::<_, shardline_repo::Error>((acked, deleted, captions))
+        })
+    };
+    let pg1 = f.client(&ctx, 0).await?;
+    let pg2 = f.client(&ctx, 1).await?;
+    // `n` more writes acknowledged (on the shard's host of the moment).
+    let written = |n: usize| {
+        let progress = progress.clone();
+        async move {
+            let start = progress.load(Ordering::Relaxed);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while progress.load(Ordering::Relaxed) < start + n {
+                assert!(Instant::now() < deadline, "the writer made no progress");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+
+    let never = moves::revert(&config, crate::shard(0), &MoveOptions::default()).await.unwrap_err();
+    assert_eq!(never.to_string(), "shard 0 cannot be reverted: it has never been moved");
+
+    // 1. A revert onto an old copy that differs is not flipped.
+    let first =
+        moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default().revertible())
+            .await?;
+    written(30).await;
+    let old1 = format!("shard_0000_moved_{}", first.id);
+    // A like: the writer never touches the likes, so no later write overwrites it.
+    let corrupt: i64 = pg1
+        .query_one(
+            &format!(
+                "UPDATE {old1}.likes SET user_id = user_id + 1000000
+                  WHERE id = (SELECT min(id) FROM {old1}.likes) RETURNING user_id"
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    let err = moves::revert(&config, crate::shard(0), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::Verify { .. }), "{err}");
+    assert!(err.to_string().contains("likes: 2 differing key(s)"), "{err}");
+    assert!(err.to_string().contains(&format!(",{corrupt})")), "names the row: {err}");
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2", "nothing flipped");
+    assert_eq!(latest_state(&config).await?, State::RolledBack);
+    written(10).await;
+    let again = cli(&f, &["move", "0", "--revert"]).await.unwrap_err();
+    assert!(
+        again.contains("shard 0 cannot be reverted: its revert (move") && again.contains("was undone"),
+        "{again}"
+    );
+
+    // 2. A move, writes on its new host, and a revert through the CLI.
+    let second = cli(&f, &["move", "0", "--to", "pg3", "--revertible", "--json"]).await?;
+    let second: serde_json::Value = serde_json::from_str(second.trim())?;
+    let old2 = format!("shard_0000_moved_{}", second["id"]);
+    let table_of = |schema: String| {
+        let pg2 = &pg2;
+        async move {
+            let oid: Option<i64> = pg2
+                .query_one(&format!("SELECT to_regclass('{schema}.photos')::oid::bigint"), &[])
+                .await?
+                .get(0);
+            Ok::<_, BoxError>(oid)
+        }
+    };
+    let old_table = table_of(old2.clone()).await?.ok_or("the old copy on pg2")?;
+    written(60).await;
+    let said = cli(&f, &["move", "0", "--revert", "--revertible", "--json"]).await?;
+    let report: serde_json::Value = serde_json::from_str(said.trim())?;
+    assert_eq!((report["source"].as_str(), report["target"].as_str()), (Some("pg3"), Some("pg2")), "{said}");
+    assert_eq!(table_of("shard_0000".into()).await?, Some(old_table), "the old copy itself came back");
+    assert_eq!(table_of(old2.clone()).await?, None);
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
+    written(30).await;
+    stop.store(true, Ordering::Relaxed);
+    let (acked, deleted, captions) = writer.await??;
+
+    // 3. Every acknowledged write, once, on pg2.
+    let live: Vec<Id> = acked.iter().copied().filter(|i| !deleted.contains(i)).collect();
+    let (found, total, distinct) = acked_on(&f, &ctx, 1, &live).await?;
+    assert_eq!(found, i64::try_from(live.len())?, "every acknowledged insert is on pg2");
+    assert_eq!(total, distinct, "once");
+    assert_eq!(total, found + i64::try_from(seeded.len())?, "and no deleted row");
+    let mut last = std::collections::HashMap::new();
+    for (id, caption) in &captions {
+        last.insert(*id, caption.clone());
+    }
+    for (id, caption) in &last {
+        let now: String = pg2
+            .query_one("SELECT caption FROM shard_0000.photos WHERE id = $1", &[&i64::from(*id)])
+            .await?
+            .get(0);
+        assert_eq!(&now, caption, "photo {id} holds its last acknowledged update");
+    }
+    let newest = acked.iter().max().copied().ok_or("writes")?;
+    let after = cluster.repo::<Photo>()?.insert(&photo(0, 9999)).await?;
+    assert!(after.id > newest, "an ID minted after the revert is above every earlier one");
+    eprintln!(
+        "      {} inserts, {} deletes, {} updates through two moves and two reverts; revert: {}",
+        acked.len(),
+        deleted.len(),
+        captions.len(),
+        said.trim()
+    );
+
+    // The revert is revertible in turn, until `gc` is past the grace period: then
+    // nothing is kept, and a revert is refused.
+    cli(&f, &["gc", "--grace", "0s"]).await?;
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    let late = cli(&f, &["move", "0", "--revert"]).await.unwrap_err();
+    assert!(late.contains("shard 0 cannot be reverted: `gc` dropped its old copy on pg3"), "{late}");
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2", "a refused revert changes nothing");
+    // A move not made revertible keeps nothing on its target, and is not reverted.
+    moves::run(&config, crate::shard(1), &crate::host("pg3"), &MoveOptions::default()).await?;
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    let plain = cli(&f, &["move", "1", "--revert"]).await.unwrap_err();
+    assert!(
+        plain.contains("shard 1 cannot be reverted: its last move (")
+            && plain.contains("it was not made revertible"),
+        "{plain}"
+    );
+    Ok(())
+}
+
 shardline_testkit::register!(own: rebalance_runs_moves_between_disjoint_host_pairs_at_once);
 /// `rebalance --apply --parallel 2` on four hosts of the test's own, two of them new and
 /// empty. The shards are sized so that the plan's first two moves share a host (both

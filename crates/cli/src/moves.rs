@@ -15,7 +15,7 @@ use crate::cluster::{bytes, runtime};
 
 /// Options of `move`.
 #[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("mode").required(true).args(["to", "resume", "abort"])))]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["to", "resume", "abort", "revert"])))]
 pub struct MoveOpt {
     /// The logical shard (with `--resume`, optional: every running move).
     pub shard: Option<u16>,
@@ -33,6 +33,16 @@ pub struct MoveOpt {
     /// on its source.
     #[arg(long)]
     pub abort: bool,
+    /// Keep the move revertible after its flip (`--revert`, until `gc` drops the old
+    /// copy): a replication slot on the target keeps its WAL meanwhile.
+    #[arg(long)]
+    pub revertible: bool,
+    /// Bring the shard back to where its last move took it from, after that move's
+    /// flip and before `gc` drops the old copy there (a move made `--revertible`): the
+    /// old copy is brought up to date from the new owner's changes since the flip (no
+    /// new copy), then fenced, verified and flipped as any move.
+    #[arg(long)]
+    pub revert: bool,
     /// Fence only once a change on the source reaches the target this fast.
     #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub max_lag: Duration,
@@ -131,7 +141,8 @@ fn progress() -> (ProgressBar, shardline_ops::moves::ProgressFn) {
     (bar, f)
 }
 
-/// Runs `move`: `--to` (with `--dry-run`, the pre-flight alone), `--resume`, `--abort`.
+/// Runs `move`: `--to` (with `--dry-run`, the pre-flight alone), `--revert`, `--resume`,
+/// `--abort`.
 ///
 /// # Errors
 ///
@@ -151,6 +162,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.stop_after = opt.stop_after;
     options.lease = opt.lease;
     options.hung_after = opt.hung_after;
+    options.revertible = opt.revertible;
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
     let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
@@ -177,6 +189,16 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
             return Ok(());
         }
         let result = rt.block_on(shardline_ops::moves::run(config, shard, to, &options));
+        bar.finish_and_clear();
+        let report = result?;
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&report)?)?;
+        } else {
+            writeln!(out, "{report}")?;
+        }
+    } else if opt.revert {
+        let shard = need_shard()?;
+        let result = rt.block_on(shardline_ops::moves::revert(config, shard, &options));
         bar.finish_and_clear();
         let report = result?;
         if opt.json {

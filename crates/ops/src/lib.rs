@@ -159,6 +159,14 @@ pub enum Error {
         /// The move.
         id: i64,
     },
+    /// `move --revert` cannot bring the shard back.
+    #[error("shard {shard} cannot be reverted: {reason}")]
+    NotRevertible {
+        /// The shard.
+        shard: LogicalShard,
+        /// Why not, and what to do instead.
+        reason: String,
+    },
     /// No running move to resume or abort.
     #[error("no move{} is running", msg::of_shard(shard))]
     NoMove {

@@ -14,7 +14,7 @@ use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
-use super::journal::{self, Detail, MoveRecord, State, Step, TableCheck};
+use super::journal::{self, Detail, MoveRecord, Revertible, Reverting, State, Step, TableCheck};
 use super::preflight::{self, host_err, quote_literal};
 use super::subscription;
 use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
@@ -236,6 +236,13 @@ pub struct MoveOptions {
     /// answers; otherwise the move stays journaled for `--resume` or `--abort`, and the
     /// fence's lease frees the shard once the source is back. At least 2 s is used.
     pub hung_after: Duration,
+    /// Keep the move revertible after its flip (default `false`): a publication and a
+    /// logical replication slot on the target, made before the fence, from which
+    /// [`revert`] brings the old copy up to date instead of copying the shard again.
+    /// The slot keeps the target's WAL from then until `gc` drops it with the old copy
+    /// (the grace period) or a revert uses it, and takes one of the target's
+    /// `max_replication_slots`: see `docs/operations.md`, "Reverting a move".
+    pub revertible: bool,
 }
 
 impl Default for MoveOptions {
@@ -256,6 +263,7 @@ impl Default for MoveOptions {
             max_rounds: changes::MAX_ROUNDS,
             on_round: None,
             hung_after: Duration::from_secs(15),
+            revertible: false,
         }
     }
 }
@@ -308,6 +316,14 @@ impl MoveOptions {
         self
     }
 
+    /// These options, keeping the move revertible after its flip (see
+    /// [`MoveOptions::revertible`]).
+    #[must_use]
+    pub fn revertible(mut self) -> Self {
+        self.revertible = true;
+        self
+    }
+
     /// These options, stopping right after the fence commits (see
     /// [`MoveOptions::lose_fence_reply`]).
     #[must_use]
@@ -334,6 +350,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("round_keys", &self.round_keys)
             .field("max_rounds", &self.max_rounds)
             .field("on_round", &self.on_round.is_some())
+            .field("revertible", &self.revertible)
             .finish()
     }
 }
@@ -930,13 +947,189 @@ pub async fn run(
         bytes: check.bytes,
         ..Detail::default()
     };
-    journal::start(&catalog, id, check.shard, &check.source, &check.target, &detail).await?;
+    let detail = revertible(&catalog, options, detail).await?;
+    start(config, options, catalog, info.layout, id, &check, &detail).await
+}
+
+/// `detail` with a new [`Revertible`] when `options` ask for one (the revert's journal
+/// ID reserved now, so the reverse publication made before the fence can carry the
+/// revert's marker row), else with the reason there is none.
+async fn revertible(catalog: &Catalog, options: &MoveOptions, mut detail: Detail) -> Result<Detail> {
+    if options.revertible {
+        let id = journal::next_id(catalog).await?;
+        detail.revert = Some(Revertible { id, name: replication_name(id), made: false, lsn: None });
+    } else {
+        detail.revert_unavailable = Some("it was not made revertible (`--revertible`)".into());
+    }
+    Ok(detail)
+}
+
+/// Journals move `id` as started and runs it to the end.
+async fn start(
+    config: &Config,
+    options: &MoveOptions,
+    catalog: Catalog,
+    layout: Layout,
+    id: i64,
+    check: &preflight::Preflight,
+    detail: &Detail,
+) -> Result<MoveReport> {
+    journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
     lock_move(&catalog, id).await?;
     journal::ensure_complete_flip(&catalog).await?;
     let record = journal::by_id(&catalog, id).await?;
-    let mover = Mover::load(config, options, catalog, info.layout, record).await?;
+    let mover = Mover::load(config, options, catalog, layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
+}
+
+/// `shardline move SHARD --revert`: brings the shard back to where its last move took
+/// it from, onto the old copy kept there until `gc`, brought up to date from the new
+/// owner's reverse replication (kept since that move's flip) instead of a new copy. It
+/// is a move like any other from there on (the change log, the comparison before the
+/// fence, the fence, the sequence carried, verified, flipped) and is itself revertible.
+///
+/// # Errors
+///
+/// [`Error::NotRevertible`] naming why (no done move of the shard, the map moved on,
+/// the old copy or the reverse slot gone, a migration since, already reverted), with
+/// nothing changed; [`Error::Preflight`]; then as [`run`]. A revert undone before its
+/// flip drops the old copy (the shard stays where it is; a later move back copies it
+/// again).
+pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<MoveReport> {
+    let config = &crate::fleet::resolved(config).await?;
+    let (catalog, info) = Catalog::open(config).await?;
+    let shard = shard.within(config.logical_shards)?;
+    let not = |reason: String| Error::NotRevertible { shard, reason };
+    let moves = journal::all(&catalog).await?;
+    let last = moves
+        .iter()
+        .filter(|m| m.shard == shard && m.state != State::RolledBack)
+        .max_by_key(|m| m.id)
+        .ok_or_else(|| not("it has never been moved".into()))?;
+    if last.state != State::Done {
+        return Err(not(format!("its move {} is still running (finish it first)", last.id)));
+    }
+    let map = catalog.map().await?;
+    if *map.host_of(shard) != last.target {
+        return Err(not(format!(
+            "the map places it on {}, not on {} where its last move ({}) took it",
+            map.host_of(shard),
+            last.target,
+            last.id
+        )));
+    }
+    let why = last.detail.revert_unavailable.clone().unwrap_or_else(|| "made by an older shardline".into());
+    let rev = last
+        .detail
+        .revert
+        .clone()
+        .filter(|r| r.made)
+        .ok_or_else(|| not(format!("its last move ({}) kept no reverse replication: {why}", last.id)))?;
+    let lsn = rev
+        .lsn
+        .clone()
+        .ok_or_else(|| not(format!("move {} did not record where the new owner's writes begin", last.id)))?;
+    if let Some(used) = moves.iter().find(|m| m.id == rev.id) {
+        return Err(not(if used.state == State::RolledBack {
+            format!(
+                "its revert (move {}) was undone, which dropped the old copy; move it with `--to {}`",
+                used.id, last.source
+            )
+        } else {
+            format!("move {} was already reverted by move {}", last.id, used.id)
+        }));
+    }
+    if last.detail.source_dropped {
+        return Err(not(format!("`gc` dropped its old copy on {}", last.source)));
+    }
+    if !last.detail.cleanup_pending.is_empty() {
+        return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
+    }
+    check_revertible(config, last, &rev).await.map_err(not)?;
+    let check = preflight::preflight(config, shard, &last.source).await?;
+    if !check.is_ok() {
+        return Err(Error::Preflight(Box::new(check)));
+    }
+    let detail = Detail {
+        schema: check.schema.to_string(),
+        moved_schema: moved_name(&check.schema, rev.id),
+        name: rev.name.clone(),
+        rows: check.rows_estimate,
+        bytes: check.bytes,
+        reverts: Some(Reverting {
+            of: last.id,
+            old_schema: last.detail.moved_schema.clone(),
+            lsn,
+            sequence_max: last.detail.sequence_max,
+        }),
+        ..Detail::default()
+    };
+    let detail = revertible(&catalog, options, detail).await?;
+    start(config, options, catalog, info.layout, rev.id, &check, &detail).await
+}
+
+/// What a revert of move `m` needs on its hosts: the old copy on `m`'s source, with the
+/// same migrations as the shard on `m`'s target, and there the reverse publication and
+/// slot (`rev`). `Err` says what is missing.
+async fn check_revertible(
+    config: &Config,
+    m: &MoveRecord,
+    rev: &Revertible,
+) -> std::result::Result<(), String> {
+    let say = |e: Error| shardline_repo::error_chain(&e);
+    let old = host_client(config, &m.source).await.map_err(say)?;
+    let new = host_client(config, &m.target).await.map_err(say)?;
+    let ledger = "SELECT coalesce(array_agg(name || ':' || checksum ORDER BY name), '{}')::text[]
+                    FROM shardline.shard_migrations WHERE schema_name = $1";
+    let there: bool = old
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&m.detail.moved_schema])
+        .await
+        .map_err(|e| say(host_err(&m.source, "look for the old copy", &e)))?
+        .get(0);
+    if !there {
+        return Err(format!("its old copy {} is gone from {}", m.detail.moved_schema, m.source));
+    }
+    let was: Vec<String> = old
+        .query_one(ledger, &[&m.detail.moved_schema])
+        .await
+        .map_err(|e| say(host_err(&m.source, "read the old copy's migrations", &e)))?
+        .get(0);
+    let is: Vec<String> = new
+        .query_one(ledger, &[&m.detail.schema])
+        .await
+        .map_err(|e| say(host_err(&m.target, "read the shard's migrations", &e)))?
+        .get(0);
+    if was != is {
+        return Err(format!(
+            "a migration ran on it since move {} (the old copy on {} is behind); move it with `--to {}`",
+            m.id, m.source, m.source
+        ));
+    }
+    let row = new
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1),
+                    EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1 AND NOT active AND wal_status <> 'lost')",
+            &[&rev.name],
+        )
+        .await
+        .map_err(|e| say(host_err(&m.target, "look for the reverse replication", &e)))?;
+    let (published, slot): (bool, bool) = (row.get(0), row.get(1));
+    if !published || !slot {
+        return Err(format!(
+            "its reverse replication {} is gone from {} (or its slot lost its WAL)",
+            rev.name, m.target
+        ));
+    }
+    Ok(())
+}
+
+/// Drops a move's reverse publication and slot `name` on `host` (its target), if there.
+pub(crate) async fn drop_revert_side(c: &Client, host: &HostName, name: &str) -> Result<()> {
+    c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", quote_ident(name)))
+        .await
+        .map_err(on(host, "drop the reverse publication"))?;
+    drop_slots(c, host, name, &Detail::default()).await
 }
 
 async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {

@@ -18,7 +18,7 @@ use shardline_repo::Catalog;
 use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
-use super::engine::{drop_source_side, drop_subscription, sync_slots};
+use super::engine::{drop_revert_side, drop_source_side, drop_subscription, sync_slots};
 use super::journal::{self, MoveRecord, State};
 use super::preflight::host_err;
 use crate::Result;
@@ -232,6 +232,18 @@ async fn gc_host(
             report.dropped.push(format!("{host}: publication/slots {name}"));
         }
     }
+    // Reverse publications and slots (kept for `move --revert`) of moves that can no
+    // longer be reverted: undone, or past their grace period (their old copy goes
+    // below). A revert, once journaled, owns them under its own name (above).
+    for m in moves.iter().filter(|m| m.target == *host && m.state != State::Running) {
+        let Some(rev) = m.detail.revert.as_ref().filter(|r| !r.name.is_empty()) else { continue };
+        let over = m.state != State::Done || old.contains(&m.id) || m.detail.source_dropped;
+        if by_id.contains_key(&rev.id) || !over || !pubs.contains(&rev.name) {
+            continue;
+        }
+        drop_revert_side(c, host, &rev.name).await?;
+        report.dropped.push(format!("{host}: reverse publication/slot {} (move {})", rev.name, m.id));
+    }
     // Markers.
     let marks = c
         .query("SELECT move_id FROM shardline.move_marks", &[])
@@ -264,7 +276,13 @@ async fn gc_host(
     // Old source schemas of done moves, after their grace period.
     for m in moves.iter().filter(|m| m.state == State::Done && m.source == *host) {
         let moved = &m.detail.moved_schema;
-        if moved.is_empty() {
+        // Not while a revert brings it back into use.
+        let reverting = m
+            .detail
+            .revert
+            .as_ref()
+            .is_some_and(|r| by_id.get(&r.id).is_some_and(|x| x.state == State::Running));
+        if moved.is_empty() || reverting {
             continue;
         }
         let exists: bool = c

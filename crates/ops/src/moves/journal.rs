@@ -286,6 +286,53 @@ pub struct Detail {
     /// its duration in µs (measured by this mover; empty for a pause a resumed mover
     /// only finished).
     pub pause_steps: Vec<(String, u64)>,
+    /// What keeps this move revertible after its flip (`shardline move --revert`):
+    /// `None` when it is not (a move journaled by an older shardline, or a target that
+    /// cannot keep a replication slot; see [`Detail::revert_unavailable`]).
+    pub revert: Option<Revertible>,
+    /// Why this move cannot be reverted after its flip, when it cannot.
+    pub revert_unavailable: Option<String>,
+    /// This move reverts an earlier one: it carries the shard back to that move's source,
+    /// onto its old copy, from the new owner's reverse replication.
+    pub reverts: Option<Reverting>,
+}
+
+/// How a move stays revertible after its flip: on its target (the new owner), a
+/// publication of the shard's schema and a logical replication slot, both made before the
+/// fence. The slot keeps every change from the flip on, so a revert brings the old copy on
+/// the source up to date from there instead of copying the shard again. `gc` drops both
+/// with the old copy, after the grace period.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct Revertible {
+    /// The journal ID reserved for the revert: its marker row is the one the
+    /// publication carries (`shardline.move_marks WHERE move_id = id`).
+    pub id: i64,
+    /// The name of the publication and slot on the target (`shardline_move_<id>_<token>`,
+    /// the revert's own name).
+    pub name: String,
+    /// Whether the publication and slot were made.
+    pub made: bool,
+    /// The target's WAL insert position read inside the fence, once the target had
+    /// everything the source committed and before any write of the new owner: the
+    /// revert's replication starts there (the slot is advanced to it).
+    pub lsn: Option<String>,
+}
+
+/// What a revert needs to know of the move it reverts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct Reverting {
+    /// The move reverted.
+    pub of: i64,
+    /// Its old copy's schema on this revert's target (its source).
+    pub old_schema: String,
+    /// Where the new owner's changes begin (see [`Revertible::lsn`]).
+    pub lsn: String,
+    /// The old copy's sequence's MAXVALUE before that move's fence capped it.
+    pub sequence_max: Option<i64>,
 }
 
 /// The comparison before the fence: what it saw, and the change log it relied on.

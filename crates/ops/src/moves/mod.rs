@@ -38,8 +38,10 @@ mod subscription;
 
 pub use engine::{
     AbortReport, CHANGES_SQL, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn,
-    Verification, abort, resume, run,
+    Verification, abort, resume, revert, run,
 };
 pub use gc::{GcReport, gc};
-pub use journal::{Detail, MoveRecord, Precheck, Round, State, Step, TableCheck, list};
+pub use journal::{
+    Detail, MoveRecord, Precheck, Revertible, Reverting, Round, State, Step, TableCheck, list,
+};
 pub use preflight::{Preflight, Problem, preflight};

@@ -14,6 +14,7 @@ impl Mover<'_> {
         let prefix = self.config.schema_prefix.clone();
         let config = self.config;
         let lock_timeout = self.options.lock_timeout;
+        let reverts = self.detail.reverts.clone();
         let dst = self.dst().await?;
         dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
             .await
@@ -24,7 +25,12 @@ impl Mover<'_> {
             .await
             .map_err(on(&target, "look for the schema"))?
             .get(0);
-        if !exists {
+        if let Some(r) = &reverts {
+            if !exists {
+                let max = r.sequence_max.unwrap_or_else(|| layout.max_sequence_value());
+                reopen_old_copy(dst, &target, &r.old_schema, &schema, max).await?;
+            }
+        } else if !exists {
             // One transaction: the schema, its minter, every migration, the ledger.
             let work = ShardWork {
                 shard,
@@ -73,6 +79,11 @@ impl Mover<'_> {
             .await
             .map_err(on(&source, "look for the publication"))?
             .get(0);
+        // A revert's publication is the reverse one, made before the reverted move's
+        // fence: one made now would not be there for the changes since the flip.
+        if !published && reverts.is_some() {
+            return Err(reverse_gone(&source, &name));
+        }
         if !published {
             src.batch_execute(&format!(
                 "CREATE PUBLICATION {name} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {id})",
@@ -114,22 +125,44 @@ impl Mover<'_> {
         // transaction waits; two moves in opposite directions would then each wait for
         // the other's transaction to end (a slot waits for every running one).
         let source = self.source.clone();
-        self.src()
-            .await?
-            .execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
-                  WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
-                &[&name],
-            )
-            .await
-            .map_err(on(&source, "create the replication slot"))?;
+        let copy = if let Some(r) = self.detail.reverts.clone() {
+            // The reverse slot, kept since the reverted move's fence: moved on to where
+            // the new owner's own writes begin (what came before is the old copy's).
+            let src = self.src().await?;
+            let behind: bool = src
+                .query_opt(
+                    "SELECT confirmed_flush_lsn < $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&name, &r.lsn],
+                )
+                .await
+                .map_err(on(&source, "look for the reverse slot"))?
+                .ok_or_else(|| reverse_gone(&source, &name))?
+                .get(0);
+            if behind {
+                src.execute("SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)", &[&name, &r.lsn])
+                    .await
+                    .map_err(on(&source, "advance the reverse slot"))?;
+            }
+            "false"
+        } else {
+            self.src()
+                .await?
+                .execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+                      WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+                    &[&name],
+                )
+                .await
+                .map_err(on(&source, "create the replication slot"))?;
+            "true"
+        };
         let dst = self.dst().await?;
         let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
         let mut oid =
             dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
         if oid.is_none() {
             let rest = format!(
-                "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}')"
+                "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}', copy_data = {copy})"
             );
             // The peer URL may hold a password: through the one helper that keeps
             // it out of the driver's logs and out of the error.
@@ -297,7 +330,65 @@ impl Mover<'_> {
                 break;
             }
         }
+        self.keep_revertible().await?;
         self.journal(Step::CaughtUp).await
+    }
+
+    /// Makes, on the target, the reverse publication and slot that keep the move
+    /// revertible after its flip ([`Detail::revert`]), where the target can keep a
+    /// slot; where it cannot, says why in the journal and the move goes on without.
+    /// The slot starts here, before the fence; what it sees before the fence's end is
+    /// skipped by the revert (see [`Mover::sync`]).
+    async fn keep_revertible(&mut self) -> Result<()> {
+        let Some(rev) = self.detail.revert.clone() else { return Ok(()) };
+        let (target, schema) = (self.target.clone(), self.schema.clone());
+        let dst = self.dst().await?;
+        let row = dst
+            .query_one(
+                "SELECT current_setting('wal_level'),
+                        current_setting('max_replication_slots')::int - (SELECT count(*) FROM pg_replication_slots),
+                        EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1),
+                        EXISTS (SELECT FROM pg_publication WHERE pubname = $1)",
+                &[&rev.name],
+            )
+            .await
+            .map_err(on(&target, "look for the reverse replication"))?;
+        let (wal_level, free, slot, published): (String, i64, bool, bool) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        let unavailable = if slot {
+            None
+        } else if wal_level != "logical" {
+            Some(format!("{target} has wal_level = {wal_level}, not logical"))
+        } else if free < 1 {
+            Some(format!("{target} has no free replication slot (max_replication_slots)"))
+        } else {
+            None
+        };
+        if let Some(why) = unavailable {
+            tracing::warn!(id = self.id, %target, reason = %why, "the move will not be revertible after its flip");
+            self.detail.revert = None;
+            self.detail.revert_unavailable = Some(why);
+            return Ok(());
+        }
+        if !published {
+            dst.batch_execute(&format!(
+                "CREATE PUBLICATION {} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {})",
+                quote_ident(&rev.name),
+                schema.quoted(),
+                rev.id
+            ))
+            .await
+            .map_err(on(&target, "create the reverse publication"))?;
+        }
+        if !slot {
+            dst.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&rev.name])
+                .await
+                .map_err(on(&target, "create the reverse slot"))?;
+        }
+        if let Some(r) = self.detail.revert.as_mut() {
+            r.made = true;
+        }
+        Ok(())
     }
 
     /// The tables of subscription `oid` not yet ready, each with its state, and the
@@ -382,6 +473,17 @@ impl Mover<'_> {
     /// before the flip) and its marker, and subscribes again.
     async fn restart_copy(&mut self, table: String) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
+        if self.detail.reverts.is_some() {
+            // A revert has no copy to start over: the changes since the flip are
+            // streamed once, from the reverse slot, which a new subscription cannot reuse.
+            return Err(Error::Journal {
+                id,
+                message: format!(
+                    "the revert's subscription {name} on {target} is gone {table}; undo it with `shardline move --abort {}`",
+                    self.shard
+                ),
+            });
+        }
         tracing::warn!(move_id = id, %table, "a table's copy cannot finish (its table-sync slot is gone from the source); starting the copy over");
         let schema = self.schema.clone();
         let dst = self.dst().await?;
@@ -496,4 +598,52 @@ impl Mover<'_> {
             pause = (pause * 2).min(Duration::from_millis(4));
         }
     }
+}
+
+/// A revert's reverse publication or slot missing on the new owner.
+fn reverse_gone(host: &HostName, name: &str) -> Error {
+    Error::Host {
+        host: host.to_string(),
+        what: "find the reverse replication".into(),
+        sqlstate: None,
+        message: format!("{name} is gone (dropped by `gc`?); the revert cannot go on"),
+    }
+}
+
+/// On a revert's target, in one transaction: the old copy `old` renamed back to `schema`,
+/// its ID sequence's cap (set by the reverted move's fence) lifted to `max`, and its
+/// ledger rows moved along. The reverse replication then brings it up to date.
+async fn reopen_old_copy(
+    c: &Client,
+    host: &HostName,
+    old: &str,
+    schema: &SchemaName,
+    max: i64,
+) -> Result<()> {
+    let there: bool = c
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&old])
+        .await
+        .map_err(on(host, "look for the old copy"))?
+        .get(0);
+    if !there {
+        return Err(Error::Host {
+            host: host.to_string(),
+            what: "reopen the old copy".into(),
+            sqlstate: None,
+            message: format!("neither {old} nor {schema} is there (dropped by `gc`?)"),
+        });
+    }
+    c.batch_execute(&format!(
+        "BEGIN;
+         ALTER SCHEMA {old_q} RENAME TO {new_q};
+         ALTER SEQUENCE {new_q}.shardline_id_seq MAXVALUE {max};
+         UPDATE shardline.shard_migrations SET schema_name = {new_l} WHERE schema_name = {old_l};
+         COMMIT",
+        old_q = quote_ident(old),
+        new_q = schema.quoted(),
+        old_l = quote_literal(old),
+        new_l = quote_literal(schema.as_str()),
+    ))
+    .await
+    .map_err(on(host, "reopen the old copy"))
 }

@@ -181,6 +181,24 @@ impl Mover<'_> {
         };
         let deadline = Instant::now() + self.options.sync_timeout;
         self.wait_mark(mark, deadline, "after the fence").await?;
+        if self.detail.revert.as_ref().is_some_and(|r| r.made) {
+            // Where the revert's replication starts: the target now holds everything the
+            // source committed (its apply worker wrote it before this position), and no
+            // one writes the shard there before the flip. The insert position, not the
+            // write position: the apply worker commits asynchronously.
+            let target = self.target.clone();
+            let lsn: String = self
+                .dst()
+                .await?
+                .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+                .await
+                .map_err(on(&target, "read the WAL position"))?
+                .get(0);
+            if let Some(r) = self.detail.revert.as_mut() {
+                r.lsn = Some(lsn);
+            }
+            self.lap("reverse position");
+        }
         self.journal(Step::Synced).await
     }
 

@@ -220,6 +220,11 @@ impl Mover<'_> {
         // triggers go at once.
         drop_changes(dst, &target, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await?;
         if drop_schema {
+            // Undone: nothing is left to revert.
+            if let Some(rev) = self.detail.revert.clone() {
+                drop_revert_side(self.dst().await?, &target, &rev.name).await?;
+            }
+            let dst = self.dst().await?;
             dst.batch_execute(&format!(
                 "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
                 schema.quoted(),
