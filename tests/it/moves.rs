@@ -2534,13 +2534,13 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
                 progress.store(n, Ordering::Relaxed);
                 let user = 6 * i64::try_from(n % 20).unwrap_or(0);
                 acked.push(photos.insert(&photo(user, 1000 + n)).await?.id);
-                if n % 5 == 0 && acked.len() > 3 {
+                if n.is_multiple_of(5) && acked.len() > 3 {
                     let gone = acked[acked.len() - 3];
                     if photos.delete(gone).await? {
                         deleted.push(gone);
                     }
                 }
-                if n % 3 == 0 {
+                if n.is_multiple_of(3) {
                     let p = &seeded[n % seeded.len()];
                     let caption = format!("w{n}");
                     if photos.update(p.id, &[("caption", &caption)]).await?.is_some() {
