@@ -2675,6 +2675,59 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_revert_stopped_after_any_step_is_resumed_or_undone);
+/// A revert stopped after each of its steps (as if its mover died there), then resumed
+/// (through the CLI) or, before its flip, undone: resumed, the shard ends back on the
+/// first move's source; undone, it stays writable on the new owner and the old copy is
+/// dropped. Either way it is whole (a write made on the new owner before the revert
+/// included), and `gc` leaves nothing replicating.
+pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 1).await?;
+    let mut expected = [20, 20, 20];
+    let mut on = "pg1";
+    for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
+        let other = if on == "pg1" { "pg2" } else { "pg1" };
+        moves::run(&config, crate::shard(0), &crate::host(other), &MoveOptions::default().revertible())
+            .await?;
+        cluster.refresh().await?;
+        cluster.repo::<Photo>()?.insert(&photo(0, 1000 + i)).await?;
+        expected[0] += 1;
+        let stopping = MoveOptions::default().stopping_after(step);
+        let err = moves::revert(&config, crate::shard(0), &stopping).await.unwrap_err();
+        assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        let undo = step < Step::Flipped && i % 2 == 1;
+        if undo {
+            let said = cli(&f, &["move", "--abort", "0"]).await?;
+            assert!(said.contains(&format!("stays on {other}")), "{step}: {said}");
+            assert_eq!(
+                counts(&f, &ctx, host_index(on), "shard_0000").await?,
+                None,
+                "{step}: the old copy is dropped"
+            );
+            on = other;
+        } else {
+            let said = cli(&f, &["move", "--resume", "0", "--json"]).await?;
+            let done: serde_json::Value = serde_json::from_str(said.trim())?;
+            assert_eq!(done[0]["target"].as_str(), Some(on), "{step}: {said}");
+        }
+        cli(&f, &["gc", "--grace", "0s"]).await?;
+        cluster.refresh().await?;
+        assert_eq!(cluster.route_user(0).host.as_str(), on, "{step}");
+        let gone = if on == "pg1" { "pg2" } else { "pg1" };
+        assert_eq!(counts(&f, &ctx, host_index(on), "shard_0000").await?, Some(expected), "{step}");
+        assert_eq!(counts(&f, &ctx, host_index(gone), "shard_0000").await?, None, "{step}");
+        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "{step}");
+        let p = cluster.repo::<Photo>()?.insert(&photo(0, 2000 + i)).await?;
+        assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?, Some(p), "{step}: writable");
+        expected[0] += 1;
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(own: rebalance_runs_moves_between_disjoint_host_pairs_at_once);
 /// `rebalance --apply --parallel 2` on four hosts of the test's own, two of them new and
 /// empty. The shards are sized so that the plan's first two moves share a host (both
