@@ -186,6 +186,54 @@ async fn main() -> Result<(), BoxError> {
         );
     }
 
+    // 2b. A revert after the flip against moving the shard back with a new copy: shard 0
+    // (on pg3 now) moves to pg1 revertible, takes writes there, is reverted to pg3, then
+    // moved back to pg1 by a plain move (the rival: same shard, same writers, same hosts).
+    {
+        let stop = Arc::new(AtomicBool::new(false));
+        let load = writers(&cluster, i64::from(count), 0, rate, &stop);
+        let shard = LogicalShard::bounded(0)?;
+        let timed = |to: &'static str, opts: MoveOptions, revert: bool| {
+            let config = config.clone();
+            async move {
+                let t = Instant::now();
+                let r = if revert {
+                    moves::revert(&config, shard, &opts).await?
+                } else {
+                    moves::run(&config, shard, &HostName::new(to)?, &opts).await?
+                };
+                Ok::<_, BoxError>((t.elapsed(), r))
+            }
+        };
+        let (fwd, f) = timed("pg1", MoveOptions::default().revertible(), false).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (back, b) = timed("pg3", MoveOptions::default(), true).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (plain, p) = timed("pg1", MoveOptions::default(), false).await?;
+        stop.store(true, Ordering::Relaxed);
+        for w in load {
+            w.await?;
+        }
+        println!(
+            "revert after the flip: shard 0 ({} rows, {:.1} MB), 4 writers x {rate}/s on it throughout",
+            b.rows,
+            b.bytes as f64 / 1e6
+        );
+        println!("  {:>40} {:>10} {:>12}", "", "whole", "write pause");
+        for (name, d, r) in [
+            ("move pg3 -> pg1, --revertible", fwd, &f),
+            ("revert pg1 -> pg3 (old copy, no copy)", back, &b),
+            ("rival: move pg3 -> pg1 (a new copy)", plain, &p),
+        ] {
+            println!("  {name:>40} {:>10} {:>9} ms", ms(d), r.pause_ms);
+        }
+        println!(
+            "  revert / rival: {:.2}x faster; the revertible move / the plain one: {:.2}x the time",
+            plain.as_secs_f64() / back.as_secs_f64(),
+            fwd.as_secs_f64() / plain.as_secs_f64()
+        );
+    }
+
     // 3. Gentle on the source: writers to another shard of the source, with no move, then
     // during a move's copy (a shard as big as the first).
     let mut by_host: std::collections::BTreeMap<String, Vec<i64>> = std::collections::BTreeMap::new();

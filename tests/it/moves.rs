@@ -2568,7 +2568,7 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
     };
 
     let never = moves::revert(&config, crate::shard(0), &MoveOptions::default()).await.unwrap_err();
-    assert_eq!(never.to_string(), "shard 0 cannot be reverted: it has never been moved");
+    assert_eq!(never.to_string(), "shard 0 cannot be reverted: it has no finished move");
 
     // 1. A revert onto an old copy that differs is not flipped.
     let first =
@@ -2597,7 +2597,8 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
     written(10).await;
     let again = cli(&f, &["move", "0", "--revert"]).await.unwrap_err();
     assert!(
-        again.contains("shard 0 cannot be reverted: its revert (move") && again.contains("was undone"),
+        again.contains("shard 0 cannot be reverted: its revert (move")
+            && again.contains("was undone; move it with `--to pg1`"),
         "{again}"
     );
 
@@ -2656,6 +2657,16 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
         said.trim()
     );
 
+    // A migration since the move leaves the old copy behind: refused, nothing changed.
+    f.migration("0005_tags.sql", "ALTER TABLE photos ADD COLUMN tags text;\n")?;
+    shardline_ops::migrate(&config, &options(1), &quiet).await?;
+    let behind = cli(&f, &["move", "0", "--revert"]).await.unwrap_err();
+    assert!(
+        behind.contains("shard 0 cannot be reverted: a migration ran on it since its last move"),
+        "{behind}"
+    );
+    assert_eq!(moves::list(&config).await?.iter().filter(|m| m.state == State::Running).count(), 0);
+
     // The revert is revertible in turn, until `gc` is past the grace period: then
     // nothing is kept, and a revert is refused.
     cli(&f, &["gc", "--grace", "0s"]).await?;
@@ -2689,8 +2700,13 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
     seed(&cluster, 0, 6, 1).await?;
     let mut expected = [20, 20, 20];
     let mut on = "pg1";
+    let seeded = cluster.repo::<Photo>()?.page_of_user(0, None, 1).await?.rows;
+    let seeded = seeded.first().ok_or("a photo of user 0")?.id;
     for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
         let other = if on == "pg1" { "pg2" } else { "pg1" };
+        // A handle that hears of no move: its map keeps the shard on `on`.
+        let stale =
+            Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
         moves::run(&config, crate::shard(0), &crate::host(other), &MoveOptions::default().revertible())
             .await?;
         cluster.refresh().await?;
@@ -2699,6 +2715,15 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
         let stopping = MoveOptions::default().stopping_after(step);
         let err = moves::revert(&config, crate::shard(0), &stopping).await.unwrap_err();
         assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        let caption = format!("stale {i}");
+        if (Step::Prepared..=Step::CaughtUp).contains(&step) {
+            // The old copy is back under the shard's name on `on`, not the shard's yet: the
+            // stale handle's update is turned away there, and lands on `other`.
+            assert_eq!(stale.route_user(0).host.as_str(), on);
+            let updated = stale.repo::<Photo>()?.update(seeded, &[("caption", &caption)]).await?;
+            assert!(updated.is_some(), "{step}");
+            assert_eq!(stale.route_user(0).host.as_str(), other, "{step}: the handle learnt the map");
+        }
         let undo = step < Step::Flipped && i % 2 == 1;
         if undo {
             let said = cli(&f, &["move", "--abort", "0"]).await?;
@@ -2724,6 +2749,10 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
         let p = cluster.repo::<Photo>()?.insert(&photo(0, 2000 + i)).await?;
         assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?, Some(p), "{step}: writable");
         expected[0] += 1;
+        if (Step::Prepared..=Step::CaughtUp).contains(&step) {
+            let now = cluster.repo::<Photo>()?.get(seeded).await?.map(|p| p.caption);
+            assert_eq!(now, Some(caption), "{step}: the stale handle's update is kept");
+        }
     }
     Ok(())
 }

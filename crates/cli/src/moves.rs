@@ -35,7 +35,7 @@ pub struct MoveOpt {
     pub abort: bool,
     /// Keep the move revertible after its flip (`--revert`, until `gc` drops the old
     /// copy): a replication slot on the target keeps its WAL meanwhile.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["resume", "abort", "dry_run"])]
     pub revertible: bool,
     /// Bring the shard back to where its last move took it from, after that move's
     /// flip and before `gc` drops the old copy there (a move made `--revertible`): the

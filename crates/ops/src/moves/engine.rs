@@ -31,6 +31,7 @@ mod verify;
 
 pub use changes::CHANGES_SQL;
 pub(crate) use changes::{drop_changes, logged_moves};
+use copy::REVERT_GUARD;
 use fence::Renewer;
 pub(crate) use flip::{drop_slots, drop_source_side, drop_subscription, sync_slots};
 pub(crate) use undo::finish_undone;
@@ -974,8 +975,9 @@ async fn start(
     check: &preflight::Preflight,
     detail: &Detail,
 ) -> Result<MoveReport> {
-    journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
+    // The lock first: `gc` takes a revert's lock before it drops what the revert needs.
     lock_move(&catalog, id).await?;
+    journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
     journal::ensure_complete_flip(&catalog).await?;
     let record = journal::by_id(&catalog, id).await?;
     let mover = Mover::load(config, options, catalog, layout, record).await?;
@@ -1006,7 +1008,7 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
         .iter()
         .filter(|m| m.shard == shard && m.state != State::RolledBack)
         .max_by_key(|m| m.id)
-        .ok_or_else(|| not("it has never been moved".into()))?;
+        .ok_or_else(|| not("it has no finished move".into()))?;
     if last.state != State::Done {
         return Err(not(format!("its move {} is still running (finish it first)", last.id)));
     }
@@ -1032,10 +1034,7 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
         .ok_or_else(|| not(format!("move {} did not record where the new owner's writes begin", last.id)))?;
     if let Some(used) = moves.iter().find(|m| m.id == rev.id) {
         return Err(not(if used.state == State::RolledBack {
-            format!(
-                "its revert (move {}) was undone, which dropped the old copy; move it with `--to {}`",
-                used.id, last.source
-            )
+            format!("its revert (move {}) was undone; move it with `--to {}`", used.id, last.source)
         } else {
             format!("move {} was already reverted by move {}", last.id, used.id)
         }));
@@ -1046,10 +1045,13 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
     if !last.detail.cleanup_pending.is_empty() {
         return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
     }
-    check_revertible(config, last, &rev).await.map_err(not)?;
+    check_revertible(config, last, &rev, &lsn).await.map_err(not)?;
     let check = preflight::preflight(config, shard, &last.source).await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
+    }
+    if check.source != last.target {
+        return Err(not(format!("the map moved it on to {} meanwhile", check.source)));
     }
     let detail = Detail {
         schema: check.schema.to_string(),
@@ -1069,56 +1071,89 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
     start(config, options, catalog, info.layout, rev.id, &check, &detail).await
 }
 
-/// What a revert of move `m` needs on its hosts: the old copy on `m`'s source, with the
-/// same migrations as the shard on `m`'s target, and there the reverse publication and
-/// slot (`rev`). `Err` says what is missing.
+/// What a revert of move `m` needs on its hosts (see [`check_reverse`]), asked on new
+/// connections before the revert is journaled. `Err` says what is missing.
 async fn check_revertible(
     config: &Config,
     m: &MoveRecord,
     rev: &Revertible,
+    lsn: &str,
 ) -> std::result::Result<(), String> {
     let say = |e: Error| shardline_repo::error_chain(&e);
     let old = host_client(config, &m.source).await.map_err(say)?;
     let new = host_client(config, &m.target).await.map_err(say)?;
+    let sides = Sides { old: &old, old_host: &m.source, new: &new, new_host: &m.target };
+    check_reverse(&sides, &m.detail.moved_schema, &m.detail.schema, &rev.name, lsn).await
+}
+
+/// The two hosts of a revert: the old copy's (the revert's target) and the new owner's.
+pub(super) struct Sides<'c> {
+    pub(super) old: &'c Client,
+    pub(super) old_host: &'c HostName,
+    pub(super) new: &'c Client,
+    pub(super) new_host: &'c HostName,
+}
+
+/// Whether a revert can bring the shard (`schema` on the new owner) back onto the old
+/// copy `old_schema`: the old copy is there, at the same migrations (the minter's and
+/// the grants' rows aside, as the pre-flight compares), and the new owner still has the
+/// reverse publication and an idle slot `name` that has not gone past `lsn` (or lost its
+/// WAL). Asked before a revert is journaled, and again by its `prepare`, under the
+/// move's lock (a migration cannot run meanwhile), before the old copy is touched.
+/// `Err` says what is missing.
+pub(super) async fn check_reverse(
+    sides: &Sides<'_>,
+    old_schema: &str,
+    schema: &str,
+    name: &str,
+    lsn: &str,
+) -> std::result::Result<(), String> {
+    let say = |e: Error| shardline_repo::error_chain(&e);
     let ledger = "SELECT coalesce(array_agg(name || ':' || checksum ORDER BY name), '{}')::text[]
-                    FROM shardline.shard_migrations WHERE schema_name = $1";
-    let there: bool = old
-        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&m.detail.moved_schema])
+                    FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2)";
+    let skip = [crate::converge::MINTER, crate::grants::GRANTS];
+    let there: bool = sides
+        .old
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&old_schema])
         .await
-        .map_err(|e| say(host_err(&m.source, "look for the old copy", &e)))?
+        .map_err(|e| say(host_err(sides.old_host, "look for the old copy", &e)))?
         .get(0);
     if !there {
-        return Err(format!("its old copy {} is gone from {}", m.detail.moved_schema, m.source));
+        return Err(format!("its old copy {old_schema} is gone from {}", sides.old_host));
     }
-    let was: Vec<String> = old
-        .query_one(ledger, &[&m.detail.moved_schema])
+    let was: Vec<String> = sides
+        .old
+        .query_one(ledger, &[&old_schema, &skip.as_slice()])
         .await
-        .map_err(|e| say(host_err(&m.source, "read the old copy's migrations", &e)))?
+        .map_err(|e| say(host_err(sides.old_host, "read the old copy's migrations", &e)))?
         .get(0);
-    let is: Vec<String> = new
-        .query_one(ledger, &[&m.detail.schema])
+    let is: Vec<String> = sides
+        .new
+        .query_one(ledger, &[&schema, &skip.as_slice()])
         .await
-        .map_err(|e| say(host_err(&m.target, "read the shard's migrations", &e)))?
+        .map_err(|e| say(host_err(sides.new_host, "read the shard's migrations", &e)))?
         .get(0);
     if was != is {
         return Err(format!(
-            "a migration ran on it since move {} (the old copy on {} is behind); move it with `--to {}`",
-            m.id, m.source, m.source
+            "a migration ran on it since its last move (the old copy on {} is behind); move it with `--to {}`",
+            sides.old_host, sides.old_host
         ));
     }
-    let row = new
+    let row = sides
+        .new
         .query_one(
             "SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1),
-                    EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1 AND NOT active AND wal_status <> 'lost')",
-            &[&rev.name],
+                    EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1 AND NOT active
+                              AND wal_status <> 'lost' AND confirmed_flush_lsn <= $2::text::pg_lsn)",
+            &[&name, &lsn],
         )
         .await
-        .map_err(|e| say(host_err(&m.target, "look for the reverse replication", &e)))?;
+        .map_err(|e| say(host_err(sides.new_host, "look for the reverse replication", &e)))?;
     let (published, slot): (bool, bool) = (row.get(0), row.get(1));
     if !published || !slot {
         return Err(format!(
-            "its reverse replication {} is gone from {} (or its slot lost its WAL)",
-            rev.name, m.target
+            "its reverse replication {name} on {} is gone, in use, past the flip or without its WAL",
+            sides.new_host
         ));
     }
     Ok(())

@@ -10,7 +10,7 @@
 //! - Change logs (triggers, their functions, the logged keys) of moves no longer
 //!   running.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -92,6 +92,18 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             }
         }
     }
+    // A revert may not start while this run drops what it needs (the old copy, the
+    // reverse slot): each revertible move's revert lock, held to the end of the run; a
+    // revert holding it already is left alone. The journal is read again under them.
+    let mut reverting = HashSet::new();
+    for m in journal::all(&catalog).await? {
+        if let Some(r) = m.detail.revert.as_ref().filter(|_| m.state != State::Running) {
+            let (cluster, this) = catalog.try_lock_move(r.id).await?;
+            if !(cluster && this) {
+                reverting.insert(m.id);
+            }
+        }
+    }
     let moves = journal::all(&catalog).await?;
     let map = catalog.map().await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
@@ -113,7 +125,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
         // A host that stops answering (hung, or cut off) mid-way is left for the next run,
         // as an unreachable one is: its statements are not waited for.
         let name = std::slice::from_ref(&host.name);
-        let work = gc_host(&c, &host.name, &moves, &by_id, &old, &map, config, &mut report);
+        let work = gc_host(&c, &host.name, &moves, &by_id, &old, &reverting, &map, config, &mut report);
         match super::engine::unless_hung(config, name, GC_HUNG_AFTER, work).await {
             Ok(done) => done?,
             Err(hung) => {
@@ -149,6 +161,7 @@ async fn gc_host(
     moves: &[MoveRecord],
     by_id: &HashMap<i64, &MoveRecord>,
     old: &[i64],
+    reverting: &HashSet<i64>,
     map: &shardline_router::ShardMap,
     config: &Config,
     report: &mut GcReport,
@@ -237,8 +250,10 @@ async fn gc_host(
     // below). A revert, once journaled, owns them under its own name (above).
     for m in moves.iter().filter(|m| m.target == *host && m.state != State::Running) {
         let Some(rev) = m.detail.revert.as_ref().filter(|r| !r.name.is_empty()) else { continue };
-        let over = m.state != State::Done || old.contains(&m.id) || m.detail.source_dropped;
-        if by_id.contains_key(&rev.id) || !over || !pubs.contains(&rev.name) {
+        // A later move of the shard (not undone) leaves nothing for this one to revert.
+        let later = moves.iter().any(|o| o.shard == m.shard && o.id > m.id && o.state != State::RolledBack);
+        let over = m.state != State::Done || old.contains(&m.id) || m.detail.source_dropped || later;
+        if by_id.contains_key(&rev.id) || reverting.contains(&m.id) || !over || !pubs.contains(&rev.name) {
             continue;
         }
         drop_revert_side(c, host, &rev.name).await?;
@@ -277,12 +292,12 @@ async fn gc_host(
     for m in moves.iter().filter(|m| m.state == State::Done && m.source == *host) {
         let moved = &m.detail.moved_schema;
         // Not while a revert brings it back into use.
-        let reverting = m
-            .detail
-            .revert
-            .as_ref()
-            .is_some_and(|r| by_id.get(&r.id).is_some_and(|x| x.state == State::Running));
-        if moved.is_empty() || reverting {
+        let in_use = reverting.contains(&m.id)
+            || m.detail
+                .revert
+                .as_ref()
+                .is_some_and(|r| by_id.get(&r.id).is_some_and(|x| x.state == State::Running));
+        if moved.is_empty() || in_use {
             continue;
         }
         let exists: bool = c

@@ -27,8 +27,34 @@ impl Mover<'_> {
             .get(0);
         if let Some(r) = &reverts {
             if !exists {
-                let max = r.sequence_max.unwrap_or_else(|| layout.max_sequence_value());
-                reopen_old_copy(dst, &target, &r.old_schema, &schema, max).await?;
+                let there: bool = dst
+                    .query_one(
+                        "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)",
+                        &[&r.old_schema],
+                    )
+                    .await
+                    .map_err(on(&target, "look for the old copy"))?
+                    .get(0);
+                if !there {
+                    return Err(Error::Host {
+                        host: target.to_string(),
+                        what: "reopen the old copy".into(),
+                        sqlstate: None,
+                        message: format!("neither {} nor {schema} is there (dropped by `gc`?)", r.old_schema),
+                    });
+                }
+                // Again under the move's lock, before the old copy is touched: a migration
+                // may have run, or `gc` dropped the reverse side, since `revert` asked.
+                self.src().await?;
+                self.dst().await?;
+                let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
+                    return Err(Error::Busy);
+                };
+                let sides = Sides { old: dst, old_host: &target, new: src, new_host: &self.source };
+                check_reverse(&sides, &r.old_schema, schema.as_str(), &name, &r.lsn)
+                    .await
+                    .map_err(|reason| Error::NotRevertible { shard, reason })?;
+                reopen_old_copy(dst, &target, &r.old_schema, &schema).await?;
             }
         } else if !exists {
             // One transaction: the schema, its minter, every migration, the ledger.
@@ -341,6 +367,7 @@ impl Mover<'_> {
     /// skipped by the revert (see [`Mover::sync`]).
     async fn keep_revertible(&mut self) -> Result<()> {
         let Some(rev) = self.detail.revert.clone() else { return Ok(()) };
+        let id = self.id;
         let (target, schema) = (self.target.clone(), self.schema.clone());
         let dst = self.dst().await?;
         let row = dst
@@ -365,16 +392,34 @@ impl Mover<'_> {
             None
         };
         if let Some(why) = unavailable {
-            tracing::warn!(id = self.id, %target, reason = %why, "the move will not be revertible after its flip");
+            tracing::warn!(id, %target, reason = %why, "the move will not be revertible after its flip");
+            // A publication made by an earlier try whose slot then could not be: nothing
+            // would find it again.
+            drop_revert_side(dst, &target, &rev.name).await?;
             self.detail.revert = None;
             self.detail.revert_unavailable = Some(why);
             return Ok(());
         }
         if !published {
+            // The shard's tables by name, not its schema: a table a migration adds during
+            // the grace period is not published (its updates and deletes need no replica
+            // identity), and a migration makes the move unrevertible anyway.
+            let tables: Vec<String> = dst
+                .query(
+                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
+                       JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
+                    &[&schema.as_str()],
+                )
+                .await
+                .map_err(on(&target, "list the shard's tables"))?
+                .iter()
+                .map(|r| format!("{}, ", r.get::<_, String>(0)))
+                .collect();
             dst.batch_execute(&format!(
-                "CREATE PUBLICATION {} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {})",
+                "CREATE PUBLICATION {} FOR TABLE {}shardline.move_marks WHERE (move_id = {})",
                 quote_ident(&rev.name),
-                schema.quoted(),
+                tables.concat(),
                 rev.id
             ))
             .await
@@ -610,33 +655,49 @@ fn reverse_gone(host: &HostName, name: &str) -> Error {
     }
 }
 
+/// The trigger that keeps writers off a revert's reopened old copy until the sequence is
+/// carried: statement-level on each of the copy's tables, fired in sessions of the
+/// `origin` replication role only, so the apply worker bringing the copy up to date
+/// passes and a router with a map from before the reverted move's flip gets 3F000 (its
+/// retry reloads the map) instead of writing a copy that is not the shard's yet.
+pub(super) const REVERT_GUARD: &str = "shardline_revert_guard";
+
 /// On a revert's target, in one transaction: the old copy `old` renamed back to `schema`,
-/// its ID sequence's cap (set by the reverted move's fence) lifted to `max`, and its
-/// ledger rows moved along. The reverse replication then brings it up to date.
-async fn reopen_old_copy(
-    c: &Client,
-    host: &HostName,
-    old: &str,
-    schema: &SchemaName,
-    max: i64,
-) -> Result<()> {
-    let there: bool = c
-        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&old])
+/// its tables guarded ([`REVERT_GUARD`]), and its ledger rows moved along. Its ID
+/// sequence stays capped (as the reverted move's fence left it) until the sequence is
+/// carried. The reverse replication then brings it up to date.
+async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName) -> Result<()> {
+    let tables: Vec<String> = c
+        .query(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+            &[&old],
+        )
         .await
-        .map_err(on(host, "look for the old copy"))?
-        .get(0);
-    if !there {
-        return Err(Error::Host {
-            host: host.to_string(),
-            what: "reopen the old copy".into(),
-            sqlstate: None,
-            message: format!("neither {old} nor {schema} is there (dropped by `gc`?)"),
-        });
-    }
+        .map_err(on(host, "list the old copy's tables"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let guards: String = tables
+        .iter()
+        .map(|t| {
+            format!(
+                "CREATE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {}.{}
+                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard();\n",
+                schema.quoted(),
+                quote_ident(t)
+            )
+        })
+        .collect();
     c.batch_execute(&format!(
         "BEGIN;
+         CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql AS $g$
+         BEGIN
+             RAISE EXCEPTION 'schema \"%\" on this host is an old copy being brought back by a revert; the shard lives elsewhere until its flip', TG_TABLE_SCHEMA
+                 USING ERRCODE = 'invalid_schema_name';
+         END $g$;
          ALTER SCHEMA {old_q} RENAME TO {new_q};
-         ALTER SEQUENCE {new_q}.shardline_id_seq MAXVALUE {max};
+         {guards}
          UPDATE shardline.shard_migrations SET schema_name = {new_l} WHERE schema_name = {old_l};
          COMMIT",
         old_q = quote_ident(old),

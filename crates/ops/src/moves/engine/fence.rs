@@ -245,16 +245,44 @@ impl Mover<'_> {
             }
             last = last.max(fenced);
         }
-        self.dst()
-            .await?
-            .query_one(
-                &format!(
-                    "SELECT setval('{seq}'::regclass, greatest($1, (SELECT last_value FROM {seq})), true)"
-                ),
-                &[&last],
-            )
-            .await
-            .map_err(on(&target, "carry the ID sequence"))?;
+        let carry = format!(
+            "SELECT setval('{seq}'::regclass, greatest({last}, (SELECT last_value FROM {seq})), true);"
+        );
+        let carry = match &self.detail.reverts {
+            None => carry,
+            // A revert's old copy: its cap (the reverted move's fence) lifted and its
+            // guards dropped with the carry, in one transaction, so the first write it
+            // takes mints above every ID the new owner handed out.
+            Some(r) => {
+                let max = r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value());
+                let schema = self.schema.clone();
+                let tables: Vec<String> = self
+                    .dst()
+                    .await?
+                    .query(
+                        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+                        &[&schema.as_str()],
+                    )
+                    .await
+                    .map_err(on(&target, "list the shard's tables"))?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                let unguard: String = tables
+                    .iter()
+                    .map(|t| {
+                        format!(
+                            "DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {}.{};",
+                            schema.quoted(),
+                            quote_ident(t)
+                        )
+                    })
+                    .collect();
+                format!("BEGIN; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} {unguard} COMMIT;")
+            }
+        };
+        self.dst().await?.batch_execute(&carry).await.map_err(on(&target, "carry the ID sequence"))?;
         self.detail.sequence = Some(last);
         self.journal(Step::SequenceCarried).await
     }
