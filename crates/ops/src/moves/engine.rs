@@ -1046,7 +1046,7 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
         return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
     }
     check_revertible(config, last, &rev, &lsn).await.map_err(not)?;
-    let check = preflight::preflight(config, shard, &last.source).await?;
+    let check = preflight::preflight_for(config, shard, &last.source, preflight::Need::REVERT).await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
     }

@@ -98,6 +98,8 @@ impl std::fmt::Display for Preflight {
 
 struct Checks {
     problems: Vec<Problem>,
+    /// What the move takes on its source.
+    need: Need,
 }
 
 impl Checks {
@@ -120,6 +122,31 @@ pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -
 /// shard out of range, a statement failing. An unreachable source or target is a
 /// [`Problem`], not an error.
 pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) -> Result<Preflight> {
+    preflight_for(config, shard, target, Need::MOVE).await
+}
+
+/// What a move takes on its source, beyond what is there: replication slots and WAL
+/// senders.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Need {
+    slots: i32,
+    senders: i32,
+}
+
+impl Need {
+    /// A move: its slot and a table-sync worker's; their senders.
+    pub(crate) const MOVE: Need = Need { slots: 2, senders: 2 };
+    /// A revert: the reverse slot is there already, and nothing is copied.
+    pub(crate) const REVERT: Need = Need { slots: 0, senders: 1 };
+}
+
+/// [`preflight`], for a move that takes `need` on its source.
+pub(crate) async fn preflight_for(
+    config: &Config,
+    shard: LogicalShard,
+    target: &HostName,
+    need: Need,
+) -> Result<Preflight> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
     let map = catalog.map().await?;
@@ -127,7 +154,7 @@ pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) 
     let schema = config.schema_prefix.schema(shard);
     let source = map.host_of(shard).clone();
     let target_name = target.clone();
-    let mut checks = Checks { problems: Vec::new() };
+    let mut checks = Checks { problems: Vec::new(), need };
 
     let target_config = config.hosts.iter().find(|h| h.name == target_name);
     let target_state = catalog.hosts().await?.into_iter().find(|h| h.name == target_name).map(|h| h.state);
@@ -244,6 +271,7 @@ async fn check_source(
         .await
         .map_err(fail)?;
     let (level, slots, senders): (String, i32, i32) = (row.get(0), row.get(1), row.get(2));
+    let need = checks.need;
     if level != "logical" {
         checks.add(
             Some(host),
@@ -251,18 +279,21 @@ async fn check_source(
             format!("is {level}; a move needs logical (set wal_level = logical and restart the server)"),
         );
     }
-    if slots < 2 {
+    if slots < need.slots {
         checks.add(
             Some(host),
             "replication slots",
-            format!("{slots} free; a move needs 2 (raise max_replication_slots, or drop unused slots)"),
+            format!(
+                "{slots} free; a move needs {} (raise max_replication_slots, or drop unused slots)",
+                need.slots
+            ),
         );
     }
-    if senders < 2 {
+    if senders < need.senders {
         checks.add(
             Some(host),
             "WAL senders",
-            format!("{senders} free; a move needs 2 (raise max_wal_senders)"),
+            format!("{senders} free; a move needs {} (raise max_wal_senders)", need.senders),
         );
     }
     let exists: bool = c
