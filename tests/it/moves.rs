@@ -2716,13 +2716,26 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
         let err = moves::revert(&config, crate::shard(0), &stopping).await.unwrap_err();
         assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
         let caption = format!("stale {i}");
-        if (Step::Prepared..=Step::CaughtUp).contains(&step) {
-            // The old copy is back under the shard's name on `on`, not the shard's yet: the
-            // stale handle's update is turned away there, and lands on `other`.
+        // From `prepared` the old copy is back under the shard's name on `on`, and it is
+        // not the shard's until the flip: the stale handle's update is turned away there
+        // (and, once the shard is fenced, waits for the revert to be finished or undone),
+        // and lands on the shard's host of the moment.
+        let stale_write = (Step::Prepared..=Step::Verified).contains(&step).then(|| {
             assert_eq!(stale.route_user(0).host.as_str(), on);
-            let updated = stale.repo::<Photo>()?.update(seeded, &[("caption", &caption)]).await?;
-            assert!(updated.is_some(), "{step}");
-            assert_eq!(stale.route_user(0).host.as_str(), other, "{step}: the handle learnt the map");
+            let (stale, caption) = (stale.clone(), caption.clone());
+            tokio::spawn(async move {
+                let photos = stale.repo::<Photo>()?;
+                photos.update(seeded, &[("caption", &caption)]).await
+            })
+        });
+        if step < Step::Fenced
+            && let Some(w) = stale_write.as_ref()
+        {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !w.is_finished() {
+                assert!(Instant::now() < deadline, "{step}: the stale update did not land on {other}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         let undo = step < Step::Flipped && i % 2 == 1;
         if undo {
@@ -2749,7 +2762,9 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
         let p = cluster.repo::<Photo>()?.insert(&photo(0, 2000 + i)).await?;
         assert_eq!(cluster.repo::<Photo>()?.get(p.id).await?, Some(p), "{step}: writable");
         expected[0] += 1;
-        if (Step::Prepared..=Step::CaughtUp).contains(&step) {
+        if let Some(w) = stale_write {
+            let updated = w.await?.map_err(|e| format!("{step}: the stale update: {e}"))?;
+            assert!(updated.is_some(), "{step}: the stale update found its row");
             let now = cluster.repo::<Photo>()?.get(seeded).await?.map(|p| p.caption);
             assert_eq!(now, Some(caption), "{step}: the stale handle's update is kept");
         }

@@ -481,9 +481,12 @@ impl<Er: From<Error>> From<Error> for Failed<Er> {
 pub(crate) enum Run {
     /// The first, with the map as the handle knew it.
     First,
-    /// The second and last, after the shards' move was waited out and the map reloaded.
-    Last,
+    /// A later one, after the shards' move was waited out and the map reloaded.
+    Later,
 }
+
+/// How many runs [`Cluster::with_move_retry`] makes at most.
+const MOVE_RUNS: u32 = 3;
 
 impl Cluster {
     /// Takes a connection to `host` from its pool, then runs `work` on it, the whole
@@ -548,8 +551,10 @@ impl Cluster {
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
     /// knows it; when it fails because shards were not where the map said (they moved, or
     /// are fenced for a move), waits for those moves ([`Cluster::wait_for_move`]) and runs
-    /// it once more with the new map. An attempt must be safe to run again after it
-    /// failed that way: a statement (or a transaction) that failed did not commit.
+    /// it again with the new map, at most [`MOVE_RUNS`] runs in all: a map can be two
+    /// moves behind (the shard's old host, then its new one fenced for the next move or
+    /// a revert). An attempt must be safe to run again after it failed that way: a
+    /// statement (or a transaction) that failed did not commit.
     pub(crate) async fn with_move_retry<T, Er, Fut>(
         &self,
         mut attempt: impl FnMut(Arc<ShardMap>, Run) -> Fut,
@@ -558,19 +563,22 @@ impl Cluster {
         Fut: std::future::Future<Output = Result<T, Failed<Er>>>,
         Er: From<Error>,
     {
-        let map = self.map();
-        match attempt(Arc::clone(&map), Run::First).await {
-            Ok(value) => Ok(value),
-            Err(Failed { error, moved }) if !moved.is_empty() => {
-                let from: Vec<(LogicalShard, HostName)> =
-                    moved.iter().map(|s| (*s, map.host_of(*s).clone())).collect();
-                if !self.wait_for_move(&from).await? {
-                    return Err(error);
+        let (mut run, mut runs) = (Run::First, 1);
+        loop {
+            let map = self.map();
+            match attempt(Arc::clone(&map), run).await {
+                Ok(value) => return Ok(value),
+                Err(Failed { error, moved }) if !moved.is_empty() && runs < MOVE_RUNS => {
+                    let from: Vec<(LogicalShard, HostName)> =
+                        moved.iter().map(|s| (*s, map.host_of(*s).clone())).collect();
+                    if !self.wait_for_move(&from).await? {
+                        return Err(error);
+                    }
+                    tracing::debug!(shards = ?moved.iter().map(|s| s.get()).collect::<Vec<_>>(), "shards moved; running once more");
+                    (run, runs) = (Run::Later, runs + 1);
                 }
-                tracing::debug!(shards = ?moved.iter().map(|s| s.get()).collect::<Vec<_>>(), "shards moved; running once more");
-                attempt(self.map(), Run::Last).await.map_err(|f| f.error)
+                Err(f) => return Err(f.error),
             }
-            Err(f) => Err(f.error),
         }
     }
 

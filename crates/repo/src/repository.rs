@@ -1003,7 +1003,7 @@ impl<E: Entity> Repo<E> {
             // The move did not end within `move_wait` (or no move explains the missing
             // schema): those hosts' shards are reported missing, as a host that fails.
             Err(e) if e.is_moved() => {
-                self.fan_out(self.cluster.map(), Run::Last, ask).await.map_err(|f| f.error)
+                self.fan_out(self.cluster.map(), Run::Later, ask).await.map_err(|f| f.error)
             }
             other => other,
         }

@@ -31,7 +31,7 @@ mod verify;
 
 pub use changes::CHANGES_SQL;
 pub(crate) use changes::{drop_changes, logged_moves};
-use copy::REVERT_GUARD;
+pub(crate) use copy::drop_guards;
 use fence::Renewer;
 pub(crate) use flip::{drop_slots, drop_source_side, drop_subscription, sync_slots};
 pub(crate) use undo::finish_undone;

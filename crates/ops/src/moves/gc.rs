@@ -95,16 +95,25 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     // A revert may not start while this run drops what it needs (the old copy, the
     // reverse slot): each revertible move's revert lock, held to the end of the run; a
     // revert holding it already is left alone. The journal is read again under them.
-    let mut reverting = HashSet::new();
-    for m in journal::all(&catalog).await? {
-        if let Some(r) = m.detail.revert.as_ref().filter(|_| m.state != State::Running) {
-            let (cluster, this) = catalog.try_lock_move(r.id).await?;
-            if !(cluster && this) {
-                reverting.insert(m.id);
-            }
+    let revertible = |m: &MoveRecord, all: &[MoveRecord]| {
+        m.state == State::Done
+            && !m.detail.source_dropped
+            && m.detail.revert.as_ref().is_some_and(|r| r.made && !all.iter().any(|o| o.id == r.id))
+    };
+    let first = journal::all(&catalog).await?;
+    let mut locked = HashSet::new();
+    for m in first.iter().filter(|m| revertible(m, &first)) {
+        let Some(r) = &m.detail.revert else { continue };
+        if catalog.try_lock_move(r.id).await? == (true, true) {
+            locked.insert(m.id);
         }
     }
     let moves = journal::all(&catalog).await?;
+    // Revertible moves whose revert's lock this run does not hold (a revert holds it, or
+    // the move became revertible between the two reads): their old copy and reverse
+    // side are left for the next run.
+    let reverting: HashSet<i64> =
+        moves.iter().filter(|m| revertible(m, &moves) && !locked.contains(&m.id)).map(|m| m.id).collect();
     let map = catalog.map().await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
     let old = journal::done_before(&catalog, grace_s).await?;
@@ -258,6 +267,16 @@ async fn gc_host(
         }
         drop_revert_side(c, host, &rev.name).await?;
         report.dropped.push(format!("{host}: reverse publication/slot {} (move {})", rev.name, m.id));
+    }
+    // The guards of a done revert's copy, left when the target did not answer after the
+    // flip: the shard lives here, and its writes wait on them.
+    for m in
+        moves.iter().filter(|m| m.state == State::Done && m.target == *host && m.detail.reverts.is_some())
+    {
+        let Ok(shard) = m.shard.within(map.count()) else { continue };
+        if map.host_of(shard) == host {
+            super::engine::drop_guards(c, host, &m.detail.schema).await?;
+        }
     }
     // Markers.
     let marks = c

@@ -662,6 +662,52 @@ fn reverse_gone(host: &HostName, name: &str) -> Error {
 /// retry reloads the map) instead of writing a copy that is not the shard's yet.
 pub(super) const REVERT_GUARD: &str = "shardline_revert_guard";
 
+/// Drops the [`REVERT_GUARD`] triggers of `schema`'s tables on `host`, each waiting at
+/// most 500 ms for its table's lock (a long read holds it), tried again for up to 10 s.
+pub(crate) async fn drop_guards(c: &Client, host: &HostName, schema: &str) -> Result<()> {
+    for attempt in 1..=20 {
+        let tables: Vec<String> = c
+            .query(
+                "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t
+                   JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND t.tgname = $2",
+                &[&schema, &REVERT_GUARD],
+            )
+            .await
+            .map_err(on(host, "list the revert's guards"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if tables.is_empty() {
+            return Ok(());
+        }
+        let drops: String =
+            tables.iter().map(|t| format!("DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {t};")).collect();
+        match c.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '500ms'; {drops} COMMIT")).await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                let _ = c.batch_execute("ROLLBACK").await;
+                let e = on(host, "drop the revert's guards")(e);
+                if !is_lock_conflict(&e) || attempt == 20 {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Mover<'_> {
+    /// Drops the guards of a revert's copy (see [`REVERT_GUARD`]); nothing for a move.
+    pub(super) async fn unguard(&mut self) -> Result<()> {
+        if self.detail.reverts.is_none() {
+            return Ok(());
+        }
+        let (target, schema) = (self.target.clone(), self.schema.clone());
+        drop_guards(self.dst().await?, &target, schema.as_str()).await
+    }
+}
+
 /// On a revert's target, in one transaction: the old copy `old` renamed back to `schema`,
 /// its tables guarded ([`REVERT_GUARD`]), and its ledger rows moved along. Its ID
 /// sequence stays capped (as the reverted move's fence left it) until the sequence is

@@ -250,39 +250,21 @@ impl Mover<'_> {
         );
         let carry = match &self.detail.reverts {
             None => carry,
-            // A revert's old copy: its cap (the reverted move's fence) lifted and its
-            // guards dropped with the carry, in one transaction, so the first write it
-            // takes mints above every ID the new owner handed out.
+            // A revert's old copy: its cap (the reverted move's fence) lifted with the
+            // carry, so it mints above every ID the new owner handed out. Its guards stay
+            // until the flip.
             Some(r) => {
                 let max = r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value());
-                let schema = self.schema.clone();
-                let tables: Vec<String> = self
-                    .dst()
-                    .await?
-                    .query(
-                        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
-                        &[&schema.as_str()],
-                    )
-                    .await
-                    .map_err(on(&target, "list the shard's tables"))?
-                    .iter()
-                    .map(|r| r.get(0))
-                    .collect();
-                let unguard: String = tables
-                    .iter()
-                    .map(|t| {
-                        format!(
-                            "DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {}.{};",
-                            schema.quoted(),
-                            quote_ident(t)
-                        )
-                    })
-                    .collect();
-                format!("BEGIN; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} {unguard} COMMIT;")
+                format!(
+                    "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} COMMIT;"
+                )
             }
         };
-        self.dst().await?.batch_execute(&carry).await.map_err(on(&target, "carry the ID sequence"))?;
+        let dst = self.dst().await?;
+        if let Err(e) = dst.batch_execute(&carry).await {
+            let _ = dst.batch_execute("ROLLBACK").await;
+            return Err(on(&target, "carry the ID sequence")(e));
+        }
         self.detail.sequence = Some(last);
         self.journal(Step::SequenceCarried).await
     }
