@@ -2522,28 +2522,35 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
     let seeded = seed(&cluster, 0, 6, 2).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let progress = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let failed: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
     let writer = {
-        let (cluster, stop, progress, seeded) =
-            (cluster.clone(), stop.clone(), progress.clone(), seeded.clone());
+        let (cluster, stop, progress, seeded, failed) =
+            (cluster.clone(), stop.clone(), progress.clone(), seeded.clone(), failed.clone());
         tokio::spawn(async move {
             let photos = cluster.repo::<Photo>()?;
+            let failed = |e: shardline_repo::Error| {
+                if let Ok(mut f) = failed.lock() {
+                    *f = Some(format!("{e} (after {} writes)", progress.load(Ordering::Relaxed)));
+                }
+                e
+            };
             let (mut acked, mut deleted, mut captions) = (Vec::new(), Vec::new(), Vec::new());
             let mut n = 0_usize;
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
                 progress.store(n, Ordering::Relaxed);
                 let user = 6 * i64::try_from(n % 20).unwrap_or(0);
-                acked.push(photos.insert(&photo(user, 1000 + n)).await?.id);
+                acked.push(photos.insert(&photo(user, 1000 + n)).await.map_err(failed)?.id);
                 if n.is_multiple_of(5) && acked.len() > 3 {
                     let gone = acked[acked.len() - 3];
-                    if photos.delete(gone).await? {
+                    if photos.delete(gone).await.map_err(failed)? {
                         deleted.push(gone);
                     }
                 }
                 if n.is_multiple_of(3) {
                     let p = &seeded[n % seeded.len()];
                     let caption = format!("w{n}");
-                    if photos.update(p.id, &[("caption", &caption)]).await?.is_some() {
+                    if photos.update(p.id, &[("caption", &caption)]).await.map_err(failed)?.is_some() {
                         captions.push((p.id, caption));
                     }
                 }
@@ -2556,11 +2563,14 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
     let pg2 = f.client(&ctx, 1).await?;
     // `n` more writes acknowledged (on the shard's host of the moment).
     let written = |n: usize| {
-        let progress = progress.clone();
+        let (progress, failed) = (progress.clone(), failed.clone());
         async move {
             let start = progress.load(Ordering::Relaxed);
             let deadline = Instant::now() + Duration::from_secs(30);
             while progress.load(Ordering::Relaxed) < start + n {
+                if let Some(e) = failed.lock().ok().and_then(|f| f.clone()) {
+                    panic!("the writer failed: {e}");
+                }
                 assert!(Instant::now() < deadline, "the writer made no progress");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
