@@ -480,48 +480,84 @@ async fn mover(run: &Arc<Run>) {
         let _ = run.cluster.refresh().await;
         let source = host_index(&run.cluster.route(shard).host);
         let target = (source + 1 + rng.index(HOSTS - 1)) % HOSTS;
-        let Ok(to) = host_name(target) else { continue };
-        *lock(&run.current) = Some((source, target, Step::Started));
-        let progress_run = run.clone();
-        let mut options = MoveOptions::default();
-        options.progress = Some(Arc::new(move |p: &MoveProgress| {
-            if let MoveProgress::Step { step, .. } = p
-                && let Some(c) = lock(&progress_run.current).as_mut()
-            {
-                c.2 = *step;
-            }
-        }));
-        run.moving.store(true, Ordering::Relaxed);
-        let result = tokio::select! {
-            r = moves::run(&run.config, shard, &to, &options) => Some(r),
-            () = run.kill_mover.notified() => None,
-        };
-        run.moving.store(false, Ordering::Relaxed);
-        *lock(&run.current) = None;
-        match result {
-            Some(Ok(r)) => {
-                Run::count(&run.moves, "done");
-                run.note(format!(
-                    "moved shard {shard} pg{} -> {to}: {} rows, write pause {} ms",
-                    source + 1,
-                    r.rows,
-                    r.pause_ms
-                ));
-            }
-            Some(Err(e)) => {
-                Run::count(&run.moves, "failed");
-                run.note(format!(
-                    "move of shard {shard} pg{} -> {to} failed: {}",
-                    source + 1,
-                    shardline_repo::error_chain(&e)
-                ));
-                finish_moves(run, &mut rng, "after a failed move").await;
-            }
-            None => {
-                Run::count(&run.moves, "mover killed");
-                run.note(format!("mover killed while moving shard {shard} pg{} -> {to}", source + 1));
-                finish_moves(run, &mut rng, "after the mover was killed").await;
-            }
+        // Every other move revertible, and half of those reverted a moment later (its
+        // writes since the flip carried back), under the same faults.
+        let revertible = rng.below(2) == 0;
+        let moved = move_once(run, &mut rng, shard, source, target, false, revertible).await;
+        if moved && revertible && rng.below(2) == 0 {
+            tokio::time::sleep(rng.millis(100, 800)).await;
+            move_once(run, &mut rng, shard, target, source, true, false).await;
+        }
+    }
+}
+
+/// Moves `shard` from host `source` to `target` (a revert of its last move when
+/// `revert`), unless the fault injector kills the mover; a failed or killed move is
+/// finished or undone. Returns whether the move completed.
+async fn move_once(
+    run: &Arc<Run>,
+    rng: &mut Rng,
+    shard: LogicalShard,
+    source: usize,
+    target: usize,
+    revert: bool,
+    revertible: bool,
+) -> bool {
+    let Ok(to) = host_name(target) else { return false };
+    *lock(&run.current) = Some((source, target, Step::Started));
+    let progress_run = run.clone();
+    let mut options = MoveOptions::default();
+    options.revertible = revertible;
+    options.progress = Some(Arc::new(move |p: &MoveProgress| {
+        if let MoveProgress::Step { step, .. } = p
+            && let Some(c) = lock(&progress_run.current).as_mut()
+        {
+            c.2 = *step;
+        }
+    }));
+    run.moving.store(true, Ordering::Relaxed);
+    let result = tokio::select! {
+        r = async {
+            if revert { moves::revert(&run.config, shard, &options).await } else { moves::run(&run.config, shard, &to, &options).await }
+        } => Some(r),
+        () = run.kill_mover.notified() => None,
+    };
+    run.moving.store(false, Ordering::Relaxed);
+    *lock(&run.current) = None;
+    let what = if revert { "revert" } else { "move" };
+    match result {
+        Some(Ok(r)) => {
+            Run::count(&run.moves, if revert { "reverted" } else { "done" });
+            run.note(format!(
+                "{what} of shard {shard} pg{} -> {to}: {} rows, write pause {} ms",
+                source + 1,
+                r.rows,
+                r.pause_ms
+            ));
+            true
+        }
+        // Refused (a migration since, the move's own failure to keep its way back):
+        // nothing changed.
+        Some(Err(e @ shardline_ops::Error::NotRevertible { .. })) => {
+            Run::count(&run.moves, "revert refused");
+            run.note(format!("{e}"));
+            false
+        }
+        Some(Err(e)) => {
+            Run::count(&run.moves, "failed");
+            run.note(format!(
+                "{what} of shard {shard} pg{} -> {to} failed: {}",
+                source + 1,
+                shardline_repo::error_chain(&e)
+            ));
+            finish_moves(run, rng, "after a failed move").await;
+            false
+        }
+        None => {
+            Run::count(&run.moves, "mover killed");
+            run.note(format!("mover killed in the {what} of shard {shard} pg{} -> {to}", source + 1));
+            finish_moves(run, rng, "after the mover was killed").await;
+            false
         }
     }
 }
