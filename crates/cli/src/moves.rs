@@ -190,22 +190,12 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
         }
         let result = rt.block_on(shardline_ops::moves::run(config, shard, to, &options));
         bar.finish_and_clear();
-        let report = result?;
-        if opt.json {
-            writeln!(out, "{}", serde_json::to_string(&report)?)?;
-        } else {
-            writeln!(out, "{report}")?;
-        }
+        print_report(out, opt.json, &result?)?;
     } else if opt.revert {
         let shard = need_shard()?;
         let result = rt.block_on(shardline_ops::moves::revert(config, shard, &options));
         bar.finish_and_clear();
-        let report = result?;
-        if opt.json {
-            writeln!(out, "{}", serde_json::to_string(&report)?)?;
-        } else {
-            writeln!(out, "{report}")?;
-        }
+        print_report(out, opt.json, &result?)?;
     } else if opt.resume {
         let result = rt.block_on(shardline_ops::moves::resume(config, shard, &options));
         bar.finish_and_clear();
@@ -220,12 +210,21 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     } else {
         let shard = need_shard()?;
         bar.finish_and_clear();
-        let report = rt.block_on(shardline_ops::moves::abort(config, shard))?;
-        if opt.json {
-            writeln!(out, "{}", serde_json::to_string(&report)?)?;
-        } else {
-            writeln!(out, "{report}")?;
-        }
+        print_report(out, opt.json, &rt.block_on(shardline_ops::moves::abort(config, shard))?)?;
+    }
+    Ok(())
+}
+
+/// Prints one report: as JSON with `json`, else as text.
+fn print_report<R: serde::Serialize + std::fmt::Display>(
+    out: &mut dyn Write,
+    json: bool,
+    report: &R,
+) -> anyhow::Result<()> {
+    if json {
+        writeln!(out, "{}", serde_json::to_string(report)?)?;
+    } else {
+        writeln!(out, "{report}")?;
     }
     Ok(())
 }

@@ -1159,6 +1159,27 @@ pub(super) async fn check_reverse(
     Ok(())
 }
 
+/// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
+/// schema's name in the statement that uses them, which may differ from `schema`'s:
+/// a copy being renamed), in name order.
+pub(super) async fn tables_of(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    schema_sql: &str,
+) -> Result<Vec<String>> {
+    Ok(c.query(
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+        &[&schema],
+    )
+    .await
+    .map_err(on(host, format!("list the tables of {schema}")))?
+    .iter()
+    .map(|r| format!("{schema_sql}.{}", quote_ident(r.get(0))))
+    .collect())
+}
+
 /// Drops a move's reverse publication and slot `name` on `host` (its target), if there.
 pub(crate) async fn drop_revert_side(c: &Client, host: &HostName, name: &str) -> Result<()> {
     c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", quote_ident(name)))

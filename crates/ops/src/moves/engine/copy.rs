@@ -404,22 +404,11 @@ impl Mover<'_> {
             // The shard's tables by name, not its schema: a table a migration adds during
             // the grace period is not published (its updates and deletes need no replica
             // identity), and a migration makes the move unrevertible anyway.
-            let tables: Vec<String> = dst
-                .query(
-                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
-                       JOIN pg_namespace n ON n.oid = c.relnamespace
-                      WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
-                    &[&schema.as_str()],
-                )
-                .await
-                .map_err(on(&target, "list the shard's tables"))?
-                .iter()
-                .map(|r| format!("{}, ", r.get::<_, String>(0)))
-                .collect();
+            let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
+            let tables: String = tables.iter().map(|t| format!("{t}, ")).collect();
             dst.batch_execute(&format!(
-                "CREATE PUBLICATION {} FOR TABLE {}shardline.move_marks WHERE (move_id = {})",
+                "CREATE PUBLICATION {} FOR TABLE {tables}shardline.move_marks WHERE (move_id = {})",
                 quote_ident(&rev.name),
-                tables.concat(),
                 rev.id
             ))
             .await
@@ -533,17 +522,7 @@ impl Mover<'_> {
         let schema = self.schema.clone();
         let dst = self.dst().await?;
         drop_subscription(dst, &target, &name).await?;
-        let tables: Vec<String> = dst
-            .query(
-                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')",
-                &[&schema.as_str()],
-            )
-            .await
-            .map_err(on(&target, "list the copy's tables"))?
-            .iter()
-            .map(|r| format!("{}.{}", schema.quoted(), quote_ident(r.get(0))))
-            .collect();
+        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
         let truncate =
             if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
         dst.batch_execute(&format!(
@@ -713,25 +692,14 @@ impl Mover<'_> {
 /// sequence stays capped (as the reverted move's fence left it) until the sequence is
 /// carried. The reverse replication then brings it up to date.
 async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName) -> Result<()> {
-    let tables: Vec<String> = c
-        .query(
-            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
-            &[&old],
-        )
-        .await
-        .map_err(on(host, "list the old copy's tables"))?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let guards: String = tables
+    // Listed under the old name, guarded under the new one (the rename comes first).
+    let guards: String = tables_of(c, host, old, &schema.quoted())
+        .await?
         .iter()
         .map(|t| {
             format!(
-                "CREATE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {}.{}
-                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard();\n",
-                schema.quoted(),
-                quote_ident(t)
+                "CREATE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {t}
+                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard();\n"
             )
         })
         .collect();

@@ -105,18 +105,7 @@ impl Mover<'_> {
             self.flip_token = Some(row.get(0));
             self.detail.flip_check = Some(row.get(1));
             let src = self.src().await?;
-            let tables: Vec<String> = src
-                .query(
-                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
-                       JOIN pg_namespace n ON n.oid = c.relnamespace
-                      WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
-                    &[&schema.as_str()],
-                )
-                .await
-                .map_err(on(&source, "list the shard's tables"))?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
+            let tables = tables_of(src, &source, schema.as_str(), &schema.quoted()).await?;
             let mut attempt = 1;
             loop {
                 let started = Instant::now();
