@@ -368,8 +368,9 @@ impl Cluster {
     ///
     /// When a statement finds the shard's schema gone (the shard moved and this handle's
     /// map was stale), the transaction is rolled back, the map reloaded, and `work` run
-    /// once more from the start on the shard's new host. So `work` should have no effect
-    /// outside the transaction, or effects that tolerate running twice.
+    /// again from the start on the shard's new host (at most three runs in all, for a
+    /// map two moves behind). So `work` should have no effect outside the transaction,
+    /// or effects that tolerate running more than once.
     ///
     /// # Errors
     ///

@@ -10,7 +10,7 @@
 //! It goes through the repository's own mechanisms, not copies of them: the one retry
 //! path for a stale map ([`Cluster::with_move_retry`]: a statement that finds its shard
 //! gone, because it moved or is fenced for a move, is rolled back, the move waited
-//! out, and the work run once more on the shard's new host), the host timeout, and the
+//! out, and the work run again on the shard's new host), the host timeout, and the
 //! one error type, classified the same way ([`Error::outcome_unknown`],
 //! [`Error::is_retryable`], [`Error::is_timeout`]).
 //!
@@ -204,13 +204,19 @@ async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Resul
 }
 
 /// Whether `schema` is gone from the host `conn` is on (the shard moved, or is fenced
-/// for a move); `false` when that cannot be told.
+/// for a move), or is a revert's copy there that is not the shard's yet (its tables
+/// guarded by [`crate::REVERT_GUARD`]); `false` when that cannot be told.
 async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
-    ::sqlx::query_scalar::<_, bool>("SELECT to_regnamespace($1) IS NULL")
-        .bind(schema.as_str())
-        .fetch_one(conn)
-        .await
-        .unwrap_or(false)
+    ::sqlx::query_scalar::<_, bool>(
+        "SELECT to_regnamespace($1) IS NULL
+             OR EXISTS (SELECT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+                         WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2)",
+    )
+    .bind(schema.as_str())
+    .bind(crate::REVERT_GUARD)
+    .fetch_one(conn)
+    .await
+    .unwrap_or(false)
 }
 
 /// sqlx on a [`Cluster`]: routed units of work on one shard, and the same work on
@@ -348,8 +354,8 @@ impl Sqlx {
     ///
     /// When a statement finds the shard's schema gone (the shard moved, or is fenced
     /// for a move), the transaction is rolled back, the move waited out, and `work` run
-    /// once more from the start on the shard's new host: keep its effects inside the
-    /// transaction.
+    /// again from the start on the shard's new host (at most three runs in all): keep
+    /// its effects inside the transaction.
     ///
     /// # Errors
     ///
@@ -376,9 +382,9 @@ impl Sqlx {
     ///
     /// Each statement commits on its own. When one finds the shard's schema gone (the
     /// shard moved, or is fenced for a move), the move is waited out and `work` run
-    /// once more on the shard's new host: a statement that found its schema gone did
-    /// nothing, but any statement before it in `work` stays done, so put one statement
-    /// in it, or statements that may run twice. For several statements that must
+    /// again on the shard's new host (at most three runs in all): a statement that found
+    /// its schema gone did nothing, but any statement before it in `work` stays done, so
+    /// put one statement in it, or statements that may run more than once. For several statements that must
     /// apply together, use [`Sqlx::transaction`]. Do not start a transaction in `work`
     /// with a `BEGIN` of your own: a connection sqlx does not know to be in one goes
     /// back to the pool as it is (sqlx's `begin()` is rolled back when dropped).

@@ -537,10 +537,12 @@ async fn move_once(
             true
         }
         // Refused (a migration since, the move's own failure to keep its way back):
-        // nothing changed.
+        // nothing changed, unless it was found under the revert's lock (then it is
+        // journaled, and finished below).
         Some(Err(e @ shardline_ops::Error::NotRevertible { .. })) => {
             Run::count(&run.moves, "revert refused");
             run.note(format!("{e}"));
+            finish_moves(run, rng, "after a refused revert").await;
             false
         }
         Some(Err(e)) => {

@@ -1045,7 +1045,7 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
     if !last.detail.cleanup_pending.is_empty() {
         return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
     }
-    check_revertible(config, last, &rev, &lsn).await.map_err(not)?;
+    check_revertible(config, last, &rev, &lsn).await?.map_err(not)?;
     let check = preflight::preflight_for(config, shard, &last.source, preflight::Need::REVERT).await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
@@ -1073,15 +1073,9 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
 
 /// What a revert of move `m` needs on its hosts (see [`check_reverse`]), asked on new
 /// connections before the revert is journaled. `Err` says what is missing.
-async fn check_revertible(
-    config: &Config,
-    m: &MoveRecord,
-    rev: &Revertible,
-    lsn: &str,
-) -> std::result::Result<(), String> {
-    let say = |e: Error| shardline_repo::error_chain(&e);
-    let old = host_client(config, &m.source).await.map_err(say)?;
-    let new = host_client(config, &m.target).await.map_err(say)?;
+async fn check_revertible(config: &Config, m: &MoveRecord, rev: &Revertible, lsn: &str) -> Result<Refusal> {
+    let old = host_client(config, &m.source).await?;
+    let new = host_client(config, &m.target).await?;
     let sides = Sides { old: &old, old_host: &m.source, new: &new, new_host: &m.target };
     check_reverse(&sides, &m.detail.moved_schema, &m.detail.schema, &rev.name, lsn).await
 }
@@ -1100,15 +1094,14 @@ pub(super) struct Sides<'c> {
 /// reverse publication and an idle slot `name` that has not gone past `lsn` (or lost its
 /// WAL). Asked before a revert is journaled, and again by its `prepare`, under the
 /// move's lock (a migration cannot run meanwhile), before the old copy is touched.
-/// `Err` says what is missing.
+/// `Ok(Err(_))` says what is missing; `Err` is a host that failed to answer.
 pub(super) async fn check_reverse(
     sides: &Sides<'_>,
     old_schema: &str,
     schema: &str,
     name: &str,
     lsn: &str,
-) -> std::result::Result<(), String> {
-    let say = |e: Error| shardline_repo::error_chain(&e);
+) -> Result<Refusal> {
     let ledger = "SELECT coalesce(array_agg(name || ':' || checksum ORDER BY name), '{}')::text[]
                     FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2)";
     let skip = [crate::converge::MINTER, crate::grants::GRANTS];
@@ -1116,28 +1109,28 @@ pub(super) async fn check_reverse(
         .old
         .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)", &[&old_schema])
         .await
-        .map_err(|e| say(host_err(sides.old_host, "look for the old copy", &e)))?
+        .map_err(|e| host_err(sides.old_host, "look for the old copy", &e))?
         .get(0);
     if !there {
-        return Err(format!("its old copy {old_schema} is gone from {}", sides.old_host));
+        return Ok(Err(format!("its old copy {old_schema} is gone from {}", sides.old_host)));
     }
     let was: Vec<String> = sides
         .old
         .query_one(ledger, &[&old_schema, &skip.as_slice()])
         .await
-        .map_err(|e| say(host_err(sides.old_host, "read the old copy's migrations", &e)))?
+        .map_err(|e| host_err(sides.old_host, "read the old copy's migrations", &e))?
         .get(0);
     let is: Vec<String> = sides
         .new
         .query_one(ledger, &[&schema, &skip.as_slice()])
         .await
-        .map_err(|e| say(host_err(sides.new_host, "read the shard's migrations", &e)))?
+        .map_err(|e| host_err(sides.new_host, "read the shard's migrations", &e))?
         .get(0);
     if was != is {
-        return Err(format!(
+        return Ok(Err(format!(
             "a migration ran on it since its last move (the old copy on {} is behind); move it with `--to {}`",
             sides.old_host, sides.old_host
-        ));
+        )));
     }
     let row = sides
         .new
@@ -1148,16 +1141,19 @@ pub(super) async fn check_reverse(
             &[&name, &lsn],
         )
         .await
-        .map_err(|e| say(host_err(sides.new_host, "look for the reverse replication", &e)))?;
+        .map_err(|e| host_err(sides.new_host, "look for the reverse replication", &e))?;
     let (published, slot): (bool, bool) = (row.get(0), row.get(1));
     if !published || !slot {
-        return Err(format!(
+        return Ok(Err(format!(
             "its reverse replication {name} on {} is gone, in use, past the flip or without its WAL",
             sides.new_host
-        ));
+        )));
     }
-    Ok(())
+    Ok(Ok(()))
 }
+
+/// Why a revert cannot go on (`Err`), or `Ok`.
+pub(super) type Refusal = std::result::Result<(), String>;
 
 /// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
 /// schema's name in the statement that uses them, which may differ from `schema`'s:

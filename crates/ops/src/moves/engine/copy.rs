@@ -2,6 +2,7 @@
 //! the migrations, the privileges, the subscription, the deferred indexes, the markers).
 
 use super::*;
+use shardline_repo::REVERT_GUARD;
 
 impl Mover<'_> {
     /// Builds the schema on the target; publishes it on the source.
@@ -52,9 +53,9 @@ impl Mover<'_> {
                 };
                 let sides = Sides { old: dst, old_host: &target, new: src, new_host: &self.source };
                 check_reverse(&sides, &r.old_schema, schema.as_str(), &name, &r.lsn)
-                    .await
+                    .await?
                     .map_err(|reason| Error::NotRevertible { shard, reason })?;
-                reopen_old_copy(dst, &target, &r.old_schema, &schema).await?;
+                reopen_old_copy(dst, &target, &r.old_schema, &schema, id).await?;
             }
         } else if !exists {
             // One transaction: the schema, its minter, every migration, the ledger.
@@ -634,13 +635,6 @@ fn reverse_gone(host: &HostName, name: &str) -> Error {
     }
 }
 
-/// The trigger that keeps writers off a revert's reopened old copy until the sequence is
-/// carried: statement-level on each of the copy's tables, fired in sessions of the
-/// `origin` replication role only, so the apply worker bringing the copy up to date
-/// passes and a router with a map from before the reverted move's flip gets 3F000 (its
-/// retry reloads the map) instead of writing a copy that is not the shard's yet.
-pub(super) const REVERT_GUARD: &str = "shardline_revert_guard";
-
 /// Drops the [`REVERT_GUARD`] triggers of `schema`'s tables on `host`, each waiting at
 /// most 500 ms for its table's lock (a long read holds it), tried again for up to 10 s.
 pub(crate) async fn drop_guards(c: &Client, host: &HostName, schema: &str) -> Result<()> {
@@ -691,7 +685,7 @@ impl Mover<'_> {
 /// its tables guarded ([`REVERT_GUARD`]), and its ledger rows moved along. Its ID
 /// sequence stays capped (as the reverted move's fence left it) until the sequence is
 /// carried. The reverse replication then brings it up to date.
-async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName) -> Result<()> {
+async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName, id: i64) -> Result<()> {
     // Listed under the old name, guarded under the new one (the rename comes first).
     let guards: String = tables_of(c, host, old, &schema.quoted())
         .await?
@@ -699,7 +693,7 @@ async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &Schema
         .map(|t| {
             format!(
                 "CREATE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {t}
-                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard();\n"
+                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard('{id}');\n"
             )
         })
         .collect();
@@ -707,6 +701,9 @@ async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &Schema
         "BEGIN;
          CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql AS $g$
          BEGIN
+             IF EXISTS (SELECT FROM shardline.move_marks WHERE move_id = TG_ARGV[0]::bigint AND decided = 'flip') THEN
+                 RETURN NULL;
+             END IF;
              RAISE EXCEPTION 'schema \"%\" on this host is an old copy being brought back by a revert; the shard lives elsewhere until its flip', TG_TABLE_SCHEMA
                  USING ERRCODE = 'invalid_schema_name';
          END $g$;

@@ -93,31 +93,22 @@ impl Mover<'_> {
         let decided = unless_hung(config, &source, hung_after, self.decide_flip()).await;
         self.settle(decided).await?;
         self.lap("decide the flip");
+        // A revert's copy is the shard's from the decision on: its guards go before the
+        // map points at it (they already let writes through once the decision reaches
+        // the copy; the clean-up and `gc` drop any left).
+        if self.detail.reverts.is_some() {
+            let target = [self.target.clone()];
+            let dropped = unless_hung(config, &target, hung_after, self.unguard()).await;
+            if let Err(e) = dropped.and_then(|r| r) {
+                self.dst = None;
+                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot drop the revert's guards yet");
+            }
+            self.lap("drop the revert's guards");
+        }
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
             match self.flip_catalog().await {
-                Ok(()) => {
-                    // A revert's copy takes writes only now (the routers that already hold
-                    // the new map wait on the guard's 3F000 meanwhile): counted in the pause.
-                    if self.detail.reverts.is_some() {
-                        let started = Instant::now();
-                        let (config, target) = (self.config, [self.target.clone()]);
-                        let dropped = unless_hung(config, &target, hung_after, self.unguard()).await;
-                        match dropped.and_then(|r| r) {
-                            Ok(()) => {
-                                let us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-                                self.detail.pause_steps.push(("drop the revert's guards".into(), us));
-                                self.detail.pause_ms = self.detail.pause_ms.map(|p| p + us / 1000);
-                            }
-                            // The flip stands; the clean-up tries again, then `gc`.
-                            Err(e) => {
-                                self.dst = None;
-                                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot drop the revert's guards yet");
-                            }
-                        }
-                    }
-                    return Ok(());
-                }
+                Ok(()) => return Ok(()),
                 Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
                     tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "the flip is decided but the catalog failed; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
