@@ -2782,6 +2782,46 @@ pub(crate) async fn a_revert_stopped_after_any_step_is_resumed_or_undone(ctx: Te
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_revert_whose_mover_dies_after_deciding_leaves_the_shard_writable);
+/// A revert's mover that dies right after its source decided the flip, before it drops
+/// the old copy's guards or moves the map: a router that meets the fence completes the
+/// flip (`shardline.complete_flip`), and its write lands on the reverted copy, whose
+/// guards let it through once the decision has reached the copy by replication. `--resume`
+/// then finishes the revert and drops the guards.
+pub(crate) async fn a_revert_whose_mover_dies_after_deciding_leaves_the_shard_writable(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 1).await?;
+    moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default().revertible()).await?;
+    let mut dying = MoveOptions::default();
+    dying.stop_after_decision = true;
+    let err = moves::revert(&config, crate::shard(0), &dying).await.unwrap_err();
+    assert!(matches!(err, OpsError::Interrupted { step: Step::Verified, .. }), "{err}");
+    let guards = "SELECT count(*) FROM pg_trigger WHERE tgname = 'shardline_revert_guard'";
+    let pg1 = f.client(&ctx, 0).await?;
+    assert!(pg1.query_one(guards, &[]).await?.get::<_, i64>(0) > 0, "the guards are still there");
+    let t = Instant::now();
+    let p = cluster.repo::<Photo>()?.insert(&photo(0, 3000)).await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1", "a router completed the flip");
+    let on_pg1: i64 = pg1
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE id = $1", &[&i64::from(p.id)])
+        .await?
+        .get(0);
+    assert_eq!(on_pg1, 1, "the write is on the reverted copy");
+    eprintln!("      the write waited {} ms for a router to complete the flip", t.elapsed().as_millis());
+    let said = cli(&f, &["move", "--resume", "0"]).await?;
+    assert!(said.contains("pg2 -> pg1"), "{said}");
+    assert_eq!(pg1.query_one(guards, &[]).await?.get::<_, i64>(0), 0, "the clean-up dropped the guards");
+    cli(&f, &["gc", "--grace", "0s"]).await?;
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, Some([21, 20, 20]));
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
 shardline_testkit::register!(own: rebalance_runs_moves_between_disjoint_host_pairs_at_once);
 /// `rebalance --apply --parallel 2` on four hosts of the test's own, two of them new and
 /// empty. The shards are sized so that the plan's first two moves share a host (both

@@ -214,6 +214,10 @@ pub struct MoveOptions {
     /// journaled or its lease renewed, as if the COMMIT's reply was lost and the mover
     /// died. For tests of the lease.
     pub lose_fence_reply: bool,
+    /// Drill: stop right after the source decided to flip, before anything else (a
+    /// revert's guards dropped, the map moved), as if the mover died there. For tests
+    /// of what routers do without the mover.
+    pub stop_after_decision: bool,
     /// Progress reports.
     pub progress: Option<ProgressFn>,
     /// How the copy is verified (default [`Verification::ChangeLog`]).
@@ -257,6 +261,7 @@ impl Default for MoveOptions {
             stop_after: None,
             lease: Duration::from_secs(10),
             lose_fence_reply: false,
+            stop_after_decision: false,
             progress: None,
             verification: Verification::default(),
             on_compared: None,
@@ -345,6 +350,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("stop_after", &self.stop_after)
             .field("lease", &self.lease)
             .field("lose_fence_reply", &self.lose_fence_reply)
+            .field("stop_after_decision", &self.stop_after_decision)
             .field("progress", &self.progress.is_some())
             .field("verification", &self.verification)
             .field("on_compared", &self.on_compared.is_some())

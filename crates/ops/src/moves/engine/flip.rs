@@ -93,6 +93,10 @@ impl Mover<'_> {
         let decided = unless_hung(config, &source, hung_after, self.decide_flip()).await;
         self.settle(decided).await?;
         self.lap("decide the flip");
+        if self.options.stop_after_decision {
+            tracing::warn!(id = self.id, "drill: the flip is decided; stopping as if the mover died");
+            return Err(Error::Interrupted { id: self.id, step: self.step });
+        }
         // A revert's copy is the shard's from the decision on: its guards go before the
         // map points at it (they already let writes through once the decision reaches
         // the copy; the clean-up and `gc` drop any left).
