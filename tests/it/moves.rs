@@ -3249,3 +3249,214 @@ pub(crate) async fn a_logged_key_that_really_differs_is_found_by_the_fence_and_n
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     Ok(())
 }
+
+/// `n` bulk photos in `schema` on host `h`, each with a padded URL (about 150 bytes a
+/// row), so that the copy of their table takes a while and comes in several ranges.
+async fn bulk(
+    f: &Fixture,
+    ctx: &TestContext,
+    h: usize,
+    schema: &str,
+    user: i64,
+    n: i64,
+) -> Result<(), BoxError> {
+    f.client(ctx, h)
+        .await?
+        .execute(
+            &format!(
+                "INSERT INTO {schema}.photos (user_id, url)
+                 SELECT $1 + 6 * (g % 20), 'https://cdn/bulk/' || g || '/' || repeat('x', 100)
+                   FROM generate_series(1, $2::bigint) g"
+            ),
+            &[&user, &n],
+        )
+        .await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_throttled_copy_from_one_snapshot_under_writes_loses_nothing_and_keeps_its_rate);
+/// `max_rate`: the mover copies the rows itself, from one snapshot of the source, in
+/// ranges of pages, two streams at once, no faster than the rate; the subscription
+/// starts where that snapshot ends. Inserts through the repository, and updates and
+/// deletes of the rows being copied, go on throughout: a snapshot and a slot that did
+/// not agree would lose or double a change, and the move's comparison of the whole
+/// shard would refuse to flip.
+pub(crate) async fn a_throttled_copy_from_one_snapshot_under_writes_loses_nothing_and_keeps_its_rate(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let seeded = i64::try_from(seed(&cluster, 0, 6, 50).await?.len())?;
+    const BULK: i64 = 100_000;
+    bulk(&f, &ctx, 0, "shard_0000", 0, BULK).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..3i64)
+        .map(|w| {
+            let (cluster, stop) = (cluster.clone(), stop.clone());
+            tokio::spawn(async move {
+                let photos = cluster.repo::<Photo>()?;
+                let (mut acked, mut n) = (Vec::new(), 0usize);
+                while !stop.load(Ordering::Relaxed) {
+                    let user = 6 * (w * 1000 + i64::try_from(n % 20).unwrap_or(0));
+                    acked.push(photos.insert(&photo(user, n)).await?.id);
+                    n += 1;
+                }
+                Ok::<_, shardline_repo::Error>(acked)
+            })
+        })
+        .collect();
+    // Updates and deletes of bulk rows, straight on the source, until the fence stops
+    // them (the schema is renamed then): each committed one must reach the target.
+    let churn = {
+        let (c, stop) = (f.client(&ctx, 0).await?, stop.clone());
+        tokio::spawn(async move {
+            let (mut updated, mut deleted) = (0u64, 0u64);
+            let mut g = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                g += 7;
+                let (changed, gone) =
+                    (format!("https://cdn/bulk/{g}/%"), format!("https://cdn/bulk/{}/%", g + 3));
+                let u = c
+                    .execute(
+                        "UPDATE shard_0000.photos SET caption = 'changed' WHERE url LIKE $1",
+                        &[&changed],
+                    )
+                    .await;
+                let d = c.execute("DELETE FROM shard_0000.photos WHERE url LIKE $1", &[&gone]).await;
+                match (u, d) {
+                    (Ok(a), Ok(b)) => (updated, deleted) = (updated + a, deleted + b),
+                    // The fence renamed the schema: the churn is over.
+                    _ => break,
+                }
+            }
+            (updated, deleted)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rate = 8_000_000;
+    let mut o = MoveOptions::default();
+    o.max_rate = Some(rate);
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &o).await?;
+    stop.store(true, Ordering::Relaxed);
+    let (updated, deleted) = churn.await?;
+    let mut acked = Vec::new();
+    for w in writers {
+        acked.extend(w.await??);
+    }
+    assert!(updated > 0 && deleted > 0, "the churn ran ({updated} updated, {deleted} deleted)");
+    let record =
+        moves::list(&config).await?.into_iter().find(|m| m.id == report.id).ok_or("no journal row")?;
+    let copied = record.detail.rows_copied.clone().ok_or("the mover did not copy the rows")?;
+    // The rate is a ceiling the copy keeps: it cannot have read more than that.
+    assert!(copied.bytes > 10_000_000, "{copied:?}");
+    let floor = u64::try_from(copied.bytes)? * 1000 / rate;
+    assert!(copied.ms >= floor, "{copied:?}: faster than {rate} bytes a second");
+    assert_eq!((copied.streams, copied.max_rate), (2, rate));
+    assert_eq!(record.detail.copy_restarts, 0);
+    // The move's own comparison passed; and, counted here: every acknowledged insert
+    // once, the bulk less what was deleted, nothing else.
+    let (found, total, distinct) = acked_on(&f, &ctx, 1, &acked).await?;
+    let acked_n = i64::try_from(acked.len())?;
+    assert_eq!(found, acked_n, "every acknowledged write is on the target");
+    assert_eq!(total, distinct);
+    assert_eq!(total, seeded + BULK - i64::try_from(deleted)? + acked_n);
+    let changed: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE caption = 'changed'", &[])
+        .await?
+        .get(0);
+    let source_changed: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one(
+            &format!("SELECT count(*) FROM shard_0000_moved_{}.photos WHERE caption = 'changed'", report.id),
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(changed, source_changed, "every update reached the target");
+    assert!(changed > 0);
+    eprintln!(
+        "      {} bytes copied in {} ms at most {rate} B/s ({} streams); {acked_n} inserts, {updated} updates, \
+         {deleted} deletes during the move; pause {} ms",
+        copied.bytes, copied.ms, copied.streams, report.pause_ms
+    );
+    Ok(())
+}
+
+shardline_testkit::register!(exclusive: a_host_killed_inside_the_movers_copy_is_resumed_to_every_row);
+/// The target, then the source, killed while the mover's own copy streams rows (seen
+/// in the target's `pg_stat_progress_copy`): the move fails naming the host, stays at
+/// `prepared`, and a resume once the host is back starts the copy over from empty
+/// tables and ends with every row, whichever copy the resume uses.
+pub(crate) async fn a_host_killed_inside_the_movers_copy_is_resumed_to_every_row(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    const BULK: i64 = 60_000;
+    bulk(&f, &ctx, 1, "shard_0002", 2, BULK).await?;
+    let mut slow = MoveOptions::default();
+    slow.max_rate = Some(2_000_000);
+    // (the host killed, its index, where the shard goes, the resume's rate)
+    for (victim, to, resume_rate) in [(2usize, "pg3", Some(0)), (1, "pg3", None)] {
+        let c = Arc::new(config.clone());
+        let o = slow.clone();
+        let mover = tokio::spawn(async move { moves::run(&c, crate::shard(2), &crate::host(to), &o).await });
+        let watch = f.client(&ctx, 2).await?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let rows: i64 = loop {
+            assert!(!mover.is_finished(), "the move ended before its copy was seen in progress");
+            assert!(Instant::now() < deadline, "no copy seen in progress within 120 s");
+            let row = watch
+                .query_opt(
+                    "SELECT p.tuples_processed FROM pg_stat_progress_copy p
+                       JOIN pg_class c ON c.oid = p.relid JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE n.nspname = 'shard_0002' AND c.relname = 'photos' AND p.command = 'COPY FROM'
+                        AND p.tuples_processed > 0
+                      LIMIT 1",
+                    &[],
+                )
+                .await?;
+            if let Some(r) = row {
+                break r.get(0);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        drop(watch);
+        let host = &ctx.hosts()[victim];
+        host.kill().await?;
+        let err = mover.await?.unwrap_err();
+        let name = ["pg1", "pg2", "pg3"][victim];
+        assert!(err.to_string().contains(name), "the move fails naming {name}: {err}");
+        let m = moves::list(&config).await?.into_iter().last().ok_or("no move")?;
+        assert_eq!((m.state, m.step), (State::Running, Step::Prepared));
+        eprintln!("      {name} killed inside the mover's copy, {rows} rows into photos");
+        host.start().await?;
+        let mut again = MoveOptions::default();
+        again.max_rate = resume_rate;
+        again.copy_timeout = Duration::from_secs(120);
+        let done = moves::resume(&config, Some(crate::shard(2)), &again).await?;
+        assert_eq!(done.len(), 1);
+        assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40 + BULK, 40, 40]));
+        assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
+        let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+        fresh.repo::<Photo>()?.insert(&photo(2, 49)).await?;
+        cli(&f, &["gc", "--grace", "0s"]).await?;
+        assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+        // Back to pg2 for the next round (the plain way).
+        f.client(&ctx, 2)
+            .await?
+            .execute("DELETE FROM shard_0002.photos WHERE url = 'https://cdn/2/49.jpg'", &[])
+            .await?;
+        moves::run(&config, crate::shard(2), &crate::host("pg2"), &MoveOptions::default()).await?;
+        cli(&f, &["gc", "--grace", "0s"]).await?;
+    }
+    Ok(())
+}

@@ -757,7 +757,8 @@ enum Outcome {
     NotWritten(String),
 }
 
-/// One write of the load: its caption, how long it took, when it started, how it ended.
+/// One write of the load: its caption, how long its (last) call took, when it started,
+/// how it ended.
 type Attempt = (String, Duration, Instant, Outcome);
 
 /// One writer per user, inserting photos captioned `{tag}-{user}-{n}` until `stop`.
@@ -784,12 +785,16 @@ fn write_load(
                     let new = NewPhoto { user_id: user, url: "https://cdn.example/x.jpg".into(), caption };
                     let started = Instant::now();
                     let mut tries = 0;
-                    let outcome = loop {
+                    // Each call is bounded, not the test's own retries of it: the last
+                    // try's time is the write's.
+                    let (took, outcome) = loop {
                         tries += 1;
                         let t = Instant::now();
                         match photos.insert(&new).await {
-                            Ok(p) => break Outcome::Written(p.id),
-                            Err(e) if e.outcome_unknown() => break Outcome::Unknown(e.to_string()),
+                            Ok(p) => break (t.elapsed(), Outcome::Written(p.id)),
+                            Err(e) if e.outcome_unknown() => {
+                                break (t.elapsed(), Outcome::Unknown(e.to_string()));
+                            }
                             Err(e) if tries < 40 && e.is_retryable() => {
                                 log.push((
                                     format!("{} (try {tries})", new.caption),
@@ -799,10 +804,10 @@ fn write_load(
                                 ));
                                 tokio::time::sleep(Duration::from_millis(50)).await;
                             }
-                            Err(e) => break Outcome::NotWritten(e.to_string()),
+                            Err(e) => break (t.elapsed(), Outcome::NotWritten(e.to_string())),
                         }
                     };
-                    log.push((new.caption.clone(), started.elapsed(), started, outcome));
+                    log.push((new.caption.clone(), took, started, outcome));
                 }
                 log
             })

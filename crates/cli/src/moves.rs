@@ -43,6 +43,12 @@ pub struct MoveOpt {
     /// new copy), then fenced, verified and flipped as any move.
     #[arg(long)]
     pub revert: bool,
+    /// Copy the shard's rows at most this fast, in MB/s (decimal megabytes), read by
+    /// the mover from one snapshot of the source, so the source's other shards keep
+    /// their share of it; 0: the mover's copy, unthrottled. Without it the
+    /// subscription copies, as fast as the hosts go.
+    #[arg(long, value_name = "MB/S", conflicts_with_all = ["abort", "revert", "dry_run"])]
+    pub max_rate: Option<f64>,
     /// Fence only once a change on the source reaches the target this fast.
     #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub max_lag: Duration,
@@ -155,6 +161,17 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
         ))
         .into());
     }
+    let max_rate = match opt.max_rate {
+        None => None,
+        Some(mb) if mb.is_finite() && mb >= 0.0 && mb <= 1e6 =>
+        {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            Some((mb * 1e6) as u64)
+        }
+        Some(mb) => {
+            return Err(UsageError(format!("--max-rate {mb} is not a rate in MB/s (0 to 1000000)")).into());
+        }
+    };
     let rt = runtime()?;
     let (bar, f) = progress();
     let mut options = MoveOptions::default();
@@ -163,6 +180,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.lease = opt.lease;
     options.hung_after = opt.hung_after;
     options.revertible = opt.revertible;
+    options.max_rate = max_rate;
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
     let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;

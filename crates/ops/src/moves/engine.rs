@@ -14,7 +14,7 @@ use shardline_repo::catalog::connect;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
-use super::journal::{self, Detail, MoveRecord, Revertible, Reverting, State, Step, TableCheck};
+use super::journal::{self, Detail, MoveRecord, Revertible, Reverting, RowsCopied, State, Step, TableCheck};
 use super::preflight::{self, host_err, quote_literal};
 use super::subscription;
 use crate::converge::{self, HOST_LEDGER_SQL, Inputs, ShardWork};
@@ -26,6 +26,7 @@ mod changes;
 mod copy;
 mod fence;
 mod flip;
+mod rows;
 mod undo;
 mod verify;
 
@@ -248,6 +249,15 @@ pub struct MoveOptions {
     /// (the grace period) or a revert uses it, and takes one of the target's
     /// `max_replication_slots`: see `docs/operations.md`, "Reverting a move".
     pub revertible: bool,
+    /// Copy the shard's rows at most this many bytes a second, read by the mover from
+    /// one snapshot of the source, [`MoveOptions::copy_streams`] streams at once, rather
+    /// than by the subscription's own copy (default `None`: the subscription's copy,
+    /// as fast as the hosts go). The copy then leaves the source's other shards their
+    /// share of its disk and cores: see `docs/moves.md`, "A gentle copy".
+    pub max_rate: Option<u64>,
+    /// How many streams copy at once when the mover copies ([`MoveOptions::max_rate`]),
+    /// a big table in ranges of its pages (default 2).
+    pub copy_streams: usize,
 }
 
 impl Default for MoveOptions {
@@ -270,6 +280,8 @@ impl Default for MoveOptions {
             on_round: None,
             hung_after: Duration::from_secs(15),
             revertible: false,
+            max_rate: None,
+            copy_streams: 2,
         }
     }
 }

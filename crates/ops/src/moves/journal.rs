@@ -238,6 +238,10 @@ pub struct Detail {
     pub bytes: i64,
     /// How long the initial copy took, in ms.
     pub copy_ms: Option<u64>,
+    /// The mover's own copy of the rows ([`crate::moves::MoveOptions::max_rate`]), when
+    /// it copied: the bytes read from the source, how long that took (ms) and the rate
+    /// it was held to (bytes a second; 0: none).
+    pub rows_copied: Option<RowsCopied>,
     /// How many times the initial copy started over because a table's copy could not
     /// finish (its table-sync worker died between dropping its slot and recording that
     /// it was done; see `docs/moves.md`).
@@ -295,6 +299,21 @@ pub struct Detail {
     /// This move reverts an earlier one: it carries the shard back to that move's source,
     /// onto its old copy, from the new owner's reverse replication.
     pub reverts: Option<Reverting>,
+}
+
+/// The mover's own copy of a shard's rows (see [`Detail::rows_copied`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct RowsCopied {
+    /// Bytes read from the source (`COPY ... (FORMAT binary)`).
+    pub bytes: i64,
+    /// How long the copy took, from the snapshot to the last row written, in ms.
+    pub ms: u64,
+    /// The rate it was held to, bytes a second (0: none).
+    pub max_rate: u64,
+    /// How many streams copied at once.
+    pub streams: usize,
 }
 
 /// How a move stays revertible after its flip: on its target (the new owner), a

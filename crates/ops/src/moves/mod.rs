@@ -42,6 +42,6 @@ pub use engine::{
 };
 pub use gc::{GcReport, gc};
 pub use journal::{
-    Detail, MoveRecord, Precheck, Revertible, Reverting, Round, State, Step, TableCheck, list,
+    Detail, MoveRecord, Precheck, Revertible, Reverting, Round, RowsCopied, State, Step, TableCheck, list,
 };
 pub use preflight::{Preflight, Problem, preflight};

@@ -183,10 +183,28 @@ impl Mover<'_> {
                 .map_err(on(&source, "create the replication slot"))?;
             "true"
         };
-        let dst = self.dst().await?;
         let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
-        let mut oid =
-            dst.query_opt(find, &[&name]).await.map_err(on(&target, "look for the subscription"))?;
+        let mut oid = self
+            .dst()
+            .await?
+            .query_opt(find, &[&name])
+            .await
+            .map_err(on(&target, "look for the subscription"))?;
+        // A new copy starts from empty tables (one cut short may have left rows); with
+        // `max_rate` the mover copies, and the subscription copies nothing.
+        let copy = match (oid.is_none() && copy == "true", self.options.max_rate) {
+            (true, rate) => {
+                self.empty_copy().await?;
+                if let Some(rate) = rate {
+                    self.copy_rows(rate).await?;
+                    "false"
+                } else {
+                    copy
+                }
+            }
+            (false, _) => copy,
+        };
+        let dst = self.dst().await?;
         if oid.is_none() {
             let rest = format!(
                 "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}', copy_data = {copy})"
@@ -341,7 +359,9 @@ impl Mover<'_> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         self.build_indexes().await?;
-        self.detail.copy_ms = Some(ms(started.elapsed()));
+        // With the mover's own copy of the rows (made in the step before) counted in.
+        let rows_ms = self.detail.rows_copied.as_ref().map_or(0, |r| r.ms);
+        self.detail.copy_ms = Some(rows_ms + ms(started.elapsed()));
         // The change log starts before the catch-up, so the marker below also brings
         // over everything the source committed before its triggers.
         if self.options.verification == Verification::ChangeLog {
@@ -520,17 +540,7 @@ impl Mover<'_> {
             });
         }
         tracing::warn!(move_id = id, %table, "a table's copy cannot finish (its table-sync slot is gone from the source); starting the copy over");
-        let schema = self.schema.clone();
-        let dst = self.dst().await?;
-        drop_subscription(dst, &target, &name).await?;
-        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
-        let truncate =
-            if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
-        dst.batch_execute(&format!(
-            "BEGIN; {truncate} DELETE FROM shardline.move_marks WHERE move_id = {id}; COMMIT"
-        ))
-        .await
-        .map_err(on(&target, "empty the copy"))?;
+        drop_subscription(self.dst().await?, &target, &name).await?;
         let detail = self.detail.clone();
         drop_slots(self.src().await?, &source, &name, &detail).await?;
         self.detail.copy_restarts += 1;

@@ -1,0 +1,313 @@
+//! The mover's own initial copy ([`MoveOptions::max_rate`]): the shard's rows read
+//! from one snapshot of the source, at a bounded rate, into the target's bare tables,
+//! several streams at once; the subscription then starts, without a copy of its own,
+//! exactly where that snapshot ends.
+//!
+//! # Why the snapshot and the slot agree
+//!
+//! The slot is made first (`subscribe`). Then one session of the source takes, in a
+//! `REPEATABLE READ` transaction, `SHARE` locks on the shard's tables: that waits for
+//! every transaction writing them to end, and holds new writers. Under those locks it
+//! exports its snapshot and reads the WAL insert position `L`. Every change to the
+//! shard committed before the locks is in the snapshot and its commit record is below
+//! `L`; every change after is committed after the locks are released, so above `L`.
+//! The copy streams read that snapshot; once they are done, the slot is moved on to
+//! `L` (`pg_replication_slot_advance`), so the subscription sends exactly the
+//! transactions that committed after it. The locks are held only until each stream has
+//! taken the snapshot: milliseconds, for this shard's writers only.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures::{SinkExt, TryStreamExt};
+
+use super::*;
+
+/// A table bigger than this many pages (8 MiB) is copied in ranges of pages of this
+/// size (`ctid` ranges, a TID range scan each), several at once.
+const RANGE_PAGES: i64 = 1024;
+
+/// Caps the bytes the copy's streams read from the source at a rate, together.
+struct Throttle {
+    rate: Option<u64>,
+    start: tokio::time::Instant,
+    sent: AtomicU64,
+}
+
+impl Throttle {
+    /// Counts `n` more bytes; waits until the rate allows them.
+    async fn pass(&self, n: usize) {
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        let total = self.sent.fetch_add(n, Ordering::Relaxed).saturating_add(n);
+        if let Some(rate) = self.rate.filter(|r| *r > 0) {
+            #[allow(clippy::cast_precision_loss)]
+            let due = self.start + Duration::from_secs_f64(total as f64 / rate as f64);
+            tokio::time::sleep_until(due).await;
+        }
+    }
+
+    fn sent(&self) -> i64 {
+        i64::try_from(self.sent.load(Ordering::Relaxed)).unwrap_or(i64::MAX)
+    }
+}
+
+/// One part of the copy: a table, or a range of its pages.
+#[derive(Debug, Clone)]
+struct Piece {
+    /// The table, schema-qualified and quoted.
+    table: String,
+    /// Its columns (quoted, generated ones left out), in the source's order.
+    columns: String,
+    /// Pages `[from, to)` (`to` none: to the end), or the whole table.
+    pages: Option<(i64, Option<i64>)>,
+}
+
+impl Piece {
+    fn read(&self) -> String {
+        let range = match self.pages {
+            None => String::new(),
+            Some((from, None)) => format!(" WHERE ctid >= '({from},0)'::tid"),
+            Some((from, Some(to))) => format!(" WHERE ctid >= '({from},0)'::tid AND ctid < '({to},0)'::tid"),
+        };
+        format!("COPY (SELECT {} FROM ONLY {}{range}) TO STDOUT (FORMAT binary)", self.columns, self.table)
+    }
+
+    fn write(&self) -> String {
+        format!("COPY {} ({}) FROM STDIN (FORMAT binary)", self.table, self.columns)
+    }
+}
+
+/// A connection to `host` for the copy's streams: named as the mover's sessions are
+/// (a later mover of the same move ends it), without ending the mover's own.
+async fn stream_client(config: &Config, host: &HostName, id: i64) -> Result<Client> {
+    let c = host_client(config, host).await?;
+    maintenance_session(&c, host, &format!("shardline move {id}")).await?;
+    Ok(c)
+}
+
+impl Mover<'_> {
+    /// Empties the target's copy of the shard and its marker (nothing reads or writes
+    /// them before the flip): before any copy, so a copy cut short and started again
+    /// starts from empty tables.
+    pub(super) async fn empty_copy(&mut self) -> Result<()> {
+        let (target, schema, id) = (self.target.clone(), self.schema.clone(), self.id);
+        let dst = self.dst().await?;
+        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
+        let truncate =
+            if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
+        dst.batch_execute(&format!(
+            "BEGIN; {truncate} DELETE FROM shardline.move_marks WHERE move_id = {id}; COMMIT"
+        ))
+        .await
+        .map_err(on(&target, "empty the copy"))
+    }
+
+    /// Copies the shard's rows and its marker from one snapshot of the source (see the
+    /// module's docs), at most `max_rate` bytes a second, then moves the slot on to
+    /// where that snapshot ends. The target's tables are empty (see
+    /// [`Mover::empty_copy`]) and the slot made.
+    pub(super) async fn copy_rows(&mut self, max_rate: u64) -> Result<()> {
+        let (source, target, schema, id, name) =
+            (self.source.clone(), self.target.clone(), self.schema.clone(), self.id, self.name());
+        let pieces = self.pieces().await?;
+        let total = self.detail.bytes;
+        let tables = i64::try_from(pieces.iter().filter(|p| p.pages.is_none_or(|(f, _)| f == 0)).count())
+            .unwrap_or(i64::MAX);
+        let workers = pieces.len().clamp(1, self.options.copy_streams.max(1));
+        // The streams' connections first, so the locks below are held only while they
+        // take the snapshot.
+        let mut streams = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            let dst = stream_client(self.config, &target, id).await?;
+            // As the subscription's own copy and its apply: no trigger, no foreign key
+            // check (the tables are copied one by one, in any order).
+            dst.batch_execute("SET session_replication_role = replica")
+                .await
+                .map_err(on(&target, "set up the copy's session"))?;
+            streams.push((stream_client(self.config, &source, id).await?, dst));
+        }
+        let lock_sql = {
+            let locked = tables_of(self.src().await?, &source, schema.as_str(), &schema.quoted()).await?;
+            format!(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL lock_timeout = '{}ms'; LOCK TABLE {} IN SHARE MODE",
+                self.options.lock_timeout.as_millis(),
+                locked.join(", ")
+            )
+        };
+        let snap = stream_client(self.config, &source, id).await?;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match snap.batch_execute(&lock_sql).await {
+                Ok(()) => break,
+                Err(e) => {
+                    let err = host_err(&source, "lock the shard's tables for the copy's snapshot", &e);
+                    snap.batch_execute("ROLLBACK").await.map_err(on(&source, "roll back"))?;
+                    if !is_lock_conflict(&err) || attempt >= self.options.fence_attempts.max(1) {
+                        return Err(err);
+                    }
+                    tracing::debug!(
+                        move_id = id,
+                        attempt,
+                        "the shard's tables were busy; taking the copy's snapshot again"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        let row = snap
+            .query_one(
+                "SELECT pg_export_snapshot(), pg_current_wal_insert_lsn()::text,
+                        (SELECT n FROM shardline.move_marks WHERE move_id = $1)",
+                &[&id],
+            )
+            .await
+            .map_err(on(&source, "export the copy's snapshot"))?;
+        let (snapshot, lsn, mark): (String, String, Option<i64>) = (row.get(0), row.get(1), row.get(2));
+        let take = format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT {}",
+            quote_literal(&snapshot)
+        );
+        for (src, _) in &streams {
+            src.batch_execute(&take).await.map_err(on(&source, "take the copy's snapshot"))?;
+        }
+        snap.batch_execute("COMMIT").await.map_err(on(&source, "release the shard's tables"))?;
+        drop(snap);
+        tracing::debug!(move_id = id, %lsn, pieces = pieces.len(), workers, max_rate, "copying the shard's rows from one snapshot");
+
+        let started = Instant::now();
+        let throttle =
+            Throttle { rate: Some(max_rate), start: tokio::time::Instant::now(), sent: AtomicU64::new(0) };
+        let queue = Mutex::new(pieces.into_iter().rev().collect::<Vec<_>>());
+        let done = AtomicU64::new(0);
+        let progress = self.options.progress.clone();
+        let report = |tables_done: u64| {
+            if let Some(p) = &progress {
+                p(&MoveProgress::Copy {
+                    bytes: throttle.sent(),
+                    total,
+                    tables_done: i64::try_from(tables_done).unwrap_or(i64::MAX).min(tables),
+                    tables,
+                });
+            }
+        };
+        let runs = streams.iter().map(|(src, dst)| {
+            let (queue, throttle, done, report) = (&queue, &throttle, &done, &report);
+            let (source, target) = (source.clone(), target.clone());
+            async move {
+                let mut reported = 0;
+                loop {
+                    let next = queue.lock().ok().and_then(|mut q| q.pop());
+                    let Some(piece) = next else { break };
+                    let out =
+                        src.copy_out(&piece.read()).await.map_err(on(&source, "read the shard's rows"))?;
+                    let sink =
+                        dst.copy_in(&piece.write()).await.map_err(on(&target, "write the shard's rows"))?;
+                    let (mut out, mut sink) = (std::pin::pin!(out), std::pin::pin!(sink));
+                    while let Some(chunk) =
+                        out.try_next().await.map_err(on(&source, "read the shard's rows"))?
+                    {
+                        throttle.pass(chunk.len()).await;
+                        sink.send(chunk).await.map_err(on(&target, "write the shard's rows"))?;
+                        if throttle.sent() - reported >= 1 << 20 {
+                            reported = throttle.sent();
+                            report(done.load(Ordering::Relaxed));
+                        }
+                    }
+                    sink.as_mut().finish().await.map_err(on(&target, "write the shard's rows"))?;
+                    if piece.pages.is_none_or(|(_, to)| to.is_none()) {
+                        report(done.fetch_add(1, Ordering::Relaxed) + 1);
+                    }
+                }
+                src.batch_execute("COMMIT").await.map_err(on(&source, "end the copy's snapshot"))?;
+                Ok::<(), Error>(())
+            }
+        });
+        futures::future::try_join_all(runs).await?;
+        drop(streams);
+        self.detail.rows_copied = Some(RowsCopied {
+            bytes: throttle.sent(),
+            ms: ms(started.elapsed()),
+            max_rate,
+            streams: workers,
+        });
+
+        let dst = self.dst().await?;
+        if let Some(n) = mark {
+            dst.execute(
+                "INSERT INTO shardline.move_marks (move_id, n) VALUES ($1, $2)
+                 ON CONFLICT (move_id) DO UPDATE SET n = EXCLUDED.n",
+                &[&id, &n],
+            )
+            .await
+            .map_err(on(&target, "copy the move's marker"))?;
+        }
+        // On to where the snapshot ends. Not past what is flushed (the function stops
+        // there): every commit the snapshot holds was flushed before it was seen, so a
+        // slot left short of `L` means something is wrong, and the move stops.
+        let src = self.src().await?;
+        let at: String = src
+            .query_one(
+                "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+                &[&name, &lsn],
+            )
+            .await
+            .map_err(on(&source, "move the slot on to the copy's snapshot"))?
+            .get(0);
+        let reached: bool = src
+            .query_one("SELECT $1::text::pg_lsn >= $2::text::pg_lsn", &[&at, &lsn])
+            .await
+            .map_err(on(&source, "compare positions"))?
+            .get(0);
+        if !reached {
+            return Err(Error::Host {
+                host: source.to_string(),
+                what: "move the slot on to the copy's snapshot".into(),
+                sqlstate: None,
+                message: format!("the slot reached {at}, short of the snapshot's {lsn}"),
+            });
+        }
+        report(u64::try_from(tables).unwrap_or(0));
+        Ok(())
+    }
+
+    /// The copy's pieces, biggest tables first: each table of the shard's schema on the
+    /// source, a big one in ranges of [`RANGE_PAGES`] pages.
+    async fn pieces(&mut self) -> Result<Vec<Piece>> {
+        let (source, schema) = (self.source.clone(), self.schema.clone());
+        let rows = self
+            .src()
+            .await?
+            .query(
+                "SELECT c.relname::text,
+                        pg_relation_size(c.oid) / current_setting('block_size')::bigint,
+                        array(SELECT a.attname::text FROM pg_attribute a
+                               WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+                                 AND a.attgenerated = '' ORDER BY a.attnum)
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'r'
+                  ORDER BY 2 DESC, 1",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "list the shard's tables"))?;
+        let mut pieces = Vec::new();
+        for r in rows {
+            let (table, pages, columns): (String, i64, Vec<String>) = (r.get(0), r.get(1), r.get(2));
+            let table = format!("{}.{}", schema.quoted(), quote_ident(&table));
+            let columns = columns.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ");
+            if pages <= RANGE_PAGES {
+                pieces.push(Piece { table, columns, pages: None });
+                continue;
+            }
+            let mut from = 0;
+            while from < pages {
+                let to = from + RANGE_PAGES;
+                let pages = Some((from, (to < pages).then_some(to)));
+                pieces.push(Piece { table: table.clone(), columns: columns.clone(), pages });
+                from = to;
+            }
+        }
+        Ok(pieces)
+    }
+}
