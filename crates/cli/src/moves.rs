@@ -163,7 +163,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     }
     let max_rate = match opt.max_rate {
         None => None,
-        Some(mb) if mb.is_finite() && mb >= 0.0 && mb <= 1e6 =>
+        Some(mb) if (0.0..=1e6).contains(&mb) =>
         {
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             Some((mb * 1e6) as u64)
