@@ -69,43 +69,48 @@ async fn main() -> Result<(), BoxError> {
         kit.backend()
     );
 
-    // 1. Copy throughput: the move vs pg_dump | psql of the same schema.
-    let t = Instant::now();
-    let sampler = cpu::Sampler::start();
-    // The copy's span for the CPU figures: from `prepared` journaled to `caught_up`.
-    let steps: Arc<std::sync::Mutex<Vec<(moves::Step, Instant)>>> = Arc::default();
-    let mut opts = MoveOptions::default();
-    let seen = Arc::clone(&steps);
-    opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
-        if let moves::MoveProgress::Step { step, .. } = p {
-            seen.lock().unwrap().push((*step, Instant::now()));
-        }
-    }));
-    let report = moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg2")?, &opts).await?;
-    let whole = t.elapsed();
-    let at = |s: moves::Step| steps.lock().unwrap().iter().find(|(x, _)| *x == s).map(|(_, t)| *t);
-    let copy_span = (at(moves::Step::Prepared), at(moves::Step::CaughtUp));
-    let copy = Duration::from_millis(report.copy_ms);
-    let moved = format!("shard_0000_moved_{}", report.id);
-    kit.create_database("bench_dump").await?;
-    let dump = format!(
-        "pg_dump --no-owner --no-privileges -n {moved} '{}' | psql -q -v ON_ERROR_STOP=1 '{}' >/dev/null",
-        kit.hosts()[0].url("bench_moves"),
-        kit.hosts()[2].url("bench_dump")
-    );
-    let rival_start = Instant::now();
-    let t = Instant::now();
-    let status = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg(&dump)
-        .env("PATH", format!("/usr/lib/postgresql/15/bin:{}", std::env::var("PATH").unwrap_or_default()))
-        .status()
-        .await?;
-    let rival = t.elapsed();
-    let rival_end = Instant::now();
-    let samples = sampler.finish();
-    assert!(status.success(), "pg_dump | psql failed");
-    let restored: i64 = kit.hosts()[2]
+    // `SHARDLINE_BENCH_ONLY=gentle`: the last section alone.
+    let gentle_only = std::env::var("SHARDLINE_BENCH_ONLY").is_ok_and(|v| v == "gentle");
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let rate = 250;
+    if !gentle_only {
+        // 1. Copy throughput: the move vs pg_dump | psql of the same schema.
+        let t = Instant::now();
+        let sampler = cpu::Sampler::start();
+        // The copy's span for the CPU figures: from `prepared` journaled to `caught_up`.
+        let steps: Arc<std::sync::Mutex<Vec<(moves::Step, Instant)>>> = Arc::default();
+        let mut opts = MoveOptions::default();
+        let seen = Arc::clone(&steps);
+        opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+            if let moves::MoveProgress::Step { step, .. } = p {
+                seen.lock().unwrap().push((*step, Instant::now()));
+            }
+        }));
+        let report = moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg2")?, &opts).await?;
+        let whole = t.elapsed();
+        let at = |s: moves::Step| steps.lock().unwrap().iter().find(|(x, _)| *x == s).map(|(_, t)| *t);
+        let copy_span = (at(moves::Step::Prepared), at(moves::Step::CaughtUp));
+        let copy = Duration::from_millis(report.copy_ms);
+        let moved = format!("shard_0000_moved_{}", report.id);
+        kit.create_database("bench_dump").await?;
+        let dump = format!(
+            "pg_dump --no-owner --no-privileges -n {moved} '{}' | psql -q -v ON_ERROR_STOP=1 '{}' >/dev/null",
+            kit.hosts()[0].url("bench_moves"),
+            kit.hosts()[2].url("bench_dump")
+        );
+        let rival_start = Instant::now();
+        let t = Instant::now();
+        let status = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(&dump)
+            .env("PATH", format!("/usr/lib/postgresql/15/bin:{}", std::env::var("PATH").unwrap_or_default()))
+            .status()
+            .await?;
+        let rival = t.elapsed();
+        let rival_end = Instant::now();
+        let samples = sampler.finish();
+        assert!(status.success(), "pg_dump | psql failed");
+        let restored: i64 = kit.hosts()[2]
         .connect("bench_dump")
         .await?
         .query_one(
@@ -114,136 +119,136 @@ async fn main() -> Result<(), BoxError> {
         )
         .await?
         .get(0);
-    assert_eq!(restored, report.rows);
-    let mb = |d: Duration| report.bytes as f64 / 1e6 / d.as_secs_f64();
-    println!("copy: {} rows, {:.1} MB (tables and indexes)", report.rows, report.bytes as f64 / 1e6);
-    println!(
-        "  move's initial copy      {:>10}  {:>7.1} MB/s  {:>9.0} rows/s",
-        ms(copy),
-        mb(copy),
-        report.rows as f64 / copy.as_secs_f64()
-    );
-    println!("  pg_dump -n | psql        {:>10}  {:>7.1} MB/s", ms(rival), mb(rival));
-    println!(
-        "  ratio (rival time / copy time): {:.2}x (goal >= 1x)",
-        rival.as_secs_f64() / copy.as_secs_f64()
-    );
-    println!("  whole move, pre-flight to clean-up: {}, write pause {} ms", ms(whole), report.pause_ms);
-    // The mover's own copy (`--max-rate 0`: one snapshot, two streams, no cap), the same
-    // shard moved on from pg2 to pg1 (the rival's source host, the same data).
-    let mut streamed = MoveOptions::default();
-    streamed.max_rate = Some(0);
-    let back = moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg1")?, &streamed).await?;
-    let copy2 = Duration::from_millis(back.copy_ms);
-    println!(
-        "  move's copy, the mover's streams (--max-rate 0, pg2 -> pg1) {:>10}  {:>7.1} MB/s; rival / it: {:.2}x",
-        ms(copy2),
-        mb(copy2),
-        rival.as_secs_f64() / copy2.as_secs_f64()
-    );
-    if let (Some(from), Some(to)) = copy_span
-        && let (Some(c), Some(r)) = (samples.window(from, to), samples.window(rival_start, rival_end))
-    {
+        assert_eq!(restored, report.rows);
+        let mb = |d: Duration| report.bytes as f64 / 1e6 / d.as_secs_f64();
+        println!("copy: {} rows, {:.1} MB (tables and indexes)", report.rows, report.bytes as f64 / 1e6);
         println!(
-            "  (the move's span below: from `prepared` to `caught_up`, so subscribing and catching up too)"
+            "  move's initial copy      {:>10}  {:>7.1} MB/s  {:>9.0} rows/s",
+            ms(copy),
+            mb(copy),
+            report.rows as f64 / copy.as_secs_f64()
         );
-        cpu::print_side_by_side(["move's copy", "pg_dump | psql"], [&c, &r]);
-    }
-
-    // 2. The write pause under a steady load on the moving shard, at two sizes.
-    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    let small = photos / 10;
-    fill(&pg1, 1, i64::from(count), small).await?;
-    let rate = 250;
-    println!("write pause under load: 4 writers x {rate}/s on the moving shard");
-    println!(
-        "  {:>8} {:>9}  {:>9} {:>9} {:>9}   {:>9} {:>9} {:>9}  {:>12}",
-        "rows", "MB", "p50", "p99", "max", "p50", "p99", "max", "fence->flip"
-    );
-    println!("  {:>8} {:>9}  {:^29}   {:^29}", "", "", "no move", "during the move");
-    for (shard, to) in [(1u16, "pg2"), (0, "pg3")] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let load = writers(&cluster, i64::from(count), i64::from(shard), rate, &stop);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let move_start = Instant::now();
-        let r = moves::run(
-            &config,
-            LogicalShard::bounded(i64::from(shard))?,
-            &HostName::new(to)?,
-            &MoveOptions::default(),
-        )
-        .await?;
-        let move_end = Instant::now();
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        stop.store(true, Ordering::Relaxed);
-        let mut all = Vec::new();
-        for w in load {
-            all.extend(w.await?);
+        println!("  pg_dump -n | psql        {:>10}  {:>7.1} MB/s", ms(rival), mb(rival));
+        println!(
+            "  ratio (rival time / copy time): {:.2}x (goal >= 1x)",
+            rival.as_secs_f64() / copy.as_secs_f64()
+        );
+        println!("  whole move, pre-flight to clean-up: {}, write pause {} ms", ms(whole), report.pause_ms);
+        // The mover's own copy (`--max-rate 0`: one snapshot, two streams, no cap), the same
+        // shard moved on from pg2 to pg1 (the rival's source host, the same data).
+        let mut streamed = MoveOptions::default();
+        streamed.max_rate = Some(0);
+        let back = moves::run(&config, LogicalShard::bounded(0)?, &HostName::new("pg1")?, &streamed).await?;
+        let copy2 = Duration::from_millis(back.copy_ms);
+        println!(
+            "  move's copy, the mover's streams (--max-rate 0, pg2 -> pg1) {:>10}  {:>7.1} MB/s; rival / it: {:.2}x",
+            ms(copy2),
+            mb(copy2),
+            rival.as_secs_f64() / copy2.as_secs_f64()
+        );
+        if let (Some(from), Some(to)) = copy_span
+            && let (Some(c), Some(r)) = (samples.window(from, to), samples.window(rival_start, rival_end))
+        {
+            println!(
+                "  (the move's span below: from `prepared` to `caught_up`, so subscribing and catching up too)"
+            );
+            cpu::print_side_by_side(["move's copy", "pg_dump | psql"], [&c, &r]);
         }
-        let mut before: Vec<Duration> = all.iter().filter(|(t, _)| *t < move_start).map(|x| x.1).collect();
-        let mut during: Vec<Duration> =
-            all.iter().filter(|(t, _)| *t >= move_start && *t <= move_end).map(|x| x.1).collect();
-        println!(
-            "  {:>8} {:>9.1}  {:>9} {:>9} {:>9}   {:>9} {:>9} {:>9}  {:>9} ms{}",
-            r.rows,
-            r.bytes as f64 / 1e6,
-            ms(pct(&mut before, 0.5)),
-            ms(pct(&mut before, 0.99)),
-            ms(pct(&mut before, 1.0)),
-            ms(pct(&mut during, 0.5)),
-            ms(pct(&mut during, 0.99)),
-            ms(pct(&mut during, 1.0)),
-            r.pause_ms,
-            if r.pause_ms < 100 { "  (goal < 100 ms: met)" } else { "  (goal < 100 ms: missed)" }
-        );
-    }
 
-    // 2b. A revert after the flip against moving the shard back with a new copy: shard 0
-    // (on pg3 now) moves to pg1 revertible, takes writes there, is reverted to pg3, then
-    // moved back to pg1 by a plain move (the rival: same shard, same writers, same hosts).
-    {
-        let stop = Arc::new(AtomicBool::new(false));
-        let load = writers(&cluster, i64::from(count), 0, rate, &stop);
-        let shard = LogicalShard::bounded(0)?;
-        let timed = |to: &'static str, opts: MoveOptions, revert: bool| {
-            let config = config.clone();
-            async move {
-                let t = Instant::now();
-                let r = if revert {
-                    moves::revert(&config, shard, &opts).await?
-                } else {
-                    moves::run(&config, shard, &HostName::new(to)?, &opts).await?
-                };
-                Ok::<_, BoxError>((t.elapsed(), r))
+        // 2. The write pause under a steady load on the moving shard, at two sizes.
+        let small = photos / 10;
+        fill(&pg1, 1, i64::from(count), small).await?;
+        println!("write pause under load: 4 writers x {rate}/s on the moving shard");
+        println!(
+            "  {:>8} {:>9}  {:>9} {:>9} {:>9}   {:>9} {:>9} {:>9}  {:>12}",
+            "rows", "MB", "p50", "p99", "max", "p50", "p99", "max", "fence->flip"
+        );
+        println!("  {:>8} {:>9}  {:^29}   {:^29}", "", "", "no move", "during the move");
+        for (shard, to) in [(1u16, "pg2"), (0, "pg3")] {
+            let stop = Arc::new(AtomicBool::new(false));
+            let load = writers(&cluster, i64::from(count), i64::from(shard), rate, &stop);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let move_start = Instant::now();
+            let r = moves::run(
+                &config,
+                LogicalShard::bounded(i64::from(shard))?,
+                &HostName::new(to)?,
+                &MoveOptions::default(),
+            )
+            .await?;
+            let move_end = Instant::now();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            stop.store(true, Ordering::Relaxed);
+            let mut all = Vec::new();
+            for w in load {
+                all.extend(w.await?);
             }
-        };
-        let (fwd, f) = timed("pg1", MoveOptions::default().revertible(), false).await?;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let (back, b) = timed("pg3", MoveOptions::default(), true).await?;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let (plain, p) = timed("pg1", MoveOptions::default(), false).await?;
-        stop.store(true, Ordering::Relaxed);
-        for w in load {
-            w.await?;
+            let mut before: Vec<Duration> =
+                all.iter().filter(|(t, _)| *t < move_start).map(|x| x.1).collect();
+            let mut during: Vec<Duration> =
+                all.iter().filter(|(t, _)| *t >= move_start && *t <= move_end).map(|x| x.1).collect();
+            println!(
+                "  {:>8} {:>9.1}  {:>9} {:>9} {:>9}   {:>9} {:>9} {:>9}  {:>9} ms{}",
+                r.rows,
+                r.bytes as f64 / 1e6,
+                ms(pct(&mut before, 0.5)),
+                ms(pct(&mut before, 0.99)),
+                ms(pct(&mut before, 1.0)),
+                ms(pct(&mut during, 0.5)),
+                ms(pct(&mut during, 0.99)),
+                ms(pct(&mut during, 1.0)),
+                r.pause_ms,
+                if r.pause_ms < 100 { "  (goal < 100 ms: met)" } else { "  (goal < 100 ms: missed)" }
+            );
         }
-        println!(
-            "revert after the flip: shard 0 ({} rows, {:.1} MB), 4 writers x {rate}/s on it throughout",
-            b.rows,
-            b.bytes as f64 / 1e6
-        );
-        println!("  {:>40} {:>10} {:>12}", "", "whole", "write pause");
-        for (name, d, r) in [
-            ("move pg3 -> pg1, --revertible", fwd, &f),
-            ("revert pg1 -> pg3 (old copy, no copy)", back, &b),
-            ("rival: move pg3 -> pg1 (a new copy)", plain, &p),
-        ] {
-            println!("  {name:>40} {:>10} {:>9} ms", ms(d), r.pause_ms);
+
+        // 2b. A revert after the flip against moving the shard back with a new copy: shard 0
+        // (on pg3 now) moves to pg1 revertible, takes writes there, is reverted to pg3, then
+        // moved back to pg1 by a plain move (the rival: same shard, same writers, same hosts).
+        {
+            let stop = Arc::new(AtomicBool::new(false));
+            let load = writers(&cluster, i64::from(count), 0, rate, &stop);
+            let shard = LogicalShard::bounded(0)?;
+            let timed = |to: &'static str, opts: MoveOptions, revert: bool| {
+                let config = config.clone();
+                async move {
+                    let t = Instant::now();
+                    let r = if revert {
+                        moves::revert(&config, shard, &opts).await?
+                    } else {
+                        moves::run(&config, shard, &HostName::new(to)?, &opts).await?
+                    };
+                    Ok::<_, BoxError>((t.elapsed(), r))
+                }
+            };
+            let (fwd, f) = timed("pg1", MoveOptions::default().revertible(), false).await?;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let (back, b) = timed("pg3", MoveOptions::default(), true).await?;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let (plain, p) = timed("pg1", MoveOptions::default(), false).await?;
+            stop.store(true, Ordering::Relaxed);
+            for w in load {
+                w.await?;
+            }
+            println!(
+                "revert after the flip: shard 0 ({} rows, {:.1} MB), 4 writers x {rate}/s on it throughout",
+                b.rows,
+                b.bytes as f64 / 1e6
+            );
+            println!("  {:>40} {:>10} {:>12}", "", "whole", "write pause");
+            for (name, d, r) in [
+                ("move pg3 -> pg1, --revertible", fwd, &f),
+                ("revert pg1 -> pg3 (old copy, no copy)", back, &b),
+                ("rival: move pg3 -> pg1 (a new copy)", plain, &p),
+            ] {
+                println!("  {name:>40} {:>10} {:>9} ms", ms(d), r.pause_ms);
+            }
+            println!(
+                "  revert / rival: {:.2}x faster; the revertible move / the plain one: {:.2}x the time",
+                plain.as_secs_f64() / back.as_secs_f64(),
+                fwd.as_secs_f64() / plain.as_secs_f64()
+            );
         }
-        println!(
-            "  revert / rival: {:.2}x faster; the revertible move / the plain one: {:.2}x the time",
-            plain.as_secs_f64() / back.as_secs_f64(),
-            fwd.as_secs_f64() / plain.as_secs_f64()
-        );
     }
 
     // 3. Gentle on the source: writers to another shard of the source, with no move, then
@@ -327,6 +332,28 @@ async fn main() -> Result<(), BoxError> {
                 );
             } else {
                 println!();
+            }
+        }
+        // The mover's copy of the rows is the step to `copying`; the index builds and the
+        // catch-up follow, to `caught_up`.
+        if max_rate.is_some()
+            && let Some(rows_done) = at(moves::Step::Copying)
+        {
+            let base = pct(&mut before, 0.99).as_secs_f64().max(1e-9);
+            for (label, a, b) in
+                [("  the rows' copy alone", from, rows_done), ("  indexes and catch-up", rows_done, to)]
+            {
+                let mut v: Vec<Duration> =
+                    all.iter().filter(|(t, _)| *t >= a && *t <= b).map(|x| x.1).collect();
+                let n = v.len();
+                println!(
+                    "  {label:>34} {n:>7} {:>10} {:>10} {:>10}  {:>10} {:>8.2}x",
+                    ms(pct(&mut v, 0.5)),
+                    ms(pct(&mut v, 0.99)),
+                    ms(pct(&mut v, 1.0)),
+                    ms(b.saturating_duration_since(a)),
+                    pct(&mut v, 0.99).as_secs_f64() / base
+                );
             }
         }
         println!("  {:>34} ({} rows, {:.1} MB)", "", r.rows, r.bytes as f64 / 1e6);

@@ -74,6 +74,10 @@ pub enum HostCommand {
         /// Moves at a time.
         #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
         parallel: u16,
+        /// Each move copies its shard's rows at most this fast, in MB/s (see `move
+        /// --max-rate`).
+        #[arg(long, value_name = "MB/S", value_parser = crate::moves::parse_rate)]
+        max_rate: Option<u64>,
         /// Print one JSON array of the moves.
         #[arg(long)]
         json: bool,
@@ -152,9 +156,10 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
             }
             Ok(())
         }
-        HostCommand::Drain { name, dry_run, parallel, json } => {
+        HostCommand::Drain { name, dry_run, parallel, max_rate, json } => {
             let name = host_name(name)?;
-            let options = MoveOptions::default();
+            let mut options = MoveOptions::default();
+            options.max_rate = *max_rate;
             let report = rt.block_on(shardline_ops::fleet::drain(
                 config,
                 &name,

@@ -47,8 +47,8 @@ pub struct MoveOpt {
     /// the mover from one snapshot of the source, so the source's other shards keep
     /// their share of it; 0: the mover's copy, unthrottled. Without it the
     /// subscription copies, as fast as the hosts go.
-    #[arg(long, value_name = "MB/S", conflicts_with_all = ["abort", "revert", "dry_run"])]
-    pub max_rate: Option<f64>,
+    #[arg(long, value_name = "MB/S", value_parser = parse_rate, conflicts_with_all = ["abort", "revert", "dry_run"])]
+    pub max_rate: Option<u64>,
     /// Fence only once a change on the source reaches the target this fast.
     #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub max_lag: Duration,
@@ -70,6 +70,22 @@ pub struct MoveOpt {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
+pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(mb) if (0.0..=1e6).contains(&mb) =>
+        {
+            #[expect(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                reason = "a non-negative rate of at most 10^12 bytes a second"
+            )]
+            Ok((mb * 1e6).round() as u64)
+        }
+        _ => Err(format!("{s:?} is not a rate in MB/s (a number from 0 to 1000000)")),
+    }
 }
 
 fn parse_step(s: &str) -> Result<Step, String> {
@@ -108,6 +124,10 @@ pub struct RebalanceOpt {
     /// moves onto one new host run at once, sharing its disks and cores.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     pub per_host: u16,
+    /// Each move copies its shard's rows at most this fast, in MB/s (see `move
+    /// --max-rate`).
+    #[arg(long, value_name = "MB/S", value_parser = parse_rate)]
+    pub max_rate: Option<u64>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -161,17 +181,6 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
         ))
         .into());
     }
-    let max_rate = match opt.max_rate {
-        None => None,
-        Some(mb) if (0.0..=1e6).contains(&mb) =>
-        {
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            Some((mb * 1e6) as u64)
-        }
-        Some(mb) => {
-            return Err(UsageError(format!("--max-rate {mb} is not a rate in MB/s (0 to 1000000)")).into());
-        }
-    };
     let rt = runtime()?;
     let (bar, f) = progress();
     let mut options = MoveOptions::default();
@@ -180,7 +189,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.lease = opt.lease;
     options.hung_after = opt.hung_after;
     options.revertible = opt.revertible;
-    options.max_rate = max_rate;
+    options.max_rate = opt.max_rate;
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
     let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
@@ -282,7 +291,8 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
         }
         return Ok(());
     }
-    let options = MoveOptions::default();
+    let mut options = MoveOptions::default();
+    options.max_rate = opt.max_rate;
     let results = rt.block_on(shardline_ops::rebalance::apply(
         config,
         &plan,
@@ -367,4 +377,19 @@ pub fn gc(config: &Config, opt: &GcOpt, out: &mut dyn Write) -> anyhow::Result<(
         writeln!(out, "{report}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_rate;
+
+    #[test]
+    fn a_rate_is_megabytes_a_second_and_a_bad_one_is_named() {
+        assert_eq!(parse_rate("12.5"), Ok(12_500_000));
+        assert_eq!(parse_rate("0"), Ok(0));
+        for bad in ["", "fast", "-1", "NaN", "inf", "1000001"] {
+            let err = parse_rate(bad).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")) && err.contains("MB/s"), "{err}");
+        }
+    }
 }

@@ -551,6 +551,7 @@ impl Mover<'_> {
     /// target lacks (deferred during the copy), from the source's own definitions.
     pub(super) async fn build_indexes(&mut self) -> Result<()> {
         let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        let gentle = self.options.max_rate.is_some_and(|r| r > 0);
         let wanted: Vec<(String, String)> = self
             .src()
             .await?
@@ -577,9 +578,21 @@ impl Mover<'_> {
             .iter()
             .map(|r| r.get(0))
             .collect();
+        // A capped copy is gentle on the target too: its index builds take one core, not
+        // the server's parallel maintenance workers as well.
+        if gentle {
+            dst.batch_execute("SET max_parallel_maintenance_workers = 0")
+                .await
+                .map_err(on(&target, "set up the index builds"))?;
+        }
         for (name, def) in wanted.iter().filter(|(n, _)| !have.contains(n)) {
             tracing::debug!(index = %name, "building a deferred index");
             dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")))?;
+        }
+        if gentle {
+            dst.batch_execute("RESET max_parallel_maintenance_workers")
+                .await
+                .map_err(on(&target, "set up the index builds"))?;
         }
         Ok(())
     }

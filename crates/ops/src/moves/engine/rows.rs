@@ -27,6 +27,9 @@ use super::*;
 /// size (`ctid` ranges, a TID range scan each), several at once.
 const RANGE_PAGES: i64 = 1024;
 
+/// The copy's streams pass the rows on in batches of this many bytes.
+const BATCH: usize = 64 * 1024;
+
 /// Caps the bytes the copy's streams read from the source at a rate, together.
 struct Throttle {
     rate: Option<u64>,
@@ -204,14 +207,26 @@ impl Mover<'_> {
                     let sink =
                         dst.copy_in(&piece.write()).await.map_err(on(&target, "write the shard's rows"))?;
                     let (mut out, mut sink) = (std::pin::pin!(out), std::pin::pin!(sink));
-                    while let Some(chunk) =
-                        out.try_next().await.map_err(on(&source, "read the shard's rows"))?
-                    {
-                        throttle.pass(chunk.len()).await;
-                        sink.send(chunk).await.map_err(on(&target, "write the shard's rows"))?;
-                        if throttle.sent() - reported >= 1 << 20 {
-                            reported = throttle.sent();
-                            report(done.load(Ordering::Relaxed));
+                    // The source sends a message per row: they go on in batches (one
+                    // write, one pass of the throttle, each).
+                    let mut batch = bytes::BytesMut::with_capacity(BATCH);
+                    loop {
+                        let chunk = out.try_next().await.map_err(on(&source, "read the shard's rows"))?;
+                        if let Some(c) = &chunk {
+                            batch.extend_from_slice(c);
+                        }
+                        if batch.len() >= BATCH || (chunk.is_none() && !batch.is_empty()) {
+                            throttle.pass(batch.len()).await;
+                            sink.feed(batch.split().freeze())
+                                .await
+                                .map_err(on(&target, "write the shard's rows"))?;
+                            if throttle.sent() - reported >= 1 << 20 {
+                                reported = throttle.sent();
+                                report(done.load(Ordering::Relaxed));
+                            }
+                        }
+                        if chunk.is_none() {
+                            break;
                         }
                     }
                     sink.as_mut().finish().await.map_err(on(&target, "write the shard's rows"))?;
