@@ -3338,6 +3338,8 @@ pub(crate) async fn a_throttled_copy_from_one_snapshot_under_writes_loses_nothin
     let rate = 8_000_000;
     let mut o = MoveOptions::default();
     o.max_rate = Some(rate);
+    // A hand-over that applied a change twice would stall the catch-up: fail in time.
+    o.copy_timeout = Duration::from_secs(120);
     let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &o).await?;
     stop.store(true, Ordering::Relaxed);
     let (updated, deleted) = churn.await?;
@@ -3444,6 +3446,9 @@ pub(crate) async fn a_host_killed_inside_the_movers_copy_is_resumed_to_every_row
         again.copy_timeout = Duration::from_secs(120);
         let done = moves::resume(&config, Some(crate::shard(2)), &again).await?;
         assert_eq!(done.len(), 1);
+        // The resume copied as it was asked: the mover uncapped, or the subscription.
+        let m = moves::list(&config).await?.into_iter().last().ok_or("no move")?;
+        assert_eq!(m.detail.rows_copied.as_ref().map(|r| r.max_rate), resume_rate, "{:?}", m.detail);
         assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40 + BULK, 40, 40]));
         assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
         let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;

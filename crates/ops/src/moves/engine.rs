@@ -253,7 +253,7 @@ pub struct MoveOptions {
     /// one snapshot of the source, [`MoveOptions::copy_streams`] streams at once, rather
     /// than by the subscription's own copy (default `None`: the subscription's copy,
     /// as fast as the hosts go). The copy then leaves the source's other shards their
-    /// share of its disk and cores: see `docs/moves.md`, "A gentle copy".
+    /// share of its disk and cores: see `docs/moves.md`, "The mover's own copy".
     pub max_rate: Option<u64>,
     /// How many streams copy at once when the mover copies ([`MoveOptions::max_rate`]),
     /// a big table in ranges of its pages (default 2).

@@ -314,6 +314,9 @@ pub struct RowsCopied {
     pub max_rate: u64,
     /// How many streams copied at once.
     pub streams: usize,
+    /// The source's WAL position where the copy's snapshot ends: the subscription
+    /// starts there.
+    pub lsn: Option<String>,
 }
 
 /// How a move stays revertible after its flip: on its target (the new owner), a

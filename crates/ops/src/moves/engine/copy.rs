@@ -152,6 +152,17 @@ impl Mover<'_> {
         // transaction waits; two moves in opposite directions would then each wait for
         // the other's transaction to end (a slot waits for every running one).
         let source = self.source.clone();
+        let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
+        let mut oid = self
+            .dst()
+            .await?
+            .query_opt(find, &[&name])
+            .await
+            .map_err(on(&target, "look for the subscription"))?;
+        // Where the subscription starts, when not at the slot's own start: a revert's
+        // reverse slot, where the new owner's writes begin; the mover's copy, where its
+        // snapshot ends.
+        let mut start_at: Option<String> = None;
         let copy = if let Some(r) = self.detail.reverts.clone() {
             // The reverse slot, kept since the reverted move's fence: moved on to where
             // the new owner's own writes begin (what came before is the old copy's).
@@ -170,39 +181,47 @@ impl Mover<'_> {
                     .await
                     .map_err(on(&source, "advance the reverse slot"))?;
             }
-            "false"
+            start_at = Some(r.lsn.clone());
+            false
+        } else if oid.is_some() {
+            // Made already (the copy it needs, if the mover's, was done before it).
+            start_at = self.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone());
+            false
         } else {
-            self.src()
-                .await?
-                .execute(
-                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
-                      WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
-                    &[&name],
-                )
-                .await
-                .map_err(on(&source, "create the replication slot"))?;
-            "true"
-        };
-        let find = "SELECT oid::bigint FROM pg_subscription WHERE subname = $1";
-        let mut oid = self
-            .dst()
-            .await?
-            .query_opt(find, &[&name])
+            let src = self.src().await?;
+            // A slot the source gave up (`max_slot_wal_keep_size`, during a long copy
+            // cut short) cannot serve a new copy: made again.
+            src.execute(
+                "SELECT pg_drop_replication_slot($1) FROM pg_replication_slots
+                  WHERE slot_name = $1 AND wal_status = 'lost' AND NOT active",
+                &[&name],
+            )
             .await
-            .map_err(on(&target, "look for the subscription"))?;
-        // A new copy starts from empty tables (one cut short may have left rows); with
-        // `max_rate` the mover copies, and the subscription copies nothing.
-        let copy = match (oid.is_none() && copy == "true", self.options.max_rate) {
-            (true, rate) => {
-                self.empty_copy().await?;
-                if let Some(rate) = rate {
-                    self.copy_rows(rate).await?;
-                    "false"
-                } else {
-                    copy
-                }
+            .map_err(on(&source, "drop a lost replication slot"))?;
+            src.execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')
+                  WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+                &[&name],
+            )
+            .await
+            .map_err(on(&source, "create the replication slot"))?;
+            // A new copy starts from empty tables (one cut short may have left rows);
+            // with `max_rate` the mover copies, and the subscription copies nothing.
+            self.empty_copy().await?;
+            self.detail.rows_copied = None;
+            if let Some(rate) = self.options.max_rate {
+                let timeout = self.options.copy_timeout;
+                tokio::time::timeout(timeout, self.copy_rows(rate)).await.map_err(|_| Error::Timeout {
+                    host: source.clone(),
+                    what: "the mover's copy of the rows".into(),
+                    after: timeout,
+                })??;
+                start_at = self.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone());
+                // Journaled before the subscription, which a resume then finds made.
+                let detail = self.detail_json()?;
+                journal::write_detail(&self.catalog, self.id, &detail, true).await?;
             }
-            (false, _) => copy,
+            self.detail.rows_copied.is_none()
         };
         let dst = self.dst().await?;
         if oid.is_none() {
@@ -227,6 +246,23 @@ impl Mover<'_> {
             id: self.id,
             message: format!("the subscription {name} vanished on {target}"),
         })?;
+        // The subscription's origin starts there too: the slot's advance is kept on the
+        // source's disk only at its next checkpoint, and a source that crashed before
+        // it would send again what the copy (or the old copy) already holds. The
+        // origin is the target's, and the walsender starts at the later of the two.
+        // Not yet enabled, nothing has moved it; never moved back.
+        if let Some(lsn) = &start_at {
+            let origin = format!("pg_{oid}");
+            self.dst()
+                .await?
+                .execute(
+                    "SELECT pg_replication_origin_advance($1, $2::text::pg_lsn)
+                      WHERE coalesce(pg_replication_origin_progress($1, false), '0/0') < $2::text::pg_lsn",
+                    &[&origin, lsn],
+                )
+                .await
+                .map_err(on(&target, "start the subscription's origin where the copy ends"))?;
+        }
         self.detail.subscription_oid = u32::try_from(oid).ok();
         self.detail.target_system = Some(self.target_system().await?);
         self.journal(Step::Copying).await
@@ -585,16 +621,20 @@ impl Mover<'_> {
                 .await
                 .map_err(on(&target, "set up the index builds"))?;
         }
+        let mut built = Ok(());
         for (name, def) in wanted.iter().filter(|(n, _)| !have.contains(n)) {
             tracing::debug!(index = %name, "building a deferred index");
-            dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")))?;
+            built = dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")));
+            if built.is_err() {
+                break;
+            }
         }
         if gentle {
             dst.batch_execute("RESET max_parallel_maintenance_workers")
                 .await
                 .map_err(on(&target, "set up the index builds"))?;
         }
-        Ok(())
+        built
     }
 
     /// Bumps the move's marker on the source, then waits (until `deadline`) for the

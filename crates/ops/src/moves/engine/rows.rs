@@ -27,26 +27,46 @@ use super::*;
 /// size (`ctid` ranges, a TID range scan each), several at once.
 const RANGE_PAGES: i64 = 1024;
 
+/// How long the session holding the snapshot's locks may sit idle (the mover gone or cut
+/// off) before the source ends it and its locks.
+const SNAPSHOT_IDLE: Duration = Duration::from_secs(5);
+
 /// The copy's streams pass the rows on in batches of this many bytes.
 const BATCH: usize = 64 * 1024;
 
-/// Caps the bytes the copy's streams read from the source at a rate, together.
+/// Caps the bytes the copy's streams read from the source at a rate, together: each
+/// batch waits for its slot in one schedule, and a stream that stalled (a slow target,
+/// a checkpoint) earns no credit to burst with afterwards.
 struct Throttle {
     rate: Option<u64>,
-    start: tokio::time::Instant,
+    /// When the next batch may go.
+    next: Mutex<tokio::time::Instant>,
     sent: AtomicU64,
 }
 
 impl Throttle {
+    fn new(rate: u64) -> Self {
+        Throttle {
+            rate: Some(rate).filter(|r| *r > 0),
+            next: Mutex::new(tokio::time::Instant::now()),
+            sent: AtomicU64::new(0),
+        }
+    }
+
     /// Counts `n` more bytes; waits until the rate allows them.
     async fn pass(&self, n: usize) {
         let n = u64::try_from(n).unwrap_or(u64::MAX);
-        let total = self.sent.fetch_add(n, Ordering::Relaxed).saturating_add(n);
-        if let Some(rate) = self.rate.filter(|r| *r > 0) {
-            #[allow(clippy::cast_precision_loss)]
-            let due = self.start + Duration::from_secs_f64(total as f64 / rate as f64);
-            tokio::time::sleep_until(due).await;
-        }
+        self.sent.fetch_add(n, Ordering::Relaxed);
+        let Some(rate) = self.rate else { return };
+        #[expect(clippy::cast_precision_loss, reason = "a duration from byte counts")]
+        let takes = Duration::from_secs_f64(n as f64 / rate as f64);
+        let at = {
+            let mut next = self.next.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let at = (*next).max(tokio::time::Instant::now());
+            *next = at + takes;
+            at
+        };
+        tokio::time::sleep_until(at).await;
     }
 
     fn sent(&self) -> i64 {
@@ -63,6 +83,10 @@ struct Piece {
     columns: String,
     /// Pages `[from, to)` (`to` none: to the end), or the whole table.
     pages: Option<(i64, Option<i64>)>,
+    /// `binary` when every column's type is built in; `text` otherwise (a binary array
+    /// or composite carries its element type's OID, which differs between servers for
+    /// types the migrations made).
+    format: &'static str,
 }
 
 impl Piece {
@@ -72,11 +96,14 @@ impl Piece {
             Some((from, None)) => format!(" WHERE ctid >= '({from},0)'::tid"),
             Some((from, Some(to))) => format!(" WHERE ctid >= '({from},0)'::tid AND ctid < '({to},0)'::tid"),
         };
-        format!("COPY (SELECT {} FROM ONLY {}{range}) TO STDOUT (FORMAT binary)", self.columns, self.table)
+        format!(
+            "COPY (SELECT {} FROM ONLY {}{range}) TO STDOUT (FORMAT {})",
+            self.columns, self.table, self.format
+        )
     }
 
     fn write(&self) -> String {
-        format!("COPY {} ({}) FROM STDIN (FORMAT binary)", self.table, self.columns)
+        format!("COPY {} ({}) FROM STDIN (FORMAT {})", self.table, self.columns, self.format)
     }
 }
 
@@ -131,10 +158,18 @@ impl Mover<'_> {
         }
         let lock_sql = {
             let locked = tables_of(self.src().await?, &source, schema.as_str(), &schema.quoted()).await?;
+            // A mover cut off between the locks and their release must not hold the
+            // shard's writers for longer than that: the source ends the session.
+            let lock = if locked.is_empty() {
+                String::new()
+            } else {
+                format!("; LOCK TABLE {} IN SHARE MODE", locked.join(", "))
+            };
             format!(
-                "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL lock_timeout = '{}ms'; LOCK TABLE {} IN SHARE MODE",
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL lock_timeout = '{}ms';
+                 SET LOCAL idle_in_transaction_session_timeout = '{}ms'{lock}",
                 self.options.lock_timeout.as_millis(),
-                locked.join(", ")
+                SNAPSHOT_IDLE.as_millis()
             )
         };
         let snap = stream_client(self.config, &source, id).await?;
@@ -179,8 +214,7 @@ impl Mover<'_> {
         tracing::debug!(move_id = id, %lsn, pieces = pieces.len(), workers, max_rate, "copying the shard's rows from one snapshot");
 
         let started = Instant::now();
-        let throttle =
-            Throttle { rate: Some(max_rate), start: tokio::time::Instant::now(), sent: AtomicU64::new(0) };
+        let throttle = Throttle::new(max_rate);
         let queue = Mutex::new(pieces.into_iter().rev().collect::<Vec<_>>());
         let done = AtomicU64::new(0);
         let progress = self.options.progress.clone();
@@ -200,7 +234,7 @@ impl Mover<'_> {
             async move {
                 let mut reported = 0;
                 loop {
-                    let next = queue.lock().ok().and_then(|mut q| q.pop());
+                    let next = queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
                     let Some(piece) = next else { break };
                     let out =
                         src.copy_out(&piece.read()).await.map_err(on(&source, "read the shard's rows"))?;
@@ -245,6 +279,7 @@ impl Mover<'_> {
             ms: ms(started.elapsed()),
             max_rate,
             streams: workers,
+            lsn: None,
         });
 
         let dst = self.dst().await?;
@@ -257,30 +292,45 @@ impl Mover<'_> {
             .await
             .map_err(on(&target, "copy the move's marker"))?;
         }
-        // On to where the snapshot ends. Not past what is flushed (the function stops
-        // there): every commit the snapshot holds was flushed before it was seen, so a
-        // slot left short of `L` means something is wrong, and the move stops.
+        // The slot on to where the snapshot ends, so the source can let go of the WAL
+        // before it (the subscription's origin, set to `L` once it is made, is what
+        // makes it start there). The advance stops at the flush position, which may
+        // stand below `L` (another session's records inserted, not yet written out):
+        // wait for it, bounded; short of `L` after that is only logged.
         let src = self.src().await?;
-        let at: String = src
-            .query_one(
-                "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+        let flushed_by = Instant::now() + Duration::from_secs(10);
+        loop {
+            let flushed: bool = src
+                .query_one("SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn", &[&lsn])
+                .await
+                .map_err(on(&source, "read the flush position"))?
+                .get(0);
+            if flushed || Instant::now() >= flushed_by {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let behind: bool = src
+            .query_opt(
+                "SELECT confirmed_flush_lsn < $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
                 &[&name, &lsn],
             )
             .await
-            .map_err(on(&source, "move the slot on to the copy's snapshot"))?
-            .get(0);
-        let reached: bool = src
-            .query_one("SELECT $1::text::pg_lsn >= $2::text::pg_lsn", &[&at, &lsn])
-            .await
-            .map_err(on(&source, "compare positions"))?
-            .get(0);
-        if !reached {
-            return Err(Error::Host {
-                host: source.to_string(),
-                what: "move the slot on to the copy's snapshot".into(),
-                sqlstate: None,
-                message: format!("the slot reached {at}, short of the snapshot's {lsn}"),
-            });
+            .map_err(on(&source, "look for the replication slot"))?
+            .is_some_and(|r| r.get(0));
+        if behind {
+            let at: String = src
+                .query_one(
+                    "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+                    &[&name, &lsn],
+                )
+                .await
+                .map_err(on(&source, "move the slot on to the copy's snapshot"))?
+                .get(0);
+            tracing::debug!(move_id = id, %at, %lsn, "the slot moved on to the copy's snapshot");
+        }
+        if let Some(r) = self.detail.rows_copied.as_mut() {
+            r.lsn = Some(lsn);
         }
         report(u64::try_from(tables).unwrap_or(0));
         Ok(())
@@ -298,7 +348,9 @@ impl Mover<'_> {
                         pg_relation_size(c.oid) / current_setting('block_size')::bigint,
                         array(SELECT a.attname::text FROM pg_attribute a
                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-                                 AND a.attgenerated = '' ORDER BY a.attnum)
+                                 AND a.attgenerated = '' ORDER BY a.attnum),
+                        coalesce((SELECT bool_and(a.atttypid < 16384) FROM pg_attribute a
+                                   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), true)
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE n.nspname = $1 AND c.relkind = 'r'
                   ORDER BY 2 DESC, 1",
@@ -308,18 +360,30 @@ impl Mover<'_> {
             .map_err(on(&source, "list the shard's tables"))?;
         let mut pieces = Vec::new();
         for r in rows {
-            let (table, pages, columns): (String, i64, Vec<String>) = (r.get(0), r.get(1), r.get(2));
-            let table = format!("{}.{}", schema.quoted(), quote_ident(&table));
+            let (name, pages, columns, built_in): (String, i64, Vec<String>, bool) =
+                (r.get(0), r.get(1), r.get(2), r.get(3));
+            let table = format!("{}.{}", schema.quoted(), quote_ident(&name));
+            if columns.is_empty() {
+                return Err(Error::Host {
+                    host: source.to_string(),
+                    what: "copy the shard's rows".into(),
+                    sqlstate: None,
+                    message: format!(
+                        "table {table} has no column to copy; move the shard without --max-rate"
+                    ),
+                });
+            }
             let columns = columns.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ");
+            let format = if built_in { "binary" } else { "text" };
             if pages <= RANGE_PAGES {
-                pieces.push(Piece { table, columns, pages: None });
+                pieces.push(Piece { table, columns, pages: None, format });
                 continue;
             }
             let mut from = 0;
             while from < pages {
                 let to = from + RANGE_PAGES;
                 let pages = Some((from, (to < pages).then_some(to)));
-                pieces.push(Piece { table: table.clone(), columns: columns.clone(), pages });
+                pieces.push(Piece { table: table.clone(), columns: columns.clone(), pages, format });
                 from = to;
             }
         }
