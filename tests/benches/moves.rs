@@ -4,10 +4,15 @@
 //!   same shard into an empty database (goal ≥ 1×);
 //! - the write pause under a steady write load on the moving shard: the fence-to-flip
 //!   time the move reports, and the slowest write the writers saw, beside the same
-//!   writers' latency with no move (goal < 100 ms).
+//!   writers' latency with no move (goal < 100 ms);
+//! - the mover's own copy (`--max-rate 0`) beside the same rival;
+//! - gentle on the source: writers to another shard of the source, with no move and
+//!   during the copy, for the table-sync copy and the mover's at several caps (goal:
+//!   p99 within 2×).
 //!
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench moves [-- PHOTOS]
+//! SHARDLINE_BENCH_ONLY=gentle ...   # the last section alone
 //! ```
 #![expect(clippy::unwrap_used, reason = "a benchmark")]
 
