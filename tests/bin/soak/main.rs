@@ -483,17 +483,24 @@ async fn mover(run: &Arc<Run>) {
         // Every other move revertible, and half of those reverted a moment later (its
         // writes since the flip carried back), under the same faults.
         let revertible = rng.below(2) == 0;
-        let moved = move_once(run, &mut rng, shard, source, target, false, revertible).await;
+        // A third of the moves copy the mover's way (`--max-rate`), uncapped or capped.
+        let max_rate = match rng.below(6) {
+            0 => Some(0),
+            1 => Some(20_000_000),
+            _ => None,
+        };
+        let moved = move_once(run, &mut rng, shard, source, target, false, (revertible, max_rate)).await;
         if moved && revertible && rng.below(2) == 0 {
             tokio::time::sleep(rng.millis(100, 800)).await;
-            move_once(run, &mut rng, shard, target, source, true, false).await;
+            move_once(run, &mut rng, shard, target, source, true, (false, None)).await;
         }
     }
 }
 
 /// Moves `shard` from host `source` to `target` (a revert of its last move when
-/// `revert`), unless the fault injector kills the mover; a failed or killed move is
-/// finished or undone. Returns whether the move completed.
+/// `revert`), made revertible or copying the mover's way (`max_rate`) as asked, unless
+/// the fault injector kills the mover; a failed or killed move is finished or undone.
+/// Returns whether the move completed.
 async fn move_once(
     run: &Arc<Run>,
     rng: &mut Rng,
@@ -501,13 +508,14 @@ async fn move_once(
     source: usize,
     target: usize,
     revert: bool,
-    revertible: bool,
+    (revertible, max_rate): (bool, Option<u64>),
 ) -> bool {
     let Ok(to) = host_name(target) else { return false };
     *lock(&run.current) = Some((source, target, Step::Started));
     let progress_run = run.clone();
     let mut options = MoveOptions::default();
     options.revertible = revertible;
+    options.max_rate = max_rate;
     options.progress = Some(Arc::new(move |p: &MoveProgress| {
         if let MoveProgress::Step { step, .. } = p
             && let Some(c) = lock(&progress_run.current).as_mut()
@@ -528,6 +536,9 @@ async fn move_once(
     match result {
         Some(Ok(r)) => {
             Run::count(&run.moves, if revert { "reverted" } else { "done" });
+            if r.rows > 0 && max_rate.is_some() {
+                Run::count(&run.moves, "done, the mover's copy");
+            }
             run.note(format!(
                 "{what} of shard {shard} pg{} -> {to}: {} rows, write pause {} ms",
                 source + 1,
