@@ -3465,3 +3465,45 @@ pub(crate) async fn a_host_killed_inside_the_movers_copy_is_resumed_to_every_row
     }
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_slot_gone_before_the_subscription_starts_starts_the_copy_over);
+/// The mover's copy done and the subscription made, then the source's slot dropped
+/// before the subscription is enabled (an operator, or `max_slot_wal_keep_size`): the
+/// subscription could never stream. The resume sees the slot gone, starts the copy over
+/// (a new slot, a new snapshot) and finishes with every row.
+pub(crate) async fn a_slot_gone_before_the_subscription_starts_starts_the_copy_over(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 10).await?;
+    let mut o = MoveOptions::default().stopping_after(Step::Copying);
+    o.max_rate = Some(0);
+    moves::run(&config, crate::shard(0), &crate::host("pg2"), &o).await.unwrap_err();
+    let m = moves::list(&config).await?.into_iter().last().ok_or("no move")?;
+    assert_eq!((m.state, m.step), (State::Running, Step::Copying));
+    let lsn = m.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone()).ok_or("no snapshot position")?;
+    // The subscription's origin already starts where the copy's snapshot ends.
+    let origin: String = f
+        .client(&ctx, 1)
+        .await?
+        .query_one(
+            "SELECT pg_replication_origin_progress('pg_' || oid, false)::text FROM pg_subscription WHERE subname = $1",
+            &[&m.detail.name],
+        )
+        .await?
+        .get(0);
+    assert_eq!(origin, lsn);
+    f.client(&ctx, 0).await?.execute("SELECT pg_drop_replication_slot($1)", &[&m.detail.name]).await?;
+    let mut again = MoveOptions::default();
+    again.max_rate = Some(0);
+    again.copy_timeout = Duration::from_secs(60);
+    moves::resume(&config, Some(crate::shard(0)), &again).await?;
+    let m = moves::list(&config).await?.into_iter().last().ok_or("no move")?;
+    assert_eq!((m.state, m.detail.copy_restarts), (State::Done, 1), "{:?}", m.detail);
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, Some([200, 200, 200]));
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, None);
+    Ok(())
+}

@@ -75,7 +75,8 @@ pub struct MoveOpt {
 /// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
 pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     match s.trim().parse::<f64>() {
-        Ok(mb) if (0.0..=1e6).contains(&mb) =>
+        // A positive rate below a byte a second would round to 0, "no cap".
+        Ok(mb) if mb == 0.0 || (1e-6..=1e6).contains(&mb) =>
         {
             #[expect(
                 clippy::cast_possible_truncation,
@@ -84,7 +85,7 @@ pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
             )]
             Ok((mb * 1e6).round() as u64)
         }
-        _ => Err(format!("{s:?} is not a rate in MB/s (a number from 0 to 1000000)")),
+        _ => Err(format!("{s:?} is not a rate in MB/s (0, or a number from 0.000001 to 1000000)")),
     }
 }
 
@@ -387,7 +388,7 @@ mod tests {
     fn a_rate_is_megabytes_a_second_and_a_bad_one_is_named() {
         assert_eq!(parse_rate("12.5"), Ok(12_500_000));
         assert_eq!(parse_rate("0"), Ok(0));
-        for bad in ["", "fast", "-1", "NaN", "inf", "1000001"] {
+        for bad in ["", "fast", "-1", "NaN", "inf", "1000001", "0.0000004"] {
             let err = parse_rate(bad).unwrap_err();
             assert!(err.contains(&format!("{bad:?}")) && err.contains("MB/s"), "{err}");
         }

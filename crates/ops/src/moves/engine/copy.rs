@@ -217,9 +217,15 @@ impl Mover<'_> {
                     after: timeout,
                 })??;
                 start_at = self.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone());
-                // Journaled before the subscription, which a resume then finds made.
-                let detail = self.detail_json()?;
-                journal::write_detail(&self.catalog, self.id, &detail, true).await?;
+            }
+            // Journaled before the subscription, which a resume then finds made: where
+            // the mover's copy ended, or that there was none.
+            let detail = self.detail_json()?;
+            if journal::write_detail(&self.catalog, self.id, &detail, true).await? != 1 {
+                return Err(Error::Journal {
+                    id: self.id,
+                    message: "it is no longer running (aborted by another shardline?)".into(),
+                });
             }
             self.detail.rows_copied.is_none()
         };
@@ -252,20 +258,31 @@ impl Mover<'_> {
         // origin is the target's, and the walsender starts at the later of the two.
         // Not yet enabled, nothing has moved it; never moved back.
         if let Some(lsn) = &start_at {
-            let origin = format!("pg_{oid}");
-            self.dst()
-                .await?
-                .execute(
-                    "SELECT pg_replication_origin_advance($1, $2::text::pg_lsn)
-                      WHERE coalesce(pg_replication_origin_progress($1, false), '0/0') < $2::text::pg_lsn",
-                    &[&origin, lsn],
-                )
-                .await
-                .map_err(on(&target, "start the subscription's origin where the copy ends"))?;
+            self.start_origin(oid, lsn).await?;
         }
         self.detail.subscription_oid = u32::try_from(oid).ok();
         self.detail.target_system = Some(self.target_system().await?);
         self.journal(Step::Copying).await
+    }
+
+    /// Moves the origin of subscription `oid` on to `lsn` while the subscription is
+    /// disabled (an enabled one's worker holds the origin, and starts from it anyway);
+    /// never back. Idempotent.
+    async fn start_origin(&mut self, oid: i64, lsn: &str) -> Result<()> {
+        let target = self.target.clone();
+        let origin = format!("pg_{oid}");
+        self.dst()
+            .await?
+            .execute(
+                "SELECT pg_replication_origin_advance($1, $2::text::pg_lsn)
+                   FROM pg_subscription s
+                  WHERE s.oid = $3::bigint::oid AND NOT s.subenabled
+                    AND coalesce(pg_replication_origin_progress($1, false), '0/0') < $2::text::pg_lsn",
+                &[&origin, &lsn, &oid],
+            )
+            .await
+            .map_err(on(&target, "start the subscription's origin where the copy ends"))?;
+        Ok(())
     }
 
     /// The target server's system identifier (the last part of its table-sync slots'
@@ -304,8 +321,34 @@ impl Mover<'_> {
             .await
             .map_err(on(&target, "look for the subscription"))?
             .map(|r| r.get(0));
+        // A slot gone from the source, or given up by it (`max_slot_wal_keep_size`):
+        // the subscription can never stream; the copy starts over (a revert cannot).
+        let slot_ok = {
+            let source = self.source.clone();
+            self.src()
+                .await?
+                .query_opt(
+                    "SELECT wal_status IS DISTINCT FROM 'lost' FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&name],
+                )
+                .await
+                .map_err(on(&source, "look for the replication slot"))?
+                .is_some_and(|r| r.get(0))
+        };
+        let live = if slot_ok || live.is_none() {
+            live
+        } else if self.detail.reverts.is_some() {
+            return Err(reverse_gone(&self.source, &name));
+        } else {
+            self.restart_copy("(its replication slot is gone from the source)".into()).await?;
+            deadline = Instant::now() + self.options.copy_timeout;
+            self.detail.subscription_oid.map(i64::from)
+        };
         match live {
-            None => self.restart_copy("(the subscription is missing)".into()).await?,
+            None => {
+                self.restart_copy("(the subscription is missing)".into()).await?;
+                deadline = Instant::now() + self.options.copy_timeout;
+            }
             Some(o) if Some(o) != self.detail.subscription_oid.map(i64::from) => {
                 self.detail.subscription_oid = u32::try_from(o).ok();
                 self.detail.target_system = Some(self.target_system().await?);
@@ -319,6 +362,16 @@ impl Mover<'_> {
             self.journal(Step::Copying).await?;
         }
         let mut oid = self.detail.subscription_oid.map(i64::from);
+        // Again before it is enabled: a mover that died between making the
+        // subscription and moving its origin, or a target that lost that advance (it
+        // is written out asynchronously), would otherwise start at the slot.
+        let start_at = match &self.detail.reverts {
+            Some(r) => Some(r.lsn.clone()),
+            None => self.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone()),
+        };
+        if let (Some(o), Some(lsn)) = (oid, start_at) {
+            self.start_origin(o, &lsn).await?;
+        }
         let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
         self.dst().await?.batch_execute(&enable).await.map_err(on(&target, "enable the subscription"))?;
         let mut checked = Instant::now();
@@ -630,9 +683,11 @@ impl Mover<'_> {
             }
         }
         if gentle {
-            dst.batch_execute("RESET max_parallel_maintenance_workers")
-                .await
-                .map_err(on(&target, "set up the index builds"))?;
+            // The build's own error first; then the reset's.
+            let reset = dst.batch_execute("RESET max_parallel_maintenance_workers").await;
+            built?;
+            reset.map_err(on(&target, "set up the index builds"))?;
+            return Ok(());
         }
         built
     }

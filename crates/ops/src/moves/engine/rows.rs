@@ -112,8 +112,15 @@ impl Piece {
 async fn stream_client(config: &Config, host: &HostName, id: i64) -> Result<Client> {
     let c = host_client(config, host).await?;
     maintenance_session(&c, host, &format!("shardline move {id}")).await?;
+    // Text `COPY` writes and reads values as these settings say: the same on both sides,
+    // and exact (as the subscription's own connections and pg_dump set them).
+    c.batch_execute(TEXT_SETTINGS).await.map_err(on(host, "set up the copy's session"))?;
     Ok(c)
 }
+
+/// The settings text `COPY` output and input depend on, pinned on both sides.
+const TEXT_SETTINGS: &str = "SET datestyle = 'ISO, YMD'; SET intervalstyle = 'postgres';
+    SET extra_float_digits = 3; SET lc_monetary = 'C'; SET bytea_output = 'hex'";
 
 impl Mover<'_> {
     /// Empties the target's copy of the shard and its marker (nothing reads or writes
@@ -317,7 +324,13 @@ impl Mover<'_> {
             )
             .await
             .map_err(on(&source, "look for the replication slot"))?
-            .is_some_and(|r| r.get(0));
+            .map(|r| r.get(0))
+            .ok_or_else(|| Error::Host {
+                host: source.to_string(),
+                what: "move the slot on to the copy's snapshot".into(),
+                sqlstate: None,
+                message: format!("replication slot {name} is gone (dropped during the copy?)"),
+            })?;
         if behind {
             let at: String = src
                 .query_one(
