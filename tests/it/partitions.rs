@@ -253,7 +253,10 @@ fn cut_at(step: Step, link: &Arc<Link>) -> (MoveOptions, Arc<OnceLock<Instant>>)
     (o, at)
 }
 
-shardline_testkit::register!(shared: a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish);
+// Hosts of its own: a subscription statement waiting on the cut link holds
+// `pg_subscription`, a table every database of the server shares, and other tests' moves
+// on the same server would wait behind it (see docs/moves.md).
+shardline_testkit::register!(own: a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish);
 pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish(
     ctx: TestContext,
 ) -> TestResult {
@@ -288,7 +291,10 @@ pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_
     Ok(())
 }
 
-shardline_testkit::register!(shared: a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole);
+// Hosts of its own: a subscription statement waiting on the cut link holds
+// `pg_subscription`, a table every database of the server shares, and other tests' moves
+// on the same server would wait behind it (see docs/moves.md).
+shardline_testkit::register!(own: a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole);
 pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole(
     ctx: TestContext,
 ) -> TestResult {
