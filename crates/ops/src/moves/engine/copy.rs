@@ -169,7 +169,7 @@ impl Mover<'_> {
             let src = self.src().await?;
             let behind: bool = src
                 .query_opt(
-                    "SELECT confirmed_flush_lsn < $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                    "SELECT (confirmed_flush_lsn < $2::text::pg_lsn) IS TRUE FROM pg_replication_slots WHERE slot_name = $1",
                     &[&name, &r.lsn],
                 )
                 .await
@@ -302,7 +302,7 @@ impl Mover<'_> {
     /// under `max_lag`.
     pub(super) async fn catch_up(&mut self) -> Result<()> {
         let (name, target) = (self.name(), self.target.clone());
-        let started = Instant::now();
+        let mut started = Instant::now();
         let mut deadline = started + self.options.copy_timeout;
         let schema = self.schema.clone();
         let total = self.detail.bytes;
@@ -341,13 +341,13 @@ impl Mover<'_> {
             return Err(reverse_gone(&self.source, &name));
         } else {
             self.restart_copy("(its replication slot is gone from the source)".into()).await?;
-            deadline = Instant::now() + self.options.copy_timeout;
+            (started, deadline) = (Instant::now(), Instant::now() + self.options.copy_timeout);
             self.detail.subscription_oid.map(i64::from)
         };
         match live {
             None => {
                 self.restart_copy("(the subscription is missing)".into()).await?;
-                deadline = Instant::now() + self.options.copy_timeout;
+                (started, deadline) = (Instant::now(), Instant::now() + self.options.copy_timeout);
             }
             Some(o) if Some(o) != self.detail.subscription_oid.map(i64::from) => {
                 self.detail.subscription_oid = u32::try_from(o).ok();
@@ -391,20 +391,12 @@ impl Mover<'_> {
                 match (now, first) {
                     (Some(table), Some((_, pid_then))) if table.1.is_none() || table.1 != pid_then => {
                         let table = table.0.1;
-                        if self.detail.copy_restarts >= MAX_COPY_RESTARTS {
-                            return Err(Error::Host {
-                                host: target.to_string(),
-                                what: "copy the shard".into(),
-                                sqlstate: None,
-                                message: format!(
-                                    "table {table} could not finish its copy after {} new starts",
-                                    self.detail.copy_restarts
-                                ),
-                            });
-                        }
-                        self.restart_copy(table).await?;
+                        self.restart_copy(format!(
+                            "(table {table} cannot finish: its table-sync slot is gone from the source)"
+                        ))
+                        .await?;
                         // The new copy gets the whole time a copy gets.
-                        deadline = Instant::now() + self.options.copy_timeout;
+                        (started, deadline) = (Instant::now(), Instant::now() + self.options.copy_timeout);
                         oid = self.detail.subscription_oid.map(i64::from);
                         self.dst()
                             .await?
@@ -612,10 +604,12 @@ impl Mover<'_> {
         Ok(None)
     }
 
-    /// Starts the copy over (see [`Mover::stranded_table`]): drops the subscription and
-    /// its slots, empties the target's copy of the shard (nothing reads or writes it
-    /// before the flip) and its marker, and subscribes again.
-    async fn restart_copy(&mut self, table: String) -> Result<()> {
+    /// Starts the copy over, `why` (a table stranded, see [`Mover::stranded_table`]; the
+    /// subscription or its slot gone): drops the subscription and its slots, and
+    /// subscribes again (which empties the target's copy of the shard and its marker;
+    /// nothing reads or writes them before the flip), at most [`MAX_COPY_RESTARTS`]
+    /// times.
+    async fn restart_copy(&mut self, why: String) -> Result<()> {
         let (name, target, source, id) = (self.name(), self.target.clone(), self.source.clone(), self.id);
         if self.detail.reverts.is_some() {
             // A revert has no copy to start over: the changes since the flip are
@@ -623,12 +617,23 @@ impl Mover<'_> {
             return Err(Error::Journal {
                 id,
                 message: format!(
-                    "the revert's subscription {name} on {target} is gone {table}; undo it with `shardline move --abort {}`",
+                    "the revert's subscription {name} on {target} is gone {why}; undo it with `shardline move --abort {}`",
                     self.shard
                 ),
             });
         }
-        tracing::warn!(move_id = id, %table, "a table's copy cannot finish (its table-sync slot is gone from the source); starting the copy over");
+        if self.detail.copy_restarts >= MAX_COPY_RESTARTS {
+            return Err(Error::Host {
+                host: target.to_string(),
+                what: "copy the shard".into(),
+                sqlstate: None,
+                message: format!(
+                    "the copy could not finish after {} new starts; the last {why}",
+                    self.detail.copy_restarts
+                ),
+            });
+        }
+        tracing::warn!(move_id = id, reason = %why, "starting the copy over");
         drop_subscription(self.dst().await?, &target, &name).await?;
         let detail = self.detail.clone();
         drop_slots(self.src().await?, &source, &name, &detail).await?;
@@ -749,7 +754,7 @@ fn reverse_gone(host: &HostName, name: &str) -> Error {
         host: host.to_string(),
         what: "find the reverse replication".into(),
         sqlstate: None,
-        message: format!("{name} is gone (dropped by `gc`?); the revert cannot go on"),
+        message: format!("{name} is gone (dropped by `gc`?) or lost its WAL; the revert cannot go on"),
     }
 }
 

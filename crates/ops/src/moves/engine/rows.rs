@@ -319,7 +319,7 @@ impl Mover<'_> {
         }
         let behind: bool = src
             .query_opt(
-                "SELECT confirmed_flush_lsn < $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                "SELECT (confirmed_flush_lsn < $2::text::pg_lsn) IS TRUE FROM pg_replication_slots WHERE slot_name = $1",
                 &[&name, &lsn],
             )
             .await
