@@ -3507,3 +3507,67 @@ pub(crate) async fn a_slot_gone_before_the_subscription_starts_starts_the_copy_o
     assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, None);
     Ok(())
 }
+
+shardline_testkit::register!(shared: the_copys_snapshot_waits_out_a_long_writer_in_short_tries);
+/// A transaction writing the moving shard stays open as the mover's copy asks for its
+/// snapshot's locks: each try waits a short while (the shard's other writers queue
+/// behind a waiting lock), gives up, and tries again; once the writer commits, the copy
+/// takes its snapshot, and the writer's row is on the target.
+pub(crate) async fn the_copys_snapshot_waits_out_a_long_writer_in_short_tries(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 5).await?;
+    // The writer's lock without a transaction ID yet: a slot being made waits for every
+    // transaction that has one, so a writer that had written would hold the move up at
+    // the slot instead, before the copy.
+    let writer = f.client(&ctx, 0).await?;
+    writer.batch_execute("BEGIN; LOCK TABLE shard_0000.photos IN ROW EXCLUSIVE MODE").await?;
+    let c = Arc::new(config.clone());
+    let mover = tokio::spawn(async move {
+        let mut o = MoveOptions::default();
+        o.max_rate = Some(0);
+        moves::run(&c, crate::shard(0), &crate::host("pg2"), &o).await
+    });
+    let watch = f.client(&ctx, 0).await?;
+    let waiting = "SELECT l.pid FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+                    WHERE NOT l.granted AND l.mode = 'ShareLock' AND c.relname = 'photos'
+                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The session seen waiting, then not (its try ran out), then waiting again: a new
+    // try. One long wait would never show the gap.
+    let (mut first, mut gap): (Option<(i32, Instant)>, bool) = (None, false);
+    let tries = loop {
+        assert!(!mover.is_finished(), "the move ended while the writer held the shard");
+        assert!(
+            Instant::now() < deadline,
+            "the copy's locks were never seen waiting, giving up, and waiting again"
+        );
+        let now: Option<i32> = watch.query_opt(waiting, &[]).await?.map(|r| r.get(0));
+        match (first, now) {
+            (None, Some(pid)) => first = Some((pid, Instant::now())),
+            (Some(_), None) => gap = true,
+            (Some((pid, at)), Some(again)) if gap && again == pid => break at.elapsed(),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    writer
+        .batch_execute("INSERT INTO shard_0000.photos (user_id, url) VALUES (0, 'long-writer'); COMMIT")
+        .await?;
+    mover.await??;
+    let on_target: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE url = 'long-writer'", &[])
+        .await?
+        .get(0);
+    assert_eq!(on_target, 1, "the long writer's row is on the target, once");
+    // Short tries: the first gave up well before the move's 2 s lock_timeout would have.
+    assert!(tries < Duration::from_millis(1500), "the first try waited {tries:?}");
+    eprintln!("      the copy's locks waited {} ms across tries for a long writer", tries.as_millis());
+    Ok(())
+}

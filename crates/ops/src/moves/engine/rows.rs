@@ -27,6 +27,12 @@ use super::*;
 /// size (`ctid` ranges, a TID range scan each), several at once.
 const RANGE_PAGES: i64 = 1024;
 
+/// How long one attempt at the snapshot's locks waits (at most the move's
+/// `lock_timeout`), and how many attempts: the shard's writers queue behind a waiting
+/// lock, so the waits are short and many, 100 ms apart.
+const SNAPSHOT_LOCK_WAIT: Duration = Duration::from_millis(250);
+const SNAPSHOT_LOCK_ATTEMPTS: u32 = 40;
+
 /// How long the session holding the snapshot's locks may sit idle (the mover gone or cut
 /// off) before the source ends it and its locks.
 const SNAPSHOT_IDLE: Duration = Duration::from_secs(5);
@@ -175,7 +181,7 @@ impl Mover<'_> {
             format!(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL lock_timeout = '{}ms';
                  SET LOCAL idle_in_transaction_session_timeout = '{}ms'{lock}",
-                self.options.lock_timeout.as_millis(),
+                self.options.lock_timeout.min(SNAPSHOT_LOCK_WAIT).as_millis(),
                 SNAPSHOT_IDLE.as_millis()
             )
         };
@@ -187,8 +193,11 @@ impl Mover<'_> {
                 Ok(()) => break,
                 Err(e) => {
                     let err = host_err(&source, "lock the shard's tables for the copy's snapshot", &e);
-                    snap.batch_execute("ROLLBACK").await.map_err(on(&source, "roll back"))?;
-                    if !is_lock_conflict(&err) || attempt >= self.options.fence_attempts.max(1) {
+                    // A session that cannot roll back is lost: the lock's error says why.
+                    if snap.batch_execute("ROLLBACK").await.is_err()
+                        || !is_lock_conflict(&err)
+                        || attempt >= SNAPSHOT_LOCK_ATTEMPTS
+                    {
                         return Err(err);
                     }
                     tracing::debug!(
