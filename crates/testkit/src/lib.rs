@@ -133,16 +133,49 @@ pub(crate) fn settings_with(overrides: &[(String, String)]) -> Vec<(String, Stri
     all
 }
 
-/// A TCP port on loopback that nothing listens on right now.
+/// A TCP port on loopback that nothing listens on right now and that this process has
+/// not handed out before.
+///
+/// The kernel's "nothing listens" is not enough: a host stopped by a test keeps its port
+/// for when it starts again (a container's mapping, a local server's `port`), and
+/// nothing listens on it meanwhile, so a second host started in between could be given
+/// it, and one of the two would then fail to start ("port is already allocated").
 pub(crate) fn free_port() -> Result<u16> {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|source| Error::Io { what: "finding a free port", path: "127.0.0.1:0".into(), source })
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let err = |source| Error::Io { what: "finding a free port", path: "127.0.0.1:0".into(), source };
+    // Held until a new port turns up, so the kernel cannot offer the same one again.
+    let mut held = Vec::new();
+    loop {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(err)?;
+        let port = listener.local_addr().map_err(err)?.port();
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if handed_out.insert(port) {
+            return Ok(port);
+        }
+        drop(handed_out);
+        held.push(listener);
+    }
 }
 
 /// Whether process `pid` exists on this machine.
 pub(crate) fn pid_alive(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else { return false };
     !matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::free_port;
+
+    /// The kernel offers a port again once its listener is gone; a host stopped by a test
+    /// keeps its port meanwhile, so the kit must not hand that port to another host.
+    #[test]
+    fn free_ports_are_never_handed_out_twice() {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..3000 {
+            let port = free_port().expect("a free port");
+            assert!(seen.insert(port), "port {port} was handed out twice");
+        }
+    }
 }
