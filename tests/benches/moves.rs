@@ -13,7 +13,14 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench moves [-- PHOTOS]
 //! SHARDLINE_BENCH_ONLY=gentle ...   # the last section alone
+//! SHARDLINE_BENCH_PIN=1 ...          # the last section with the hosts on cores of their own
 //! ```
+//!
+//! `SHARDLINE_BENCH_PIN=1` (local backend, 2 cores or more) stands in for hosts with
+//! cores of their own in the last section: the source's server and this process (the
+//! writers) on core 0, the target's server and the mover's thread on core 1, with
+//! `taskset`. The target's work (parsing the copy, building indexes, applying changes)
+//! then no longer shares a core with the writers, as it would not across machines.
 #![expect(clippy::unwrap_used, reason = "a benchmark")]
 
 use std::path::PathBuf;
@@ -271,6 +278,20 @@ async fn main() -> Result<(), BoxError> {
     let target = ["pg1", "pg2", "pg3"].into_iter().find(|h| h != source).unwrap_or("pg2");
     let src =
         kit.hosts()[source.trim_start_matches("pg").parse::<usize>()? - 1].connect("bench_moves").await?;
+    let pinned = std::env::var("SHARDLINE_BENCH_PIN").is_ok_and(|v| v == "1");
+    if pinned {
+        if kit.backend() != shardline_testkit::BackendKind::Local {
+            return Err("SHARDLINE_BENCH_PIN=1 needs SHARDLINE_TEST_BACKEND=local".into());
+        }
+        let dst =
+            kit.hosts()[target.trim_start_matches("pg").parse::<usize>()? - 1].connect("bench_moves").await?;
+        pin_server(&src, 0).await?;
+        pin_server(&dst, 1).await?;
+        pin(i32::try_from(std::process::id())?, 0, true)?;
+        println!(
+            "gentle on the source: pinned: {source} and the writers on core 0, {target} and the mover on core 1"
+        );
+    }
     fill(&src, moving, i64::from(count), photos).await?;
     // Neither the fill's autovacuum nor its checkpoint inside the baseline or the copy.
     let s = format!("shard_{moving:04}");
@@ -314,6 +335,9 @@ async fn main() -> Result<(), BoxError> {
         let r = {
             let (config, target) = (config.clone(), HostName::new(target)?);
             std::thread::spawn(move || {
+                if pinned {
+                    pin_this_thread(1).unwrap();
+                }
                 tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -382,6 +406,51 @@ async fn main() -> Result<(), BoxError> {
             .await?;
         src.batch_execute(&format!("VACUUM {s}.photos, {s}.likes, {s}.comments")).await?;
         src.batch_execute("CHECKPOINT").await?;
+    }
+    Ok(())
+}
+
+/// Pins process `pid` (with `all`, each of its threads) to core `cpu` with `taskset`.
+fn pin(pid: i32, cpu: usize, all: bool) -> Result<(), BoxError> {
+    let (cpu, pid) = (cpu.to_string(), pid.to_string());
+    let mut args = vec!["-p", "-c", &cpu, &pid];
+    if all {
+        args.insert(0, "-a");
+    }
+    let out = std::process::Command::new("taskset").args(&args).output()?;
+    if !out.status.success() {
+        return Err(format!("taskset {args:?}: {}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    Ok(())
+}
+
+/// Pins the calling thread to core `cpu`.
+fn pin_this_thread(cpu: usize) -> Result<(), BoxError> {
+    // `/proc/thread-self` links to `<pid>/task/<tid>`.
+    let link = std::fs::read_link("/proc/thread-self")?;
+    let tid = link.file_name().and_then(|t| t.to_str()).ok_or("no thread id")?.parse()?;
+    pin(tid, cpu, false)
+}
+
+/// The parent of process `pid`, from `/proc/<pid>/stat`.
+fn parent(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the fields after it.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Pins a local server (its postmaster, so the backends it starts from now on, and every
+/// process it runs now) to core `cpu`: the server `client` is connected to.
+async fn pin_server(client: &tokio_postgres::Client, cpu: usize) -> Result<(), BoxError> {
+    let backend: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+    let postmaster = parent(backend).ok_or("no postmaster")?;
+    pin(postmaster, cpu, false)?;
+    for entry in std::fs::read_dir("/proc")? {
+        let Some(pid) = entry?.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        if parent(pid) == Some(postmaster) {
+            // A process may end between the listing and the pin.
+            let _ = pin(pid, cpu, false);
+        }
     }
     Ok(())
 }
