@@ -133,25 +133,39 @@ pub(crate) fn settings_with(overrides: &[(String, String)]) -> Vec<(String, Stri
     all
 }
 
-/// A TCP port on loopback that nothing listens on right now and that this process has
-/// not handed out before.
+/// A TCP port that nothing listens on right now, on any address, and that this process
+/// has not handed out before.
 ///
 /// The kernel's "nothing listens" is not enough: a host stopped by a test keeps its port
 /// for when it starts again (a container's mapping, a local server's `port`), and
 /// nothing listens on it meanwhile, so a second host started in between could be given
-/// it, and one of the two would then fail to start ("port is already allocated").
+/// it, and one of the two would then fail to start ("port is already allocated"). The
+/// probe is on every address (`0.0.0.0`) because Docker publishes a container's port on
+/// every address. Limits: the set is per process (a second test process has its own),
+/// and the probe's listener is closed before the host binds the port.
 pub(crate) fn free_port() -> Result<u16> {
+    let listener = bind_unused("0.0.0.0")?;
+    listener.local_addr().map(|a| a.port()).map_err(|source| Error::Io {
+        what: "finding a free port",
+        path: "0.0.0.0:0".into(),
+        source,
+    })
+}
+
+/// A listener on `ip`, on a port this process has not handed out before: the one owner
+/// of choosing ports, for hosts ([`free_port`]) and for links, which keep the listener.
+pub(crate) fn bind_unused(ip: &str) -> Result<std::net::TcpListener> {
     static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let err = |source| Error::Io { what: "finding a free port", path: "127.0.0.1:0".into(), source };
+    let err = |source| Error::Io { what: "finding a free port", path: format!("{ip}:0").into(), source };
     // Held until a new port turns up, so the kernel cannot offer the same one again.
     let mut held = Vec::new();
     loop {
-        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(err)?;
+        let listener = std::net::TcpListener::bind((ip, 0)).map_err(err)?;
         let port = listener.local_addr().map_err(err)?.port();
         let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if handed_out.insert(port) {
-            return Ok(port);
+            return Ok(listener);
         }
         drop(handed_out);
         held.push(listener);

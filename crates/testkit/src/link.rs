@@ -56,11 +56,12 @@ impl Link {
     ///
     /// [`Error::Io`] when nothing can listen on `listen_ip`.
     pub async fn start(name: &str, listen_ip: &str, to: Endpoint) -> Result<Link> {
-        let listener = TcpListener::bind((listen_ip, 0)).await.map_err(|source| Error::Io {
-            what: "listening for a link",
-            path: listen_ip.into(),
-            source,
-        })?;
+        // Not a port a stopped host keeps for its restart (see `free_port`).
+        let listener = crate::bind_unused(listen_ip)?;
+        let listener = listener
+            .set_nonblocking(true)
+            .and_then(|()| TcpListener::from_std(listener))
+            .map_err(|source| Error::Io { what: "listening for a link", path: listen_ip.into(), source })?;
         let port = listener
             .local_addr()
             .map_err(|source| Error::Io { what: "reading a link's address", path: listen_ip.into(), source })?
