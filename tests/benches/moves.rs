@@ -13,6 +13,7 @@
 //! ```text
 //! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench moves [-- PHOTOS]
 //! SHARDLINE_BENCH_ONLY=gentle ...   # the last section alone
+//! SHARDLINE_BENCH_ONLY=copy ...     # the first section alone (copy throughput and its CPU)
 //! SHARDLINE_BENCH_PIN=1 ...          # the last section with the hosts on cores of their own
 //! ```
 //!
@@ -81,8 +82,16 @@ async fn main() -> Result<(), BoxError> {
         kit.backend()
     );
 
-    // `SHARDLINE_BENCH_ONLY=gentle`: the last section alone.
-    let gentle_only = std::env::var("SHARDLINE_BENCH_ONLY").is_ok_and(|v| v == "gentle");
+    // `SHARDLINE_BENCH_ONLY=gentle`: the last section alone; `=copy`: the first alone.
+    let only = std::env::var("SHARDLINE_BENCH_ONLY").ok();
+    let (gentle_only, copy_only) = match only.as_deref() {
+        None | Some("") => (false, false),
+        Some("gentle") => (true, false),
+        Some("copy") => (false, true),
+        Some(other) => {
+            return Err(format!("SHARDLINE_BENCH_ONLY={other:?}: expected `gentle` or `copy`").into());
+        }
+    };
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let rate = 250;
     if !gentle_only {
@@ -165,6 +174,9 @@ async fn main() -> Result<(), BoxError> {
                 "  (the move's span below: from `prepared` to `caught_up`, so subscribing and catching up too)"
             );
             cpu::print_side_by_side(["move's copy", "pg_dump | psql"], [&c, &r]);
+        }
+        if copy_only {
+            return Ok(());
         }
 
         // 2. The write pause under a steady load on the moving shard, at two sizes.

@@ -47,6 +47,15 @@ pub type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send +
 /// The environment variable that overrides the per-test time limit, in seconds.
 pub const TIMEOUT_ENV: &str = "SHARDLINE_TEST_TIMEOUT_SECS";
 
+/// The environment variable that narrows a run to the tests whose subject is the hosts
+/// themselves: `SHARDLINE_TEST_SCOPE=hosts` runs the tests that stop, kill, pause or
+/// start hosts of their own (registered `exclusive` or `own`) and those of the
+/// `faults::` and `partitions::` modules (the kit's faults and cut links), and leaves out
+/// the rest, saying so and how many. CI runs every test on one backend and this scope on
+/// the other: the tests left out run the same SQL against the same Postgres either way.
+/// Unset (or `all`) runs everything.
+pub const SCOPE_ENV: &str = "SHARDLINE_TEST_SCOPE";
+
 /// A test's time limit when [`TIMEOUT_ENV`] is unset: a hung test fails instead of
 /// holding CI until its own limit.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -57,6 +66,14 @@ struct Case {
     name: String,
     sharing: Sharing,
     run: TestFn,
+}
+
+impl Case {
+    /// Whether [`SCOPE_ENV`]`=hosts` selects it.
+    fn is_about_hosts(&self) -> bool {
+        self.sharing != Sharing::Shared
+            || ["faults::", "partitions::"].iter().any(|m| self.name.starts_with(m))
+    }
 }
 
 /// How a test shares the binary's cluster with the others.
@@ -212,6 +229,25 @@ impl Harness {
         if let Some(hosts) = std::env::var(HOLD_ENV).ok().and_then(|n| n.parse::<usize>().ok()) {
             hold(hosts)
         }
+        let scope = match std::env::var(SCOPE_ENV).ok().as_deref() {
+            None | Some("" | "all") => false,
+            Some("hosts") => true,
+            Some(other) => {
+                eprintln!("shardline-testkit: {SCOPE_ENV}={other:?}: expected `all` or `hosts`");
+                std::process::exit(101);
+            }
+        };
+        let mut cases = self.cases;
+        if scope {
+            let all = cases.len();
+            cases.retain(Case::is_about_hosts);
+            eprintln!(
+                "shardline-testkit: {SCOPE_ENV}=hosts: {} of {all} tests selected (those that fault, cut or \
+                 start hosts); the other {} are left out of this run",
+                cases.len(),
+                all - cases.len()
+            );
+        }
         let mut args = Arguments::from_args();
         // The tests wait on servers, not on the CPU: more threads than cores pay off, up
         // to a point (6 overloaded two cores: latencies tripled). Those with a cluster of
@@ -237,8 +273,7 @@ impl Harness {
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
         });
-        let trials = self
-            .cases
+        let trials = cases
             .into_iter()
             .map(|case| {
                 let shared = Arc::clone(&shared);
@@ -447,7 +482,9 @@ macro_rules! register {
 
 #[cfg(test)]
 mod tests {
-    use super::database_name;
+    use std::sync::Arc;
+
+    use super::{Case, Sharing, TestContext, TestResult, database_name};
 
     #[test]
     fn database_names_follow_the_test() {
@@ -455,5 +492,21 @@ mod tests {
         let long = database_name(12, &"X".repeat(100));
         assert_eq!(long.len(), 63);
         crate::cluster::check_database_name(&long).unwrap();
+    }
+
+    #[test]
+    fn the_hosts_scope_keeps_the_tests_that_fault_cut_or_start_hosts() {
+        let case = |name: &str, sharing| Case {
+            name: name.to_owned(),
+            sharing,
+            run: Arc::new(|_: TestContext| Box::pin(async { TestResult::Ok(()) })),
+        };
+        let selected = |c: Case| c.is_about_hosts();
+        assert!(selected(case("moves::a_host_killed_inside_a_step", Sharing::Exclusive)));
+        assert!(selected(case("moves::a_host_paused_inside_each_step", Sharing::Own)));
+        assert!(selected(case("partitions::a_cut_link_to_one_host", Sharing::Shared)));
+        assert!(selected(case("faults::anything", Sharing::Shared)));
+        assert!(!selected(case("repo::get_many_reads_each_shard_once", Sharing::Shared)));
+        assert!(!selected(case("pooler::behind_pgbouncer", Sharing::Shared)));
     }
 }
