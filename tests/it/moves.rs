@@ -174,12 +174,30 @@ async fn stopped_after(
     to: &str,
     step: Step,
 ) -> Result<(), BoxError> {
-    let options = MoveOptions::default().stopping_after(step);
+    stopped_with(config, shard, to, MoveOptions::default().stopping_after(step)).await
+}
+
+/// [`stopped_after`] with these options (their `stop_after` set).
+async fn stopped_with(
+    config: &shardline_router::Config,
+    shard: u16,
+    to: &str,
+    options: MoveOptions,
+) -> Result<(), BoxError> {
+    let step = options.stop_after.ok_or("options that stop after a step")?;
     match moves::run(config, crate::shard(shard), &crate::host(to), &options).await {
         Err(OpsError::Interrupted { step: s, .. }) if s == step => Ok(()),
         Err(e) => Err(e.into()),
         Ok(report) => Err(format!("the move did not stop after {step:?}: {report}").into()),
     }
+}
+
+/// Default options but for the copy: Postgres's table-sync workers' (`--subscription-copy`,
+/// `max_rate: None`), for the tests about that copy; the default is the mover's own.
+pub(crate) fn subscription_copy() -> MoveOptions {
+    let mut o = MoveOptions::default();
+    o.max_rate = None;
+    o
 }
 
 pub(crate) fn photo(user_id: i64, n: usize) -> NewPhoto {
@@ -561,7 +579,7 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
         .await?;
     let c = Arc::new(config.clone());
     let mover = tokio::spawn(async move {
-        moves::run(&c, crate::shard(2), &crate::host("pg3"), &MoveOptions::default()).await
+        moves::run(&c, crate::shard(2), &crate::host("pg3"), &subscription_copy()).await
     });
     let watch = f.client(&ctx, 2).await?;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -688,7 +706,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
-    stopped_after(&config, 2, "pg3", Step::Copying).await?;
+    stopped_with(&config, 2, "pg3", subscription_copy().stopping_after(Step::Copying)).await?;
     let stranded = f
         .client(&ctx, 2)
         .await?
@@ -709,7 +727,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
                FROM pg_subscription_rel WHERE srrelid = 'shard_0002.likes'::regclass",
         )
         .await?;
-    let mut bounded = MoveOptions::default();
+    let mut bounded = subscription_copy();
     bounded.copy_timeout = Duration::from_secs(60);
     let done = moves::resume(&config, Some(crate::shard(2)), &bounded).await?;
     assert_eq!(done.len(), 1);
@@ -726,7 +744,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     // A restart cut short (the mover died after dropping the subscription, with rows of
     // the old copy left on the target): the resumed move finds the subscription gone and
     // starts over from empty tables.
-    stopped_after(&config, 2, "pg2", Step::Copying).await?;
+    stopped_with(&config, 2, "pg2", subscription_copy().stopping_after(Step::Copying)).await?;
     let pg2 = f.client(&ctx, 1).await?;
     let name = moves::list(&config).await?.last().ok_or("a move")?.detail.name.clone();
     pg2.batch_execute(&format!(
@@ -3271,6 +3289,36 @@ async fn bulk(
             &[&user, &n],
         )
         .await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_front);
+/// A copy at `max_rate` that would need longer than `copy_timeout` for the shard's tables
+/// is refused by the pre-flight, naming the source and the way out, before anything is
+/// made or journaled; the same move with the subscription's copy goes ahead.
+pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_front(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    let mut slow = MoveOptions::default();
+    slow.max_rate = Some(1_000);
+    slow.copy_timeout = Duration::from_secs(10);
+    let err = moves::run(&config, crate::shard(2), &crate::host("pg3"), &slow).await.unwrap_err();
+    let said = err.to_string();
+    assert!(matches!(err, OpsError::Preflight(_)), "{said}");
+    for part in ["pg2", "copy rate", "--max-rate 0.001 MB/s", "10 s", "--subscription-copy"] {
+        assert!(said.contains(part), "{part:?} in {said}");
+    }
+    assert!(moves::list(&config).await?.is_empty(), "a refused move is not journaled");
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, None, "nothing made on the target");
+    let mut table_sync = subscription_copy();
+    table_sync.copy_timeout = slow.copy_timeout;
+    moves::run(&config, crate::shard(2), &crate::host("pg3"), &table_sync).await?;
+    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
     Ok(())
 }
 

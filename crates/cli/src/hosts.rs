@@ -74,10 +74,9 @@ pub enum HostCommand {
         /// Moves at a time.
         #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
         parallel: u16,
-        /// Each move copies its shard's rows at most this fast, in MB/s (see `move
-        /// --max-rate`).
-        #[arg(long, value_name = "MB/S", value_parser = crate::moves::parse_rate)]
-        max_rate: Option<u64>,
+        /// How each move copies its shard's rows (see `move`).
+        #[command(flatten)]
+        copy: crate::moves::CopyArgs,
         /// Print one JSON array of the moves.
         #[arg(long)]
         json: bool,
@@ -156,10 +155,10 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
             }
             Ok(())
         }
-        HostCommand::Drain { name, dry_run, parallel, max_rate, json } => {
+        HostCommand::Drain { name, dry_run, parallel, copy, json } => {
             let name = host_name(name)?;
             let mut options = MoveOptions::default();
-            options.max_rate = *max_rate;
+            copy.apply(&mut options);
             let report = rt.block_on(shardline_ops::fleet::drain(
                 config,
                 &name,

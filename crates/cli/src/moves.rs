@@ -24,14 +24,14 @@ pub struct MoveOpt {
     #[arg(long, value_name = "HOST")]
     pub to: Option<String>,
     /// With `--to`: run the pre-flight only, change nothing.
-    #[arg(long, requires = "to")]
+    #[arg(long, requires = "to", conflicts_with_all = ["max_rate", "subscription_copy"])]
     pub dry_run: bool,
     /// Finish an interrupted move from its last journaled step.
     #[arg(long)]
     pub resume: bool,
     /// Undo the shard's interrupted move (before its flip): the shard stays, writable,
     /// on its source.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy"])]
     pub abort: bool,
     /// Keep the move revertible after its flip (`--revert`, until `gc` drops the old
     /// copy): a replication slot on the target keeps its WAL meanwhile.
@@ -41,14 +41,11 @@ pub struct MoveOpt {
     /// flip and before `gc` drops the old copy there (a move made `--revertible`): the
     /// old copy is brought up to date from the new owner's changes since the flip (no
     /// new copy), then fenced, verified and flipped as any move.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy"])]
     pub revert: bool,
-    /// Copy the shard's rows at most this fast, in MB/s (decimal megabytes), read by
-    /// the mover from one snapshot of the source, so the source's other shards keep
-    /// their share of it; 0: the mover's copy, unthrottled. Without it the
-    /// subscription copies, as fast as the hosts go.
-    #[arg(long, value_name = "MB/S", value_parser = parse_rate, conflicts_with_all = ["abort", "revert", "dry_run"])]
-    pub max_rate: Option<u64>,
+    /// How the rows are copied.
+    #[command(flatten)]
+    pub copy: CopyArgs,
     /// Fence only once a change on the source reaches the target this fast.
     #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub max_lag: Duration,
@@ -70,6 +67,33 @@ pub struct MoveOpt {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How a move copies the shard's rows: `--max-rate` and `--subscription-copy`, on
+/// `move`, `rebalance` and `host drain`.
+#[derive(Debug, Args)]
+pub struct CopyArgs {
+    /// Copy the shard's rows at most this fast, in MB/s (decimal megabytes), read by
+    /// the mover from one snapshot of the source, so the source's other shards keep
+    /// their share of it; 0: no cap. Default 10.
+    #[arg(long, value_name = "MB/S", value_parser = parse_rate)]
+    pub max_rate: Option<u64>,
+    /// Let Postgres's table-sync workers copy the rows instead, as fast as the hosts
+    /// go, unthrottled (for a source with cores and disk to spare).
+    #[arg(long, conflicts_with = "max_rate")]
+    pub subscription_copy: bool,
+}
+
+impl CopyArgs {
+    /// Sets [`MoveOptions::max_rate`] from the flags; with neither, the library's
+    /// default ([`shardline_ops::moves::DEFAULT_MAX_RATE`]) stays.
+    pub fn apply(&self, options: &mut MoveOptions) {
+        if self.subscription_copy {
+            options.max_rate = None;
+        } else if let Some(rate) = self.max_rate {
+            options.max_rate = Some(rate);
+        }
+    }
 }
 
 /// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
@@ -125,10 +149,9 @@ pub struct RebalanceOpt {
     /// moves onto one new host run at once, sharing its disks and cores.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     pub per_host: u16,
-    /// Each move copies its shard's rows at most this fast, in MB/s (see `move
-    /// --max-rate`).
-    #[arg(long, value_name = "MB/S", value_parser = parse_rate)]
-    pub max_rate: Option<u64>,
+    /// How each move copies its shard's rows (see `move`).
+    #[command(flatten)]
+    pub copy: CopyArgs,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -190,7 +213,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.lease = opt.lease;
     options.hung_after = opt.hung_after;
     options.revertible = opt.revertible;
-    options.max_rate = opt.max_rate;
+    opt.copy.apply(&mut options);
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
     let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
@@ -293,7 +316,7 @@ pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> an
         return Ok(());
     }
     let mut options = MoveOptions::default();
-    options.max_rate = opt.max_rate;
+    opt.copy.apply(&mut options);
     let results = rt.block_on(shardline_ops::rebalance::apply(
         config,
         &plan,
@@ -382,7 +405,34 @@ pub fn gc(config: &Config, opt: &GcOpt, out: &mut dyn Write) -> anyhow::Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_rate;
+    use clap::Parser;
+    use shardline_ops::moves::{DEFAULT_MAX_RATE, MoveOptions};
+
+    use super::{CopyArgs, parse_rate};
+
+    #[derive(Debug, Parser)]
+    struct Copy {
+        #[command(flatten)]
+        copy: CopyArgs,
+    }
+
+    fn max_rate(args: &[&str]) -> Result<Option<u64>, clap::Error> {
+        let parsed = Copy::try_parse_from(std::iter::once("copy").chain(args.iter().copied()))?;
+        let mut options = MoveOptions::default();
+        parsed.copy.apply(&mut options);
+        Ok(options.max_rate)
+    }
+
+    #[test]
+    fn a_move_copies_at_the_default_rate_unless_told_otherwise() {
+        assert_eq!(max_rate(&[]).unwrap(), Some(DEFAULT_MAX_RATE));
+        assert_eq!(DEFAULT_MAX_RATE, 10_000_000);
+        assert_eq!(max_rate(&["--max-rate", "40"]).unwrap(), Some(40_000_000));
+        assert_eq!(max_rate(&["--max-rate", "0"]).unwrap(), Some(0));
+        assert_eq!(max_rate(&["--subscription-copy"]).unwrap(), None);
+        let both = max_rate(&["--subscription-copy", "--max-rate", "5"]).unwrap_err();
+        assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict, "{both}");
+    }
 
     #[test]
     fn a_rate_is_megabytes_a_second_and_a_bad_one_is_named() {

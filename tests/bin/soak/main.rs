@@ -483,11 +483,13 @@ async fn mover(run: &Arc<Run>) {
         // Every other move revertible, and half of those reverted a moment later (its
         // writes since the flip carried back), under the same faults.
         let revertible = rng.below(2) == 0;
-        // A third of the moves copy the mover's way (`--max-rate`), uncapped or capped.
+        // Every way of copying: the mover's at the default cap (half the moves), uncapped
+        // or at 20 MB/s, and Postgres's table-sync copy (`--subscription-copy`).
         let max_rate = match rng.below(6) {
             0 => Some(0),
             1 => Some(20_000_000),
-            _ => None,
+            2 => None,
+            _ => Some(shardline_ops::moves::DEFAULT_MAX_RATE),
         };
         let moved = move_once(run, &mut rng, shard, source, target, false, (revertible, max_rate)).await;
         if moved && revertible && rng.below(2) == 0 {

@@ -250,15 +250,23 @@ pub struct MoveOptions {
     /// `max_replication_slots`: see `docs/operations.md`, "Reverting a move".
     pub revertible: bool,
     /// Copy the shard's rows at most this many bytes a second, read by the mover from
-    /// one snapshot of the source, [`MoveOptions::copy_streams`] streams at once, rather
-    /// than by the subscription's own copy (default `None`: the subscription's copy,
-    /// as fast as the hosts go). The copy then leaves the source's other shards their
-    /// share of its disk and cores: see `docs/moves.md`, "The mover's own copy".
+    /// one snapshot of the source, [`MoveOptions::copy_streams`] streams at once (`0`:
+    /// no cap); `None`: Postgres's table-sync workers copy, as fast as the hosts go, and
+    /// nothing throttles them. Default [`DEFAULT_MAX_RATE`] (10 MB/s): the copy leaves
+    /// the source's other shards their share of its disk and cores. See `docs/moves.md`,
+    /// "The mover's own copy".
     pub max_rate: Option<u64>,
     /// How many streams copy at once when the mover copies ([`MoveOptions::max_rate`]),
     /// a big table in ranges of its pages (default 2).
     pub copy_streams: usize,
 }
+
+/// The default [`MoveOptions::max_rate`], in bytes a second: 10 MB/s. The fastest cap
+/// that kept the p99 of writers to another shard of the source within 2× of its level
+/// with no move, in every run of `cargo bench -p shardline-tests --bench moves` with the
+/// hosts on cores of their own (`docs/benchmarks.md`, "Gentle on the source"; 20 MB/s
+/// missed once in three, the table-sync copy in every run).
+pub const DEFAULT_MAX_RATE: u64 = 10_000_000;
 
 impl Default for MoveOptions {
     fn default() -> Self {
@@ -280,7 +288,7 @@ impl Default for MoveOptions {
             on_round: None,
             hung_after: Duration::from_secs(15),
             revertible: false,
-            max_rate: None,
+            max_rate: Some(DEFAULT_MAX_RATE),
             copy_streams: 2,
         }
     }
@@ -950,7 +958,8 @@ pub async fn run(
     options: &MoveOptions,
 ) -> Result<MoveReport> {
     let config = &crate::fleet::resolved(config).await?;
-    let check = preflight::preflight(config, shard, target).await?;
+    let mut check = preflight::preflight(config, shard, target).await?;
+    check.check_copy_time(options.max_rate, options.copy_timeout);
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
     }

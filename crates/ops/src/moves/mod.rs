@@ -37,8 +37,8 @@ pub mod preflight;
 mod subscription;
 
 pub use engine::{
-    AbortReport, CHANGES_SQL, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport, ProgressFn,
-    Verification, abort, resume, revert, run,
+    AbortReport, CHANGES_SQL, DEFAULT_MAX_RATE, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport,
+    ProgressFn, Verification, abort, resume, revert, run,
 };
 pub use gc::{GcReport, gc};
 pub use journal::{

@@ -66,11 +66,35 @@ pub struct Preflight {
     pub rows_estimate: i64,
     /// Bytes of the shard's tables and indexes.
     pub bytes: i64,
+    /// Bytes of the shard's tables alone (TOAST included, indexes not): about what a
+    /// copy reads.
+    pub table_bytes: i64,
     /// Every problem found; empty when the move can go ahead.
     pub problems: Vec<Problem>,
 }
 
 impl Preflight {
+    /// Adds a problem when a copy capped at `max_rate` bytes a second (none: uncapped,
+    /// or the subscription's copy) would need longer than `copy_timeout` for the shard's
+    /// tables: such a move would copy for the whole timeout and then fail.
+    pub(crate) fn check_copy_time(&mut self, max_rate: Option<u64>, copy_timeout: std::time::Duration) {
+        let Some(rate) = max_rate.filter(|r| *r > 0) else { return };
+        #[expect(clippy::cast_precision_loss, reason = "an estimate of seconds from byte counts")]
+        let needs = self.table_bytes.max(0) as f64 / rate as f64;
+        if needs > copy_timeout.as_secs_f64() {
+            #[expect(clippy::cast_precision_loss, reason = "megabytes for a message")]
+            let (mb, rate_mb) = (self.table_bytes as f64 / 1e6, rate as f64 / 1e6);
+            self.problems.push(Problem {
+                host: Some(self.source.clone()),
+                check: "copy rate",
+                message: format!(
+                    "the shard's tables take {mb:.0} MB on disk: at --max-rate {rate_mb} MB/s, copying that much takes {needs:.0} s, more than the copy timeout ({} s); raise --max-rate (0: no cap) or use --subscription-copy",
+                    copy_timeout.as_secs()
+                ),
+            });
+        }
+    }
+
     /// Whether nothing stops the move.
     pub fn is_ok(&self) -> bool {
         self.problems.is_empty()
@@ -199,6 +223,7 @@ pub(crate) async fn preflight_for(
         target: target_name.clone(),
         rows_estimate: 0,
         bytes: 0,
+        table_bytes: 0,
         problems: Vec::new(),
     };
 
@@ -330,7 +355,8 @@ async fn check_source(
     let size = c
         .query_one(
             "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.relkind = 'r' AND c.reltuples > 0), 0)::bigint,
-                    coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint
+                    coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint,
+                    coalesce(sum(pg_table_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1",
             &[&schema.as_str()],
         )
@@ -338,6 +364,7 @@ async fn check_source(
         .map_err(fail)?;
     out.rows_estimate = size.get(0);
     out.bytes = size.get(1);
+    out.table_bytes = size.get(2);
 
     // The same migration level on both sides: the target is built from the config's
     // files, so the source's ledger must hold exactly those.
@@ -453,3 +480,50 @@ async fn check_target(
 }
 
 pub(crate) use shardline_id::ident::literal as quote_literal;
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use shardline_router::{HostName, LogicalShard, SchemaPrefix};
+
+    use super::Preflight;
+
+    fn shard_of(table_bytes: i64) -> Preflight {
+        let shard = LogicalShard::bounded(5).unwrap();
+        Preflight {
+            shard,
+            schema: SchemaPrefix::new("shard_").unwrap().schema(shard),
+            source: HostName::new("pg1").unwrap(),
+            target: HostName::new("pg2").unwrap(),
+            rows_estimate: 0,
+            bytes: table_bytes * 2,
+            table_bytes,
+            problems: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_capped_copy_longer_than_the_copy_timeout_is_refused_up_front() {
+        let hour = Duration::from_secs(3600);
+        // 50 GB at 10 MB/s: 5,000 s, more than an hour; fine within 6 hours.
+        let mut slow = shard_of(50_000_000_000);
+        slow.check_copy_time(Some(10_000_000), hour);
+        assert!(!slow.is_ok());
+        let said = slow.problems[0].to_string();
+        for part in
+            ["pg1", "copy rate", "50000 MB", "--max-rate 10 MB/s", "5000 s", "3600 s", "--subscription-copy"]
+        {
+            assert!(said.contains(part), "{part:?} in {said}");
+        }
+        let mut fits = shard_of(50_000_000_000);
+        fits.check_copy_time(Some(10_000_000), 6 * hour);
+        assert!(fits.is_ok(), "{:?}", fits.problems);
+        // No cap, or the subscription's copy: nothing to refuse.
+        for rate in [Some(0), None] {
+            let mut any = shard_of(50_000_000_000);
+            any.check_copy_time(rate, Duration::from_secs(1));
+            assert!(any.is_ok(), "{rate:?}: {:?}", any.problems);
+        }
+    }
+}
