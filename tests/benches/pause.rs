@@ -100,8 +100,8 @@ async fn main() -> Result<(), BoxError> {
         let c = &c;
         fill(c, i64::from(shard), 8, n).await?;
         let (log, log_slow, log_writes) =
-            one_move(&config, &cluster, shard, a, &MoveOptions::default()).await?;
-        let full_opts = MoveOptions::default().verifying(Verification::Full);
+            one_move(&config, &cluster, shard, a, &MoveOptions::default().subscription_copy()).await?;
+        let full_opts = MoveOptions::default().subscription_copy().verifying(Verification::Full);
         let (full, full_slow, _) = one_move(&config, &cluster, shard, b, &full_opts).await?;
         println!(
             "  {:>9} {:>9}  {:>7} ms {:>7} ms {:>9} {:>8.1} ms  {:>7} ms {:>8.1} ms  {:>6.1}x   ({log_writes} writes during the move)",
@@ -161,7 +161,7 @@ async fn main() -> Result<(), BoxError> {
         &config,
         moving,
         &HostName::new(to)?,
-        &MoveOptions::default().stopping_after(Step::CaughtUp),
+        &MoveOptions::default().subscription_copy().stopping_after(Step::CaughtUp),
     )
     .await;
     let (log_many, log_one) = time_batches().await;

@@ -58,7 +58,13 @@ async fn one(
     let plan = rebalance::plan(&four, 8).await?;
     assert_eq!(plan.moves.len(), 8, "{plan}");
     let t = Instant::now();
-    let results = rebalance::apply(&four, &plan, Parallel::disjoint(parallel), &MoveOptions::default()).await;
+    let results = rebalance::apply(
+        &four,
+        &plan,
+        Parallel::disjoint(parallel),
+        &MoveOptions::default().subscription_copy(),
+    )
+    .await;
     let wall = t.elapsed();
     let mut own = Duration::ZERO;
     let mut bytes = 0;

@@ -192,14 +192,6 @@ async fn stopped_with(
     }
 }
 
-/// Default options but for the copy: Postgres's table-sync workers' (`--subscription-copy`,
-/// `max_rate: None`), for the tests about that copy; the default is the mover's own.
-pub(crate) fn subscription_copy() -> MoveOptions {
-    let mut o = MoveOptions::default();
-    o.max_rate = None;
-    o
-}
-
 pub(crate) fn photo(user_id: i64, n: usize) -> NewPhoto {
     NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
@@ -579,7 +571,8 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
         .await?;
     let c = Arc::new(config.clone());
     let mover = tokio::spawn(async move {
-        moves::run(&c, crate::shard(2), &crate::host("pg3"), &subscription_copy()).await
+        moves::run(&c, crate::shard(2), &crate::host("pg3"), &MoveOptions::default().subscription_copy())
+            .await
     });
     let watch = f.client(&ctx, 2).await?;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -706,7 +699,8 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
-    stopped_with(&config, 2, "pg3", subscription_copy().stopping_after(Step::Copying)).await?;
+    stopped_with(&config, 2, "pg3", MoveOptions::default().subscription_copy().stopping_after(Step::Copying))
+        .await?;
     let stranded = f
         .client(&ctx, 2)
         .await?
@@ -727,7 +721,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
                FROM pg_subscription_rel WHERE srrelid = 'shard_0002.likes'::regclass",
         )
         .await?;
-    let mut bounded = subscription_copy();
+    let mut bounded = MoveOptions::default().subscription_copy();
     bounded.copy_timeout = Duration::from_secs(60);
     let done = moves::resume(&config, Some(crate::shard(2)), &bounded).await?;
     assert_eq!(done.len(), 1);
@@ -744,7 +738,8 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     // A restart cut short (the mover died after dropping the subscription, with rows of
     // the old copy left on the target): the resumed move finds the subscription gone and
     // starts over from empty tables.
-    stopped_with(&config, 2, "pg2", subscription_copy().stopping_after(Step::Copying)).await?;
+    stopped_with(&config, 2, "pg2", MoveOptions::default().subscription_copy().stopping_after(Step::Copying))
+        .await?;
     let pg2 = f.client(&ctx, 1).await?;
     let name = moves::list(&config).await?.last().ok_or("a move")?.detail.name.clone();
     pg2.batch_execute(&format!(
@@ -3315,7 +3310,7 @@ pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_fron
     }
     assert!(moves::list(&config).await?.is_empty(), "a refused move is not journaled");
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, None, "nothing made on the target");
-    let mut table_sync = subscription_copy();
+    let mut table_sync = MoveOptions::default().subscription_copy();
     table_sync.copy_timeout = slow.copy_timeout;
     moves::run(&config, crate::shard(2), &crate::host("pg3"), &table_sync).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));

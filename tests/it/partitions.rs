@@ -266,9 +266,9 @@ pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
     // The source's peers lose it as the copy starts; the heal comes 3 s later.
     let link = peers[host_index(from.as_str())].clone();
-    let (mut opts, cut) = cut_at(Step::Prepared, &link);
+    let (opts, cut) = cut_at(Step::Prepared, &link);
     // The table-sync copy: the one that reads the rows over the peer link.
-    opts.max_rate = None;
+    let opts = opts.subscription_copy();
     let healer = {
         let link = link.clone();
         tokio::spawn(async move {

@@ -303,6 +303,14 @@ impl MoveOptions {
         self
     }
 
+    /// These options, with the rows copied by Postgres's table-sync workers, as fast as
+    /// the hosts go (`max_rate: None`; `--subscription-copy`), not by the mover.
+    #[must_use]
+    pub fn subscription_copy(mut self) -> Self {
+        self.max_rate = None;
+        self
+    }
+
     /// These options, with a fence lease of `lease` (see [`MoveOptions::lease`]).
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
