@@ -3305,14 +3305,24 @@ pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_fron
     let err = moves::run(&config, crate::shard(2), &crate::host("pg3"), &slow).await.unwrap_err();
     let said = err.to_string();
     assert!(matches!(err, OpsError::Preflight(_)), "{said}");
-    for part in ["pg2", "copy rate", "--max-rate 0.001 MB/s", "10 s", "--subscription-copy"] {
+    for part in ["pg2", "copy rate", "at 0.001 MB/s", "10 s", "--subscription-copy"] {
         assert!(said.contains(part), "{part:?} in {said}");
     }
     assert!(moves::list(&config).await?.is_empty(), "a refused move is not journaled");
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, None, "nothing made on the target");
+    // A move begun with the subscription's copy, stopped before it copied, then resumed
+    // with that cap: the resumed copy is refused the same way before it starts, and the
+    // move stays to resume another way.
     let mut table_sync = MoveOptions::default().subscription_copy();
     table_sync.copy_timeout = slow.copy_timeout;
-    moves::run(&config, crate::shard(2), &crate::host("pg3"), &table_sync).await?;
+    stopped_with(&config, 2, "pg3", table_sync.clone().stopping_after(Step::Prepared)).await?;
+    let err = moves::resume(&config, Some(crate::shard(2)), &slow).await.unwrap_err();
+    let said = err.to_string();
+    for part in ["pg2", "at 0.001 MB/s", "10 s", "--subscription-copy"] {
+        assert!(said.contains(part), "{part:?} in {said}");
+    }
+    assert_eq!(moves::list(&config).await?[0].state, State::Running);
+    moves::resume(&config, Some(crate::shard(2)), &table_sync).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
     Ok(())
 }

@@ -24,7 +24,7 @@ pub struct MoveOpt {
     #[arg(long, value_name = "HOST")]
     pub to: Option<String>,
     /// With `--to`: run the pre-flight only, change nothing.
-    #[arg(long, requires = "to", conflicts_with_all = ["max_rate", "subscription_copy"])]
+    #[arg(long, requires = "to")]
     pub dry_run: bool,
     /// Finish an interrupted move from its last journaled step.
     #[arg(long)]
@@ -223,7 +223,9 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
         let shard = need_shard()?;
         let to = &HostName::new(to)?;
         if opt.dry_run {
-            let pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
+            let mut pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
+            // What the move would refuse for its copy's rate, with the same flags.
+            pre.check_copy_time(options.max_rate, options.copy_timeout);
             if opt.json {
                 writeln!(
                     out,

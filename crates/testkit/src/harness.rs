@@ -50,11 +50,15 @@ pub const TIMEOUT_ENV: &str = "SHARDLINE_TEST_TIMEOUT_SECS";
 /// The environment variable that narrows a run to the tests whose subject is the hosts
 /// themselves: `SHARDLINE_TEST_SCOPE=hosts` runs the tests that stop, kill, pause or
 /// start hosts of their own (registered `exclusive` or `own`) and those of the
-/// `faults::` and `partitions::` modules (the kit's faults and cut links), and leaves out
-/// the rest, saying so and how many. CI runs every test on one backend and this scope on
+/// [`HOST_MODULES`] (the kit's backends, faults, cut links and leftovers), and leaves
+/// out the rest, saying so and how many; a scope that selects no test fails the run. CI runs every test on one backend and this scope on
 /// the other: the tests left out run the same SQL against the same Postgres either way.
 /// Unset (or `all`) runs everything.
 pub const SCOPE_ENV: &str = "SHARDLINE_TEST_SCOPE";
+
+/// The modules whose every test [`SCOPE_ENV`]`=hosts` keeps: the kit's own backends and
+/// hosts (`cluster::`), faults, cut links, and servers left by a killed test process.
+pub const HOST_MODULES: [&str; 4] = ["cluster::", "faults::", "lifecycle::", "partitions::"];
 
 /// A test's time limit when [`TIMEOUT_ENV`] is unset: a hung test fails instead of
 /// holding CI until its own limit.
@@ -71,8 +75,7 @@ struct Case {
 impl Case {
     /// Whether [`SCOPE_ENV`]`=hosts` selects it.
     fn is_about_hosts(&self) -> bool {
-        self.sharing != Sharing::Shared
-            || ["faults::", "partitions::"].iter().any(|m| self.name.starts_with(m))
+        self.sharing != Sharing::Shared || HOST_MODULES.iter().any(|m| self.name.starts_with(m))
     }
 }
 
@@ -241,6 +244,10 @@ impl Harness {
         if scope {
             let all = cases.len();
             cases.retain(Case::is_about_hosts);
+            if cases.is_empty() && all > 0 {
+                eprintln!("shardline-testkit: {SCOPE_ENV}=hosts selected none of the {all} tests");
+                std::process::exit(101);
+            }
             eprintln!(
                 "shardline-testkit: {SCOPE_ENV}=hosts: {} of {all} tests selected (those that fault, cut or \
                  start hosts); the other {} are left out of this run",
@@ -506,6 +513,8 @@ mod tests {
         assert!(selected(case("moves::a_host_paused_inside_each_step", Sharing::Own)));
         assert!(selected(case("partitions::a_cut_link_to_one_host", Sharing::Shared)));
         assert!(selected(case("faults::anything", Sharing::Shared)));
+        assert!(selected(case("lifecycle::a_killed_test_process_leaves_no_server", Sharing::Shared)));
+        assert!(selected(case("cluster::backend_is_the_one_asked_for", Sharing::Shared)));
         assert!(!selected(case("repo::get_many_reads_each_shard_once", Sharing::Shared)));
         assert!(!selected(case("pooler::behind_pgbouncer", Sharing::Shared)));
     }

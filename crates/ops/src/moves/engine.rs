@@ -263,9 +263,11 @@ pub struct MoveOptions {
 
 /// The default [`MoveOptions::max_rate`], in bytes a second: 10 MB/s. The fastest cap
 /// that kept the p99 of writers to another shard of the source within 2× of its level
-/// with no move, in every run of `cargo bench -p shardline-tests --bench moves` with the
-/// hosts on cores of their own (`docs/benchmarks.md`, "Gentle on the source"; 20 MB/s
-/// missed once in three, the table-sync copy in every run).
+/// with no move, with margin, in every run of `cargo bench -p shardline-tests --bench
+/// moves` with the hosts on cores of their own (`docs/benchmarks.md`, "Gentle on the
+/// source": 1.33–1.41× in three runs; 20 MB/s missed once in three, 40 MB/s twice, the
+/// table-sync copy every time; uncapped met it three times, at 1.3–1.75×, but there the
+/// mover's one thread shared the target's core, which held its pace down).
 pub const DEFAULT_MAX_RATE: u64 = 10_000_000;
 
 impl Default for MoveOptions {
@@ -445,7 +447,7 @@ impl std::fmt::Display for MoveReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "moved shard {} ({}) {} -> {} (move {})\n  rows: {}\n  bytes: {}\n  copy: {} ms ({:.0} rows/s, {:.1} MB/s)\n  write pause: {} ms ({} row(s) rechecked inside it; {} ms comparing before it)",
+            "moved shard {} ({}) {} -> {} (move {})\n  rows: {}\n  bytes: {}\n  copy: {} ms ({:.0} rows/s, {:.1} MB/s of tables and indexes)\n  write pause: {} ms ({} row(s) rechecked inside it; {} ms comparing before it)",
             self.shard,
             self.schema,
             self.source,

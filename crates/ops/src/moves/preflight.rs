@@ -76,22 +76,11 @@ pub struct Preflight {
 impl Preflight {
     /// Adds a problem when a copy capped at `max_rate` bytes a second (none: uncapped,
     /// or the subscription's copy) would need longer than `copy_timeout` for the shard's
-    /// tables: such a move would copy for the whole timeout and then fail.
-    pub(crate) fn check_copy_time(&mut self, max_rate: Option<u64>, copy_timeout: std::time::Duration) {
-        let Some(rate) = max_rate.filter(|r| *r > 0) else { return };
-        #[expect(clippy::cast_precision_loss, reason = "an estimate of seconds from byte counts")]
-        let needs = self.table_bytes.max(0) as f64 / rate as f64;
-        if needs > copy_timeout.as_secs_f64() {
-            #[expect(clippy::cast_precision_loss, reason = "megabytes for a message")]
-            let (mb, rate_mb) = (self.table_bytes as f64 / 1e6, rate as f64 / 1e6);
-            self.problems.push(Problem {
-                host: Some(self.source.clone()),
-                check: "copy rate",
-                message: format!(
-                    "the shard's tables take {mb:.0} MB on disk: at --max-rate {rate_mb} MB/s, copying that much takes {needs:.0} s, more than the copy timeout ({} s); raise --max-rate (0: no cap) or use --subscription-copy",
-                    copy_timeout.as_secs()
-                ),
-            });
+    /// tables (see [`copy_time_problem`]). [`run`](super::run) checks this; a dry run
+    /// may, with the options it would move with.
+    pub fn check_copy_time(&mut self, max_rate: Option<u64>, copy_timeout: std::time::Duration) {
+        if let Some(message) = copy_time_problem(self.table_bytes, max_rate, copy_timeout) {
+            self.problems.push(Problem { host: Some(self.source.clone()), check: "copy rate", message });
         }
     }
 
@@ -130,6 +119,27 @@ impl Checks {
     fn add(&mut self, host: Option<&HostName>, check: &'static str, message: impl Into<String>) {
         self.problems.push(Problem { host: host.cloned(), check, message: message.into() });
     }
+}
+
+/// What is wrong when copying `table_bytes` at `max_rate` bytes a second (none or 0: no
+/// cap) needs longer than `copy_timeout`: such a copy would run for the whole timeout and
+/// then fail. The tables' size on disk is an estimate of what the copy reads (TOAST values
+/// are read decompressed; tuple headers and free space are not read).
+pub(crate) fn copy_time_problem(
+    table_bytes: i64,
+    max_rate: Option<u64>,
+    copy_timeout: std::time::Duration,
+) -> Option<String> {
+    let rate = max_rate.filter(|r| *r > 0)?;
+    #[expect(clippy::cast_precision_loss, reason = "an estimate of seconds and megabytes from byte counts")]
+    let (needs, mb, rate_mb) =
+        (table_bytes.max(0) as f64 / rate as f64, table_bytes.max(0) as f64 / 1e6, rate as f64 / 1e6);
+    (needs > copy_timeout.as_secs_f64()).then(|| {
+        format!(
+            "the shard's tables take {mb:.0} MB on disk: copying that much at {rate_mb} MB/s (the copy's cap, `--max-rate`) takes about {needs:.0} s, more than the copy timeout ({} s); raise --max-rate (0: no cap) or use --subscription-copy",
+            copy_timeout.as_secs()
+        )
+    })
 }
 
 pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -> Error {
@@ -511,8 +521,7 @@ mod tests {
         slow.check_copy_time(Some(10_000_000), hour);
         assert!(!slow.is_ok());
         let said = slow.problems[0].to_string();
-        for part in
-            ["pg1", "copy rate", "50000 MB", "--max-rate 10 MB/s", "5000 s", "3600 s", "--subscription-copy"]
+        for part in ["pg1", "copy rate", "50000 MB", "at 10 MB/s", "5000 s", "3600 s", "--subscription-copy"]
         {
             assert!(said.contains(part), "{part:?} in {said}");
         }

@@ -372,7 +372,8 @@ impl Mover<'_> {
                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
                                  AND a.attgenerated = '' ORDER BY a.attnum),
                         coalesce((SELECT bool_and(a.atttypid < 16384) FROM pg_attribute a
-                                   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), true)
+                                   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), true),
+                        pg_table_size(c.oid)
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE n.nspname = $1 AND c.relkind = 'r'
                   ORDER BY 2 DESC, 1",
@@ -380,6 +381,20 @@ impl Mover<'_> {
             )
             .await
             .map_err(on(&source, "list the shard's tables"))?;
+        // Every new copy, a resumed or restarted one too, is checked as `run` checks it.
+        let table_bytes = rows.iter().map(|r| r.get::<_, i64>(4)).sum();
+        if let Some(message) = crate::moves::preflight::copy_time_problem(
+            table_bytes,
+            self.options.max_rate,
+            self.options.copy_timeout,
+        ) {
+            return Err(Error::Host {
+                host: source.to_string(),
+                what: "copy the shard's rows".into(),
+                sqlstate: None,
+                message,
+            });
+        }
         let mut pieces = Vec::new();
         for r in rows {
             let (name, pages, columns, built_in): (String, i64, Vec<String>, bool) =
@@ -391,7 +406,7 @@ impl Mover<'_> {
                     what: "copy the shard's rows".into(),
                     sqlstate: None,
                     message: format!(
-                        "table {table} has no column to copy; move the shard without --max-rate"
+                        "table {table} has no column to copy; move the shard with --subscription-copy"
                     ),
                 });
             }
