@@ -3287,14 +3287,17 @@ async fn bulk(
     Ok(())
 }
 
-shardline_testkit::register!(shared: a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_front);
+shardline_testkit::register!(own: a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_front);
 /// A copy at `max_rate` that would need longer than `copy_timeout` for the shard's tables
 /// is refused by the pre-flight, naming the source and the way out, before anything is
-/// made or journaled; the same move with the subscription's copy goes ahead.
+/// made or journaled; the same move with the subscription's copy goes ahead. (Hosts of
+/// its own: with them shared, `repo::insert_many_is_one_statement_per_host` timed out in
+/// two full runs of three, its cause not found; see the session note of 2026-11-25.)
 pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_front(
-    ctx: TestContext,
+    _ctx: TestContext,
 ) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 6).await?;
+    let kit = shardline_testkit::Cluster::start(3).await?;
+    let f = Fixture::on_kit(&kit, "capped_copy", 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -3309,7 +3312,7 @@ pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_fron
         assert!(said.contains(part), "{part:?} in {said}");
     }
     assert!(moves::list(&config).await?.is_empty(), "a refused move is not journaled");
-    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, None, "nothing made on the target");
+    assert_eq!(counts(&f, &kit, 2, "shard_0002").await?, None, "nothing made on the target");
     // A move begun with the subscription's copy, stopped before it copied, then resumed
     // with that cap: the resumed copy is refused the same way before it starts, and the
     // move stays to resume another way.
@@ -3322,8 +3325,12 @@ pub(crate) async fn a_capped_copy_that_cannot_fit_its_timeout_is_refused_up_fron
         assert!(said.contains(part), "{part:?} in {said}");
     }
     assert_eq!(moves::list(&config).await?[0].state, State::Running);
+    let slots: i64 =
+        f.client(&kit, 1).await?.query_one("SELECT count(*) FROM pg_replication_slots", &[]).await?.get(0);
+    assert_eq!(slots, 0, "the refused copy made no slot on the source");
     moves::resume(&config, Some(crate::shard(2)), &table_sync).await?;
-    assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
+    assert_eq!(counts(&f, &kit, 2, "shard_0002").await?, Some([40, 40, 40]));
+    kit.shutdown().await?;
     Ok(())
 }
 

@@ -188,6 +188,9 @@ impl Mover<'_> {
             start_at = self.detail.rows_copied.as_ref().and_then(|r| r.lsn.clone());
             false
         } else {
+            if self.options.max_rate.is_some() {
+                self.check_copy_time().await?;
+            }
             let src = self.src().await?;
             // A slot the source gave up (`max_slot_wal_keep_size`, during a long copy
             // cut short) cannot serve a new copy: made again.

@@ -360,6 +360,39 @@ impl Mover<'_> {
 
     /// The copy's pieces, biggest tables first: each table of the shard's schema on the
     /// source, a big one in ranges of [`RANGE_PAGES`] pages.
+    /// Fails, naming the source, when the mover's copy at `max_rate` would need longer
+    /// than `copy_timeout` for the shard's tables: every new copy, a resumed or restarted
+    /// one too, is checked as [`run`](crate::moves::run)'s pre-flight checks it, before the
+    /// copy makes anything.
+    pub(super) async fn check_copy_time(&mut self) -> Result<()> {
+        let (source, schema) = (self.source.clone(), self.schema.clone());
+        let table_bytes: i64 = self
+            .src()
+            .await?
+            .query_one(
+                "SELECT coalesce(sum(pg_table_size(c.oid)), 0)::bigint
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'r'",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "read the size of the shard's tables"))?
+            .get(0);
+        match crate::moves::preflight::copy_time_problem(
+            table_bytes,
+            self.options.max_rate,
+            self.options.copy_timeout,
+        ) {
+            None => Ok(()),
+            Some(message) => Err(Error::Host {
+                host: source.to_string(),
+                what: "copy the shard's rows".into(),
+                sqlstate: None,
+                message,
+            }),
+        }
+    }
+
     async fn pieces(&mut self) -> Result<Vec<Piece>> {
         let (source, schema) = (self.source.clone(), self.schema.clone());
         let rows = self
@@ -372,8 +405,7 @@ impl Mover<'_> {
                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
                                  AND a.attgenerated = '' ORDER BY a.attnum),
                         coalesce((SELECT bool_and(a.atttypid < 16384) FROM pg_attribute a
-                                   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), true),
-                        pg_table_size(c.oid)
+                                   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), true)
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE n.nspname = $1 AND c.relkind = 'r'
                   ORDER BY 2 DESC, 1",
@@ -381,20 +413,6 @@ impl Mover<'_> {
             )
             .await
             .map_err(on(&source, "list the shard's tables"))?;
-        // Every new copy, a resumed or restarted one too, is checked as `run` checks it.
-        let table_bytes = rows.iter().map(|r| r.get::<_, i64>(4)).sum();
-        if let Some(message) = crate::moves::preflight::copy_time_problem(
-            table_bytes,
-            self.options.max_rate,
-            self.options.copy_timeout,
-        ) {
-            return Err(Error::Host {
-                host: source.to_string(),
-                what: "copy the shard's rows".into(),
-                sqlstate: None,
-                message,
-            });
-        }
         let mut pieces = Vec::new();
         for r in rows {
             let (name, pages, columns, built_in): (String, i64, Vec<String>, bool) =
