@@ -16,4 +16,9 @@ cd "$(dirname "$0")/.."
 minutes="${1:-2}"
 case "${minutes}" in ''|*[!0-9]*) echo "soak.sh: MINUTES must be a whole number, got ${minutes}" >&2; exit 2;; esac
 seconds=$(( minutes * 60 ))
+# SOAK_BIN: a soak binary already built (CI passes the one `cargo test --workspace` built,
+# which `cargo run -p shardline-tests` would build again with other features).
+if [ -n "${SOAK_BIN:-}" ]; then
+  exec "${SOAK_BIN}" "${seconds}" ${2:+"$2"}
+fi
 exec cargo run -q -p shardline-tests --bin soak --locked -- "${seconds}" ${2:+"$2"}

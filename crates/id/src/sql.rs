@@ -62,10 +62,12 @@
 //!   session stop trying, for [`CATCH_UP_RETRY_MS`] after the first such failure,
 //!   doubling with each failure in a row up to [`CATCH_UP_RETRY_MAX_MS`] (so an open
 //!   transaction that minted long ago does not stall every statement on the lock, and a
-//!   short stall costs a short lag). The values it mints while it waits do not push the
-//!   next attempt back: before issue 21's second round they did, so a session that kept
-//!   inserting after one failed catch-up never tried again, and a 32-session burst in CI
-//!   minted 1,888 of 5,760 IDs up to 1.2 s behind.
+//!   short stall costs a short lag). The next attempt falls on a multiple of the
+//!   backoff, so the sessions at the same step are due at the same moments and share
+//!   one attempt. The values minted meanwhile do not push it back: before issue 21's
+//!   second round they did, so a session that kept inserting after one failed catch-up
+//!   never tried again, and a 32-session burst in CI minted 1,888 of 5,760 IDs up to
+//!   1.2 s behind.
 //!
 //! So an ID is more than `max_lag_ms` behind its transaction's start only when the
 //! catch-up could not get the sequence's lock: another transaction that minted from the
@@ -79,9 +81,11 @@
 //!
 //! While a catch-up waits for the sequence's lock, new `nextval`s on the shard queue
 //! behind it. So a transaction that minted and stays open stalls the shard's inserts for
-//! up to [`CATCH_UP_LOCK_TIMEOUT_MS`] once per catch-up attempt (every `max_lag_ms / 2`
-//! under steady load; after failed ones, at most once per backoff, which doubles from
-//! [`CATCH_UP_RETRY_MS`] to [`CATCH_UP_RETRY_MAX_MS`] while they keep failing). The wait was 20 ms until the idle-burst test, run on the container backend
+//! up to [`CATCH_UP_LOCK_TIMEOUT_MS`] once per catch-up attempt: every `max_lag_ms / 2`
+//! under steady load; after failed ones, on the multiples of the backoff, which doubles
+//! from [`CATCH_UP_RETRY_MS`] to [`CATCH_UP_RETRY_MAX_MS`] while they keep failing (a
+//! session that has not failed yet, a new connection, tries at once). The wait was 20 ms
+//! until the idle-burst test, run on the container backend
 //! while two builds starved the containers of CPU, saw most catch-ups fail: 4,126 of
 //! 5,760 IDs of a 32-session burst more than 100 ms behind, the worst 2 s. At 200 ms the
 //! same run had 460–559 late, the worst 311–373 ms (observed, `SHARDLINE_TEST_BACKEND=
@@ -108,14 +112,17 @@ pub const CATCH_UP_WAIT_TIMEOUT_MS: i64 = 1000;
 /// low 32 bits are the sequence's OID): `SHLN` in ASCII.
 pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;
 
-/// After a catch-up could not get its lock, how long the session mints from the lagging
-/// sequence before it tries again, in ms. It doubles with each failure in a row, up to
-/// [`CATCH_UP_RETRY_MAX_MS`], and starts over after a fresh ID.
+/// After a catch-up the session made or waited for could not get its lock, how long it
+/// mints from the lagging sequence before it tries again, in ms (to the next multiple of
+/// this). It doubles with each failure in a row, up to [`CATCH_UP_RETRY_MAX_MS`], and
+/// starts over after a fresh ID.
 pub const CATCH_UP_RETRY_MS: i64 = 100;
 
-/// The longest a session waits between catch-up attempts that keep failing, in ms: with
-/// [`CATCH_UP_LOCK_TIMEOUT_MS`] per attempt, a transaction that minted and stays open
-/// stalls the shard's inserts for at most about a ninth of the time.
+/// The longest a session waits between catch-up attempts that keep failing, in ms. Once
+/// a shard's sessions are all at this step, their attempts fall on the same multiples
+/// of it: a transaction that minted and stays open stalls the shard's inserts for
+/// [`CATCH_UP_LOCK_TIMEOUT_MS`] in every 1.6 s, an eighth of the time (more while the
+/// backoff grows, and for each session that has not failed yet).
 pub const CATCH_UP_RETRY_MAX_MS: i64 = 1600;
 
 /// The largest `n` one `reserve_ids(n)` call hands out.
@@ -206,11 +213,14 @@ BEGIN
                 catch_up_lag bigint := lag / 2;
                 target bigint;
                 last bigint := read;
-                -- '<ms>:<backoff>': no attempt before <ms>; <backoff> is the last wait
-                -- between attempts, doubled at each failure in a row.
-                retry text := coalesce(current_setting('shardline.catch_up_retry_' || tag, true), '');
-                retry_at bigint := nullif(split_part(retry, ':', 1), '')::bigint;
-                backoff bigint := nullif(split_part(retry, ':', 2), '')::bigint;
+                -- No attempt before this (ms since the Unix epoch); and the last wait
+                -- between attempts, doubled at each failure in a row. Read only when
+                -- they are what this function writes (a hand-made SET is ignored).
+                retry text := current_setting('shardline.catch_up_retry_' || tag, true);
+                retry_at bigint := CASE WHEN retry ~ '^[0-9]{{1,15}}$' THEN retry::bigint END;
+                backoff_text text := current_setting('shardline.catch_up_backoff_' || tag, true);
+                backoff bigint := CASE WHEN backoff_text ~ '^[0-9]{{1,15}}$' THEN backoff_text::bigint END;
+                clock_ms bigint;
                 attempted boolean := false;
                 -- Set (transaction-local) once this transaction took a value here: it then
                 -- holds nextval's ROW EXCLUSIVE lock, so it must not wait for a catch-up or
@@ -274,11 +284,22 @@ BEGIN
                     -- sequence for a while rather than stall every statement on the
                     -- sequence's lock. Only an attempt sets the time of the next one:
                     -- the values minted meanwhile do not push it back.
+                    -- The next attempt falls on the clock's next multiple of the backoff:
+                    -- every session at the same step (100 ms doubled) is due at the same
+                    -- moments, and those due together share one attempt (the others wait
+                    -- for it), so the sessions of a shard stall it once per backoff, not
+                    -- once each. The clock, not now(): the attempt itself took a while.
                     backoff := least(greatest(coalesce(backoff * 2, 0), {retry_ms}), {retry_max_ms});
-                    PERFORM set_config('shardline.catch_up_retry_' || tag, (now_ms + backoff)::text || ':' || backoff::text, false);
-                ELSIF retry <> '' AND (v >> seq_bits) >= now_ticks - lag THEN
-                    -- Fresh again: the next failure starts the backoff over.
-                    PERFORM set_config('shardline.catch_up_retry_' || tag, '', false);
+                    clock_ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint + clock_offset;
+                    PERFORM set_config('shardline.catch_up_retry_' || tag, ((clock_ms / backoff + 1) * backoff)::text, false);
+                    PERFORM set_config('shardline.catch_up_backoff_' || tag, backoff::text, false);
+                ELSIF backoff IS NOT NULL THEN
+                    -- Fresh again, by the clock (a long transaction's now() would call a
+                    -- lagging value fresh): the next failure starts the backoff over.
+                    clock_ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint + clock_offset;
+                    IF (v >> seq_bits) >= clock_ms - epoch - lag THEN
+                        PERFORM set_config('shardline.catch_up_backoff_' || tag, '', false);
+                    END IF;
                 END IF;
                 -- A lease: while this session's clock (now()) is at most this, any later
                 -- nextval (> v) is at most lag ms behind it, so next_id() need not look.
