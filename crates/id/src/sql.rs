@@ -63,8 +63,9 @@
 //!   doubling with each failure in a row up to [`CATCH_UP_RETRY_MAX_MS`] (so an open
 //!   transaction that minted long ago does not stall every statement on the lock, and a
 //!   short stall costs a short lag). The next attempt falls on a multiple of the
-//!   backoff, so the sessions at the same step are due at the same moments and share
-//!   one attempt. The values minted meanwhile do not push it back: before issue 21's
+//!   backoff, so the sessions at the same step are due at the same moments, and those
+//!   that call during an attempt share it (one that calls after it ended makes its own:
+//!   the due time is the session's, not the shard's). The values minted meanwhile do not push it back: before issue 21's
 //!   second round they did, so a session that kept inserting after one failed catch-up
 //!   never tried again, and a 32-session burst in CI minted 1,888 of 5,760 IDs up to
 //!   1.2 s behind.
@@ -120,9 +121,11 @@ pub const CATCH_UP_RETRY_MS: i64 = 100;
 
 /// The longest a session waits between catch-up attempts that keep failing, in ms. Once
 /// a shard's sessions are all at this step, their attempts fall on the same multiples
-/// of it: a transaction that minted and stays open stalls the shard's inserts for
-/// [`CATCH_UP_LOCK_TIMEOUT_MS`] in every 1.6 s, an eighth of the time (more while the
-/// backoff grows, and for each session that has not failed yet).
+/// of it: with sessions that mint more often than every 200 ms, a transaction that
+/// minted and stays open stalls the shard's inserts for [`CATCH_UP_LOCK_TIMEOUT_MS`] in
+/// every 1.6 s, an eighth of the time (more while the backoff grows, for each session
+/// that has not failed yet, and for each session that calls only after the attempt it
+/// was due for ended).
 pub const CATCH_UP_RETRY_MAX_MS: i64 = 1600;
 
 /// The largest `n` one `reserve_ids(n)` call hands out.
@@ -215,7 +218,8 @@ BEGIN
                 last bigint := read;
                 -- No attempt before this (ms since the Unix epoch); and the last wait
                 -- between attempts, doubled at each failure in a row. Read only when
-                -- they are what this function writes (a hand-made SET is ignored).
+                -- they have the shape this function writes (a hand-made SET of another
+                -- shape is ignored).
                 retry text := current_setting('shardline.catch_up_retry_' || tag, true);
                 retry_at bigint := CASE WHEN retry ~ '^[0-9]{{1,15}}$' THEN retry::bigint END;
                 backoff_text text := current_setting('shardline.catch_up_backoff_' || tag, true);
@@ -294,10 +298,11 @@ BEGIN
                     PERFORM set_config('shardline.catch_up_retry_' || tag, ((clock_ms / backoff + 1) * backoff)::text, false);
                     PERFORM set_config('shardline.catch_up_backoff_' || tag, backoff::text, false);
                 ELSIF backoff IS NOT NULL THEN
-                    -- Fresh again, by the clock (a long transaction's now() would call a
-                    -- lagging value fresh): the next failure starts the backoff over.
+                    -- Fresh again after an attempt, or by the clock (a long transaction's
+                    -- now() would call a lagging value fresh): the next failure starts the
+                    -- backoff over.
                     clock_ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint + clock_offset;
-                    IF (v >> seq_bits) >= clock_ms - epoch - lag THEN
+                    IF attempted OR (v >> seq_bits) >= clock_ms - epoch - lag THEN
                         PERFORM set_config('shardline.catch_up_backoff_' || tag, '', false);
                     END IF;
                 END IF;
