@@ -1001,7 +1001,7 @@ pub(crate) async fn shards_installed_beside_each_other_do_not_wait_for_the_first
         let made: i64 = c
             .query_one(
                 "SELECT count(*) FROM pg_proc WHERE oid = to_regprocedure(
-                   'shardline_minter.catch_up_v2(regclass, bigint, text, integer, integer, bigint, bigint, bigint, bigint)')",
+                   'shardline_minter.catch_up_v3(regclass, regclass, bigint, bigint, text, integer, integer, bigint, bigint, bigint, bigint)')",
                 &[],
             )
             .await?
@@ -1013,7 +1013,7 @@ pub(crate) async fn shards_installed_beside_each_other_do_not_wait_for_the_first
 
 shardline_testkit::register!(shared: a_shared_catch_up_planted_by_another_role_is_refused);
 /// A role that may create schemas in the database (its owner, say) makes schema
-/// `shardline_minter` and a `catch_up_v2` of its own before `init`. Each shard's
+/// `shardline_minter` and a `catch_up_v3` of its own before `init`. Each shard's
 /// `SECURITY DEFINER` wrapper would run that function with its owner's rights, so the
 /// install refuses it (SQLSTATE 42501), naming the schema, and makes no shard there.
 pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: TestContext) -> TestResult {
@@ -1025,8 +1025,9 @@ pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: Te
             "CREATE ROLE {role} NOLOGIN; GRANT CREATE ON DATABASE {db} TO {role};
              SET ROLE {role};
              CREATE SCHEMA shardline_minter;
-             CREATE FUNCTION shardline_minter.catch_up_v2(seq regclass, read bigint, tag text, shard integer,
-                 seq_bits integer, epoch bigint, clock_offset bigint, lag bigint, last_ticks bigint)
+             CREATE FUNCTION shardline_minter.catch_up_v3(seq regclass, due_seq regclass, read bigint, due bigint,
+                 tag text, shard integer, seq_bits integer, epoch bigint, clock_offset bigint, lag bigint,
+                 last_ticks bigint)
                  RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
              RESET ROLE",
             db = f.db()
@@ -1052,8 +1053,9 @@ pub(crate) async fn a_shared_catch_up_planted_by_another_role_is_refused(ctx: Te
         .batch_execute(&format!(
             "GRANT CREATE ON SCHEMA shardline_minter TO {role};
              SET ROLE {role};
-             CREATE FUNCTION shardline_minter.catch_up_v2(seq regclass, read bigint, tag text, shard integer,
-                 seq_bits integer, epoch bigint, clock_offset integer, lag integer, last_ticks bigint)
+             CREATE FUNCTION shardline_minter.catch_up_v3(seq regclass, due_seq regclass, read bigint, due bigint,
+                 tag text, shard integer, seq_bits integer, epoch bigint, clock_offset integer, lag integer,
+                 last_ticks bigint)
                  RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
              RESET ROLE"
         ))

@@ -1548,12 +1548,12 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     .await
     .unwrap_err();
     let max: i64 = pg2
-        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%'", &[])
+        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%' AND sequencename = 'shardline_id_seq'", &[])
         .await?
         .get(0);
     let last: i64 = pg2
         .query_one(
-            "SELECT last_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%'",
+            "SELECT last_value FROM pg_sequences WHERE schemaname LIKE 'shard\\_0000\\_moved\\_%' AND sequencename = 'shardline_id_seq'",
             &[],
         )
         .await?
@@ -1561,7 +1561,7 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     assert_eq!(max, last, "fenced: capped at its last value");
     assert!(moves::abort(&config, crate::shard(0)).await?.unfenced);
     let max: i64 = pg2
-        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname = 'shard_0000'", &[])
+        .query_one("SELECT max_value FROM pg_sequences WHERE schemaname = 'shard_0000' AND sequencename = 'shardline_id_seq'", &[])
         .await?
         .get(0);
     assert_eq!(max, layout.max_sequence_value());

@@ -58,17 +58,18 @@
 //!   one, it mints from the sequence as it is.
 //! - **Giving way.** A catch-up that gives way while the lag is under half the bound
 //!   costs nothing (the value is still within it), and the next slow path tries again.
-//!   Only when a catch-up it made or waited for left the value beyond the bound does the
-//!   session stop trying, for [`CATCH_UP_RETRY_MS`] after the first such failure,
-//!   doubling with each failure in a row up to [`CATCH_UP_RETRY_MAX_MS`] (so an open
-//!   transaction that minted long ago does not stall every statement on the lock, and a
-//!   short stall costs a short lag). The next attempt falls on a multiple of the
-//!   backoff, so the sessions at the same step are due at the same moments, and those
-//!   that call during an attempt share it (one that calls after it ended makes its own:
-//!   the due time is the session's, not the shard's). The values minted meanwhile do not push it back: before issue 21's
-//!   second round they did, so a session that kept inserting after one failed catch-up
-//!   never tried again, and a 32-session burst in CI minted 1,888 of 5,760 IDs up to
-//!   1.2 s behind.
+//!   Only when a catch-up a session made or waited for left its value beyond the bound
+//!   does the shard stop trying: until the clock's next multiple of
+//!   [`CATCH_UP_RETRY_MS`] after the first such failure, doubling with each failure in a
+//!   row up to [`CATCH_UP_RETRY_MAX_MS`] (so an open transaction that minted long ago
+//!   does not stall every statement on the lock, and a short stall costs a short lag).
+//!   That state is the shard's, in its own small sequence (`shardline_catch_up_due`, set
+//!   with `setval`: no lock anyone waits for, and kept when a transaction aborts), so
+//!   one failed attempt holds off every session of the shard, and a success resets it.
+//!   The values minted meanwhile do not push the next attempt back: before issue 21's
+//!   second round they did (the state was then each session's), so a session that kept
+//!   inserting after one failed catch-up never tried again, and a 32-session burst in CI
+//!   minted 1,888 of 5,760 IDs up to 1.2 s behind.
 //!
 //! So an ID is more than `max_lag_ms` behind its transaction's start only when the
 //! catch-up could not get the sequence's lock: another transaction that minted from the
@@ -119,13 +120,10 @@ pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;
 /// starts over after a fresh ID.
 pub const CATCH_UP_RETRY_MS: i64 = 100;
 
-/// The longest a session waits between catch-up attempts that keep failing, in ms. Once
-/// a shard's sessions are all at this step, their attempts fall on the same multiples
-/// of it: with sessions that mint more often than every 200 ms, a transaction that
-/// minted and stays open stalls the shard's inserts for [`CATCH_UP_LOCK_TIMEOUT_MS`] in
-/// every 1.6 s, an eighth of the time (more while the backoff grows, for each session
-/// that has not failed yet, and for each session that calls only after the attempt it
-/// was due for ended).
+/// The longest a shard waits between catch-up attempts that keep failing, in ms: then a
+/// transaction that minted and stays open stalls the shard's inserts for
+/// [`CATCH_UP_LOCK_TIMEOUT_MS`] in every 1.6 s, an eighth of the time (more while the
+/// backoff grows).
 pub const CATCH_UP_RETRY_MAX_MS: i64 = 1600;
 
 /// The largest `n` one `reserve_ids(n)` call hands out.
@@ -138,10 +136,11 @@ pub const SHARED_SCHEMA: &str = "shardline_minter";
 /// (versioned: a change gets a new name, so installs never replace it under a running
 /// one). Each schema's `shardline_catch_up()` calls it with the schema's sequence and
 /// constants.
-pub const CATCH_UP_FUNCTION: &str = "shardline_minter.catch_up_v2";
+pub const CATCH_UP_FUNCTION: &str = "shardline_minter.catch_up_v3";
 
 /// `CATCH_UP_FUNCTION`'s argument types, as `to_regprocedure` wants them.
-const CATCH_UP_ARGS: &str = "regclass, bigint, text, integer, integer, bigint, bigint, bigint, bigint";
+const CATCH_UP_ARGS: &str =
+    "regclass, regclass, bigint, bigint, text, integer, integer, bigint, bigint, bigint, bigint";
 
 /// The SQL that makes the minter's shared parts in a database when they are missing:
 /// the schema [`SHARED_SCHEMA`] (usable by every role) and the catch-up
@@ -204,8 +203,12 @@ BEGIN
             -- pg_sequence_last_value() would take nextval's ROW EXCLUSIVE lock for the
             -- rest of the transaction, and a session waiting below for another's
             -- catch-up must not hold it: that catch-up waits for every holder.
-            CREATE FUNCTION {catch_up_fn}(seq regclass, read bigint, tag text, shard integer,
-                seq_bits integer, epoch bigint, clock_offset bigint, lag bigint, last_ticks bigint)
+            -- `due` is the shard's catch-up state as the caller read it from `due_seq`
+            -- (the same way): 0, or (the clock's ms before which no session of the
+            -- shard tries again) * 8 + the backoff's step (1 to 5).
+            CREATE FUNCTION {catch_up_fn}(seq regclass, due_seq regclass, read bigint, due bigint,
+                tag text, shard integer, seq_bits integer, epoch bigint, clock_offset bigint,
+                lag bigint, last_ticks bigint)
                 RETURNS bigint
             LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $fn$
             DECLARE
@@ -216,14 +219,11 @@ BEGIN
                 catch_up_lag bigint := lag / 2;
                 target bigint;
                 last bigint := read;
-                -- No attempt before this (ms since the Unix epoch); and the last wait
-                -- between attempts, doubled at each failure in a row. Read only when
-                -- they have the shape this function writes (a hand-made SET of another
-                -- shape is ignored).
-                retry text := current_setting('shardline.catch_up_retry_' || tag, true);
-                retry_at bigint := CASE WHEN retry ~ '^[0-9]{{1,15}}$' THEN retry::bigint END;
-                backoff_text text := current_setting('shardline.catch_up_backoff_' || tag, true);
-                backoff bigint := CASE WHEN backoff_text ~ '^[0-9]{{1,15}}$' THEN backoff_text::bigint END;
+                -- The backoff's step (0: none; k: {retry_ms} ms doubled k - 1 times), and
+                -- the clock's ms before which no session of the shard tries again.
+                step integer := CASE WHEN due > 0 THEN (due % 8)::integer ELSE 0 END;
+                retry_at bigint := CASE WHEN due > 0 AND due % 8 > 0 THEN due / 8 END;
+                backoff bigint;
                 clock_ms bigint;
                 attempted boolean := false;
                 -- Set (transaction-local) once this transaction took a value here: it then
@@ -288,22 +288,22 @@ BEGIN
                     -- sequence for a while rather than stall every statement on the
                     -- sequence's lock. Only an attempt sets the time of the next one:
                     -- the values minted meanwhile do not push it back.
-                    -- The next attempt falls on the clock's next multiple of the backoff:
-                    -- every session at the same step (100 ms doubled) is due at the same
-                    -- moments, and those due together share one attempt (the others wait
-                    -- for it), so the sessions of a shard stall it once per backoff, not
-                    -- once each. The clock, not now(): the attempt itself took a while.
-                    backoff := least(greatest(coalesce(backoff * 2, 0), {retry_ms}), {retry_max_ms});
+                    -- The next attempt falls on the clock's next multiple of the backoff
+                    -- (the clock, not now(): the attempt itself took a while). The due
+                    -- time is the shard's (its own small sequence, set with setval: no
+                    -- lock anyone waits for, and kept when this transaction aborts), so
+                    -- every session of the shard waits for it: one stall per backoff.
+                    step := least(step + 1, {max_step});
+                    backoff := ({retry_ms}::bigint) << (step - 1);
                     clock_ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint + clock_offset;
-                    PERFORM set_config('shardline.catch_up_retry_' || tag, ((clock_ms / backoff + 1) * backoff)::text, false);
-                    PERFORM set_config('shardline.catch_up_backoff_' || tag, backoff::text, false);
-                ELSIF backoff IS NOT NULL THEN
+                    PERFORM setval(due_seq, ((clock_ms / backoff + 1) * backoff) * 8 + step);
+                ELSIF step > 0 THEN
                     -- Fresh again after an attempt, or by the clock (a long transaction's
                     -- now() would call a lagging value fresh): the next failure starts the
                     -- backoff over.
                     clock_ms := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint + clock_offset;
                     IF attempted OR (v >> seq_bits) >= clock_ms - epoch - lag THEN
-                        PERFORM set_config('shardline.catch_up_backoff_' || tag, '', false);
+                        PERFORM setval(due_seq, 0);
                     END IF;
                 END IF;
                 -- A lease: while this session's clock (now()) is at most this, any later
@@ -356,7 +356,7 @@ $shardline_minter$;"#,
         wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
         lock_class = ADVISORY_LOCK_CLASS,
         retry_ms = CATCH_UP_RETRY_MS,
-        retry_max_ms = CATCH_UP_RETRY_MAX_MS,
+        max_step = CATCH_UP_RETRY_MAX_MS.div_euclid(CATCH_UP_RETRY_MS).ilog2() + 1,
     )
 }
 
@@ -423,6 +423,14 @@ impl ShardSql {
         format!("\"{}\".shardline_id_seq", self.schema)
     }
 
+    /// The shard's catch-up state, schema-qualified and quoted: a sequence set with
+    /// `setval` after a catch-up failed (when the shard's sessions may try again, and the
+    /// backoff's step) and back to 0 after one succeeded. Not part of the shard's data: a
+    /// move does not carry it.
+    pub fn due_sequence(&self) -> String {
+        format!("{}.shardline_catch_up_due", self.quoted_schema())
+    }
+
     /// The statements that install (or update) the minter in the schema, which must
     /// exist. Idempotent: run it again to change the layout's options; the sequence is
     /// only ever moved forward. It begins with [`host_install`]: the catch-up shared by
@@ -435,6 +443,7 @@ impl ShardSql {
     pub fn install(&self) -> String {
         let s = self.quoted_schema();
         let seq = self.sequence();
+        let due_seq = self.due_sequence();
         let l = self.layout;
         let (epoch, seq_bits, ts_shift) = (l.epoch_ms(), l.sequence_bits(), l.timestamp_shift());
         let (max_seq, shard_part) = (l.max_sequence(), i64::from(self.shard) << l.shard_shift());
@@ -456,6 +465,8 @@ impl ShardSql {
         let slow_compose = compose("v");
         format!(
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
+CREATE SEQUENCE IF NOT EXISTS {due_seq} AS bigint MINVALUE 0 START 0 CACHE 1 NO CYCLE;
+COMMENT ON SEQUENCE {due_seq} IS 'shardline: when the shard''s sessions may next try to catch its id sequence up, after failed tries (0: now); not part of the shard''s data';
 COMMENT ON SEQUENCE {seq} IS 'shardline id sequence: (ms since epoch << {seq_bits}) | counter; layout {ts}/{sb}/{seq_bits}, epoch {epoch} ms, shard {shard}';
 
 {host_part}
@@ -464,12 +475,14 @@ CREATE OR REPLACE FUNCTION {s}.shardline_catch_up() RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     v bigint;
+    due bigint;
 BEGIN
-    -- A plain read (ACCESS SHARE: waits for no one, blocks no one).
-    SELECT s.last_value INTO v FROM {seq} AS s;
+    -- Plain reads (ACCESS SHARE: wait for no one, block no one).
+    SELECT s.last_value, d.last_value INTO v, due FROM {seq} AS s, {due_seq} AS d;
     -- Every argument typed: the call resolves to exactly the function's signature.
-    v := {catch_up_fn}('{seq}'::regclass, v, '{tag}'::text, {shard}::integer, {seq_bits}::integer,
-        ({epoch})::bigint, ({offset})::bigint, ({lag})::bigint, ({last_ticks})::bigint);
+    v := {catch_up_fn}('{seq}'::regclass, '{due_seq}'::regclass, v, due, '{tag}'::text,
+        {shard}::integer, {seq_bits}::integer, ({epoch})::bigint, ({offset})::bigint,
+        ({lag})::bigint, ({last_ticks})::bigint);
     RETURN {slow_compose};
 END
 $fn$;
