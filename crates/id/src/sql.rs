@@ -5,14 +5,16 @@
 //! - `shardline_id_seq`, the shard's sequence. Its value is
 //!   `(ms since epoch << sequence_bits) | counter`: one `nextval` carries both the time
 //!   and the sequence fields, never repeats and never goes back.
+//! - `shardline_catch_up_due`, the shard's catch-up backoff (below): not data, and not
+//!   granted to application roles.
 //! - `next_id()`, for `DEFAULT next_id()`: a PL/pgSQL function of one expression (the
 //!   planner sees one function call; its plan is cached per session). When this session
 //!   holds a lease (below) valid at the transaction's start (`now()`), it takes `nextval`
 //!   and composes the ID; otherwise it calls `shardline_catch_up()`.
 //! - `shardline_catch_up()`: the slow path. It catches the sequence up to the
 //!   transaction's start when it lags, only forward, while no other transaction can take
-//!   a value (see below), mints, and grants the session a lease. It reads the sequence
-//!   and calls [`CATCH_UP_FUNCTION`], made once per database by [`host_install`] (part of
+//!   a value (see below), mints, and grants the session a lease. It reads the two
+//!   sequences and calls [`CATCH_UP_FUNCTION`], made once per database by [`host_install`] (part of
 //!   the install), which does the work for every schema: a session compiles and plans
 //!   it once, not once per schema it inserts into.
 //! - `id_parts(bigint)`: the decoder, `(unix_ms, shard, sequence)`.
@@ -64,7 +66,8 @@
 //!   row up to [`CATCH_UP_RETRY_MAX_MS`] (so an open transaction that minted long ago
 //!   does not stall every statement on the lock, and a short stall costs a short lag).
 //!   That state is the shard's, in its own small sequence (`shardline_catch_up_due`, set
-//!   with `setval`: no lock anyone waits for, and kept when a transaction aborts), so
+//!   with `setval`: no lock that another `setval` or a reader waits for, and kept when a
+//!   transaction aborts), so
 //!   one failed attempt holds off every session of the shard, and a success resets it.
 //!   The values minted meanwhile do not push the next attempt back: before issue 21's
 //!   second round they did (the state was then each session's), so a session that kept
@@ -85,8 +88,8 @@
 //! behind it. So a transaction that minted and stays open stalls the shard's inserts for
 //! up to [`CATCH_UP_LOCK_TIMEOUT_MS`] once per catch-up attempt: every `max_lag_ms / 2`
 //! under steady load; after failed ones, on the multiples of the backoff, which doubles
-//! from [`CATCH_UP_RETRY_MS`] to [`CATCH_UP_RETRY_MAX_MS`] while they keep failing (a
-//! session that has not failed yet, a new connection, tries at once). The wait was 20 ms
+//! from [`CATCH_UP_RETRY_MS`] to [`CATCH_UP_RETRY_MAX_MS`] while they keep failing,
+//! for every session of the shard. The wait was 20 ms
 //! until the idle-burst test, run on the container backend
 //! while two builds starved the containers of CPU, saw most catch-ups fail: 4,126 of
 //! 5,760 IDs of a 32-session burst more than 100 ms behind, the worst 2 s. At 200 ms the
@@ -114,9 +117,9 @@ pub const CATCH_UP_WAIT_TIMEOUT_MS: i64 = 1000;
 /// low 32 bits are the sequence's OID): `SHLN` in ASCII.
 pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;
 
-/// After a catch-up the session made or waited for could not get its lock, how long it
-/// mints from the lagging sequence before it tries again, in ms (to the next multiple of
-/// this). It doubles with each failure in a row, up to [`CATCH_UP_RETRY_MAX_MS`], and
+/// After a catch-up a session made or waited for could not get its lock, how long the
+/// shard's sessions mint from the lagging sequence before one tries again, in ms (to the
+/// clock's next multiple of this). It doubles with each failure in a row, up to [`CATCH_UP_RETRY_MAX_MS`], and
 /// starts over after a fresh ID.
 pub const CATCH_UP_RETRY_MS: i64 = 100;
 
@@ -125,6 +128,16 @@ pub const CATCH_UP_RETRY_MS: i64 = 100;
 /// [`CATCH_UP_LOCK_TIMEOUT_MS`] in every 1.6 s, an eighth of the time (more while the
 /// backoff grows).
 pub const CATCH_UP_RETRY_MAX_MS: i64 = 1600;
+
+/// The backoff's last step: [`CATCH_UP_RETRY_MS`] doubled `CATCH_UP_MAX_STEP - 1` times
+/// is [`CATCH_UP_RETRY_MAX_MS`]. The step is kept in the due sequence's 3 low bits.
+const CATCH_UP_MAX_STEP: u32 = (CATCH_UP_RETRY_MAX_MS / CATCH_UP_RETRY_MS).ilog2() + 1;
+const _: () = assert!(
+    CATCH_UP_RETRY_MS > 0
+        && CATCH_UP_RETRY_MS << (CATCH_UP_MAX_STEP - 1) == CATCH_UP_RETRY_MAX_MS
+        && CATCH_UP_MAX_STEP <= 7,
+    "the catch-up's backoff doubles from CATCH_UP_RETRY_MS to CATCH_UP_RETRY_MAX_MS in at most 7 steps"
+);
 
 /// The largest `n` one `reserve_ids(n)` call hands out.
 pub const MAX_RESERVE: i32 = 1_000_000;
@@ -222,7 +235,10 @@ BEGIN
                 -- The backoff's step (0: none; k: {retry_ms} ms doubled k - 1 times), and
                 -- the clock's ms before which no session of the shard tries again.
                 step integer := CASE WHEN due > 0 THEN (due % 8)::integer ELSE 0 END;
-                retry_at bigint := CASE WHEN due > 0 AND due % 8 > 0 THEN due / 8 END;
+                -- A due time further off than the longest backoff (plus the attempt)
+                -- was not set here: ignored.
+                retry_at bigint := CASE WHEN due > 0 AND due % 8 > 0 AND due / 8 <= now_ms + {retry_max_ms} + {lock_timeout}
+                    THEN due / 8 END;
                 backoff bigint;
                 clock_ms bigint;
                 attempted boolean := false;
@@ -356,7 +372,8 @@ $shardline_minter$;"#,
         wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
         lock_class = ADVISORY_LOCK_CLASS,
         retry_ms = CATCH_UP_RETRY_MS,
-        max_step = CATCH_UP_RETRY_MAX_MS.div_euclid(CATCH_UP_RETRY_MS).ilog2() + 1,
+        retry_max_ms = CATCH_UP_RETRY_MAX_MS,
+        max_step = CATCH_UP_MAX_STEP,
     )
 }
 

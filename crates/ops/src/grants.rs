@@ -41,7 +41,9 @@ pub const CATALOG_TABLES: [&str; 4] = ["cluster", "hosts", "shards", "moves"];
 /// shard schema `schema`, and nothing else: `USAGE` on the schema; `SELECT, INSERT,
 /// UPDATE, DELETE` on every table; `USAGE, SELECT` on every sequence (`nextval` needs
 /// `USAGE`; the minter's catch-up is `SECURITY DEFINER`, so it moves the sequence as its
-/// owner and the role needs no `UPDATE`); `EXECUTE` on every routine (the minter's
+/// owner and the role needs no `UPDATE`), but none on the minter's
+/// `shardline_catch_up_due` (its catch-up backoff: a role that could take values from it
+/// could hold off every session's catch-up); `EXECUTE` on every routine (the minter's
 /// `next_id`, `shardline_catch_up`, `reserve_ids`, `id_parts`, and any a migration
 /// makes). Empty when `roles` is.
 ///
@@ -57,6 +59,7 @@ pub fn shard_grants(schema: &SchemaName, roles: &[RoleName]) -> String {
         "GRANT USAGE ON SCHEMA {s} TO {to};
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {to};
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {s} TO {to};
+REVOKE ALL ON SEQUENCE {s}.shardline_catch_up_due FROM {to};
 GRANT EXECUTE ON ALL ROUTINES IN SCHEMA {s} TO {to}"
     )
 }
@@ -418,6 +421,7 @@ mod tests {
             "GRANT USAGE ON SCHEMA \"shard_0007\" TO \"app\", \"web\";
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"shard_0007\" TO \"app\", \"web\";
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA \"shard_0007\" TO \"app\", \"web\";
+REVOKE ALL ON SEQUENCE \"shard_0007\".shardline_catch_up_due FROM \"app\", \"web\";
 GRANT EXECUTE ON ALL ROUTINES IN SCHEMA \"shard_0007\" TO \"app\", \"web\""
         );
         assert_eq!(shard_grants(&schema(), &[]), "");
