@@ -217,6 +217,75 @@ pub(crate) async fn a_failed_statement_of_a_fan_out_names_its_shards_only(ctx: T
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_page_whose_newest_rows_crowd_into_one_statement_is_whole);
+/// A fan-out first asks each statement for a short prefix of its newest rows (its share
+/// of the page, doubled, plus 16), then asks again only the statements whose prefix
+/// may hold more of the page. Here one user's shard holds the 300 newest rows: its
+/// statement's prefix (33 of a page of 50, 100 of a page of 250, 30 of a page of 40)
+/// cannot hold them, and the page must still be exactly the newest rows, in order, with
+/// nothing twice, in windows and in a listing walked to its end; with and without kept
+/// statements.
+pub(crate) async fn a_page_whose_newest_rows_crowd_into_one_statement_is_whole(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 12).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let start = SystemTime::now() - Duration::from_secs(1);
+    let photo = |u: i64, i: i64| NewPhoto {
+        user_id: u,
+        url: format!("https://cdn/{u}/{i}.jpg"),
+        caption: String::new(),
+    };
+    let mut all: Vec<Id> = Vec::new();
+    {
+        let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+        let photos = cluster.repo::<Photo>()?;
+        let others: Vec<NewPhoto> = (100..140).flat_map(|u| [photo(u, 0), photo(u, 1)]).collect();
+        all.extend(photos.insert_many(&others).await?.iter().map(|p| p.id));
+        // Later than every other row by more than an ID's lag (docs/ids.md).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let hot: Vec<NewPhoto> = (0..300).map(|i| photo(7, i)).collect();
+        let made = photos.insert_many(&hot).await?;
+        let oldest_hot = made.iter().map(|p| p.id).min();
+        assert!(all.iter().all(|id| Some(*id) < oldest_hot), "the hot user's rows are the newest");
+        all.extend(made.iter().map(|p| p.id));
+    }
+    let end = SystemTime::now() + Duration::from_secs(1);
+    all.sort_unstable_by(|a, b| b.cmp(a));
+    for cache in [0, 64] {
+        let o = ClusterOptions {
+            fan_out_batch: 2,
+            statement_cache: cache,
+            listen: false,
+            ..ClusterOptions::default()
+        };
+        let cluster = Cluster::connect(&f.config()?, o).await?;
+        let photos = cluster.repo::<Photo>()?;
+        // A page of 250 asks each statement for 100 first: two rounds of that would not
+        // be enough.
+        for limit in [1, 20, 50, 90, 250, 299, 300, 301, 379, 380, 1000] {
+            let page = photos.created_between(start, end, limit).await?;
+            assert!(page.is_complete(), "{:?}", page.missing);
+            let got: Vec<Id> = page.rows.iter().map(|p| p.id).collect();
+            assert_eq!(got, all[..limit.min(all.len())], "statement_cache {cache}, limit {limit}");
+        }
+        // Pages of 40 down the whole listing, each from the last one's cursor.
+        let (mut seen, mut before) = (Vec::new(), None);
+        loop {
+            let page = photos.newest(before, 40).await?;
+            assert!(page.is_complete(), "{:?}", page.missing);
+            seen.extend(page.rows.iter().map(|p| p.id));
+            match page.next {
+                Some(next) => before = Some(next),
+                None => break,
+            }
+            assert!(seen.len() <= all.len(), "the listing ends");
+        }
+        assert_eq!(seen, all, "statement_cache {cache}: every row once, newest first");
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: generic_plans_plan_a_kept_fan_out_once_from_its_first_run);
 /// `generic_plans` with a statement cache: a fan-out's kept statements run a generic
 /// plan from their first run on a new connection (Postgres's own counters in

@@ -1012,54 +1012,155 @@ impl<E: Entity> Repo<E> {
     /// One fan-out of `ask` over `map`. On the first run a host that found a shard
     /// fenced fails the whole attempt (to wait for the move and ask again); on the last
     /// it is reported missing.
+    ///
+    /// A read of the newest rows asks each statement first for a short prefix of its
+    /// shards' newest rows ([`prefix_limit`]), not the whole limit: a statement over 64
+    /// of 2000 shards holds about 3 of the 100 newest. A statement whose prefix came
+    /// back full and may hold more of the page is then read again, further down, until
+    /// none may ([`needs_more`]): one more round without failures.
     async fn fan_out(
         &self,
         map: std::sync::Arc<ShardMap>,
         run: Run,
         ask: Ask,
     ) -> Result<Gathered<E>, Failed<Error>> {
-        let (lo, hi, n) = match ask {
-            Ask::Newest { lo, hi, limit } => (lo, hi, i64::try_from(limit).unwrap_or(i64::MAX)),
-            Ask::Count { lo, hi } => (lo, hi, 0),
-        };
-        let prefix = self.cluster.prefix();
-        let timeout = self.cluster.options().host_timeout;
-        let layout = self.cluster.layout();
+        let batch = self.cluster.options().fan_out_batch.max(1);
         let hosts: Vec<(HostName, Vec<LogicalShard>)> = map
             .hosts()
             .iter()
             .map(|h| (h.clone(), map.shards_of(h).collect::<Vec<_>>()))
             .filter(|(_, s)| !s.is_empty())
             .collect();
-        let batch = self.cluster.options().fan_out_batch.max(1);
-        let results = futures::stream::iter(hosts)
-            .map(|(host, shards)| async move {
-                let schemas: Vec<SchemaName> = shards.iter().map(|s| prefix.schema(*s)).collect();
-                let (schemas_ref, host_ref, shards_ref) = (&schemas, &host, &shards);
-                // A statement per `fan_out_batch` shards, all sent at once on one
-                // connection: each is its own implicit transaction, so the locks it takes
-                // are released as it ends (see `ClusterOptions::fan_out_batch`).
+        let total: usize = hosts.iter().map(|(_, s)| s.len()).sum();
+        let (lo, hi, limit, counting) = match ask {
+            Ask::Newest { lo, hi, limit } => (lo, hi, i64::try_from(limit).unwrap_or(i64::MAX), false),
+            Ask::Count { lo, hi } => (lo, hi, 0, true),
+        };
+        let mut slots = 0;
+        let pieces: Vec<(HostName, Vec<Piece>)> = hosts
+            .into_iter()
+            .map(|(host, shards)| {
+                let pieces = shards
+                    .chunks(batch)
+                    .map(|s| {
+                        slots += 1;
+                        let n = if counting { 0 } else { prefix_limit(limit, s.len(), total) };
+                        Piece { slot: slots - 1, shards: s.to_vec(), lo, hi, n }
+                    })
+                    .collect();
+                (host, pieces)
+            })
+            .collect();
+        let mut tally = Tally::default();
+        // Per statement (its slot): what it answered so far; `None` until it answered,
+        // and once it failed.
+        let mut read: Vec<Option<Answered<E>>> = std::iter::repeat_with(|| None).take(slots).collect();
+        let mut round = self.read_pieces(pieces, counting).await;
+        loop {
+            for (host, piece, part) in tally.sort(round, run) {
+                match part {
+                    Part::Count(n) => tally.count = tally.count.saturating_add(n),
+                    Part::Rows(rows) => {
+                        let Some(at) = read.get_mut(piece.slot) else { continue };
+                        let ids: Vec<i64> = rows.iter().map(|e| i64::from(e.id())).collect();
+                        let last = ids.last().copied();
+                        let full = i64::try_from(ids.len()).is_ok_and(|l| l == piece.n);
+                        match at {
+                            Some(a) => {
+                                a.rows.extend(rows);
+                                a.progress.ids.extend(ids);
+                                a.progress.read(piece.lo, last, full);
+                            }
+                            None => {
+                                // The first round: a prefix shorter than the limit.
+                                let mut progress = Progress { lo, ids, floor: None };
+                                progress.read(piece.lo, last, full && piece.n < limit);
+                                *at = Some(Answered { host, shards: piece.shards, rows, progress });
+                            }
+                        }
+                    }
+                }
+            }
+            // A statement that failed in a later round is missing as a whole: its
+            // earlier rows go too (a page holds the shards that answered, in full).
+            for slot in std::mem::take(&mut tally.failed_slots) {
+                if let Some(at) = read.get_mut(slot) {
+                    *at = None;
+                }
+            }
+            if counting || tally.moved.is_some() {
+                break;
+            }
+            let progress: Vec<Option<&Progress>> =
+                read.iter().map(|r| r.as_ref().map(|a| &a.progress)).collect();
+            let again = needs_more(&progress, limit);
+            if again.is_empty() {
+                break;
+            }
+            let mut by_host: Vec<(HostName, Vec<Piece>)> = Vec::new();
+            for (slot, from, to) in again {
+                let Some(Some(a)) = read.get(slot) else { continue };
+                let piece = Piece { slot, shards: a.shards.clone(), lo: from, hi: to, n: limit };
+                match by_host.iter_mut().find(|(h, _)| *h == a.host) {
+                    Some((_, pieces)) => pieces.push(piece),
+                    None => by_host.push((a.host.clone(), vec![piece])),
+                }
+            }
+            round = self.read_pieces(by_host, false).await;
+        }
+        let Tally { count, failed, moved, .. } = tally;
+        let missing: Vec<Missing> = failed
+            .into_iter()
+            .map(|(host, e, shards)| {
+                tracing::warn!(%host, shards = shards.len(), error = %crate::error_chain(&e), "fan-out: shards missing from the result");
+                Missing { host, shards, error: crate::error_chain(&e) }
+            })
+            .collect();
+        if let Some((error, shards)) = moved {
+            return Err(Failed::new(error, true, shards));
+        }
+        let lists = read.into_iter().flatten().map(|a| a.rows.into_iter()).collect();
+        Ok(Gathered { lists, count, missing })
+    }
+
+    /// Runs each host's pieces, one statement each, all sent at once on one connection
+    /// per host; hosts in parallel (at most `fan_out` at once). Each statement is its own
+    /// implicit transaction, so the locks it takes are released as it ends (see
+    /// `ClusterOptions::fan_out_batch`).
+    async fn read_pieces(&self, hosts: Vec<(HostName, Vec<Piece>)>, counting: bool) -> Vec<HostResult<E>> {
+        let prefix = self.cluster.prefix();
+        let timeout = self.cluster.options().host_timeout;
+        let layout = self.cluster.layout();
+        futures::stream::iter(hosts)
+            .map(|(host, pieces)| async move {
+                let (host_ref, pieces_ref) = (&host, &pieces);
                 let work = |client: crate::cluster::Lent| async move {
-                    let first = schemas_ref.first().ok_or(Error::Empty { what: "fan-out (no schema)" })?;
-                    let select = self.across_select(&client, host_ref, first).await?;
+                    let first = pieces_ref
+                        .first()
+                        .and_then(|p| p.shards.first())
+                        .ok_or(Error::Empty { what: "fan-out (no schema)" })?;
+                    let select = self.across_select(&client, host_ref, &prefix.schema(*first)).await?;
                     // With a statement cache (direct connections only), each batch's
                     // statement is kept prepared on the connection: after its first
                     // runs the server reuses a generic plan instead of planning every
                     // shard's branch again.
                     let options = self.cluster.options();
                     let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
-                    if keep > 0 && client.statement_cache.size() + schemas_ref.len().div_ceil(batch) > keep {
+                    if keep > 0 && client.statement_cache.size() + pieces_ref.len() > keep {
                         client.statement_cache.clear();
                     }
                     let (client, select) = (&client, &select);
-                    let parts = schemas_ref.chunks(batch).zip(shards_ref.chunks(batch));
-                    let statements = parts.map(|(schemas, shards)| async move {
+                    let statements = pieces_ref.iter().map(|piece| async move {
+                        let schemas: Vec<SchemaName> =
+                            piece.shards.iter().map(|s| prefix.schema(*s)).collect();
                         let schemas = schemas.iter().collect::<Vec<_>>();
-                        let sql = match ask {
-                            Ask::Newest { .. } => self.sql.window(&schemas, select),
-                            Ask::Count { .. } => self.sql.count(&schemas),
+                        let sql = if counting {
+                            self.sql.count(&schemas)
+                        } else {
+                            self.sql.window(&schemas, select)
                         };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
+                        let (lo, hi, n) = (piece.lo, piece.hi, piece.n);
                         let rows = if keep > 0 {
                             let statement = client
                                 .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
@@ -1072,64 +1173,177 @@ impl<E: Entity> Repo<E> {
                                 .await
                                 .map_err(failed)?
                         };
-                        if let Ask::Count { .. } = ask {
+                        if counting {
                             let count: Option<i64> =
                                 rows.first().map(|r| r.try_get(0)).transpose().map_err(|e| {
                                     Error::host(host_ref, None, "fan-out (read the count)", e)
                                 })?;
                             return Ok(Part::Count(count.and_then(|n| u64::try_from(n).ok()).unwrap_or(0)));
                         }
-                        check_rows(layout, host_ref, "fan-out", shards, &rows)?;
+                        check_rows(layout, host_ref, "fan-out", &piece.shards, &rows)?;
                         Self::rows(&rows).map(Part::Rows)
                     });
                     Ok(futures::future::join_all(statements).await)
                 };
                 let result = self.cluster.on_host(&host, timeout, work).await;
-                (host, shards, result)
+                (host, pieces, result)
             })
             .buffer_unordered(self.cluster.options().fan_out.max(1))
             .collect::<Vec<_>>()
-            .await;
-        let mut missing = Vec::new();
-        let mut moved: Option<(Error, Vec<LogicalShard>)> = None;
-        let mut lists: Vec<std::vec::IntoIter<E>> = Vec::new();
-        let mut count = 0u64;
-        for (host, shards, result) in results {
-            // Each statement's shards with its rows; a host that failed as a whole (no
-            // connection, a timeout) fails every shard of it.
-            let parts: Vec<(&[LogicalShard], Result<Part<E>>)> = match result {
-                Ok(per_statement) => shards.chunks(batch).zip(per_statement).collect(),
-                Err(e) => vec![(&shards[..], Err(e))],
-            };
-            let mut failed: Option<(Error, Vec<LogicalShard>)> = None;
-            for (part, result) in parts {
-                match result {
-                    Ok(Part::Rows(rows)) => lists.push(rows.into_iter()),
-                    Ok(Part::Count(n)) => count = count.saturating_add(n),
-                    // A shard fenced by a move: wait for the flip (as a single statement
-                    // would), then ask every host once more.
-                    Err(e) if run == Run::First && e.is_moved() => match moved.as_mut() {
-                        Some((_, all)) => all.extend_from_slice(part),
-                        None => moved = Some((e, part.to_vec())),
-                    },
-                    // The host's failed statements are reported together, with the first
-                    // one's error: every shard they named, and only those, is missing.
-                    Err(e) => match failed.as_mut() {
-                        Some((_, all)) => all.extend_from_slice(part),
-                        None => failed = Some((e, part.to_vec())),
-                    },
+            .await
+    }
+}
+
+/// One statement of a fan-out: a run of one host's shards (at most `fan_out_batch`), the
+/// ID range it reads, and how many rows at most (`$3`; unused by a count).
+#[derive(Debug, Clone)]
+struct Piece {
+    /// Which statement of the fan-out this is: later rounds read it again.
+    slot: usize,
+    shards: Vec<LogicalShard>,
+    lo: i64,
+    hi: i64,
+    n: i64,
+}
+
+/// What a fan-out read of one statement's shards: their rows, newest first, and how far
+/// down.
+struct Answered<E> {
+    host: HostName,
+    shards: Vec<LogicalShard>,
+    rows: Vec<E>,
+    progress: Progress,
+}
+
+/// One host's answer to its pieces: per piece, its part; or the host failed as a whole
+/// (no connection, a timeout).
+type HostResult<E> = (HostName, Vec<Piece>, Result<Vec<Result<Part<E>>>>);
+
+/// What the rounds of one fan-out gathered besides rows: the count, the shards that
+/// failed (per host, with the host's first error), and the first shards found fenced
+/// by a move on the first run.
+#[derive(Default)]
+struct Tally {
+    count: u64,
+    failed: Vec<(HostName, Error, Vec<LogicalShard>)>,
+    moved: Option<(Error, Vec<LogicalShard>)>,
+    /// The statements that failed since this was last emptied.
+    failed_slots: Vec<usize>,
+}
+
+impl Tally {
+    /// Keeps the pieces that answered; records the failed ones.
+    fn sort<E>(&mut self, results: Vec<HostResult<E>>, run: Run) -> Vec<(HostName, Piece, Part<E>)> {
+        let mut answered = Vec::new();
+        for (host, pieces, result) in results {
+            match result {
+                Ok(parts) => {
+                    for (piece, part) in pieces.into_iter().zip(parts) {
+                        match part {
+                            Ok(part) => answered.push((host.clone(), piece, part)),
+                            Err(e) => {
+                                self.failed_slots.push(piece.slot);
+                                self.fail(&host, e, piece.shards, run);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.failed_slots.extend(pieces.iter().map(|p| p.slot));
+                    self.fail(&host, e, pieces.into_iter().flat_map(|p| p.shards).collect(), run);
                 }
             }
-            if let Some((e, failed)) = failed {
-                tracing::warn!(%host, shards = failed.len(), error = %crate::error_chain(&e), "fan-out: shards missing from the result");
-                missing.push(Missing { host: host.clone(), shards: failed, error: crate::error_chain(&e) });
+        }
+        answered
+    }
+
+    /// Records a failure of `shards` of `host`.
+    fn fail(&mut self, host: &HostName, e: Error, shards: Vec<LogicalShard>, run: Run) {
+        if run == Run::First && e.is_moved() {
+            // A shard fenced by a move: wait for the flip (as a single statement would),
+            // then ask every host once more.
+            match self.moved.as_mut() {
+                Some((_, all)) => all.extend(shards),
+                None => self.moved = Some((e, shards)),
+            }
+        } else {
+            // A host's failed statements are reported together, with the first one's
+            // error: every shard they named, and only those, is missing.
+            match self.failed.iter_mut().find(|(h, _, _)| h == host) {
+                Some((_, _, all)) => all.extend(shards),
+                None => self.failed.push((host.clone(), e, shards)),
             }
         }
-        match moved {
-            Some((error, shards)) => Err(Failed::new(error, true, shards)),
-            None => Ok(Gathered { lists, count, missing }),
-        }
     }
+}
+
+/// How many rows the first round asks a statement over `shards` of `total` shards for,
+/// when the page holds `limit`: twice its even share of the page, plus 16, at most the
+/// limit. Rows spread evenly over shards (as users' rows do) seldom fill it; a skewed
+/// statement that fills it is asked again ([`needs_more`]).
+fn prefix_limit(limit: i64, shards: usize, total: usize) -> i64 {
+    let (total, shards) = (total.max(1) as u128, shards as u128);
+    let twice = u128::try_from(limit).unwrap_or(0) * 2 * shards;
+    let share = i64::try_from(twice.div_ceil(total)).unwrap_or(i64::MAX);
+    share.saturating_add(16).min(limit)
+}
+
+/// How far a fan-out has read one statement's shards: every row with an ID in `[floor,
+/// hi]` is read (`floor` `None`: every row in the range, down to `lo`); the rows read so
+/// far, their IDs newest first, are `ids`.
+#[derive(Debug, Clone)]
+struct Progress {
+    lo: i64,
+    ids: Vec<i64>,
+    floor: Option<i64>,
+}
+
+impl Progress {
+    /// Records a read of the range from `from` down: `last` is the lowest ID it
+    /// returned, and `full` whether it returned as many rows as it asked for (so rows
+    /// below `last` may be unread).
+    fn read(&mut self, from: i64, last: Option<i64>, full: bool) {
+        self.floor = match (full, last) {
+            (true, Some(last)) => Some(last),
+            _ if from <= self.lo => None,
+            _ => Some(from),
+        };
+    }
+}
+
+/// The statements to read again, and the ranges: `(slot, from, to)`. A statement's
+/// unread rows are all below its `floor`; it is read again when rows between the page's
+/// last ID (the `limit`-th newest of every statement's rows read so far, or none when
+/// they hold fewer) and its floor may be unread: those, up to `limit` rows.
+///
+/// After such a round (and no failure) none is read again: a statement read again
+/// either returned fewer than `limit` rows, so all its rows above the page's last ID
+/// are read, or it returned `limit` rows, which alone put the page's last at or above
+/// its new floor. Rows only add up, so the page's last only rises. A statement that
+/// fails drops out with all its rows, and the page's last may fall: then the others
+/// are read again, below it. Statements' IDs never overlap (IDs are unique across
+/// shards, and each read stops below the floor), so no row is read twice.
+fn needs_more(read: &[Option<&Progress>], limit: i64) -> Vec<(usize, i64, i64)> {
+    if !read.iter().flatten().any(|p| p.floor.is_some()) {
+        return Vec::new();
+    }
+    let mut all: Vec<i64> = read.iter().flatten().flat_map(|p| p.ids.iter().copied()).collect();
+    let page_last = usize::try_from(limit).ok().filter(|l| *l >= 1 && *l <= all.len()).map(|l| {
+        let (_, nth, _) = all.select_nth_unstable_by(l - 1, |a, b| b.cmp(a));
+        *nth
+    });
+    read.iter()
+        .enumerate()
+        .filter_map(|(slot, p)| {
+            let p = (*p)?;
+            let to = p.floor?.checked_sub(1)?;
+            let from = match page_last {
+                Some(page_last) => p.lo.max(page_last.saturating_add(1)),
+                None => p.lo,
+            };
+            (from <= to).then_some((slot, from, to))
+        })
+        .collect()
 }
 
 fn unix_ms(t: SystemTime) -> Result<i64> {
@@ -1156,4 +1370,84 @@ fn merge_newest_first<E: Entity>(mut lists: Vec<std::vec::IntoIter<E>>, limit: u
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_round_asks_each_statement_for_about_its_share() {
+        // 100 rows over 2000 shards, 64 per statement: 2 × 3.2, rounded up, plus 16.
+        assert_eq!(prefix_limit(100, 64, 2000), 23);
+        assert_eq!(prefix_limit(100, 16, 2000), 18);
+        // Never more than the limit: few shards, or a small page.
+        assert_eq!(prefix_limit(100, 6, 12), 100);
+        assert_eq!(prefix_limit(10, 64, 2000), 10);
+        assert_eq!(prefix_limit(0, 64, 2000), 0);
+        assert_eq!(prefix_limit(i64::MAX, 2000, 2000), i64::MAX);
+    }
+
+    fn at(ids: &[i64], floor: Option<i64>) -> Progress {
+        Progress { lo: 10, ids: ids.to_vec(), floor }
+    }
+
+    fn asked(read: &[Option<Progress>], limit: i64) -> Vec<(usize, i64, i64)> {
+        needs_more(&read.iter().map(Option::as_ref).collect::<Vec<_>>(), limit)
+    }
+
+    fn full(ids: &[i64]) -> Option<Progress> {
+        Some(at(ids, ids.last().copied()))
+    }
+
+    fn whole(ids: &[i64]) -> Option<Progress> {
+        Some(at(ids, None))
+    }
+
+    #[test]
+    fn only_a_statement_that_may_hold_more_of_the_page_is_read_again() {
+        // The page of 4: 900, 800, 700, 600. The full prefix ends at 500, below the
+        // page's last: its unread rows are lower still.
+        assert!(asked(&[full(&[900, 700, 500]), whole(&[800, 600])], 4).is_empty());
+        // It ends at the page's last (700): its unread rows are below it.
+        assert!(asked(&[full(&[900, 800, 700]), whole(&[750, 650])], 4).is_empty());
+        // It ends at 800, inside the page (900, 850, 800, 700): rows between the page's
+        // last and its own may be unread, and are read.
+        assert_eq!(asked(&[whole(&[700, 600]), full(&[900, 850, 800])], 4), vec![(1, 701, 799)]);
+        // No ID lies between the two: nothing to read.
+        assert!(asked(&[whole(&[700, 600]), full(&[900, 850, 701])], 4).is_empty());
+        // Fewer rows than the page holds: read on down to the range's start.
+        assert_eq!(asked(&[full(&[900, 850, 800]), whole(&[])], 10), vec![(0, 10, 799)]);
+        // Nothing may be unread: nothing to do.
+        assert!(asked(&[whole(&[900, 850, 800, 750]), whole(&[1])], 4).is_empty());
+    }
+
+    #[test]
+    fn a_statement_that_fails_leaves_the_others_read_further_down() {
+        // With the first statement, the page of 4 ends at 700 and the second's unread
+        // rows (below 600) cannot reach it.
+        let (second, third) = (full(&[700, 650, 600]), whole(&[500]));
+        assert_eq!(asked(&[full(&[900, 850, 800]), second.clone(), third.clone()], 4), vec![(0, 701, 799)]);
+        // The first fails: the page is now 700, 650, 600, 500, and the second may hold
+        // rows between 500 and 600.
+        assert_eq!(asked(&[None, second, third], 4), vec![(1, 501, 599)]);
+    }
+
+    #[test]
+    fn a_read_again_records_how_far_it_got() {
+        // Read from 701 down, fewer rows than asked: every row above 700 is read.
+        let mut p = at(&[900, 850, 800], Some(800));
+        p.ids.extend([790, 720]);
+        p.read(701, Some(720), false);
+        assert_eq!(p.floor, Some(701));
+        // The page's last at or above its floor: nothing more. At 500: from there on.
+        assert!(asked(&[Some(p.clone()), whole(&[700])], 4).is_empty());
+        assert_eq!(asked(&[Some(p.clone()), whole(&[700, 650, 600, 500])], 9), vec![(0, 501, 700)]);
+        // As many rows as asked: below the last one, rows may be unread.
+        p.read(501, Some(600), true);
+        assert_eq!(p.floor, Some(600));
+        // Down to the range's start and short: all read.
+        p.read(10, Some(20), false);
+        assert_eq!(p.floor, None);
+    }
 }
