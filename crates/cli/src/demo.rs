@@ -224,11 +224,15 @@ async fn run(
     // The application's handle knows the hosts there are now; the one still to join
     // it learns from the catalog. It reaches the hosts directly (no pooler), so
     // statements are kept prepared per connection and planned once each (generic
-    // plans), and fan-outs read 64 shards per statement (docs/repository.md).
+    // plans), and fan-outs read 64 shards per statement (docs/repository.md). Four
+    // connections per host, not the default 16: each connection pays again for every
+    // shard it touches, and the hosts share this machine's cores (docs/operations.md,
+    // "Connections per host").
     let options = ClusterOptions {
         statement_cache: 1024,
         generic_plans: true,
         fan_out_batch: 64,
+        pool_size: 4,
         ..ClusterOptions::default()
     };
     let cluster = Cluster::connect(&config, options).await?;
@@ -237,7 +241,7 @@ async fn run(
     let hot = cluster.route_user(hot_user);
     writeln!(
         out,
-        "workload: {} users, 8 workers through {} (statement_cache 1024, generic_plans, fan_out_batch 64), {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
+        "workload: {} users, 8 workers through {} (pool_size 4, statement_cache 1024, generic_plans, fan_out_batch 64), {} s (longer if the moves take longer); user {hot_user} (shard {}, on {}) posts 10x more than anyone",
         opt.users,
         if opt.via == "sqlx" { "sqlx" } else { "the repository API" },
         opt.seconds,
