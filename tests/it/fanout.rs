@@ -261,8 +261,8 @@ pub(crate) async fn a_page_whose_newest_rows_crowd_into_one_statement_is_whole(
         };
         let cluster = Cluster::connect(&f.config()?, o).await?;
         let photos = cluster.repo::<Photo>()?;
-        // A page of 250 asks each statement for 100 first: two rounds of that would not
-        // be enough.
+        // A page of 250 asks each statement for 100 first: a second read of 100 would not
+        // be enough either (the second reads ask for the whole limit).
         for limit in [1, 20, 50, 90, 250, 299, 300, 301, 379, 380, 1000] {
             let page = photos.created_between(start, end, limit).await?;
             assert!(page.is_complete(), "{:?}", page.missing);

@@ -42,7 +42,9 @@ pub struct ClusterOptions {
     /// How long to wait for a new connection (default 5 s).
     pub connect_timeout: Duration,
     /// How long a statement may take on one host before the caller gets
-    /// [`Error::Timeout`] (default 5 s). A hung host costs this, never more.
+    /// [`Error::Timeout`] (default 5 s). A hung host costs this, never more, per round
+    /// trip to it: a fan-out of the newest rows reads a host a second time when one of
+    /// its statements may hold more of the page ([`crate::Repo::created_between`]).
     pub host_timeout: Duration,
     /// How many hosts a fan-out queries at once (default 16).
     pub fan_out: usize,

@@ -927,7 +927,9 @@ impl<E: Entity> Repo<E> {
     /// The newest rows created in `[from, to]` across every shard, at most `limit`: the
     /// window's ID range, one round trip per host in parallel (at most
     /// [`crate::ClusterOptions::fan_out`] hosts at once, each within the host timeout),
-    /// merged by ID. A host's shards are read in statements of at most
+    /// merged by ID. Each statement is asked first for about its share of the page; one
+    /// whose share came back full and may hold more of it is read again in a second
+    /// round trip to its host (so a call takes up to twice the host timeout). A host's shards are read in statements of at most
     /// [`crate::ClusterOptions::fan_out_batch`] shards, pipelined on one connection, so
     /// a fan-out holds few locks at a time; a statement that fails lists its shards, and
     /// only those, in [`FanOut::missing`] (one entry per host). A host that fails or
@@ -1072,7 +1074,9 @@ impl<E: Entity> Repo<E> {
                                 a.progress.read(piece.lo, last, full);
                             }
                             None => {
-                                // The first round: a prefix shorter than the limit.
+                                // The first round: done unless it returned a whole
+                                // prefix shorter than the limit (a whole limit's rows
+                                // alone put the page's last at or above their own).
                                 let mut progress = Progress { lo, ids, floor: None };
                                 progress.read(piece.lo, last, full && piece.n < limit);
                                 *at = Some(Answered { host, shards: piece.shards, rows, progress });
@@ -1289,8 +1293,10 @@ fn prefix_limit(limit: i64, shards: usize, total: usize) -> i64 {
 }
 
 /// How far a fan-out has read one statement's shards: every row with an ID in `[floor,
-/// hi]` is read (`floor` `None`: every row in the range, down to `lo`); the rows read so
-/// far, their IDs newest first, are `ids`.
+/// hi]` is read (`floor` `None`: nothing more to read, every row in the range down to
+/// `lo` is read, or the first round returned the whole limit, whose rows alone put the
+/// page's last at or above their own); the rows read so far, their IDs newest first,
+/// are `ids`.
 #[derive(Debug, Clone)]
 struct Progress {
     lo: i64,
