@@ -108,7 +108,7 @@ pub struct ClusterOptions {
     /// [`Cluster::client`], and to the PL/pgSQL functions and triggers they call. A plan
     /// made once for every value gives up what a plan made for the value can do: an index
     /// for one very common value of a skewed column (a page of one user with most rows),
-    /// a prefix `LIKE $1`, partitions pruned at planning. Not set on [`Cluster::sqlx`]'s
+    /// a prefix `LIKE $1`, partitions pruned at planning. Not set on `Cluster::sqlx`'s
     /// pools; ignored without a statement cache or behind a transaction pooler. A
     /// `RESET ALL` or `DISCARD ALL` run on a connection takes it away for that
     /// connection's life.

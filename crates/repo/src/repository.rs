@@ -1,6 +1,6 @@
 //! [`Repo`]: routed reads and writes of one [`Entity`].
 //!
-//! Every statement is built in [`Sql`] (the one place SQL text is made: identifiers
+//! Every statement is built in `Sql` (the one place SQL text is made: identifiers
 //! checked and quoted, values always bind parameters) and runs on the host the map gives
 //! for the shard: from the user for inserts and pages, from the ID itself for reads by
 //! ID. A statement that finds its shard's schema missing (the shard moved) reloads the
