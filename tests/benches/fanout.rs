@@ -84,7 +84,7 @@ async fn main() -> Result<(), BoxError> {
     let config = config(&kit, db, shards, &dir)?;
     shardline_ops::init(&config, &Options::default(), &|_| {}).await?;
     let setup = ClusterOptions { host_timeout: Duration::from_secs(120), ..ClusterOptions::default() };
-    let base = Cluster::connect(&config, setup).await?;
+    let base = Cluster::connect(&config, setup.clone()).await?;
     let photos = base.repo::<Photo>()?;
     let start = SystemTime::now() - Duration::from_secs(1);
     let rows = i64::from(shards) * 10;
@@ -193,62 +193,32 @@ async fn main() -> Result<(), BoxError> {
     let columns = Photo::COLUMNS.join(", ");
     let sample: Vec<Id> = ids.iter().step_by(ids.len() / 2000).copied().take(2000).collect();
     let batches: Vec<Vec<Id>> = sample.chunks(100).map(<[Id]>::to_vec).collect();
-    let per_shard = |b: &[Id]| {
-        let mut groups: HashMap<(HostName, String), Vec<i64>> = HashMap::new();
-        for &id in b {
-            let route = base.route_id(id).unwrap();
-            groups
-                .entry((
-                    route.host,
-                    format!("SELECT {columns} FROM {}.photos WHERE id = ANY($1)", route.schema.quoted()),
-                ))
-                .or_default()
-                .push(i64::from(id));
-        }
-        groups
-    };
-    let (mut many, mut looped, mut fair) = (Vec::new(), Vec::new(), Vec::new());
-    for b in &batches {
-        photos.get_many(b).await?; // warm
-    }
-    for _ in 0..5 {
-        let t = Instant::now();
-        for b in &batches {
-            assert!(photos.get_many(b).await?.missing.is_empty());
-        }
-        many.push(t.elapsed() / u32::try_from(batches.len())?);
-        let t = Instant::now();
-        for b in &batches {
-            let groups = per_shard(b);
-            let direct = &direct;
-            let runs = groups.iter().map(|((host, sql), a)| async move {
-                direct[host]
-                    .query_typed(sql, &[(a as &(dyn tokio_postgres::types::ToSql + Sync), Type::INT8_ARRAY)])
-                    .await
-            });
-            let n: usize = futures::future::try_join_all(runs).await?.iter().map(Vec::len).sum();
-            assert_eq!(n, b.len());
-        }
-        fair.push(t.elapsed() / u32::try_from(batches.len())?);
-        let t = Instant::now();
-        for b in &batches {
-            for &id in b {
-                assert!(photos.get(id).await?.is_some());
-            }
-        }
-        looped.push(t.elapsed() / u32::try_from(batches.len())?);
-    }
-    let (many, looped, fair) = (quantile(&many, 0.5), quantile(&looped, 0.5), quantile(&fair, 0.5));
+    let kept = Cluster::connect(&config, ClusterOptions { statement_cache: 1024, ..setup.clone() }).await?;
     println!("\nget_many of 100 IDs over {hosts} hosts (median of 5 rounds of {} batches):", batches.len());
-    println!("  {:<64}{:>8.2} ms", "rival: a loop of 100 Repo::get", ms(looped));
-    println!("  {:<64}{:>8.2} ms", "rival: one `= ANY` statement per shard, all at once, direct", ms(fair));
-    println!(
-        "  {:<64}{:>8.2} ms   {:.1}x the loop, {:.2}x the per-shard rival",
-        "shardline Repo::get_many (fan_out_batch = 16)",
-        ms(many),
-        ms(looped) / ms(many),
-        ms(fair) / ms(many)
-    );
+    for (name, handle, prepared) in [
+        ("unnamed statements (the default), fan_out_batch = 16", &base, false),
+        ("statement_cache = 1024 (gets kept prepared; get_many's statements stay unnamed)", &kept, true),
+    ] {
+        let (many, looped, fair) = get_many_rounds(handle, &direct, &batches, &columns, prepared).await?;
+        println!("  {name}:");
+        println!("    {:<62}{:>8.2} ms", "rival: a loop of 100 Repo::get", ms(looped));
+        println!(
+            "    {:<62}{:>8.2} ms",
+            if prepared {
+                "rival: one `= ANY` statement per shard, prepared, all at once, direct"
+            } else {
+                "rival: one `= ANY` statement per shard, all at once, direct"
+            },
+            ms(fair)
+        );
+        println!(
+            "    {:<62}{:>8.2} ms   {:.1}x the loop, {:.2}x the per-shard rival",
+            "shardline Repo::get_many",
+            ms(many),
+            ms(looped) / ms(many),
+            ms(fair) / ms(many)
+        );
+    }
 
     // 3. One backend's memory after it has read every shard of its host (as a pooled
     // connection does, over time, with fan-outs): its catalog caches keep an entry per
@@ -296,4 +266,79 @@ async fn backend_memory(c: &Client, pid: i32) -> Result<(f64, Option<f64>), BoxE
             .and_then(|k| k.parse::<f64>().ok())
     });
     Ok((contexts as f64, rss))
+}
+
+/// `get_many` of each batch through `cluster`, against a loop of gets through the same
+/// handle and against one `= ANY` statement per shard sent at once on `direct`
+/// connections (prepared ahead when `prepared`, as the handle's statement cache keeps
+/// them): the medians of 5 rounds, per batch.
+async fn get_many_rounds(
+    cluster: &Cluster,
+    direct: &HashMap<HostName, Client>,
+    batches: &[Vec<Id>],
+    columns: &str,
+    prepared: bool,
+) -> Result<(Duration, Duration, Duration), BoxError> {
+    let photos: Repo<Photo> = cluster.repo::<Photo>()?;
+    let per_shard = |b: &[Id]| {
+        let mut groups: HashMap<(HostName, String), Vec<i64>> = HashMap::new();
+        for &id in b {
+            let route = cluster.route_id(id).unwrap();
+            groups
+                .entry((
+                    route.host,
+                    format!("SELECT {columns} FROM {}.photos WHERE id = ANY($1)", route.schema.quoted()),
+                ))
+                .or_default()
+                .push(i64::from(id));
+        }
+        groups
+    };
+    let mut statements: HashMap<(HostName, String), tokio_postgres::Statement> = HashMap::new();
+    for b in batches {
+        photos.get_many(b).await?; // warm
+        for id in b {
+            photos.get(*id).await?;
+        }
+        if prepared {
+            for (key, _) in per_shard(b) {
+                if let std::collections::hash_map::Entry::Vacant(e) = statements.entry(key) {
+                    let (host, sql) = e.key();
+                    let s = direct[host].prepare_typed(sql, &[Type::INT8_ARRAY]).await?;
+                    e.insert(s);
+                }
+            }
+        }
+    }
+    let (mut many, mut looped, mut fair) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        for b in batches {
+            assert!(photos.get_many(b).await?.missing.is_empty());
+        }
+        many.push(t.elapsed() / u32::try_from(batches.len())?);
+        let t = Instant::now();
+        for b in batches {
+            let groups = per_shard(b);
+            let statements = &statements;
+            let runs = groups.iter().map(|(key, a)| async move {
+                let a = a as &(dyn tokio_postgres::types::ToSql + Sync);
+                match statements.get(key) {
+                    Some(s) => direct[&key.0].query(s, &[a]).await,
+                    None => direct[&key.0].query_typed(&key.1, &[(a, Type::INT8_ARRAY)]).await,
+                }
+            });
+            let n: usize = futures::future::try_join_all(runs).await?.iter().map(Vec::len).sum();
+            assert_eq!(n, b.len());
+        }
+        fair.push(t.elapsed() / u32::try_from(batches.len())?);
+        let t = Instant::now();
+        for b in batches {
+            for &id in b {
+                assert!(photos.get(id).await?.is_some());
+            }
+        }
+        looped.push(t.elapsed() / u32::try_from(batches.len())?);
+    }
+    Ok((quantile(&many, 0.5), quantile(&looped, 0.5), quantile(&fair, 0.5)))
 }
