@@ -286,6 +286,84 @@ pub(crate) async fn a_page_whose_newest_rows_crowd_into_one_statement_is_whole(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_statement_that_fails_when_read_again_is_missing_whole_and_the_page_stays_exact);
+/// A statement that answered its first round and fails when read again (here on a row
+/// whose ID names a shard outside the statement: refused as misrouted) is missing as a
+/// whole: its shards are listed and none of its rows is in the page. The page is still
+/// exactly the newest rows of every other statement, and one of those must then be
+/// read further down: user W's 40 rows, whose first 33 were enough while the failed
+/// statement's rows filled the top of the page.
+pub(crate) async fn a_statement_that_fails_when_read_again_is_missing_whole_and_the_page_stays_exact(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 12).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let o = ClusterOptions { fan_out_batch: 2, listen: false, ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let layout = cluster.layout();
+    let map = cluster.map();
+    let (hot_user, hot) = (7, cluster.route_user(7));
+    let hot_batch: Vec<u16> = map
+        .shards_of(&hot.host)
+        .collect::<Vec<_>>()
+        .chunks(2)
+        .find(|c| c.contains(&hot.shard))
+        .map(|c| c.iter().map(|s| s.get()).collect())
+        .unwrap();
+    let in_hot_batch = |id: Id| hot_batch.contains(&u16::try_from(layout.decode(id).shard).unwrap());
+    let warm_user = (100..).find(|u| !hot_batch.contains(&cluster.route_user(*u).shard.get())).unwrap();
+    let photo = |u: i64, i: i64| NewPhoto {
+        user_id: u,
+        url: format!("https://cdn/{u}/{i}.jpg"),
+        caption: String::new(),
+    };
+    let start = SystemTime::now() - Duration::from_secs(1);
+    // Oldest: two rows of each of 40 users; then user W's 40; then the hot user's 300,
+    // in two batches (240, then the newest 60).
+    let mut all: Vec<Id> = Vec::new();
+    let others: Vec<NewPhoto> = (200..240).flat_map(|u| [photo(u, 0), photo(u, 1)]).collect();
+    all.extend(photos.insert_many(&others).await?.iter().map(|p| p.id));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let warm: Vec<NewPhoto> = (0..40).map(|i| photo(warm_user, i)).collect();
+    let warm: Vec<Id> = photos.insert_many(&warm).await?.iter().map(|p| p.id).collect();
+    all.extend(&warm);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let older: Vec<NewPhoto> = (0..240).map(|i| photo(hot_user, i)).collect();
+    let older: Vec<Id> = photos.insert_many(&older).await?.iter().map(|p| p.id).collect();
+    // Longer than an ID's lag: the newer rows' IDs carry a later millisecond.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let newer: Vec<NewPhoto> = (240..300).map(|i| photo(hot_user, i)).collect();
+    let newer: Vec<Id> = photos.insert_many(&newer).await?.iter().map(|p| p.id).collect();
+    let end = SystemTime::now() + Duration::from_secs(1);
+
+    // A row in the hot shard's table whose ID names another shard, between the hot
+    // user's older and newer rows: below the hot statement's first 33 rows (the 60
+    // newer ones are above it) and within its second read (of 50 more).
+    let elsewhere = (0..12u32).find(|s| !hot_batch.contains(&u16::try_from(*s).unwrap())).unwrap();
+    let (older_last, newer_first) = (older.iter().max().unwrap(), newer.iter().min().unwrap());
+    let bad = layout.compose(layout.decode(*newer_first).unix_ms - 1, elsewhere, 0)?;
+    assert!(*older_last < bad && bad < *newer_first, "the newer rows carry a later millisecond");
+    f.client(&ctx, usize::from(hot.host.as_str() == "pg2"))
+        .await?
+        .execute(
+            &format!("INSERT INTO {}.photos (id, user_id, url) VALUES ($1, $2, 'x')", hot.schema.quoted()),
+            &[&i64::from(bad), &hot_user],
+        )
+        .await?;
+
+    let page = photos.created_between(start, end, 50).await?;
+    assert_eq!(page.missing.len(), 1, "{:?}", page.missing);
+    assert_eq!(page.missing[0].host, hot.host.as_str());
+    assert_eq!(page.missing[0].shards, hot_batch);
+    all.sort_unstable_by(|a, b| b.cmp(a));
+    let expected: Vec<Id> = all.iter().copied().filter(|id| !in_hot_batch(*id)).take(50).collect();
+    assert!(warm.iter().all(|w| expected.contains(w)), "all of user W's rows are in the page");
+    let got: Vec<Id> = page.rows.iter().map(|p| p.id).collect();
+    assert_eq!(got, expected);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: generic_plans_plan_a_kept_fan_out_once_from_its_first_run);
 /// `generic_plans` with a statement cache: a fan-out's kept statements run a generic
 /// plan from their first run on a new connection (Postgres's own counters in
