@@ -34,6 +34,9 @@ const RETRY_POOL_AFTER: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
     /// Connections per host, at most (default 16). One pool per host, never per shard.
+    /// Each connection pays again for every shard it touches (catalog entries, plans):
+    /// with many shards per host, size it for the host's cores rather than for the
+    /// application's concurrency (`docs/operations.md`, "Connections per host").
     /// A connection given up on (its statement ran out of time) stays counted until its
     /// statement was cancelled; one whose server does not answer within about a minute
     /// leaves the pool, and its socket stays open until the server answers or the link
