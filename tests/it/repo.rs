@@ -363,6 +363,66 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
     assert_eq!(photos.get(inserted).await?, None);
     assert!(photos.get(p.id).await?.is_some());
 
+    // A closure that ends the transaction itself is told so, never `Ok` as if it were
+    // whole: a raw ROLLBACK (nothing of it stays) ...
+    let inserted = std::sync::Mutex::new(None);
+    let err = cluster
+        .transaction(shard, |tx| {
+            let inserted = &inserted;
+            Box::pin(async move {
+                let id = tx.insert(&photo(6, 3)).await?.id;
+                *inserted.lock().unwrap() = Some(id);
+                tx.execute("ROLLBACK", &[]).await?;
+                Ok::<_, Error>(id)
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TransactionEnded { shard: s, .. } if s == shard), "{err:?}");
+    assert!(err.outcome_unknown() && !err.is_retryable(), "{err:?}");
+    let rolled_back = inserted.lock().unwrap().take().ok_or("the closure ran")?;
+    assert_eq!(photos.get(rolled_back).await?, None);
+    // ... a raw COMMIT (what it applied stays) ...
+    let err = cluster
+        .transaction(shard, |tx| {
+            let inserted = &inserted;
+            Box::pin(async move {
+                let id = tx.insert(&photo(6, 4)).await?.id;
+                *inserted.lock().unwrap() = Some(id);
+                tx.execute("COMMIT", &[]).await?;
+                Ok::<_, Error>(id)
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TransactionEnded { .. }), "{err:?}");
+    let committed = inserted.lock().unwrap().take().ok_or("the closure ran")?;
+    assert!(photos.get(committed).await?.is_some());
+    // ... and a raw COMMIT followed by a statement that fails as a moved shard's would
+    // (its unqualified table is missing without the transaction's search_path): the
+    // closure is not run again, so what it committed is there once.
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let err = cluster
+        .transaction(shard, |tx| {
+            let runs = &runs;
+            Box::pin(async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tx.execute(
+                    "INSERT INTO photos (user_id, url, caption) VALUES (6, 'u', 'committed by the closure')",
+                    &[],
+                )
+                .await?;
+                tx.execute("COMMIT", &[]).await?;
+                tx.query("SELECT id FROM photos", &[]).await
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TransactionEnded { .. }), "{err:?}");
+    assert_eq!(runs.into_inner(), 1);
+    let page = photos.page_of_user(6, None, 100).await?;
+    assert_eq!(page.rows.iter().filter(|p| p.caption == "committed by the closure").count(), 1);
+
     // Rows and IDs of another shard are refused before anything is sent.
     let other = photos.insert(&photo(7, 1)).await?;
     let err = cluster

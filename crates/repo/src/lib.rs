@@ -257,6 +257,23 @@ pub enum Error {
         /// The logical shard.
         shard: LogicalShard,
     },
+    /// The closure of a shard transaction ([`Cluster::transaction`], or `Sqlx::transaction` with the `sqlx` feature)
+    /// ended shardline's transaction itself: a raw `COMMIT` or `ROLLBACK` in its SQL, or
+    /// sqlx's `begin()` and its end. What it applied is what those statements said, and
+    /// the statements it sent after them ran on their own, each its own transaction: so
+    /// the outcome is unknown ([`Error::outcome_unknown`]), and the work is not run
+    /// again.
+    #[error(
+        "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT or ROLLBACK in \
+         its SQL, or sqlx's begin() and its end); what it applied is what those said, and it is not \
+         run again"
+    )]
+    TransactionEnded {
+        /// The host.
+        host: HostName,
+        /// The logical shard.
+        shard: LogicalShard,
+    },
     /// Part of an [`Repo::insert_many`] was committed and part was not: `committed`
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
@@ -461,6 +478,7 @@ impl Error {
             | Error::Pool { host, .. }
             | Error::Unsent { host, .. }
             | Error::RolledBack { host, .. }
+            | Error::TransactionEnded { host, .. }
             | Error::Misrouted { host, .. }
             | Error::Pooler { host, .. } => Some(host),
             #[cfg(feature = "sqlx")]
@@ -503,6 +521,7 @@ impl Error {
             | Error::Decode { .. }
             | Error::Empty { .. }
             | Error::InsertMany { .. }
+            | Error::TransactionEnded { .. }
             | Error::Misrouted { .. } => true,
             Error::Unsent { .. } | Error::RolledBack { .. } | Error::Pool { .. } | Error::Pooler { .. } => {
                 false
@@ -540,6 +559,7 @@ impl Error {
             Error::InsertMany { .. }
             | Error::Unsent { .. }
             | Error::RolledBack { .. }
+            | Error::TransactionEnded { .. }
             | Error::Misrouted { .. }
             | Error::Pooler { .. } => false,
             Error::Host { sqlstate: None, source: Some(e), .. }

@@ -41,6 +41,10 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use crate::cluster::{self, Cluster, Failed};
+
+/// The savepoint that probes whether shardline's transaction is still open and whole
+/// before `COMMIT` (and after a closure failed): shared by the sqlx path.
+pub(crate) const PROBE: &str = "shardline_check";
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
@@ -122,13 +126,14 @@ impl ShardTx<'_> {
     /// would answer `COMMIT` with a rollback, so the probe `SAVEPOINT` sent before it
     /// fails (25P02), `COMMIT` is not run, and the caller gets [`Error::RolledBack`]. A
     /// closure that ended the transaction itself (a raw `COMMIT` or `ROLLBACK`) makes the
-    /// probe fail with 25P01: [`Error::Invalid`], never `Ok`.
+    /// probe fail with 25P01 (a `SAVEPOINT` outside a transaction block):
+    /// [`Error::TransactionEnded`], never `Ok`. (A bare `COMMIT` there would only warn.)
     async fn commit(&mut self) -> Result<()> {
         let (host, shard) = (&self.route.host, self.route.shard);
         let client = self.client()?;
         let done = within(host, self.timeout, async {
             client
-                .batch_execute("SELECT 1; COMMIT")
+                .batch_execute(&format!("SAVEPOINT {PROBE}; COMMIT"))
                 .await
                 .map_err(|e| Error::host(host, Some(shard), "commit", e))
         })
@@ -150,15 +155,29 @@ impl ShardTx<'_> {
                 if let Some(tx) = self.client.take() {
                     tx.release();
                 }
-                Err(Error::Invalid {
-                    what: format!(
-                        "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT or \
-                         ROLLBACK in its SQL); what it applied is what that statement said"
-                    ),
-                })
+                Err(Error::TransactionEnded { host: host.clone(), shard })
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// After the closure failed: whether it had ended shardline's transaction itself (a
+    /// raw `COMMIT` or `ROLLBACK`, then a statement that failed, as an unqualified name
+    /// does once the transaction's `search_path` is gone). Then what it applied stays,
+    /// and the work must not run again, even when that failure looked like a moved
+    /// shard. The probe is a `SAVEPOINT`: 25P01 outside a transaction block; inside one
+    /// (or in an aborted one, 25P02) the `ROLLBACK` that follows undoes it.
+    async fn ended_by_closure(&self) -> bool {
+        let (host, shard) = (&self.route.host, self.route.shard);
+        let Ok(client) = self.client() else { return false };
+        let probe = within(host, self.timeout, async {
+            client
+                .batch_execute(&format!("SAVEPOINT {PROBE}"))
+                .await
+                .map_err(|e| Error::host(host, Some(shard), "commit", e))
+        })
+        .await;
+        matches!(probe, Err(e) if e.sqlstate() == Some("25P01"))
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
@@ -418,6 +437,14 @@ impl Cluster {
                     Err(e) => Err(e.into()),
                 },
                 Err(e) => {
+                    if tx.ended_by_closure().await {
+                        // Not in a transaction: nothing to end; the connection is clean.
+                        if let Some(c) = tx.client.take() {
+                            c.release();
+                        }
+                        let ended = Error::TransactionEnded { host: tx.route.host.clone(), shard };
+                        return Err(Failed::new(ended.into(), false, [shard]));
+                    }
                     // A rollback that fails leaves the connection to be given up on
                     // (Drop), which rolls back as well.
                     let _ = tx.rollback().await;

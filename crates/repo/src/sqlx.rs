@@ -168,12 +168,7 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
 
 /// The error of a unit of work whose closure ended shardline's transaction itself.
 fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
-    Error::Invalid {
-        what: format!(
-            "host {host}, shard {shard}: the closure ended the transaction itself (a COMMIT or ROLLBACK, or \
-             sqlx's begin() and its end); what it applied is what that said, and it is not run again"
-        ),
-    }
+    Error::TransactionEnded { host: host.clone(), shard }
 }
 
 /// `after` in whole milliseconds, at least 1, for `statement_timeout`.
@@ -502,7 +497,13 @@ impl Sqlx {
             // transaction (25P02), and outside any (25P01, the closure ended the
             // transaction itself), and then COMMIT is not run.
             Ok(value) => {
-                match ::sqlx::raw_sql("SAVEPOINT shardline_check; COMMIT").execute(conn.conn()).await {
+                match ::sqlx::raw_sql(::sqlx::AssertSqlSafe(format!(
+                    "SAVEPOINT {}; COMMIT",
+                    crate::shard::PROBE
+                )))
+                .execute(conn.conn())
+                .await
+                {
                     Ok(_) => {
                         conn.release();
                         return Ok(value);
@@ -525,7 +526,10 @@ impl Sqlx {
                 // begin() and commit(), a raw COMMIT) may have committed writes, and its
                 // next unqualified statement failed for want of the search_path: that is
                 // never a move, and never run again.
-                match ::sqlx::raw_sql("SAVEPOINT shardline_check").execute(conn.conn()).await {
+                match ::sqlx::raw_sql(::sqlx::AssertSqlSafe(format!("SAVEPOINT {}", crate::shard::PROBE)))
+                    .execute(conn.conn())
+                    .await
+                {
                     Err(check)
                         if check.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01") =>
                     {
