@@ -360,7 +360,10 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     f.migration(
         "0005_moods.sql",
         "CREATE TYPE mood AS ENUM ('happy', 'sad');
-         CREATE TABLE moods (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, mood mood NOT NULL);",
+         CREATE TABLE moods (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, mood mood NOT NULL);
+         CREATE TABLE notes (id bigint PRIMARY KEY DEFAULT next_id(), moods mood[], body json, price money, at point);
+         CREATE TABLE tags (mood mood, body json);
+         ALTER TABLE tags REPLICA IDENTITY FULL;",
     )?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
@@ -408,6 +411,52 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     assert!(failed.is_empty(), "{} of 64 shards failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
     let changed: u64 = results.iter().filter_map(|(_, r)| r.as_ref().ok().map(|(_, n)| *n)).sum();
     assert_eq!(changed, 1, "the one sad row");
+
+    // Moves: the verification compares rows across servers, where the enum's labels have
+    // other OIDs and `json`, `money` and `point` have no hash of their own. Shard 5's rows
+    // move with the change log, and shard 6's with every row verified.
+    for (user, verification) in [(5, moves::Verification::ChangeLog), (6, moves::Verification::Full)] {
+        let route = cluster.route_user(user);
+        cluster
+            .transaction(route.shard, |tx| {
+                Box::pin(async move {
+                    tx.execute(
+                        "INSERT INTO notes (moods, body, price, at) VALUES ('{happy,sad}', '{\"a\": [1, 2]}', 12.5, '(1,2)')",
+                        &[],
+                    )
+                    .await?;
+                    tx.execute("INSERT INTO tags VALUES ('sad', '{}'), ('sad', '{}'), (NULL, NULL)", &[]).await?;
+                    Ok::<_, Error>(())
+                })
+            })
+            .await?;
+        let to = if route.host.as_str() == "pg1" { "pg2" } else { "pg1" };
+        let options = MoveOptions::default().verifying(verification);
+        let report = moves::run(&f.config()?, route.shard, &crate::host(to), &options).await;
+        let report = report.map_err(|e| format!("moving shard {} ({verification:?}): {e}", route.shard))?;
+        assert!(report.rows > 0, "{report:?}");
+    }
+    cluster.refresh().await?;
+    let moved = feelings.page_of_user(5, None, 10).await?;
+    assert_eq!(moved.rows.len(), 1);
+    assert_eq!(moved.rows[0].mood, happy());
+    for user in [5, 6] {
+        let counted = cluster
+            .transaction(cluster.route_user(user).shard, |tx| {
+                Box::pin(async move {
+                    let r = tx
+                        .query(
+                            "SELECT (SELECT count(*) FROM notes WHERE body::text = '{\"a\": [1, 2]}' AND moods = '{happy,sad}'),
+                                    (SELECT count(*) FROM tags)",
+                            &[],
+                        )
+                        .await?;
+                    Ok::<_, Error>((r[0].get::<_, i64>(0), r[0].get::<_, i64>(1)))
+                })
+            })
+            .await?;
+        assert_eq!(counted, (1, 3), "user {user}'s shard after its move");
+    }
     Ok(())
 }
 

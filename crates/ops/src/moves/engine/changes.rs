@@ -46,6 +46,9 @@ pub(super) struct Keyed {
     pub(super) table: String,
     /// The key's columns: name and type (`format_type`).
     pub(super) cols: Vec<(String, String)>,
+    /// Every column, in order, and whether its row hash takes it as it is or as its
+    /// text (see [`verify::HASHED_COLUMNS`]).
+    pub(super) hashed: Vec<(String, bool)>,
 }
 
 impl Keyed {
@@ -70,6 +73,21 @@ impl Keyed {
     /// `ROW(t."a", ...)`: for the key's hash and its display.
     fn row(&self, t: &str) -> String {
         format!("ROW{}", self.tuple(t))
+    }
+
+    /// The hash of a row of alias `t`, the same on every server ([`verify::row_hash`]).
+    fn row_hash(&self, t: &str) -> String {
+        verify::row_hash(t, &self.hashed)
+    }
+
+    /// The hash of the key of a row of alias `t`, the same on every server.
+    fn key_hash(&self, t: &str) -> String {
+        let cols: Vec<(String, bool)> = self
+            .cols
+            .iter()
+            .map(|(c, _)| (c.clone(), self.hashed.iter().any(|(h, as_is)| h == c && *as_is)))
+            .collect();
+        verify::row_hash(t, &cols)
     }
 
     /// `k("a" bigint, ...)`: the key's columns as a record definition.
@@ -98,13 +116,16 @@ fn truncate_trigger(id: i64) -> String {
 pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<Keyed>> {
     let rows = c
         .query(
-            "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod)
-               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-               JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary
-              CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-               JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
-              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
-              ORDER BY c.relname, k.ord",
+            &format!(
+                "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod), {}
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                   JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary
+                  CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                   JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
+                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+                  ORDER BY c.relname, k.ord",
+                verify::HASHED_COLUMNS
+            ),
             &[&schema],
         )
         .await
@@ -114,7 +135,7 @@ pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> R
         let (table, col, ty): (String, String, String) = (r.get(0), r.get(1), r.get(2));
         match out.last_mut() {
             Some(k) if k.table == table => k.cols.push((col, ty)),
-            _ => out.push(Keyed { table, cols: vec![(col, ty)] }),
+            _ => out.push(Keyed { table, cols: vec![(col, ty)], hashed: verify::hashed_columns(&r, 3) }),
         }
     }
     Ok(out)
@@ -399,9 +420,10 @@ async fn buckets(
     let rows = c
         .query(
             &format!(
-                "SELECT hash_record_extended({}, 0) & $1, count(*), sum(hash_record_extended(t, 0))::text
+                "SELECT {} & $1, count(*), sum({})::text
                    FROM {}.{} AS t GROUP BY 1",
-                k.row("t"),
+                k.key_hash("t"),
+                k.row_hash("t"),
                 quote_ident(schema),
                 quote_ident(&k.table)
             ),
@@ -425,13 +447,14 @@ async fn bucket_rows(
     let rows = c
         .query(
             &format!(
-                "SELECT {}::text, ({})::text, hash_record_extended(t, 0) FROM {}.{} AS t
-                  WHERE hash_record_extended({}, 0) & $1 = ANY($2)",
+                "SELECT {}::text, ({})::text, {} FROM {}.{} AS t
+                  WHERE {} & $1 = ANY($2)",
                 k.json("t"),
                 k.row("t"),
+                k.row_hash("t"),
                 quote_ident(schema),
                 quote_ident(&k.table),
-                k.row("t"),
+                k.key_hash("t"),
             ),
             &[&mask, &which],
         )
@@ -452,10 +475,11 @@ pub(super) async fn rows_by_key(
     let rows = c
         .query(
             &format!(
-                "SELECT {}::text, ({})::text, hash_record_extended(t, 0) FROM {}.{} AS t
+                "SELECT {}::text, ({})::text, {} FROM {}.{} AS t
                   WHERE {} IN (SELECT {} FROM jsonb_to_recordset($1::text::jsonb) AS {})",
                 k.json("t"),
                 k.row("t"),
+                k.row_hash("t"),
                 quote_ident(schema),
                 quote_ident(&k.table),
                 k.tuple("t"),
@@ -1032,7 +1056,13 @@ mod tests {
         let k = Keyed {
             table: "t".into(),
             cols: vec![("id".into(), "bigint".into()), ("Odd\"".into(), "text".into())],
+            hashed: vec![("id".into(), true), ("Odd\"".into(), false), ("mood".into(), false)],
         };
+        assert_eq!(k.key_hash("t"), "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text), 0)");
+        assert_eq!(
+            k.row_hash("t"),
+            "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text, t.\"mood\"::text), 0)"
+        );
         assert_eq!(k.json("t"), "jsonb_build_object('id', t.\"id\", 'Odd\"', t.\"Odd\"\"\")");
         assert_eq!(k.record(), "k(\"id\" bigint, \"Odd\"\"\" text)");
         assert_eq!(json_array([r#"{"id": 1}"#.to_owned()].iter()), r#"[{"id": 1}]"#);

@@ -124,10 +124,6 @@ async fn stream_client(config: &Config, host: &HostName, id: i64) -> Result<Clie
     Ok(c)
 }
 
-/// The settings text `COPY` output and input depend on, pinned on both sides.
-const TEXT_SETTINGS: &str = "SET datestyle = 'ISO, YMD'; SET intervalstyle = 'postgres';
-    SET extra_float_digits = 3; SET lc_monetary = 'C'; SET bytea_output = 'hex'";
-
 impl Mover<'_> {
     /// Empties the target's copy of the shard and its marker (nothing reads or writes
     /// them before the flip): before any copy, so a copy cut short and started again

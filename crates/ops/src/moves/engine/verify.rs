@@ -58,7 +58,8 @@ impl Mover<'_> {
         let mut differences = Vec::new();
         let mut rows = 0;
         let mut rechecked = 0;
-        for (table, key) in &src_tables {
+        // Rows are hashed as the source's columns say, on both sides alike.
+        for (table, key, hash) in &src_tables {
             if let Some((k, keys)) = logged.get(table) {
                 let list = changes::json_array(keys.iter());
                 let (a, b) = futures::try_join!(
@@ -88,8 +89,8 @@ impl Mover<'_> {
                 continue;
             }
             let (a, b) = futures::try_join!(
-                checksum(src, &source, &moved, table),
-                checksum(dst, &target, &schema, table)
+                checksum(src, &source, &moved, table, hash),
+                checksum(dst, &target, &schema, table, hash)
             )?;
             let matches = a == b;
             rows += b.0;
@@ -97,8 +98,8 @@ impl Mover<'_> {
             checks.push(TableCheck { table: table.clone(), source_rows: a.0, target_rows: b.0, matches });
             if !matches {
                 let (a, b) = futures::try_join!(
-                    keys(src, &source, &moved, table, key),
-                    keys(dst, &target, &schema, table, key)
+                    keys(src, &source, &moved, table, key, hash),
+                    keys(dst, &target, &schema, table, key, hash)
                 )?;
                 let diff = differing_keys(&a, &b);
                 let n = diff.len();
@@ -128,22 +129,80 @@ impl Mover<'_> {
 
 /// The shard's tables in `schema`, with their primary key (or all columns) as an SQL
 /// row expression.
-pub(super) async fn tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<(String, String)>> {
+pub(super) async fn tables(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+) -> Result<Vec<(String, String, String)>> {
     let rows = c
         .query(
-            "SELECT c.relname::text,
-                    coalesce((SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
-                                FROM pg_index i
-                                CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-                                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                               WHERE i.indrelid = c.oid AND i.indisprimary), '*')
-               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+            &format!(
+                "SELECT c.relname::text,
+                        coalesce((SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY k.ord)
+                                    FROM pg_index i
+                                    CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                   WHERE i.indrelid = c.oid AND i.indisprimary), '*'),
+                        {HASHED_COLUMNS}
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1"
+            ),
             &[&schema],
         )
         .await
         .map_err(on(host, "list the tables"))?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1), row_hash("t", &hashed_columns(r, 2)))).collect())
+}
+
+/// For the table `c` of a catalog query: its columns in order (`attname[]`), and
+/// whether each is hashed as it is (`bool[]`) or as its text. Postgres's row hash
+/// (`hash_record_extended`) hashes an enum by its label's OID, which every server (and
+/// every schema) numbers on its own, and has no hash at all for some types (`json`,
+/// `money`, `point`, `tsvector`, ...): so a column is hashed as it is only when its
+/// type, or the base type of its domain, or the element type of its array, is built
+/// into Postgres and has a default hash operator class with an extended hash (the
+/// lookup Postgres itself makes); any other is hashed as its text, which the mover's
+/// sessions render alike on both sides (`TEXT_SETTINGS`).
+pub(super) const HASHED_COLUMNS: &str = "
+    (SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_attribute a
+      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+    (SELECT array_agg(b.base < 16384 AND s.scalar < 16384 AND EXISTS (
+                SELECT FROM pg_opclass oc JOIN pg_am am ON am.oid = oc.opcmethod AND am.amname = 'hash'
+                  JOIN pg_amproc p ON p.amprocfamily = oc.opcfamily AND p.amprocnum = 2
+                 WHERE oc.opcdefault
+                   AND (oc.opcintype = s.scalar OR EXISTS (SELECT FROM pg_cast k WHERE k.castsource = s.scalar
+                          AND k.casttarget = oc.opcintype AND k.castmethod = 'b')))
+              ORDER BY a.attnum)
+       FROM pg_attribute a
+      CROSS JOIN LATERAL (SELECT coalesce(nullif(ty.typbasetype, 0), ty.oid) AS base
+                            FROM pg_type ty WHERE ty.oid = a.atttypid) b
+      CROSS JOIN LATERAL (SELECT CASE WHEN bt.typcategory = 'A' AND bt.typelem <> 0 THEN bt.typelem
+                                      ELSE bt.oid END AS scalar
+                            FROM pg_type bt WHERE bt.oid = b.base) s
+      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)";
+
+/// The columns and flags [`HASHED_COLUMNS`] selected at `at` and `at + 1` of `r`.
+pub(super) fn hashed_columns(r: &tokio_postgres::Row, at: usize) -> Vec<(String, bool)> {
+    let names: Vec<String> = r.get::<_, Option<Vec<String>>>(at).unwrap_or_default();
+    let as_is: Vec<bool> = r.get::<_, Option<Vec<bool>>>(at + 1).unwrap_or_default();
+    names.into_iter().zip(as_is).collect()
+}
+
+/// The 64-bit hash of a row of alias `t` with `columns` (from [`hashed_columns`]): the
+/// same on every server for the same values. The one place the move compares rows by.
+pub(super) fn row_hash(t: &str, columns: &[(String, bool)]) -> String {
+    let parts: Vec<String> =
+        columns
+            .iter()
+            .map(|(c, as_is)| {
+                if *as_is {
+                    format!("{t}.{}", quote_ident(c))
+                } else {
+                    format!("{t}.{}::text", quote_ident(c))
+                }
+            })
+            .collect();
+    format!("hash_record_extended(ROW({}), 0)", parts.join(", "))
 }
 
 pub(super) async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String>> {
@@ -169,11 +228,12 @@ pub(super) async fn checksum(
     host: &HostName,
     schema: &str,
     table: &str,
+    hash: &str,
 ) -> Result<(i64, String)> {
     let row = c
         .query_one(
             &format!(
-                "SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0)::text FROM {}.{} AS t",
+                "SELECT count(*), coalesce(sum({hash}), 0)::text FROM {}.{} AS t",
                 quote_ident(schema),
                 quote_ident(table)
             ),
@@ -193,12 +253,13 @@ pub(super) async fn keys(
     schema: &str,
     table: &str,
     key: &str,
+    hash: &str,
 ) -> Result<HashMap<(String, i64), i64>> {
     let key = if key == "*" { "t.*".to_owned() } else { key.to_owned() };
     let rows = c
         .query(
             &format!(
-                "SELECT (ROW({key}))::text, hash_record_extended(t, 0), count(*) FROM {}.{} AS t GROUP BY 1, 2",
+                "SELECT (ROW({key}))::text, {hash}, count(*) FROM {}.{} AS t GROUP BY 1, 2",
                 quote_ident(schema),
                 quote_ident(table)
             ),
