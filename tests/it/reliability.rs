@@ -417,12 +417,19 @@ pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> Tes
     let text = f.config_text()?;
     std::fs::write(f.path(), format!("app_roles = [\"{role}\"]\n{text}"))?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let operator = f.config()?;
     std::fs::write(
         f.path(),
         f.config_text()?.replace("postgres://postgres@", &format!("postgres://{role}@")),
     )?;
     let config = f.config()?;
     assert!(config.hosts[0].url.expose().contains(&role));
+    // A handle that hears of no move (for the revert below).
+    let stale = Cluster::connect(
+        &config,
+        ClusterOptions { listen: false, map_check: Duration::ZERO, ..ClusterOptions::default() },
+    )
+    .await?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
     let comments = cluster.repo::<shardline_example_photos::Comment>()?;
@@ -457,6 +464,22 @@ pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> Tes
     let pg = shardline_repo::catalog::connect(&config.hosts[0].url, "host pg1").await?;
     let err = pg.batch_execute("DROP TABLE shard_0000.comments").await.unwrap_err();
     assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
+
+    // A revert's old copy turns away a stale router's write as a moved shard's (3F000,
+    // so the router finds the shard where it is), also for this role, which may not
+    // read shardline's own tables (its guard checked them with the caller's rights and
+    // failed with 42501).
+    let from = stale.route_user(0).host;
+    let to = if from.as_str() == "pg1" { "pg2" } else { "pg1" };
+    moves::run(&operator, shard, &crate::host(to), &MoveOptions::default().revertible()).await?;
+    let err = moves::revert(&operator, shard, &MoveOptions::default().stopping_after(Step::Prepared))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, shardline_ops::Error::Interrupted { step: Step::Prepared, .. }), "{err}");
+    assert_eq!(stale.route_user(0).host, from, "the stale handle still sends the shard to its old copy");
+    let p = stale.repo::<Photo>()?.insert(&NewPhoto::numbered(0, 77)).await?;
+    assert_eq!(stale.route_user(0).host.as_str(), to);
+    assert_eq!(photos.get(p.id).await?, Some(p));
     Ok(())
 }
 

@@ -825,7 +825,8 @@ async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &Schema
         .collect();
     c.batch_execute(&format!(
         "BEGIN;
-         CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql AS $g$
+         CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
+             SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $g$
          BEGIN
              IF EXISTS (SELECT FROM shardline.move_marks WHERE move_id = TG_ARGV[0]::bigint AND decided = 'flip') THEN
                  RETURN NULL;
