@@ -460,6 +460,69 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_moved_shard_hands_out_no_serial_value_twice);
+/// A `bigserial` column, an identity column and a descending sequence of a migration's
+/// (not shardline's ID sequence) go on from where the source left them after a move and
+/// after its revert: a value the source handed out is never handed out again, which a
+/// unique key would refuse (23505) and a plain column would hold twice.
+pub(crate) async fn a_moved_shard_hands_out_no_serial_value_twice(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    f.migration(
+        "0005_serials.sql",
+        "CREATE TABLE tickets (n bigserial PRIMARY KEY, k int GENERATED ALWAYS AS IDENTITY UNIQUE, body text);
+         CREATE SEQUENCE countdown INCREMENT -1 MINVALUE -1000 MAXVALUE 0 START 0;
+         CREATE TABLE \"Odd Seq\" (n serial PRIMARY KEY, down int DEFAULT nextval('countdown') UNIQUE);",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let shard = cluster.route_user(1).shard;
+    let from = cluster.route_user(1).host;
+    let to = if from.as_str() == "pg1" { "pg2" } else { "pg1" };
+    // Each round inserts 5 rows and returns every value handed out so far.
+    let round = || {
+        cluster.transaction(shard, |tx| {
+            Box::pin(async move {
+                for _ in 0..5 {
+                    tx.execute("INSERT INTO tickets (body) VALUES ('x')", &[]).await?;
+                    tx.execute("INSERT INTO \"Odd Seq\" DEFAULT VALUES", &[]).await?;
+                }
+                let rows = tx
+                    .query(
+                        "SELECT array_agg(n ORDER BY n), array_agg(k ORDER BY k),
+                                (SELECT array_agg(n ORDER BY n) FROM \"Odd Seq\"),
+                                (SELECT array_agg(down ORDER BY down) FROM \"Odd Seq\")
+                           FROM tickets",
+                        &[],
+                    )
+                    .await?;
+                let r = &rows[0];
+                Ok::<_, Error>((
+                    r.get::<_, Vec<i64>>(0),
+                    r.get::<_, Vec<i32>>(1),
+                    r.get::<_, Vec<i32>>(2),
+                    r.get::<_, Vec<i32>>(3),
+                ))
+            })
+        })
+    };
+    round().await?;
+    moves::run(&config, shard, &crate::host(to), &MoveOptions::default().revertible()).await?;
+    cluster.refresh().await?;
+    let after_move = round().await?;
+    moves::revert(&config, shard, &MoveOptions::default()).await?;
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(1).host, from);
+    let (n, k, serial, down) = round().await?;
+    // 15 rows each, every value once, in the order handed out.
+    assert_eq!(n, (1..=15).collect::<Vec<i64>>());
+    assert_eq!(k, (1..=15).collect::<Vec<i32>>());
+    assert_eq!(serial, (1..=15).collect::<Vec<i32>>());
+    assert_eq!(down, (-14..=0).collect::<Vec<i32>>());
+    assert_eq!(after_move.0.len(), 10);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: what_a_review_found_in_the_request_path_holds);
 /// Three more promises, after an independent read of the request path: a fan-out whose
 /// shard is really gone (no move explains it) reports that host missing instead of

@@ -234,8 +234,10 @@ impl Mover<'_> {
             }
             last = last.max(fenced);
         }
+        let (moved, schema) = (self.moved.clone(), self.schema.clone());
+        let others = other_sequences(self.src().await?, &source, &moved, &schema).await?;
         let carry = format!(
-            "SELECT setval('{seq}'::regclass, greatest({last}, (SELECT last_value FROM {seq})), true);"
+            "SELECT setval('{seq}'::regclass, greatest({last}, (SELECT last_value FROM {seq})), true);{others}"
         );
         let carry = match &self.detail.reverts {
             None => carry,
@@ -252,11 +254,51 @@ impl Mover<'_> {
         let dst = self.dst().await?;
         if let Err(e) = dst.batch_execute(&carry).await {
             let _ = dst.batch_execute("ROLLBACK").await;
-            return Err(on(&target, "carry the ID sequence")(e));
+            return Err(on(&target, "carry the shard's sequences")(e));
         }
         self.detail.sequence = Some(last);
         self.journal(Step::SequenceCarried).await
     }
+}
+
+/// The SQL that carries the shard's other sequences (a `serial`, `bigserial` or
+/// identity column's, one a migration made) from the source's fenced copy `moved` to
+/// `schema` on the target: each to the source's last value where that is further on
+/// (in the sequence's direction), so the target never hands out a value the source did.
+/// Read after the fence: the shard's tables are locked and then renamed away, so
+/// nothing takes their values any more. A sequence never used on the source is left as
+/// it is. The ID sequence and the minter's catch-up state are carried apart (or not at
+/// all).
+async fn other_sequences(
+    src: &Client,
+    source: &HostName,
+    moved: &str,
+    schema: &SchemaName,
+) -> Result<String> {
+    let rows = src
+        .query(
+            "SELECT sequencename::text, last_value, increment_by > 0 FROM pg_sequences
+              WHERE schemaname = $1 AND last_value IS NOT NULL
+                AND sequencename NOT IN ('shardline_id_seq', 'shardline_catch_up_due')
+              ORDER BY 1",
+            &[&moved],
+        )
+        .await
+        .map_err(on(source, "read the shard's sequences"))?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let (name, last, up): (String, i64, bool) = (r.get(0), r.get(1), r.get(2));
+            let further = if up { "<" } else { ">" };
+            format!(
+                "\nSELECT setval({}::regclass, {last}, true) FROM pg_sequences
+                  WHERE schemaname = {} AND sequencename = {} AND (last_value IS NULL OR last_value {further} {last});",
+                quote_literal(&format!("{}.{}", schema.quoted(), quote_ident(&name))),
+                quote_literal(schema.as_str()),
+                quote_literal(&name),
+            )
+        })
+        .collect())
 }
 
 /// The flip's proof (a random token) and its SHA-256, made on the source.
