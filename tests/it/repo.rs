@@ -86,6 +86,30 @@ pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestCo
     // Update and delete by ID.
     let changed = photos.update(made[1].id, &[("caption", &"sunset")]).await?;
     assert_eq!(changed.map(|p| p.caption), Some("sunset".to_owned()));
+    // The column that places a row (its user, its parent) cannot be updated: the row
+    // would stay in its shard while its new key leads to another, and no page of either
+    // user would show it. Nothing is sent.
+    let err = photos.update(made[1].id, &[("caption", &"moved"), ("user_id", &2_i64)]).await.unwrap_err();
+    assert!(matches!(&err, Error::Invalid { what } if what.contains("photos.user_id")), "{err}");
+    assert!(!err.outcome_unknown());
+    let comments = cluster.repo::<shardline_example_photos::Comment>()?;
+    let c = comments
+        .insert(&shardline_example_photos::NewComment { photo_id: made[1].id, user_id: 3, body: "hi".into() })
+        .await?;
+    let err = comments.update(c.id, &[("photo_id", &made[0].id)]).await.unwrap_err();
+    assert!(matches!(&err, Error::Invalid { what } if what.contains("comments.photo_id")), "{err}");
+    let one = made[1].id;
+    let err = cluster
+        .transaction(cluster.route_id(one)?.shard, |tx| {
+            Box::pin(async move { tx.update::<Photo>(one, &[("user_id", &2_i64)]).await })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(&err, Error::Invalid { what } if what.contains("photos.user_id")), "{err}");
+    assert_eq!(
+        photos.get(made[1].id).await?.map(|p| (p.user_id, p.caption)),
+        Some((made[1].user_id, "sunset".to_owned()))
+    );
     assert!(matches!(
         photos.update(made[1].id, &[("id", &5i64)]).await,
         Err(Error::InvalidIdentifier { .. })

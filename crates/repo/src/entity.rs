@@ -151,11 +151,24 @@ pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
     Ok(())
 }
 
-/// Checks the columns an update sets: declared by `E`, not `id`, plain identifiers.
+/// Checks the columns an update sets: declared by `E`, not `id`, not the column that
+/// places the row in its shard ([`Entity::USER_COLUMN`], [`Entity::PARENT_COLUMN`]),
+/// plain identifiers.
 pub(crate) fn check_update<'a, E: Entity>(set: &[(&'a str, &(dyn ToSql + Sync))]) -> Result<Vec<&'a str>> {
     for (c, _) in set {
         if *c == "id" || !E::COLUMNS.contains(c) {
             return Err(Error::InvalidIdentifier { what: "column to update", name: (*c).to_owned() });
+        }
+        if E::USER_COLUMN == Some(*c) || E::PARENT_COLUMN == Some(*c) {
+            // The row would stay in its shard while its key named another: no read by
+            // that key would find it.
+            return Err(Error::Invalid {
+                what: format!(
+                    "an update of {}.{c} is refused: the column places the row in its shard, so the row \
+                     would stay where its new value does not lead; delete the row and insert it anew",
+                    E::TABLE
+                ),
+            });
         }
         check_ident("column", c)?;
     }
