@@ -199,15 +199,44 @@ pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_ch
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
     let before = cluster.map().version();
+    let quick = Cluster::connect(
+        &config,
+        ClusterOptions {
+            listen: false,
+            host_timeout: Duration::from_secs(2),
+            move_wait: Duration::from_secs(3),
+            ..ClusterOptions::default()
+        },
+    )
+    .await?;
     l.catalog.cut();
+    let mut made = Vec::new();
     for user in 0..6 {
         let t = Instant::now();
-        photos
-            .insert(&photo(user, 0))
-            .await
-            .map_err(|e| format!("user {user} with the catalog cut off: {e}"))?;
+        made.push(
+            photos
+                .insert(&photo(user, 0))
+                .await
+                .map_err(|e| format!("user {user} with the catalog cut off: {e}"))?,
+        );
         assert!(t.elapsed() < Duration::from_secs(3), "user {user}'s write took {:?}", t.elapsed());
     }
+    // A read that finds its shard's schema missing (renamed aside here, as a fence does)
+    // asks the catalog whether the shard moved. The catalog does not answer: the read
+    // fails within the handle's timeouts (a catalog read, a connect, move_wait), never
+    // hangs on it.
+    let route = cluster.route_user(0);
+    let h = host_index(route.host.as_str());
+    let admin = l.f.client(&ctx, h).await?;
+    admin.batch_execute(&format!("ALTER SCHEMA {} RENAME TO aside", route.schema.quoted())).await?;
+    let t = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(40), quick.repo::<Photo>()?.get(made[0].id)).await;
+    let took = t.elapsed();
+    admin.batch_execute(&format!("ALTER SCHEMA aside RENAME TO {}", route.schema.quoted())).await?;
+    let got =
+        got.map_err(|_| "a read of a shard whose schema is missing hung on the cut catalog for 40 s")?;
+    assert!(got.is_err(), "{got:?}");
+    assert!(took < Duration::from_secs(12), "the read took {took:?} to fail: {got:?}");
     let from = cluster.route_user(0).host;
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
     let t = Instant::now();
@@ -225,6 +254,38 @@ pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_ch
     cluster.refresh().await?;
     assert_eq!(cluster.route_user(0).host, to);
     photos.insert(&photo(0, 1)).await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: while_no_listen_connection_can_be_made_the_map_check_goes_on);
+/// The catalog's `LISTEN` connection (through a link of its own) ends, and no new one
+/// can be made (the link is gone: connections are refused). A map change then reaches
+/// the handle through the map check, within about `map_check` and the listener's retry.
+pub(crate) async fn while_no_listen_connection_can_be_made_the_map_check_goes_on(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let link = ctx.cluster().link(0).await?;
+    let text = f.config_text()?.replacen(
+        "[catalog]\n",
+        &format!("[catalog]\nlisten_url = \"{}\"\n", link.url(f.db())),
+        1,
+    );
+    let config = f.config_from(&text)?;
+    let check = Duration::from_millis(500);
+    let cluster =
+        Cluster::connect(&config, ClusterOptions { map_check: check, ..ClusterOptions::default() }).await?;
+    let version = cluster.map().version();
+    link.sever();
+    drop(link);
+    f.client(&ctx, 0).await?.execute("UPDATE shardline.shards SET host = 'pg2' WHERE shard = 0", &[]).await?;
+    let changed = Instant::now();
+    while cluster.map().version() <= version {
+        assert!(changed.elapsed() < Duration::from_secs(10), "the map check stopped with the listener");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("observed: a change caught {:?} after it was made, the listener down", changed.elapsed());
     Ok(())
 }
 

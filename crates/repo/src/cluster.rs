@@ -419,8 +419,10 @@ impl Cluster {
     ///
     /// # Errors
     ///
-    /// Catalog errors; [`Error::UnknownHost`] or [`Error::Credentials`] when the new map
-    /// places shards on a host the handle cannot reach (the old map and pools are kept).
+    /// Catalog errors, [`Error::CatalogTimeout`] when the catalog does not answer within
+    /// [`ClusterOptions::host_timeout`]. A host of the new map the handle cannot reach
+    /// (no pool can be made for it) does not fail the reload: the new map is held, the
+    /// host is logged, and its shards' statements fail until it can be reached.
     pub async fn refresh(&self) -> Result<i64> {
         refresh(&self.inner).await
     }
@@ -702,19 +704,18 @@ impl Cluster {
 
     /// `shardline.complete_flip(id, token)` in the catalog: whether it flipped.
     async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
-        let slot = self.inner.catalog.lock().await;
-        match slot.as_ref() {
-            Some(c) if !c.is_closed() => c.complete_flip(id, token).await,
-            _ => Err(Error::NotInitialised),
-        }
+        let mut slot = self.inner.catalog.lock().await;
+        on_catalog(&self.inner, &mut slot, async |c: &Catalog| c.complete_flip(id, token).await).await
     }
 
     /// Whether a move of any of `shards` is running, and whether one ended in the last
     /// few seconds ([`Catalog::moves_of`]).
     async fn moves_of(&self, shards: &[LogicalShard]) -> Result<(bool, bool)> {
-        let slot = self.inner.catalog.lock().await;
-        let Some(c) = slot.as_ref() else { return Ok((false, false)) };
-        c.moves_of(shards).await
+        let mut slot = self.inner.catalog.lock().await;
+        if slot.is_none() {
+            return Ok((false, false));
+        }
+        on_catalog(&self.inner, &mut slot, async |c: &Catalog| c.moves_of(shards).await).await
     }
 }
 
@@ -1060,22 +1061,54 @@ fn new_host_pool(
     })
 }
 
+/// `work` on the catalog connection held in `slot` (the handle's one, under its lock),
+/// within [`ClusterOptions::host_timeout`]: [`Error::NotInitialised`] when there is none
+/// or it is closed. A catalog that does not answer in time (hung, or its link cut:
+/// the connection stays open and nothing comes back) fails the call with
+/// [`Error::CatalogTimeout`] instead of holding every reload, move wait and map check
+/// behind the lock; the connection is dropped, and the next call connects anew.
+async fn on_catalog<T>(
+    inner: &Inner,
+    slot: &mut Option<Catalog>,
+    work: impl AsyncFnOnce(&Catalog) -> Result<T>,
+) -> Result<T> {
+    let after = inner.options.host_timeout;
+    let answer = match slot.as_ref() {
+        Some(c) if !c.is_closed() => tokio::time::timeout(after, work(c)).await,
+        _ => return Err(Error::NotInitialised),
+    };
+    answer.unwrap_or_else(|_| {
+        tracing::warn!(?after, "the catalog did not answer in time; its connection is dropped");
+        *slot = None;
+        Err(Error::CatalogTimeout { after })
+    })
+}
+
+/// A new connection to the catalog for `slot`, unless it holds an open one; within
+/// [`ClusterOptions::host_timeout`] too ([`Error::CatalogTimeout`]), as it is made on a
+/// request's way.
+async fn catalog_slot(inner: &Inner, slot: &mut Option<Catalog>) -> Result<()> {
+    if slot.as_ref().is_none_or(Catalog::is_closed) {
+        let after = inner.options.host_timeout;
+        let client = tokio::time::timeout(after, catalog::connect(&inner.catalog_url, "catalog"))
+            .await
+            .map_err(|_| Error::CatalogTimeout { after })??;
+        *slot = Some(Catalog::from_client(client));
+    }
+    Ok(())
+}
+
 async fn refresh(inner: &Inner) -> Result<i64> {
     let mut slot = inner.catalog.lock().await;
     let read = async |c: &Catalog| Ok::<_, Error>((c.map().await?, c.hosts().await?));
-    let got = match slot.as_ref() {
-        Some(c) if !c.is_closed() => read(c).await,
-        _ => Err(Error::NotInitialised),
-    };
-    let (map, hosts) = match got {
+    let (map, hosts) = match on_catalog(inner, &mut slot, read).await {
         Ok(m) => m,
+        Err(e) if e.is_timeout() => return Err(e),
         Err(_) => {
             // The catalog connection is gone or failed: one new connection, one retry.
-            let client = catalog::connect(&inner.catalog_url, "catalog").await?;
-            let c = Catalog::from_client(client);
-            let m = read(&c).await?;
-            *slot = Some(c);
-            m
+            *slot = None;
+            catalog_slot(inner, &mut slot).await?;
+            on_catalog(inner, &mut slot, read).await?
         }
     };
     // The catalog stays locked until the map is swapped: two reloads at once never
@@ -1101,12 +1134,28 @@ async fn refresh(inner: &Inner) -> Result<i64> {
 /// one when it is gone).
 async fn catalog_version(inner: &Inner) -> Result<i64> {
     let mut slot = inner.catalog.lock().await;
-    if slot.as_ref().is_none_or(Catalog::is_closed) {
-        *slot = Some(Catalog::from_client(catalog::connect(&inner.catalog_url, "catalog").await?));
-    }
-    match slot.as_ref() {
-        Some(c) => c.map_version().await,
-        None => Err(Error::NotInitialised),
+    catalog_slot(inner, &mut slot).await?;
+    on_catalog(inner, &mut slot, async |c: &Catalog| c.map_version().await).await
+}
+
+/// The map check: whether the catalog's map version is past `held`, the handle's (a
+/// change whose notification never arrived, logged).
+async fn catalog_is_ahead(inner: &Inner, held: i64) -> bool {
+    match catalog_version(inner).await {
+        Ok(v) if v > held => {
+            tracing::warn!(
+                held,
+                catalog = v,
+                "the shard map changed but no notification arrived (is the LISTEN connection \
+                 behind a transaction-mode pooler, or down? give catalog.listen_url a direct URL); reloading"
+            );
+            true
+        }
+        Ok(_) => false,
+        Err(e) => {
+            tracing::warn!(error = %crate::error_chain(&e), "cannot read the catalog's map version");
+            false
+        }
     }
 }
 
@@ -1117,6 +1166,7 @@ async fn catalog_version(inner: &Inner) -> Result<i64> {
 async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
     let check = inner.upgrade().map_or(Duration::ZERO, |i| i.options.map_check);
     let wait = if check.is_zero() { Duration::from_secs(3600) } else { check };
+    let mut checked = tokio::time::Instant::now();
     loop {
         let next = listener.next(wait).await;
         let Some(inner) = inner.upgrade() else { return };
@@ -1132,24 +1182,25 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                     Ok(l) => listener = l,
                     Err(e) => {
                         tracing::warn!(error = %crate::error_chain(&e), "cannot listen for map changes; retrying");
-                        continue;
+                        // Meanwhile the map check goes on: it is what bounds the map's
+                        // age while no notification can come.
+                        if check.is_zero() || checked.elapsed() < check {
+                            continue;
+                        }
+                        checked = tokio::time::Instant::now();
+                        if !catalog_is_ahead(&inner, held).await {
+                            continue;
+                        }
                     }
                 }
             }
             None if check.is_zero() => continue,
-            None => match catalog_version(&inner).await {
-                Ok(v) if v > held => tracing::warn!(
-                    held,
-                    catalog = v,
-                    "the shard map changed but no notification arrived (is the LISTEN connection \
-                     behind a transaction-mode pooler? give catalog.listen_url a direct URL); reloading"
-                ),
-                Ok(_) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %crate::error_chain(&e), "cannot read the catalog's map version");
+            None => {
+                checked = tokio::time::Instant::now();
+                if !catalog_is_ahead(&inner, held).await {
                     continue;
                 }
-            },
+            }
         }
         if let Err(e) = refresh(&inner).await {
             tracing::warn!(error = %crate::error_chain(&e), "cannot reload the shard map");

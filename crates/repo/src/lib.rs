@@ -146,6 +146,14 @@ pub enum Error {
         /// The connect timeout.
         after: std::time::Duration,
     },
+    /// The catalog did not answer a read of the map (or of a move) within
+    /// [`ClusterOptions::host_timeout`]: it is hung, or the link to it is cut. The
+    /// handle's connection to it is dropped; the next read connects anew.
+    #[error("the catalog did not answer within {after:?}")]
+    CatalogTimeout {
+        /// The time allowed ([`ClusterOptions::host_timeout`]).
+        after: std::time::Duration,
+    },
     /// The cancel of a statement that ran out of time could not be sent (the statement
     /// may run on).
     #[error("{target}: the cancel request could not be sent: {message}")]
@@ -462,9 +470,10 @@ impl Error {
     /// A host did not answer in time, or no connection could be had in time.
     pub fn is_timeout(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Pool { timed_out: true, .. } | Error::ConnectTimeout { .. } => {
-                true
-            }
+            Error::Timeout { .. }
+            | Error::Pool { timed_out: true, .. }
+            | Error::ConnectTimeout { .. }
+            | Error::CatalogTimeout { .. } => true,
             Error::InsertMany { source, .. } => source.is_timeout(),
             _ => false,
         }
@@ -547,7 +556,10 @@ impl Error {
     /// [`Error::outcome_unknown`].
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Pool { .. } | Error::ConnectTimeout { .. } => true,
+            Error::Timeout { .. }
+            | Error::Pool { .. }
+            | Error::ConnectTimeout { .. }
+            | Error::CatalogTimeout { .. } => true,
             // Refused by the server: retry only what passes (too many connections, a server
             // starting or shutting down), never a password or a missing database.
             Error::Connect { source, .. } => source.as_db_error().is_none_or(|d| {
