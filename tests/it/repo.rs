@@ -2,6 +2,7 @@
 //! map gives, a stale map is refreshed instead of reading the wrong host, and a fan-out
 //! with a dead or hung host says which shards are missing instead of hanging.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
@@ -510,5 +511,33 @@ pub(crate) async fn for_each_shard_reaches_every_shard_once(ctx: TestContext) ->
         .await;
     let counts: Vec<i64> = counts.into_iter().map(|(_, r)| r).collect::<Result<_, _>>()?;
     assert_eq!(counts, vec![1, 1, 1, 1, 0, 1, 1, 1, 1]);
+
+    // A few per host at once (pool_size / 2), also once the other hosts are done: here
+    // pg3's shards are slow, so the tail of the work is all pg3's.
+    let (_g, small) =
+        self::cluster(&ctx, 3, 12, ClusterOptions { pool_size: 4, ..ClusterOptions::default() }).await?;
+    let running: std::sync::Mutex<HashMap<String, (usize, usize)>> = std::sync::Mutex::default();
+    let results = small
+        .for_each_shard(|tx| {
+            let running = &running;
+            Box::pin(async move {
+                let host = tx.host().to_string();
+                {
+                    let mut r = running.lock().unwrap();
+                    let (now, most) = r.entry(host.clone()).or_default();
+                    *now += 1;
+                    *most = (*most).max(*now);
+                }
+                let slow = if host == "pg3" { 0.2 } else { 0.0 };
+                let done = tx.execute("SELECT pg_sleep($1)", &[&slow]).await;
+                running.lock().unwrap().entry(host).or_default().0 -= 1;
+                done
+            })
+        })
+        .await;
+    assert!(results.iter().all(|(_, r)| r.is_ok()), "{results:?}");
+    let most: Vec<(String, usize)> =
+        running.into_inner()?.into_iter().map(|(h, (_, most))| (h, most)).collect();
+    assert!(most.iter().all(|(_, m)| *m <= 2), "at most pool_size / 2 = 2 per host at once: {most:?}");
     Ok(())
 }

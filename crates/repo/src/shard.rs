@@ -31,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -491,9 +492,21 @@ impl Cluster {
         let order: Vec<LogicalShard> =
             (0..longest).flat_map(|i| per_host.iter().filter_map(move |s| s.get(i).copied())).collect();
         let per_host_jobs = (self.options().pool_size / 2).clamp(1, 8);
-        let run = &run;
+        // At most `per_host_jobs` on any host at once, also once the other hosts are
+        // done (the tail of the order is one host's): the rest of its pool stays free
+        // for the application's own requests.
+        let limits: HashMap<&HostName, tokio::sync::Semaphore> =
+            map.hosts().iter().map(|h| (h, tokio::sync::Semaphore::new(per_host_jobs))).collect();
+        let (run, limits, map) = (&run, &limits, &map);
         let mut results: Vec<(LogicalShard, T)> = futures::stream::iter(order)
-            .map(|shard| async move { (shard, run(shard).await) })
+            .map(|shard| async move {
+                // A closed semaphore never happens (none is closed); then no limit.
+                let _turn = match limits.get(map.host_of(shard)) {
+                    Some(limit) => limit.acquire().await.ok(),
+                    None => None,
+                };
+                (shard, run(shard).await)
+            })
             .buffer_unordered(hosts * per_host_jobs)
             .collect()
             .await;
