@@ -475,6 +475,38 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_kept_statement_is_prepared_again_once_its_table_changed);
+/// With statements kept prepared, a migration that changes a column's type makes the
+/// kept statement fail (0A000, "cached plan must not change result type") once, not
+/// until its connection is recycled: the next call prepares it again.
+pub(crate) async fn a_kept_statement_is_prepared_again_once_its_table_changed(
+    ctx: TestContext,
+) -> TestResult {
+    let options = ClusterOptions { pool_size: 1, statement_cache: 64, ..ClusterOptions::default() };
+    let (f, cluster) = cluster(&ctx, 2, 4, options).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let p = photos.insert(&photo(1, 1)).await?;
+    assert_eq!(photos.get(p.id).await?, Some(p.clone()));
+    let route = cluster.route_id(p.id)?;
+    let h = if route.host.as_str() == "pg1" { 0 } else { 1 };
+    f.client(&ctx, h)
+        .await?
+        .batch_execute(&format!(
+            "ALTER TABLE {}.photos ALTER COLUMN caption TYPE varchar(2000)",
+            route.schema.quoted()
+        ))
+        .await?;
+    let first = photos.get(p.id).await;
+    if let Err(e) = &first {
+        assert_eq!(e.sqlstate(), Some("0A000"), "{e}");
+        assert!(!e.outcome_unknown());
+    }
+    for _ in 0..3 {
+        assert_eq!(photos.get(p.id).await?, Some(p.clone()), "after the first call ({first:?})");
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: for_each_shard_reaches_every_shard_once);
 pub(crate) async fn for_each_shard_reaches_every_shard_once(ctx: TestContext) -> TestResult {
     let (_f, cluster) = cluster(&ctx, 3, 9, ClusterOptions::default()).await?;

@@ -1170,7 +1170,10 @@ impl<E: Entity> Repo<E> {
                                 .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
                                 .await
                                 .map_err(failed)?;
-                            client.query(&statement, &[&lo, &hi, &n]).await.map_err(failed)?
+                            client.query(&statement, &[&lo, &hi, &n]).await.map_err(|e| {
+                                statement::forget_if_stale(client, &e);
+                                failed(e)
+                            })?
                         } else {
                             client
                                 .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])

@@ -267,9 +267,22 @@ pub(crate) async fn run(
                 .await
                 .map_err(|e| pooler_hint(crate::Error::host(host, shard, what, e)))?;
             client.query(&statement, params).await.map_err(|e| {
+                forget_if_stale(client, &e);
                 pooler_hint(crate::statement_error(host, shard, what, e, statement.params(), params))
             })
         }
+    }
+}
+
+/// After a kept statement failed: when it failed because its table changed since it
+/// was prepared (a migration altered a column's type: 0A000, "cached plan must not
+/// change result type"), empties the connection's statement cache, so the next call
+/// prepares it again instead of failing the same way until the connection is recycled.
+/// The failed statement did not run.
+pub(crate) fn forget_if_stale(client: &deadpool_postgres::Object, e: &tokio_postgres::Error) {
+    if e.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED) {
+        tracing::debug!(error = %e, "a kept statement's table changed; preparing it again next time");
+        client.statement_cache.clear();
     }
 }
 
