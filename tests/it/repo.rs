@@ -389,40 +389,26 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
     assert!(photos.get(p.id).await?.is_some());
 
     // A closure that ends the transaction itself is told so, never `Ok` as if it were
-    // whole: a raw ROLLBACK (nothing of it stays) ...
-    let inserted = std::sync::Mutex::new(None);
-    let err = cluster
-        .transaction(shard, |tx| {
-            let inserted = &inserted;
-            Box::pin(async move {
-                let id = tx.insert(&photo(6, 3)).await?.id;
-                *inserted.lock().unwrap() = Some(id);
-                tx.execute("ROLLBACK", &[]).await?;
-                Ok::<_, Error>(id)
+    // whole: a raw ROLLBACK (nothing of it stays), a raw COMMIT (what it applied stays) ...
+    for (end, n, stays) in [("ROLLBACK", 3, false), ("COMMIT", 4, true)] {
+        let inserted = std::sync::Mutex::new(None);
+        let err = cluster
+            .transaction(shard, |tx| {
+                let inserted = &inserted;
+                Box::pin(async move {
+                    let id = tx.insert(&photo(6, n)).await?.id;
+                    *inserted.lock().unwrap() = Some(id);
+                    tx.execute(end, &[]).await?;
+                    Ok::<_, Error>(id)
+                })
             })
-        })
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::TransactionEnded { shard: s, .. } if s == shard), "{err:?}");
-    assert!(err.outcome_unknown() && !err.is_retryable(), "{err:?}");
-    let rolled_back = inserted.lock().unwrap().take().ok_or("the closure ran")?;
-    assert_eq!(photos.get(rolled_back).await?, None);
-    // ... a raw COMMIT (what it applied stays) ...
-    let err = cluster
-        .transaction(shard, |tx| {
-            let inserted = &inserted;
-            Box::pin(async move {
-                let id = tx.insert(&photo(6, 4)).await?.id;
-                *inserted.lock().unwrap() = Some(id);
-                tx.execute("COMMIT", &[]).await?;
-                Ok::<_, Error>(id)
-            })
-        })
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::TransactionEnded { .. }), "{err:?}");
-    let committed = inserted.lock().unwrap().take().ok_or("the closure ran")?;
-    assert!(photos.get(committed).await?.is_some());
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::TransactionEnded { shard: s, .. } if s == shard), "{end}: {err:?}");
+        assert!(err.outcome_unknown() && !err.is_retryable(), "{err:?}");
+        let id = inserted.into_inner()?.ok_or("the closure ran")?;
+        assert_eq!(photos.get(id).await?.is_some(), stays, "{end}");
+    }
     // ... and a raw COMMIT followed by a statement that fails as a moved shard's would
     // (its unqualified table is missing without the transaction's search_path): the
     // closure is not run again, so what it committed is there once.

@@ -704,17 +704,16 @@ impl Cluster {
 
     /// `shardline.complete_flip(id, token)` in the catalog: whether it flipped.
     async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
-        let mut slot = self.inner.catalog.lock().await;
+        let mut slot = lock_catalog(&self.inner).await?;
+        catalog_slot(&self.inner, &mut slot).await?;
         on_catalog(&self.inner, &mut slot, async |c: &Catalog| c.complete_flip(id, token).await).await
     }
 
     /// Whether a move of any of `shards` is running, and whether one ended in the last
     /// few seconds ([`Catalog::moves_of`]).
     async fn moves_of(&self, shards: &[LogicalShard]) -> Result<(bool, bool)> {
-        let mut slot = self.inner.catalog.lock().await;
-        if slot.is_none() {
-            return Ok((false, false));
-        }
+        let mut slot = lock_catalog(&self.inner).await?;
+        catalog_slot(&self.inner, &mut slot).await?;
         on_catalog(&self.inner, &mut slot, async |c: &Catalog| c.moves_of(shards).await).await
     }
 }
@@ -1084,6 +1083,15 @@ async fn on_catalog<T>(
     })
 }
 
+/// The handle's catalog connection, locked, within [`ClusterOptions::host_timeout`]
+/// ([`Error::CatalogTimeout`]): the lock is held across a catalog round trip, so while
+/// the catalog does not answer, every caller after the first gives up in time instead of
+/// queueing behind one timeout after another.
+async fn lock_catalog(inner: &Inner) -> Result<tokio::sync::MutexGuard<'_, Option<Catalog>>> {
+    let after = inner.options.host_timeout;
+    tokio::time::timeout(after, inner.catalog.lock()).await.map_err(|_| Error::CatalogTimeout { after })
+}
+
 /// A new connection to the catalog for `slot`, unless it holds an open one; within
 /// [`ClusterOptions::host_timeout`] too ([`Error::CatalogTimeout`]), as it is made on a
 /// request's way.
@@ -1099,7 +1107,7 @@ async fn catalog_slot(inner: &Inner, slot: &mut Option<Catalog>) -> Result<()> {
 }
 
 async fn refresh(inner: &Inner) -> Result<i64> {
-    let mut slot = inner.catalog.lock().await;
+    let mut slot = lock_catalog(inner).await?;
     let read = async |c: &Catalog| Ok::<_, Error>((c.map().await?, c.hosts().await?));
     let (map, hosts) = match on_catalog(inner, &mut slot, read).await {
         Ok(m) => m,
@@ -1133,7 +1141,7 @@ async fn refresh(inner: &Inner) -> Result<i64> {
 /// The map version the catalog holds, read on the shared catalog connection (a new
 /// one when it is gone).
 async fn catalog_version(inner: &Inner) -> Result<i64> {
-    let mut slot = inner.catalog.lock().await;
+    let mut slot = lock_catalog(inner).await?;
     catalog_slot(inner, &mut slot).await?;
     on_catalog(inner, &mut slot, async |c: &Catalog| c.map_version().await).await
 }

@@ -847,8 +847,9 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidIdentifier`] for a column `E` does not declare (nothing is sent);
-    /// as [`Repo::get`].
+    /// [`Error::InvalidIdentifier`] for a column `E` does not declare, [`Error::Invalid`]
+    /// for the column that places the row in its shard (its user or parent column):
+    /// nothing is sent; as [`Repo::get`].
     pub async fn update(&self, id: Id, set: &[(&str, &(dyn ToSql + Sync))]) -> Result<Option<E>> {
         let columns = check_update::<E>(set)?;
         let shard = self.cluster.route_id(id)?.shard;

@@ -116,9 +116,7 @@ impl ShardTx<'_> {
             client.batch_execute("ROLLBACK").await.map_err(|e| Error::host(host, Some(shard), "rollback", e))
         })
         .await?;
-        if let Some(tx) = self.client.take() {
-            tx.release();
-        }
+        self.release();
         Ok(())
     }
 
@@ -130,35 +128,43 @@ impl ShardTx<'_> {
     /// probe fail with 25P01 (a `SAVEPOINT` outside a transaction block):
     /// [`Error::TransactionEnded`], never `Ok`. (A bare `COMMIT` there would only warn.)
     async fn commit(&mut self) -> Result<()> {
-        let (host, shard) = (&self.route.host, self.route.shard);
-        let client = self.client()?;
-        let done = within(host, self.timeout, async {
-            client
-                .batch_execute(&format!("SAVEPOINT {PROBE}; COMMIT"))
-                .await
-                .map_err(|e| Error::host(host, Some(shard), "commit", e))
-        })
-        .await;
-        match done {
+        let (host, shard) = (self.route.host.clone(), self.route.shard);
+        match self.probe("; COMMIT").await {
             Ok(()) => {
-                if let Some(tx) = self.client.take() {
-                    tx.release();
-                }
+                self.release();
                 Ok(())
             }
             Err(e) if e.sqlstate() == Some("25P02") => {
-                let rolled_back = Error::RolledBack { host: host.clone(), shard };
                 let _ = self.rollback().await;
-                Err(rolled_back)
+                Err(Error::RolledBack { host, shard })
             }
             Err(e) if e.sqlstate() == Some("25P01") => {
                 // Not in a transaction: nothing to end; the connection is clean.
-                if let Some(tx) = self.client.take() {
-                    tx.release();
-                }
-                Err(Error::TransactionEnded { host: host.clone(), shard })
+                self.release();
+                Err(Error::TransactionEnded { host, shard })
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// The probe `SAVEPOINT` on the transaction's connection, then `then` in the same
+    /// round trip (not run when the probe fails).
+    async fn probe(&self, then: &str) -> Result<()> {
+        let (host, shard) = (&self.route.host, self.route.shard);
+        let client = self.client()?;
+        within(host, self.timeout, async {
+            client
+                .batch_execute(&format!("SAVEPOINT {PROBE}{then}"))
+                .await
+                .map_err(|e| Error::host(host, Some(shard), "commit", e))
+        })
+        .await
+    }
+
+    /// Gives the connection back to the pool (the transaction is over).
+    fn release(&mut self) {
+        if let Some(c) = self.client.take() {
+            c.release();
         }
     }
 
@@ -169,16 +175,7 @@ impl ShardTx<'_> {
     /// shard. The probe is a `SAVEPOINT`: 25P01 outside a transaction block; inside one
     /// (or in an aborted one, 25P02) the `ROLLBACK` that follows undoes it.
     async fn ended_by_closure(&self) -> bool {
-        let (host, shard) = (&self.route.host, self.route.shard);
-        let Ok(client) = self.client() else { return false };
-        let probe = within(host, self.timeout, async {
-            client
-                .batch_execute(&format!("SAVEPOINT {PROBE}"))
-                .await
-                .map_err(|e| Error::host(host, Some(shard), "commit", e))
-        })
-        .await;
-        matches!(probe, Err(e) if e.sqlstate() == Some("25P01"))
+        matches!(self.probe("").await, Err(e) if e.sqlstate() == Some("25P01"))
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
@@ -331,7 +328,8 @@ impl ShardTx<'_> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidIdentifier`] for a column `E` does not declare; as
+    /// [`Error::InvalidIdentifier`] for a column `E` does not declare, [`Error::Invalid`]
+    /// for the column that places the row in its shard (its user or parent column); as
     /// [`ShardTx::get`].
     pub async fn update<E: Entity>(
         &mut self,
@@ -440,9 +438,7 @@ impl Cluster {
                 Err(e) => {
                     if tx.ended_by_closure().await {
                         // Not in a transaction: nothing to end; the connection is clean.
-                        if let Some(c) = tx.client.take() {
-                            c.release();
-                        }
+                        tx.release();
                         let ended = Error::TransactionEnded { host: tx.route.host.clone(), shard };
                         return Err(Failed::new(ended.into(), false, [shard]));
                     }

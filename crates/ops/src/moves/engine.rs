@@ -571,16 +571,16 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     maintenance_session(&c, name, &app).await?;
-    // The verification hashes some values as their text (see `verify::HASHED_COLUMNS`):
-    // rendered alike on both sides.
-    c.batch_execute(TEXT_SETTINGS).await.map_err(on(name, "set up the session"))?;
     Ok(c)
 }
 
 /// The settings a value's text depends on, pinned on both sides of a move: the copy's
 /// text `COPY` writes and reads values by them (exact, as the subscription's own
-/// connections and pg_dump set them), and the verification hashes some values as their
-/// text.
+/// connections and pg_dump set them), and the comparisons read keys and hash some
+/// values as their text (`verify::HASHED_COLUMNS`). Set on a mover's session only from
+/// the comparisons on: the target's schema and indexes are built before, under the
+/// server's settings, as `init` and `migrate` build them (a literal in a migration is
+/// read by `datestyle` and `timezone`).
 const TEXT_SETTINGS: &str = "SET datestyle = 'ISO, YMD'; SET intervalstyle = 'postgres';
     SET extra_float_digits = 3; SET lc_monetary = 'C'; SET bytea_output = 'hex'; SET timezone = 'UTC'";
 

@@ -620,7 +620,7 @@ impl Mover<'_> {
             .map(|r| (r.get(0), r.get(1)))
             .collect();
         // Both snapshots at once, read only; keys rendered in UTC on both sides.
-        let begin = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET LOCAL TimeZone = 'UTC'";
+        let begin = &format!("{TEXT_SETTINGS}; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY");
         futures::try_join!(
             async { src.batch_execute(begin).await.map_err(on(&source, "take a snapshot")) },
             async { dst.batch_execute(begin).await.map_err(on(&target, "take a snapshot")) }
@@ -658,12 +658,8 @@ impl Mover<'_> {
         let mut differences = Vec::new();
         if differ.iter().any(|(_, d)| !d.is_empty()) {
             futures::try_join!(
-                async {
-                    src.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&source, "set the time zone"))
-                },
-                async {
-                    dst.batch_execute("SET TimeZone = 'UTC'").await.map_err(on(&target, "set the time zone"))
-                }
+                async { src.batch_execute(TEXT_SETTINGS).await.map_err(on(&source, "set the time zone")) },
+                async { dst.batch_execute(TEXT_SETTINGS).await.map_err(on(&target, "set the time zone")) }
             )?;
             let (la, lb) = futures::try_join!(
                 read_log(src, &source, id, &src_keyed, Which::After(0)),
@@ -746,7 +742,7 @@ impl Mover<'_> {
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
             return Err(Error::Busy);
         };
-        let begin = "SET TimeZone = 'UTC'; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+        let begin = &format!("{TEXT_SETTINGS}; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY");
         futures::try_join!(
             async { src.batch_execute(begin).await.map_err(on(&source, "take a snapshot")) },
             async { dst.batch_execute(begin).await.map_err(on(&target, "take a snapshot")) }
@@ -840,7 +836,7 @@ impl Mover<'_> {
             let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
                 return Err(Error::Busy);
             };
-            let utc = "SET TimeZone = 'UTC'";
+            let utc = TEXT_SETTINGS;
             futures::try_join!(
                 async { src.batch_execute(utc).await.map_err(on(&source, "set the time zone")) },
                 async { dst.batch_execute(utc).await.map_err(on(&target, "set the time zone")) }
@@ -849,7 +845,7 @@ impl Mover<'_> {
                 read_log(src, &source, id, keyed, Which::Round(n)),
                 read_log(dst, &target, id, keyed, Which::Round(n))
             )?;
-            let begin = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET LOCAL TimeZone = 'UTC'";
+            let begin = &format!("{TEXT_SETTINGS}; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY");
             futures::try_join!(
                 async { src.batch_execute(begin).await.map_err(on(&source, "take a snapshot")) },
                 async { dst.batch_execute(begin).await.map_err(on(&target, "take a snapshot")) }
@@ -982,7 +978,8 @@ impl Mover<'_> {
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
             return Err(Error::Busy);
         };
-        let has = "SET TimeZone = 'UTC'; SELECT to_regclass('shardline.move_changes') IS NOT NULL AS has";
+        let has =
+            &format!("{TEXT_SETTINGS}; SELECT to_regclass('shardline.move_changes') IS NOT NULL AS has");
         let keyed = keyed_tables(src, &source, &moved).await?;
         let (a, b) = futures::try_join!(
             async { src.simple_query(has).await.map_err(on(&source, "look for the change log")) },

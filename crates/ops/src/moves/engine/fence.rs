@@ -263,11 +263,12 @@ impl Mover<'_> {
 
 /// The SQL that carries the shard's other sequences (a `serial`, `bigserial` or
 /// identity column's, one a migration made) from the source's fenced copy `moved` to
-/// `schema` on the target: each to the source's last value where that is further on
-/// (in the sequence's direction), so the target never hands out a value the source did.
-/// Read after the fence: the shard's tables are locked and then renamed away, so
-/// nothing takes their values any more. A sequence never used on the source is left as
-/// it is. The ID sequence and the minter's catch-up state are carried apart (or not at
+/// `schema` on the target: each where the source's next value is further on (in the
+/// sequence's direction) than the target's, to the source's state (`last_value`,
+/// `is_called`), so the target never hands out a value the source did. Read after the
+/// fence: the shard's tables are locked and then renamed away, so nothing takes their
+/// values any more. A sequence the mover may not read fails the move here, before the
+/// flip. The ID sequence and the minter's catch-up state are carried apart (or not at
 /// all).
 async fn other_sequences(
     src: &Client,
@@ -275,30 +276,40 @@ async fn other_sequences(
     moved: &str,
     schema: &SchemaName,
 ) -> Result<String> {
-    let rows = src
+    let fail = on(source, "read the shard's sequences");
+    let listed = src
         .query(
-            "SELECT sequencename::text, last_value, increment_by > 0 FROM pg_sequences
-              WHERE schemaname = $1 AND last_value IS NOT NULL
-                AND sequencename NOT IN ('shardline_id_seq', 'shardline_catch_up_due')
+            "SELECT c.relname::text, p.seqincrement FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_sequence p ON p.seqrelid = c.oid
+              WHERE n.nspname = $1 AND c.relkind = 'S'
+                AND c.relname NOT IN ('shardline_id_seq', 'shardline_catch_up_due')
               ORDER BY 1",
             &[&moved],
         )
         .await
-        .map_err(on(source, "read the shard's sequences"))?;
-    Ok(rows
-        .iter()
-        .map(|r| {
-            let (name, last, up): (String, i64, bool) = (r.get(0), r.get(1), r.get(2));
-            let further = if up { "<" } else { ">" };
-            format!(
-                "\nSELECT setval({}::regclass, {last}, true) FROM pg_sequences
-                  WHERE schemaname = {} AND sequencename = {} AND (last_value IS NULL OR last_value {further} {last});",
-                quote_literal(&format!("{}.{}", schema.quoted(), quote_ident(&name))),
-                quote_literal(schema.as_str()),
-                quote_literal(&name),
+        .map_err(&fail)?;
+    let mut sql = String::new();
+    for r in listed {
+        let (name, increment): (String, i64) = (r.get(0), r.get(1));
+        let state = src
+            .query_one(
+                &format!("SELECT last_value, is_called FROM {}.{}", quote_ident(moved), quote_ident(&name)),
+                &[],
             )
-        })
-        .collect())
+            .await
+            .map_err(&fail)?;
+        let (last, called): (i64, bool) = (state.get(0), state.get(1));
+        // The next value each side would hand out, as numeric (no overflow at the ends).
+        let next = i128::from(last) + if called { i128::from(increment) } else { 0 };
+        let further = if increment > 0 { "<" } else { ">" };
+        let seq = format!("{}.{}", schema.quoted(), quote_ident(&name));
+        sql.push_str(&format!(
+            "\nSELECT setval({}::regclass, {last}, {called}) FROM {seq} AS t
+              WHERE t.last_value::numeric + CASE WHEN t.is_called THEN {increment} ELSE 0 END {further} {next};",
+            quote_literal(&seq),
+        ));
+    }
+    Ok(sql)
 }
 
 /// The flip's proof (a random token) and its SHA-256, made on the source.

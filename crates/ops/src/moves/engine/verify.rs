@@ -19,6 +19,11 @@ impl Mover<'_> {
         let (Some(src), Some(dst)) = (self.src.as_ref(), self.dst.as_ref()) else {
             return Err(Error::Busy);
         };
+        // Values hashed as their text are rendered alike on both sides.
+        futures::try_join!(
+            async { src.batch_execute(TEXT_SETTINGS).await.map_err(on(&source, "set up the session")) },
+            async { dst.batch_execute(TEXT_SETTINGS).await.map_err(on(&target, "set up the session")) }
+        )?;
         let (src_tables, dst_tables) =
             futures::try_join!(tables(src, &source, &moved), tables(dst, &target, &schema))?;
         if src_tables.iter().map(|t| &t.0).ne(dst_tables.iter().map(|t| &t.0)) {
@@ -161,8 +166,9 @@ pub(super) async fn tables(
 /// `money`, `point`, `tsvector`, ...): so a column is hashed as it is only when its
 /// type, or the base type of its domain, or the element type of its array, is built
 /// into Postgres and has a default hash operator class with an extended hash (the
-/// lookup Postgres itself makes); any other is hashed as its text, which the mover's
-/// sessions render alike on both sides (`TEXT_SETTINGS`).
+/// lookup Postgres itself makes) and is not an OID alias (`regclass`, ...); any other is
+/// hashed as its text, which the mover's sessions render alike on both sides
+/// (`TEXT_SETTINGS`).
 pub(super) const HASHED_COLUMNS: &str = "
     (SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_attribute a
       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
@@ -171,7 +177,10 @@ pub(super) const HASHED_COLUMNS: &str = "
                   JOIN pg_amproc p ON p.amprocfamily = oc.opcfamily AND p.amprocnum = 2
                  WHERE oc.opcdefault
                    AND (oc.opcintype = s.scalar OR EXISTS (SELECT FROM pg_cast k WHERE k.castsource = s.scalar
-                          AND k.casttarget = oc.opcintype AND k.castmethod = 'b')))
+                          AND k.casttarget = oc.opcintype AND k.castmethod = 'b' AND k.castcontext = 'i')))
+          -- An OID alias (regclass, regtype, ...) names an object by its OID, which each
+          -- server numbers on its own: hashed as its text (the name).
+          AND NOT EXISTS (SELECT FROM pg_type r WHERE r.oid = s.scalar AND r.typname LIKE 'reg%')
               ORDER BY a.attnum)
        FROM pg_attribute a
       CROSS JOIN LATERAL (SELECT coalesce(nullif(ty.typbasetype, 0), ty.oid) AS base
