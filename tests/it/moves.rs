@@ -192,6 +192,11 @@ async fn stopped_with(
     }
 }
 
+/// What a session that edits a move's copy by hand before its flip runs first: the
+/// copy's guard (`shardline_repo::REVERT_GUARD`) does not fire in `replica` mode (the
+/// change log's triggers, enabled `ALWAYS`, still do).
+const REPLICA: &str = "SET session_replication_role = replica";
+
 pub(crate) fn photo(user_id: i64, n: usize) -> NewPhoto {
     NewPhoto { user_id, url: format!("https://cdn/{user_id}/{n}.jpg"), caption: String::new() }
 }
@@ -519,6 +524,7 @@ pub(crate) async fn a_failed_verification_names_the_keys_and_does_not_flip(ctx: 
     moves::run(&config, crate::shard(0), &crate::host("pg2"), &stopping).await.unwrap_err();
     // Corrupt the copy: one photo changed, one comment gone.
     let pg2 = f.client(&ctx, 1).await?;
+    pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
     pg2.execute("UPDATE shard_0000.photos SET caption = 'tampered' WHERE id = $1", &[&made[3].id]).await?;
     let gone: i64 = pg2
         .query_one("DELETE FROM shard_0000.comments WHERE photo_id = $1 RETURNING id", &[&made[5].id])
@@ -741,6 +747,7 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     stopped_with(&config, 2, "pg2", MoveOptions::default().subscription_copy().stopping_after(Step::Copying))
         .await?;
     let pg2 = f.client(&ctx, 1).await?;
+    pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
     let name = moves::list(&config).await?.last().ok_or("a move")?.detail.name.clone();
     pg2.batch_execute(&format!(
         "ALTER SUBSCRIPTION {name} ENABLE; SELECT pg_sleep(0.5); ALTER SUBSCRIPTION {name} DISABLE;
@@ -1590,6 +1597,7 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 2).await?;
     let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
     pg1.batch_execute(
         "INSERT INTO shard_0000.events VALUES (0, 'a'), (0, 'b'), (0, 'c'), (0, 'x'), (0, 'x')",
     )
@@ -2172,7 +2180,9 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let made = seed(&cluster, 0, 6, 2).await?;
-    let pg2 = Arc::new(f.client(&ctx, 1).await?);
+    let pg2 = f.client(&ctx, 1).await?;
+    pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
+    let pg2 = Arc::new(pg2);
     let done: Arc<std::sync::Mutex<Option<Result<i64, String>>>> = Arc::default();
     let (photo_id, comment_of, liked) = (i64::from(made[3].id), i64::from(made[5].id), i64::from(made[7].id));
     let hook: moves::HookFn = {
@@ -2706,6 +2716,59 @@ pub(crate) async fn a_move_is_reverted_after_its_flip_onto_its_old_copy_under_wr
             && plain.contains("it was not made revertible"),
         "{plain}"
     );
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_router_a_move_behind_never_writes_into_the_next_moves_copy);
+/// A handle that heard of no move (its map places shard 0 where it was two moves ago)
+/// writes while the shard moves back there, after the new copy is made and before its
+/// flip: the copy turns the write away as a moved shard's, and it lands where the shard
+/// is; the move then carries it over. Unguarded, the write was acknowledged into the copy
+/// and then emptied by the copy, or failed the move.
+pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let deaf = ClusterOptions { listen: false, map_check: Duration::ZERO, ..ClusterOptions::default() };
+    let mut stales = Vec::new();
+    for _ in 0..3 {
+        stales.push(Cluster::connect(&config, deaf.clone()).await?);
+    }
+    let from = stales[0].route_user(0).host;
+    let other = if from.as_str() == "pg1" { "pg2" } else { "pg1" };
+    moves::run(&config, crate::shard(0), &crate::host(other), &MoveOptions::default()).await?;
+    for (stale, step) in stales.iter().zip([Step::Prepared, Step::Copying, Step::CaughtUp]) {
+        assert_eq!(stale.route_user(0).host, from, "{step}: a handle a move behind");
+        let err = moves::run(&config, crate::shard(0), &from, &MoveOptions::default().stopping_after(step))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        // The stale handle sends the write to the new copy, which turns it away.
+        let written = stale.repo::<Photo>()?.insert(&photo(0, 7000)).await?;
+        assert_eq!(stale.route_user(0).host.as_str(), other, "{step}: the write went where the shard is");
+        moves::abort(&config, crate::shard(0)).await?;
+        let again = Cluster::connect(&config, ClusterOptions::default()).await?;
+        assert_eq!(again.repo::<Photo>()?.get(written.id).await?.map(|p| p.id), Some(written.id), "{step}");
+    }
+    // Moved back for good, by a mover that dies right after its source decided the
+    // flip: a router that meets the fence completes the flip, and its write lands on the
+    // new copy (its guards let it through once the decision reaches it); `--resume`
+    // drops the guards. The rows written through the stale handles came along.
+    let mut dying = MoveOptions::default();
+    dying.stop_after_decision = true;
+    let err = moves::run(&config, crate::shard(0), &from, &dying).await.unwrap_err();
+    assert!(matches!(err, OpsError::Interrupted { .. }), "{err}");
+    let now = Cluster::connect(&config, ClusterOptions::default()).await?;
+    now.repo::<Photo>()?.insert(&photo(0, 7100)).await?;
+    assert_eq!(now.route_user(0).host, from, "a router completed the flip");
+    moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await?;
+    let guards = "SELECT count(*) FROM pg_trigger WHERE tgname = 'shardline_revert_guard'";
+    let there = f.client(&ctx, host_index(from.as_str())).await?;
+    assert_eq!(there.query_one(guards, &[]).await?.get::<_, i64>(0), 0, "the clean-up dropped the guards");
+    let page = now.repo::<Photo>()?.page_of_user(0, None, 100).await?;
+    assert_eq!(page.rows.len(), 4, "{:?}", page.rows);
     Ok(())
 }
 
@@ -3243,6 +3306,7 @@ pub(crate) async fn a_logged_key_that_really_differs_is_found_by_the_fence_and_n
     let stopping = MoveOptions::default().stopping_after(Step::CaughtUp);
     moves::run(&config, crate::shard(0), &crate::host("pg2"), &stopping).await.unwrap_err();
     let pg2 = f.client(&ctx, 1).await?;
+    pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
     let gone = pg2.execute("DELETE FROM shard_0000.likes WHERE photo_id = $1", &[&made[4].id]).await?;
     assert_eq!(gone, 1);
     let options = MoveOptions::default().with_rounds(0, 3);

@@ -57,14 +57,16 @@ pub mod sqlx;
 mod statement;
 mod tls;
 
-/// The name of the trigger that guards a revert's copy of a shard (`shardline move
-/// --revert`) on a host that is not the shard's yet: statement-level on each of the
-/// copy's tables, fired in normal sessions only (not in the replication worker that
-/// brings the copy up to date), it fails a write there with 3F000, as on a host the
-/// shard has left, so a router with a map from before the reverted move retries where
-/// the shard is. It lets writes through once the revert's marker row, replicated from
-/// the shard's host, says its flip is decided; the mover drops it right after the
-/// decision, and its clean-up and `shardline gc` drop any left.
+/// The name of the trigger that guards a move's copy of a shard (a move's new copy on
+/// its target, or a revert's old copy, `shardline move --revert`) on a host that is not
+/// the shard's yet: statement-level on each of the copy's tables, fired in normal
+/// sessions only (not in the replication worker that brings the copy up to date, nor in
+/// the move's own sessions), it fails a write there with 3F000, as on a host the shard
+/// has left, so a router with a map from before an earlier move retries where the shard
+/// is. It lets writes through once the move's marker row, replicated from the shard's
+/// host, says its flip is decided; the mover drops it right after the decision, and its
+/// clean-up and `shardline gc` drop any left. (The name is from when only reverts had
+/// it.)
 pub const REVERT_GUARD: &str = "shardline_revert_guard";
 
 pub use catalog::{Catalog, ClusterInfo, Prepared};

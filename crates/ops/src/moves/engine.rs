@@ -570,8 +570,19 @@ async fn mover_client(config: &Config, name: &HostName, id: i64) -> Result<Clien
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    maintenance_session(&c, name, &app).await?;
+    mover_session(&c, name, id).await?;
     Ok(c)
+}
+
+/// Sets up a session of move `id`'s ([`maintenance_session`], named `shardline move
+/// <id>`), and marks it as the move's own: the guards of the move's copy let it write
+/// (`copy::guard_sql`).
+pub(super) async fn mover_session(c: &Client, host: &HostName, id: i64) -> Result<()> {
+    maintenance_session(c, host, &format!("shardline move {id}")).await?;
+    c.execute("SELECT set_config('shardline.move', $1, false)", &[&id.to_string()])
+        .await
+        .map_err(on(host, "set up the session"))?;
+    Ok(())
 }
 
 /// The settings a value's text depends on, pinned on both sides of a move: the copy's

@@ -268,9 +268,10 @@ async fn gc_host(
         drop_revert_side(c, host, &rev.name).await?;
         report.dropped.push(format!("{host}: reverse publication/slot {} (move {})", rev.name, m.id));
     }
-    // The guards of a revert's copy where the map places the shard (the revert flipped),
-    // left when its mover died or the host did not answer right after the decision.
-    for m in moves.iter().filter(|m| m.target == *host && m.detail.reverts.is_some()) {
+    // The guards of a move's copy where the map places the shard (the move flipped),
+    // left when its mover died or the host did not answer right after the decision:
+    // before the markers below go (the guard lets writes through by its marker).
+    for m in moves.iter().filter(|m| m.target == *host) {
         let Ok(shard) = m.shard.within(map.count()) else { continue };
         if map.host_of(shard) == host {
             super::engine::drop_guards(c, host, &m.detail.schema).await?;

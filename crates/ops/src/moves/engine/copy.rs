@@ -91,6 +91,12 @@ impl Mover<'_> {
                 dst.batch_execute(&drops.concat()).await.map_err(on(&target, "defer the indexes"))?;
             }
         }
+        if reverts.is_none() {
+            // Not the shard's until the flip: a router whose map is a move or more behind
+            // (it heard of no move) must not write here, where the copy would empty or
+            // undo what it wrote. Again on a resumed move (a guard made then is kept).
+            guard_copy(self.dst().await?, &target, &schema, id).await?;
+        }
         // The source's privileges, hand-made ones too, before anything is published
         // (and again right before the flip, for any granted meanwhile).
         self.carry_privileges(self.schema.as_str().to_owned()).await?;
@@ -799,9 +805,6 @@ pub(crate) async fn drop_guards(c: &Client, host: &HostName, schema: &str) -> Re
 impl Mover<'_> {
     /// Drops the guards of a revert's copy (see [`REVERT_GUARD`]); nothing for a move.
     pub(super) async fn unguard(&mut self) -> Result<()> {
-        if self.detail.reverts.is_none() {
-            return Ok(());
-        }
         let (target, schema) = (self.target.clone(), self.schema.clone());
         drop_guards(self.dst().await?, &target, schema.as_str()).await
     }
@@ -811,29 +814,53 @@ impl Mover<'_> {
 /// its tables guarded ([`REVERT_GUARD`]), and its ledger rows moved along. Its ID
 /// sequence stays capped (as the reverted move's fence left it) until the sequence is
 /// carried. The reverse replication then brings it up to date.
-async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName, id: i64) -> Result<()> {
-    // Listed under the old name, guarded under the new one (the rename comes first).
-    let guards: String = tables_of(c, host, old, &schema.quoted())
-        .await?
+/// The SQL that guards the tables of a copy that is not the shard's until its move's
+/// flip (a move's new target copy, a revert's old copy): the tables `tables` (listed
+/// under `schema`, qualified and quoted) get a [`REVERT_GUARD`] statement trigger that
+/// refuses a write as a moved shard's (3F000: a router with an old map finds the shard
+/// where it is) until the move `id` has decided to flip (its marker, replicated from
+/// the source, says so), except from the move's own sessions (`shardline.move`, set by
+/// the mover on its sessions: the copy's `COPY` and the emptying `TRUNCATE`). Logical
+/// replication's workers run in `replica` mode, where the trigger does not fire.
+/// `SECURITY DEFINER`: an application role need not read shardline's tables.
+fn guard_sql(tables: &[String], id: i64) -> String {
+    let triggers: String = tables
         .iter()
         .map(|t| {
             format!(
-                "CREATE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {t}
+                "CREATE OR REPLACE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {t}
                    FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard('{id}');\n"
             )
         })
         .collect();
-    c.batch_execute(&format!(
-        "BEGIN;
-         CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
+    format!(
+        "CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
              SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $g$
          BEGIN
-             IF EXISTS (SELECT FROM shardline.move_marks WHERE move_id = TG_ARGV[0]::bigint AND decided = 'flip') THEN
+             IF current_setting('shardline.move', true) = TG_ARGV[0]
+                OR EXISTS (SELECT FROM shardline.move_marks WHERE move_id = TG_ARGV[0]::bigint AND decided = 'flip') THEN
                  RETURN NULL;
              END IF;
-             RAISE EXCEPTION 'schema \"%\" on this host is an old copy being brought back by a revert; the shard lives elsewhere until its flip', TG_TABLE_SCHEMA
+             RAISE EXCEPTION 'schema \"%\" on this host is a copy that a move brings here; the shard lives elsewhere until its flip', TG_TABLE_SCHEMA
                  USING ERRCODE = 'invalid_schema_name';
          END $g$;
+         {triggers}"
+    )
+}
+
+/// Guards the tables of move `id`'s new copy `schema` on `host` ([`guard_sql`]).
+async fn guard_copy(c: &Client, host: &HostName, schema: &SchemaName, id: i64) -> Result<()> {
+    let tables = tables_of(c, host, schema.as_str(), &schema.quoted()).await?;
+    c.batch_execute(&format!("BEGIN; {} COMMIT", guard_sql(&tables, id)))
+        .await
+        .map_err(on(host, "guard the copy"))
+}
+
+async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName, id: i64) -> Result<()> {
+    // Listed under the old name, guarded under the new one (the rename comes first).
+    let guards = guard_sql(&tables_of(c, host, old, &schema.quoted()).await?, id);
+    c.batch_execute(&format!(
+        "BEGIN;
          ALTER SCHEMA {old_q} RENAME TO {new_q};
          {guards}
          UPDATE shardline.shard_migrations SET schema_name = {new_l} WHERE schema_name = {old_l};

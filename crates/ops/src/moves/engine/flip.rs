@@ -97,17 +97,17 @@ impl Mover<'_> {
             tracing::warn!(id = self.id, "drill: the flip is decided; stopping as if the mover died");
             return Err(Error::Interrupted { id: self.id, step: self.step });
         }
-        // A revert's copy is the shard's from the decision on: its guards go before the
-        // map points at it (they already let writes through once the decision reaches
-        // the copy; the clean-up and `gc` drop any left).
-        if self.detail.reverts.is_some() {
+        // The target's copy is the shard's from the decision on: its guards go before
+        // the map points at it (they already let writes through once the decision
+        // reaches the copy; the clean-up and `gc` drop any left).
+        {
             let target = [self.target.clone()];
             let dropped = unless_hung(config, &target, hung_after, self.unguard()).await;
             if let Err(e) = dropped.and_then(|r| r) {
                 self.dst = None;
-                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot drop the revert's guards yet");
+                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot drop the copy's guards yet");
             }
-            self.lap("drop the revert's guards");
+            self.lap("drop the copy's guards");
         }
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
@@ -159,12 +159,12 @@ impl Mover<'_> {
             }
         }
         let mut pending = Vec::new();
-        if self.detail.reverts.is_some() {
+        {
             let dropped = unless_hung(config, &target, hung_after, self.unguard()).await.and_then(|r| r);
             if let Err(e) = dropped {
                 self.dst = None;
                 pending.push(format!(
-                    "{}: the revert's guards on {} ({})",
+                    "{}: the copy's guards on {} ({})",
                     self.target,
                     self.schema,
                     shardline_repo::error_chain(&e)

@@ -117,7 +117,7 @@ impl Piece {
 /// (a later mover of the same move ends it), without ending the mover's own.
 async fn stream_client(config: &Config, host: &HostName, id: i64) -> Result<Client> {
     let c = host_client(config, host).await?;
-    maintenance_session(&c, host, &format!("shardline move {id}")).await?;
+    mover_session(&c, host, id).await?;
     // Text `COPY` writes and reads values as these settings say: the same on both sides,
     // and exact (as the subscription's own connections and pg_dump set them).
     c.batch_execute(TEXT_SETTINGS).await.map_err(on(host, "set up the copy's session"))?;
