@@ -3159,6 +3159,92 @@ async fn gc_under_a_hung_host(kit: &shardline_testkit::Cluster) -> Result<(), Bo
     Ok(())
 }
 
+shardline_testkit::register!(own: a_move_started_while_gc_runs_keeps_its_change_log);
+/// `gc` drops the change logs and markers of moves that are over, by the journal it read
+/// when it began. A move started after that read is missing from it, and must not be
+/// taken for one that is over. `gc` is held on pg2 (a reader of a done move's old copy
+/// holds its `DROP SCHEMA` back) while a move of the same shard, pg3 to pg1, starts and
+/// runs until it has caught up, its change log on pg3; `gc` then goes on to pg3. The
+/// move's change log must still be there, and the move, resumed under writes, ends done
+/// with every row on pg1. (Before `gc` took its lock the new move's log was dropped.)
+pub(crate) async fn a_move_started_while_gc_runs_keeps_its_change_log(_ctx: TestContext) -> TestResult {
+    on_own_kit(3, &[], |kit| Box::pin(move_started_under_gc(kit))).await
+}
+
+async fn move_started_under_gc(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(kit, "gc_race", 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    // Shard 2 lives on pg2; moved to pg3, its old copy stays on pg2 for gc.
+    seed(&cluster, 2, 6, 2).await?;
+    let first = moves::run(&config, crate::shard(2), &crate::host("pg3"), &MoveOptions::default()).await?;
+    let moved = format!("shard_0002_moved_{}", first.id);
+    let reader = f.client(kit, 1).await?;
+    reader.batch_execute(&format!("BEGIN; LOCK TABLE {moved}.photos IN ACCESS SHARE MODE")).await?;
+    let gc_config = config.clone();
+    let gc = tokio::spawn(async move { moves::gc(&gc_config, Duration::ZERO).await });
+    let watch = futures::future::try_join_all((0..3).map(|h| f.client(kit, h))).await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // gc has read the journal and waits on pg2.
+    loop {
+        let waiting: i64 = watch[1]
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'shardline gc' AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        if gc.is_finished() || Instant::now() >= deadline {
+            return Err("gc never waited on pg2's reader".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The new move runs until it has caught up, or until it waits for gc to end.
+    let move_config = config.clone();
+    let second = tokio::spawn(async move { stopped_after(&move_config, 2, "pg1", Step::CaughtUp).await });
+    loop {
+        let mut waits = false;
+        for c in &watch {
+            let n: i64 = c
+                .query_one("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted", &[])
+                .await?
+                .get(0);
+            waits |= n > 0;
+        }
+        if waits || second.is_finished() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err("the second move neither ran nor waited".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    reader.batch_execute("ROLLBACK").await?;
+    let report = gc.await??;
+    second.await??;
+    let id = moves::list(&config).await?.into_iter().map(|m| m.id).max().ok_or("no move")?;
+    assert_ne!(id, first.id, "the second move is journaled");
+    assert!(!report.to_string().contains(&format!("move {id}")), "gc left move {id} alone: {report}");
+    let logs: i64 = watch[2]
+        .query_one("SELECT count(*) FROM pg_trigger WHERE tgname = $1", &[&format!("shardline_move_{id}")])
+        .await?
+        .get(0);
+    assert!(logs > 0, "move {id}'s change log (its triggers) is still on pg3: {report}");
+    // Writes on pg3 while it runs, then resumed: every row on pg1.
+    let more = seed(&cluster, 2, 6, 1).await?;
+    let done = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
+    assert_eq!(done.len(), 1, "{done:?}");
+    let photos = (40 + more.len()) as i64;
+    assert_eq!(counts(&f, kit, 0, "shard_0002").await?, Some([photos, photos, photos]));
+    let last = moves::gc(&config, Duration::ZERO).await?;
+    assert_eq!(leftovers(&f, kit).await?, vec![0, 0, 0], "{last}");
+    Ok(())
+}
+
 shardline_testkit::register!(own: an_abort_with_a_hung_host_returns_while_it_is_hung);
 /// `shardline move --abort` of a fenced move whose host hangs while the abort waits on it
 /// (frozen while the abort's statement waits for a lock a test session holds there).

@@ -32,6 +32,12 @@ pub const FORMAT: i32 = 1;
 /// catalog, so that two of them never work on one cluster at once ("shardlin").
 pub const LOCK_KEY: i64 = 0x7368_6172_646c_696e;
 
+/// The key of the advisory lock `gc` holds for its whole run ([`Catalog::lock_for_gc`]),
+/// and that journaling a move's start takes shared for that one statement ("shardlgc"):
+/// a move is journaled either before `gc` reads the journal or after `gc` has ended,
+/// so `gc` never takes a move that began under it for one that is over.
+pub const GC_LOCK_KEY: i64 = 0x7368_6172_646c_6763;
+
 /// The tables this module owns (parameters, hosts, map, migrations) and the map's
 /// trigger, created if missing. Idempotent. The journal of moves is created by its
 /// owner, `shardline_ops::moves::journal`, right after (`init`).
@@ -543,6 +549,21 @@ impl Catalog {
             .await
             .map_err(|e| Error::catalog("take the catalog lock", e))?
             .get(0))
+    }
+
+    /// Waits for `gc`'s advisory lock ([`GC_LOCK_KEY`]) and takes it exclusively for
+    /// this session, held until the connection closes: no move starts meanwhile, and no
+    /// other `gc` runs.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Catalog`] when the statement fails.
+    pub async fn lock_for_gc(&self) -> Result<()> {
+        self.client
+            .execute("SELECT pg_advisory_lock($1)", &[&GC_LOCK_KEY])
+            .await
+            .map_err(|e| Error::catalog("take gc's lock", e))?;
+        Ok(())
     }
 
     /// Takes, for this session, the cluster's lock shared (so `init` and `migrate` wait

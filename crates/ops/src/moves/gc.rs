@@ -57,6 +57,9 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 /// Drops what moves left behind (see the module docs); old source schemas only after
 /// `grace` since their move finished.
 ///
+/// One run at a time: it waits for another to end, and a move's start waits for it
+/// (`shardline_repo::catalog::GC_LOCK_KEY`).
+///
 /// # Errors
 ///
 /// The catalog unreachable; a statement failing on a reachable host. An unreachable
@@ -65,6 +68,9 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
+    // Held to the end of the run: every move not in the journal read below starts
+    // after it, so a move missing from it has made nothing yet.
+    catalog.lock_for_gc().await?;
     let mut report = GcReport::default();
     // Moves whose fence's lease ran out and was undone on the source (by a router),
     // their mover gone: finish undoing them, so the journal agrees.

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use shardline_repo::Catalog;
+use shardline_repo::catalog::GC_LOCK_KEY;
 use shardline_router::{Config, HostName, LogicalShard};
 use tokio_postgres::Client;
 
@@ -590,15 +591,19 @@ pub(crate) async fn start(
     let detail = serde_json::to_string(detail).map_err(|e| Error::Journal { id, message: e.to_string() })?;
     // Only onto a host that is not removed, its row share-locked: a `host remove`
     // (which locks the row, then counts the running moves naming it) either waits for
-    // this row and refuses, or commits first and this inserts nothing.
+    // this row and refuses, or commits first and this inserts nothing. And not while
+    // `gc` runs (its lock, shared to the commit): `gc` would take a move missing from
+    // the journal it read for one that is over, and drop its change log and markers.
     let written = client(catalog)
         .execute(
-            "INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
-             SELECT $1, $2, $3, $4, 'started', 'running', $5::text::jsonb
+            // The lock in a CTE read FROM: in an EXISTS its target list is never run.
+            "WITH gc AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared($6))
+             INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
+             SELECT $1, $2, $3, $4, 'started', 'running', $5::text::jsonb FROM gc
               WHERE EXISTS (SELECT FROM shardline.hosts h
                              WHERE h.name = $4 AND coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
                                FOR SHARE)",
-            &[&id, &i32::from(shard.get()), &source.as_str(), &target.as_str(), &detail],
+            &[&id, &i32::from(shard.get()), &source.as_str(), &target.as_str(), &detail, &GC_LOCK_KEY],
         )
         .await
         .map_err(|e| {
