@@ -3238,7 +3238,7 @@ async fn move_started_under_gc(kit: &shardline_testkit::Cluster) -> Result<(), B
     let more = seed(&cluster, 2, 6, 1).await?;
     let done = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
     assert_eq!(done.len(), 1, "{done:?}");
-    let photos = (40 + more.len()) as i64;
+    let photos = i64::try_from(40 + more.len())?;
     assert_eq!(counts(&f, kit, 0, "shard_0002").await?, Some([photos, photos, photos]));
     let last = moves::gc(&config, Duration::ZERO).await?;
     assert_eq!(leftovers(&f, kit).await?, vec![0, 0, 0], "{last}");
