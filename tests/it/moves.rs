@@ -289,6 +289,11 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
         ClusterOptions { listen: false, statement_cache: 1024, ..ClusterOptions::default() },
     )
     .await?;
+    // Two more stale handles, for shard transactions whose first statement that needs the
+    // shard's schema names a function (42883 there once the schema is gone) or a type
+    // (42704), not a table.
+    let deaf = || Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() });
+    let (stale_fn, stale_type) = (deaf().await?, deaf().await?);
     let made = seed(&cluster, 0, 6, 5).await?;
     seed(&cluster, 1, 6, 2).await?;
     for _ in 0..6 {
@@ -313,6 +318,29 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, None);
     assert_eq!(counts(&f, &ctx, 0, &moved).await?, Some([100, 100, 100]));
     assert_eq!(counts(&f, &ctx, 0, "shard_0001").await?, shard1_before);
+
+    // A stale handle's shard transaction finds the schema gone on the source by a
+    // function or a type it names, and runs again on the target.
+    let shard0 = crate::shard(0);
+    let minted = stale_fn
+        .transaction(shard0, |tx| {
+            Box::pin(async move {
+                let id: i64 = tx.query("SELECT next_id()", &[]).await?[0].get(0);
+                Ok::<_, shardline_repo::Error>((id, tx.host().to_string()))
+            })
+        })
+        .await?;
+    assert_eq!(minted.1, "pg2", "the transaction ran again on the target");
+    let typed = stale_type
+        .transaction(shard0, |tx| {
+            Box::pin(async move {
+                let n: i64 =
+                    tx.query("SELECT count(*) FROM (SELECT NULL::photos) AS t", &[]).await?[0].get(0);
+                Ok::<_, shardline_repo::Error>((n, tx.host().to_string()))
+            })
+        })
+        .await?;
+    assert_eq!(typed, (1, "pg2".to_owned()), "the transaction ran again on the target");
 
     // The listening handle hears the flip; the stale one finds out by trying.
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -499,7 +499,8 @@ impl Error {
     }
 
     /// The statement found its shard's schema missing where the map placed it
-    /// (SQLSTATE 3F000 or 42P01): the shard moved, or is fenced for a move.
+    /// (SQLSTATE 3F000; 42P01, 42883 or 42704 for a name looked up through the
+    /// `search_path`): the shard moved, or is fenced for a move.
     pub(crate) fn is_moved(&self) -> bool {
         match self {
             Error::Host { source: Some(e), .. } => repository::is_moved(e),

@@ -307,10 +307,21 @@ pub(crate) fn is_moved(e: &tokio_postgres::Error) -> bool {
     e.code().is_some_and(|c| is_moved_sqlstate(c.code()))
 }
 
-/// Whether `sqlstate` says a statement found its shard's schema missing (3F000, or
-/// 42P01 for a table named through a `search_path` whose schema is gone).
+/// Whether `sqlstate` says a statement may have found its shard's schema missing:
+/// 3F000; or, for a name looked up through a `search_path` whose schema is gone (a
+/// shard transaction's raw SQL), 42P01 for a table, 42883 for a function, 42704 for a
+/// type. Whether the shard really moved is then the catalog's to say
+/// ([`Cluster::wait_for_move`]): a name that is missing with the schema there fails as
+/// it is.
 pub(crate) fn is_moved_sqlstate(sqlstate: &str) -> bool {
-    sqlstate == SqlState::INVALID_SCHEMA_NAME.code() || sqlstate == SqlState::UNDEFINED_TABLE.code()
+    [
+        SqlState::INVALID_SCHEMA_NAME,
+        SqlState::UNDEFINED_TABLE,
+        SqlState::UNDEFINED_FUNCTION,
+        SqlState::UNDEFINED_OBJECT,
+    ]
+    .iter()
+    .any(|s| s.code() == sqlstate)
 }
 
 impl Cluster {
