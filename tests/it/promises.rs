@@ -460,6 +460,119 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_partitioned_table_moves_whole_with_its_shard);
+/// A shard with a partitioned table (two partitions, a default one, an index of the
+/// table's and one of a partition's) moves with every row: copied by the mover or by
+/// Postgres, verified by the change log or in full, with writes between the steps.
+/// Afterwards the table takes writes on the target, and `gc` leaves no trigger. (Before,
+/// the move failed at `caught_up`: the partitioned index was built again, 42P07, and the
+/// change log's trigger could not be dropped from a partition, 2BP01.)
+pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    f.migration(
+        "0005_events.sql",
+        "CREATE TABLE events (id bigint NOT NULL DEFAULT next_id(), user_id bigint NOT NULL, day date NOT NULL,
+                              body text, PRIMARY KEY (id, day)) PARTITION BY RANGE (day);
+         CREATE TABLE events_2026 PARTITION OF events FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
+         CREATE TABLE events_2027 PARTITION OF events FOR VALUES FROM ('2027-01-01') TO ('2028-01-01');
+         CREATE TABLE events_other PARTITION OF events DEFAULT;
+         CREATE INDEX events_by_user ON events (user_id, day);
+         CREATE INDEX events_2027_body ON events_2027 (body);",
+    )?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let write = |user: i64, n: i64| {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .transaction(cluster.route_user(user).shard, |tx| {
+                    Box::pin(async move {
+                        tx.execute(
+                            "INSERT INTO events (user_id, day, body)
+                             SELECT $1, date '2026-06-01' + (i * 170)::int, 'e' || i FROM generate_series(1, $2::bigint) AS i",
+                            &[&user, &n],
+                        )
+                        .await
+                    })
+                })
+                .await
+        }
+    };
+    let count = |user: i64| {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .transaction(cluster.route_user(user).shard, |tx| {
+                    Box::pin(async move {
+                        let r = tx
+                            .query(
+                                "SELECT count(*), count(DISTINCT tableoid), (SELECT count(*) FROM ONLY events)
+                                   FROM events",
+                                &[],
+                            )
+                            .await?;
+                        Ok::<_, Error>((r[0].get::<_, i64>(0), r[0].get::<_, i64>(1), r[0].get::<_, i64>(2)))
+                    })
+                })
+                .await
+        }
+    };
+    let (log, full) = (moves::Verification::ChangeLog, moves::Verification::Full);
+    for (user, verification, by_postgres) in [(1, log, false), (2, full, false), (3, log, true)] {
+        assert_eq!(write(user, 30).await?, 30);
+        let route = cluster.route_user(user);
+        let to = if route.host.as_str() == "pg1" { "pg2" } else { "pg1" };
+        let mut options = MoveOptions::default().verifying(verification);
+        if by_postgres {
+            options = options.subscription_copy();
+        }
+        let mut step = Step::Prepared;
+        // Stopped after each step before the fence, with writes in between, then resumed.
+        for stop in [Step::Prepared, Step::Copying, Step::CaughtUp] {
+            let run = if stop == Step::Prepared {
+                moves::run(&config, route.shard, &crate::host(to), &options.clone().stopping_after(stop))
+                    .await
+            } else {
+                moves::resume(&config, Some(route.shard), &options.clone().stopping_after(stop))
+                    .await
+                    .map(|mut r| r.remove(0))
+            };
+            match run {
+                Err(shardline_ops::Error::Interrupted { step: s, .. }) if s == stop => step = s,
+                other => return Err(format!("shard {} after {step:?}: {other:?}", route.shard).into()),
+            }
+            assert_eq!(write(user, 7).await?, 7);
+        }
+        let done = moves::resume(&config, Some(route.shard), &options).await;
+        let done = done.map_err(|e| format!("moving shard {} ({verification:?}): {e}", route.shard))?;
+        assert_eq!(done.len(), 1);
+        cluster.refresh().await?;
+        assert_eq!(cluster.route_user(user).host.as_str(), to);
+        assert_eq!(
+            count(user).await?,
+            (51, 3, 0),
+            "user {user}'s events after the move: all rows, 3 partitions"
+        );
+        assert_eq!(write(user, 2).await?, 2, "the moved table takes writes");
+    }
+    let gc = moves::gc(&config, Duration::ZERO).await?;
+    let triggers: i64 = f
+        .client(&ctx, 0)
+        .await?
+        .query_one("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'shardline\\_move\\_%'", &[])
+        .await?
+        .get(0);
+    let triggers_2: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'shardline\\_move\\_%'", &[])
+        .await?
+        .get(0);
+    assert_eq!((triggers, triggers_2), (0, 0), "no change-log trigger left: {gc}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_moved_shard_hands_out_no_serial_value_twice);
 /// A `bigserial` column, an identity column and a descending sequence of a migration's
 /// (not shardline's ID sequence) go on from where the source left them after a move and

@@ -530,7 +530,8 @@ pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
 /// The secondary indexes of a schema: those no constraint owns.
 const SECONDARY_INDEXES: &str = "SELECT c.relname::text FROM pg_index i
    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-  WHERE n.nspname = $1 AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)";
+  WHERE n.nspname = $1 AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)
+    AND NOT EXISTS (SELECT FROM pg_inherits h WHERE h.inhrelid = i.indexrelid)";
 
 async fn host_client(config: &Config, name: &HostName) -> Result<Client> {
     let h = config

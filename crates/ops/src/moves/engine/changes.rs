@@ -113,6 +113,8 @@ fn truncate_trigger(id: i64) -> String {
 }
 
 /// The tables of `schema` with a primary key, by name, with the key's columns in order.
+/// A partitioned table is not one of them: its rows are its partitions' (a trigger on it
+/// would be cloned onto them, and could not be dropped from them one by one).
 pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> Result<Vec<Keyed>> {
     let rows = c
         .query(
@@ -122,7 +124,7 @@ pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> R
                    JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary
                   CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
                    JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
-                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+                  WHERE n.nspname = $1 AND c.relkind = 'r'
                   ORDER BY c.relname, k.ord",
                 verify::HASHED_COLUMNS
             ),

@@ -218,7 +218,7 @@ pub(super) async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result
     let rows = c
         .query(
             "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE n.nspname = $1 AND c.relkind = 'i' ORDER BY 1",
+              WHERE n.nspname = $1 AND c.relkind IN ('i', 'I') ORDER BY 1",
             &[&schema],
         )
         .await
