@@ -461,12 +461,17 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
 }
 
 shardline_testkit::register!(shared: a_partitioned_table_moves_whole_with_its_shard);
-/// A shard with a partitioned table (two partitions, a default one, an index of the
-/// table's and one of a partition's) moves with every row: copied by the mover or by
-/// Postgres, verified by the change log or in full, with writes between the steps.
-/// Afterwards the table takes writes on the target, and `gc` leaves no trigger. (Before,
+/// A shard with a partitioned table (a partition, a partitioned one with two of its own,
+/// a default one; an index of the table's built whole, one built partition by partition
+/// under names of their own and attached, one of a partition's alone) moves with every
+/// row: copied by the mover or by Postgres, verified by the change log or in full, with
+/// writes between the steps. Afterwards the target has the source's indexes, under the
+/// same names, attached and valid; the table takes writes there; a move verified by the
+/// change log read none of its rows again in full; and `gc` leaves no trigger. (Before,
 /// the move failed at `caught_up`: the partitioned index was built again, 42P07, and the
-/// change log's trigger could not be dropped from a partition, 2BP01.)
+/// change log's trigger could not be dropped from a partition, 2BP01; then the indexes
+/// attached by hand were built again under other names, and the partitioned table was
+/// read whole inside the fence.)
 pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 2, 4).await?;
     f.migration(
@@ -474,10 +479,26 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
         "CREATE TABLE events (id bigint NOT NULL DEFAULT next_id(), user_id bigint NOT NULL, day date NOT NULL,
                               body text, PRIMARY KEY (id, day)) PARTITION BY RANGE (day);
          CREATE TABLE events_2026 PARTITION OF events FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
-         CREATE TABLE events_2027 PARTITION OF events FOR VALUES FROM ('2027-01-01') TO ('2028-01-01');
+         CREATE TABLE events_2027 PARTITION OF events FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')
+             PARTITION BY RANGE (day);
+         CREATE TABLE events_2027_h1 PARTITION OF events_2027 FOR VALUES FROM ('2027-01-01') TO ('2027-07-01');
+         CREATE TABLE events_2027_h2 PARTITION OF events_2027 FOR VALUES FROM ('2027-07-01') TO ('2028-01-01');
          CREATE TABLE events_other PARTITION OF events DEFAULT;
          CREATE INDEX events_by_user ON events (user_id, day);
-         CREATE INDEX events_2027_body ON events_2027 (body);",
+         CREATE INDEX events_h2_day ON events_2027_h2 (day);
+         -- Postgres's own way to index partitions one by one: ON ONLY, then each
+         -- partition's under a name of its own, attached.
+         CREATE INDEX events_by_body ON ONLY events (body);
+         CREATE INDEX e26_body ON events_2026 (body);
+         CREATE INDEX e27_body ON ONLY events_2027 (body);
+         CREATE INDEX e27h1_body ON events_2027_h1 (body);
+         CREATE INDEX e27h2_body ON events_2027_h2 (body);
+         CREATE INDEX other_body ON events_other (body);
+         ALTER INDEX e27_body ATTACH PARTITION e27h1_body;
+         ALTER INDEX e27_body ATTACH PARTITION e27h2_body;
+         ALTER INDEX events_by_body ATTACH PARTITION e26_body;
+         ALTER INDEX events_by_body ATTACH PARTITION e27_body;
+         ALTER INDEX events_by_body ATTACH PARTITION other_body;",
     )?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let config = f.config()?;
@@ -547,12 +568,52 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
         let done = moves::resume(&config, Some(route.shard), &options).await;
         let done = done.map_err(|e| format!("moving shard {} ({verification:?}): {e}", route.shard))?;
         assert_eq!(done.len(), 1);
+        if verification == log {
+            assert!(
+                done[0].rechecked_rows <= 7,
+                "only rows written since the comparison are read in the fence: {}",
+                done[0]
+            );
+        }
         cluster.refresh().await?;
         assert_eq!(cluster.route_user(user).host.as_str(), to);
         assert_eq!(
             count(user).await?,
-            (51, 3, 0),
-            "user {user}'s events after the move: all rows, 3 partitions"
+            (51, 4, 0),
+            "user {user}'s events after the move: all rows, 4 partitions"
+        );
+        let target = f.client(&ctx, if to == "pg1" { 0 } else { 1 }).await?;
+        let indexes: Vec<(String, Option<String>, bool)> = target
+            .query(
+                "SELECT c.relname::text, p.relname::text, i.indisvalid FROM pg_index i
+                   JOIN pg_class c ON c.oid = i.indexrelid
+                   LEFT JOIN pg_inherits h ON h.inhrelid = c.oid LEFT JOIN pg_class p ON p.oid = h.inhparent
+                  WHERE c.relnamespace = to_regnamespace($1) AND c.relname ~ 'body|by_user|user_id_day|h2_day'
+                  ORDER BY 1",
+                &[&route.schema.as_str()],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        let by_user_children =
+            indexes.iter().filter(|(_, p, _)| p.as_deref() == Some("events_by_user")).count();
+        assert_eq!(by_user_children, 3, "{indexes:?}");
+        let named: Vec<_> = indexes.iter().filter(|(n, _, _)| !n.ends_with("_idx")).cloned().collect();
+        let attached = |parent: &str| Some(parent.to_owned());
+        assert_eq!(
+            named,
+            vec![
+                ("e26_body".to_owned(), attached("events_by_body"), true),
+                ("e27_body".to_owned(), attached("events_by_body"), true),
+                ("e27h1_body".to_owned(), attached("e27_body"), true),
+                ("e27h2_body".to_owned(), attached("e27_body"), true),
+                ("events_by_body".to_owned(), None, true),
+                ("events_by_user".to_owned(), None, true),
+                ("events_h2_day".to_owned(), None, true),
+                ("other_body".to_owned(), attached("events_by_body"), true),
+            ],
+            "the target's indexes, as the source's"
         );
         assert_eq!(write(user, 2).await?, 2, "the moved table takes writes");
     }

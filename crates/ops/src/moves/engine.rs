@@ -1216,16 +1216,40 @@ pub(super) type Refusal = std::result::Result<(), String>;
 
 /// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
 /// schema's name in the statement that uses them, which may differ from `schema`'s:
-/// a copy being renamed), in name order.
+/// a copy being renamed), in name order: partitioned tables and the others.
 pub(super) async fn tables_of(
     c: &Client,
     host: &HostName,
     schema: &str,
     schema_sql: &str,
 ) -> Result<Vec<String>> {
+    relations_of(c, host, schema, schema_sql, "('r', 'p')").await
+}
+
+/// As [`tables_of`], but only the tables that hold rows themselves: no partitioned
+/// table (its rows are its partitions'; what is done to it is done to every partition,
+/// a foreign one too).
+pub(super) async fn leaf_tables_of(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    schema_sql: &str,
+) -> Result<Vec<String>> {
+    relations_of(c, host, schema, schema_sql, "('r')").await
+}
+
+async fn relations_of(
+    c: &Client,
+    host: &HostName,
+    schema: &str,
+    schema_sql: &str,
+    kinds: &str,
+) -> Result<Vec<String>> {
     Ok(c.query(
-        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
+        &format!(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN {kinds} ORDER BY 1"
+        ),
         &[&schema],
     )
     .await

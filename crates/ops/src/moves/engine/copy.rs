@@ -651,24 +651,21 @@ impl Mover<'_> {
     }
 
     /// Builds on the target every secondary index the source's schema has and the
-    /// target lacks (deferred during the copy), from the source's own definitions.
+    /// target lacks (deferred during the copy), from the source's own definitions and
+    /// under their names, then attaches each partition's index to its partitioned
+    /// table's as on the source (as pg_dump restores them: a partitioned table's index
+    /// `ON ONLY` the table, each partition's on its own). Built whole instead, a
+    /// partitioned index would make its partitions' indexes under names of its own,
+    /// beside those the source names.
     pub(super) async fn build_indexes(&mut self) -> Result<()> {
         let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
         let gentle = self.options.max_rate.is_some_and(|r| r > 0);
-        // A partitioned table's indexes first, each built whole (`ON ONLY` dropped from
-        // its definition): that builds and attaches its partitions' indexes too, which
-        // are then there already.
-        let wanted: Vec<(String, String)> = self
-            .src()
-            .await?
+        let src = self.src().await?;
+        let wanted: Vec<(String, String)> = src
             .query(
-                "SELECT c.relname::text,
-                        CASE WHEN c.relkind = 'I'
-                             THEN regexp_replace(pg_get_indexdef(i.indexrelid), ' ON ONLY ', ' ON ')
-                             ELSE pg_get_indexdef(i.indexrelid) END
-                   FROM pg_index i
+                "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
                    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 ORDER BY c.relkind = 'I' DESC, 1",
+                  WHERE n.nspname = $1 ORDER BY 1",
                 &[&schema.as_str()],
             )
             .await
@@ -676,7 +673,31 @@ impl Mover<'_> {
             .iter()
             .map(|r| (r.get(0), r.get(1)))
             .collect();
+        let attached: Vec<(String, String)> = src
+            .query(
+                "SELECT p.relname::text, c.relname::text FROM pg_inherits h
+                   JOIN pg_class c ON c.oid = h.inhrelid JOIN pg_class p ON p.oid = h.inhparent
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind IN ('i', 'I') ORDER BY 1, 2",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "read the partitions' indexes"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
         let dst = self.dst().await?;
+        let have: Vec<String> = dst
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind IN ('i', 'I')",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&target, "list the indexes"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
         // A capped copy is gentle on the target too: its index builds take one core, not
         // the server's parallel maintenance workers as well.
         if gentle {
@@ -685,28 +706,23 @@ impl Mover<'_> {
                 .map_err(on(&target, "set up the index builds"))?;
         }
         let mut built = Ok(());
-        for (name, def) in &wanted {
-            let have = dst
-                .query_one(
-                    "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                                     WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('i', 'I'))",
-                    &[&schema.as_str(), name],
-                )
-                .await
-                .map_err(on(&target, "list the indexes"));
-            match have {
-                Ok(row) if row.get::<_, bool>(0) => continue,
-                Ok(_) => {}
-                Err(e) => {
-                    built = Err(e);
-                    break;
-                }
-            }
+        for (name, def) in wanted.iter().filter(|(n, _)| !have.contains(n)) {
             tracing::debug!(index = %name, "building a deferred index");
             built = dst.batch_execute(def).await.map_err(on(&target, format!("build index {name}")));
             if built.is_err() {
                 break;
             }
+        }
+        // Attaching an index already attached to that parent changes nothing.
+        let q = |n: &str| format!("{}.{}", schema.quoted(), quote_ident(n));
+        for (parent, child) in &attached {
+            if built.is_err() {
+                break;
+            }
+            built = dst
+                .batch_execute(&format!("ALTER INDEX {} ATTACH PARTITION {}", q(parent), q(child)))
+                .await
+                .map_err(on(&target, format!("attach index {child} to {parent}")));
         }
         if gentle {
             // The build's own error first; then the reset's.

@@ -131,9 +131,11 @@ impl Mover<'_> {
     pub(super) async fn empty_copy(&mut self) -> Result<()> {
         let (target, schema, id) = (self.target.clone(), self.schema.clone(), self.id);
         let dst = self.dst().await?;
-        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
+        // Each table that holds rows, alone (`ONLY`): a partitioned table's TRUNCATE
+        // would reach a foreign partition's rows on another server too.
+        let tables = leaf_tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
         let truncate =
-            if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
+            if tables.is_empty() { String::new() } else { format!("TRUNCATE ONLY {};", tables.join(", ")) };
         dst.batch_execute(&format!(
             "BEGIN; {truncate} DELETE FROM shardline.move_marks WHERE move_id = {id}; COMMIT"
         ))

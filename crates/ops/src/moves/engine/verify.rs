@@ -132,8 +132,9 @@ impl Mover<'_> {
     }
 }
 
-/// The shard's tables in `schema`, with their primary key (or all columns) as an SQL
-/// row expression.
+/// The shard's tables in `schema` that hold rows themselves (a partitioned table's rows
+/// are its partitions', each compared on its own), with their primary key (or all
+/// columns) as an SQL row expression.
 pub(super) async fn tables(
     c: &Client,
     host: &HostName,
@@ -150,7 +151,7 @@ pub(super) async fn tables(
                                    WHERE i.indrelid = c.oid AND i.indisprimary), '*'),
                         {HASHED_COLUMNS}
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1"
+                  WHERE n.nspname = $1 AND c.relkind = 'r' ORDER BY 1"
             ),
             &[&schema],
         )
