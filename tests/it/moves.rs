@@ -2302,6 +2302,87 @@ pub(crate) async fn a_target_corrupted_after_the_comparison_before_the_fence_doe
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_move_whose_copy_keeps_its_guards_leaves_the_shard_writable);
+/// The copy's guards let writes through only while the move's marker on the target says
+/// it decided to flip. A session that holds a lock on the target's table from the
+/// comparison before the fence (taken by the `on_compared` drill) until the move
+/// returns keeps both of the move's attempts to drop the guards from getting theirs;
+/// the move still ends, and names the guards and the marker as left to `gc`. The shard
+/// then takes writes on its new host, through the repository, at once; `gc` drops the
+/// guards and the marker. (Before, the clean-up deleted the marker anyway, and every
+/// write to the moved shard failed as fenced (3F000) until `gc` ran: the insert below
+/// waited out `move_wait` and failed.)
+pub(crate) async fn a_move_whose_copy_keeps_its_guards_leaves_the_shard_writable(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let options = ClusterOptions { move_wait: Duration::from_secs(3), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&config, options).await?;
+    seed(&cluster, 0, 6, 1).await?;
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+    let locked_tx = Arc::new(std::sync::Mutex::new(Some(locked_tx)));
+    // Holds ACCESS SHARE on the copy's photos (as a long read would) from the drill on.
+    let pg2 = Arc::new(f.client(&ctx, 1).await?);
+    let hook: moves::HookFn = {
+        let (locked_tx, pg2) = (locked_tx.clone(), pg2.clone());
+        Arc::new(move || {
+            let (locked_tx, pg2) = (locked_tx.clone(), pg2.clone());
+            Box::pin(async move {
+                let r = pg2
+                    .batch_execute("BEGIN; LOCK TABLE shard_0000.photos IN ACCESS SHARE MODE")
+                    .await
+                    .map_err(|e| e.to_string());
+                let sender = locked_tx.lock().ok().and_then(|mut s| s.take());
+                if let Some(sender) = sender {
+                    let _ = sender.send(r);
+                }
+            })
+        })
+    };
+    let report =
+        moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default().on_compared(hook))
+            .await?;
+    locked_rx.await.map_err(|_| "the drill ran")??;
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
+    // Written while the guards are still on the copy (the lock is still held).
+    let started = Instant::now();
+    let written = cluster.repo::<Photo>()?.insert(&photo(0, 99)).await;
+    let written = written.map_err(|e| format!("a write to the moved shard, its guards still there: {e}"))?;
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    let pending = report.cleanup_pending.join("; ");
+    assert!(pending.contains("guards") && pending.contains("marker"), "{pending}");
+    pg2.batch_execute("ROLLBACK").await?;
+    let guards: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one(
+            "SELECT (SELECT count(*) FROM pg_trigger WHERE tgname = 'shardline_revert_guard')
+                  + (SELECT count(*) FROM shardline.move_marks)",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert!(guards > 0, "the guards and the marker were left for gc");
+    moves::gc(&config, Duration::ZERO).await?;
+    assert_eq!(cluster.repo::<Photo>()?.get(written.id).await?.map(|p| p.id), Some(written.id));
+    let guards: i64 = f
+        .client(&ctx, 1)
+        .await?
+        .query_one(
+            "SELECT (SELECT count(*) FROM pg_trigger WHERE tgname = 'shardline_revert_guard')
+                  + (SELECT count(*) FROM shardline.move_marks)",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(guards, 0, "gc dropped the guards and the marker");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: the_fence_reads_only_the_rows_written_during_the_move);
 /// The pause does not grow with the shard, shown by what it reads (not by a clock):
 /// two shards, one ten times the other, each given the same writes through the

@@ -249,6 +249,52 @@ pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_
     Ok(())
 }
 
+shardline_testkit::register!(shared: behind_pgbouncer_the_application_minter_reserves_from_its_own_shard);
+/// `ShardIdGenerator` (IDs minted in the application from blocks reserved from the
+/// shard's sequence) behind PgBouncer in transaction mode: 8 clients over 2 server
+/// connections, half for shard 3 and half for shard 5, each reserving one value per
+/// round trip. Every reservation succeeds, and every ID is unique and carries its own
+/// shard. (Before, the reservation was a named statement: its Parse and its Bind were
+/// two round trips, which the pooler handed to different server connections, and the
+/// Bind failed (26000) or could run another client's statement of that name.)
+pub(crate) async fn behind_pgbouncer_the_application_minter_reserves_from_its_own_shard(
+    ctx: TestContext,
+) -> TestResult {
+    use shardline_repo::ids::ShardIdGenerator;
+
+    let shards = 8;
+    let f = Fixture::new(&ctx, 1, shards).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let bouncer = Pgbouncer::start(&ctx.hosts()[0], PoolMode::Transaction, 2).await?;
+    let layout = f.config()?.layout;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let shard: u16 = if i % 2 == 0 { 3 } else { 5 };
+        let (c, task) = tokio_postgres::connect(&bouncer.url(f.db()), tokio_postgres::NoTls).await?;
+        tokio::spawn(task);
+        let generator = ShardIdGenerator::new(layout, &format!("shard_{shard:04}"), crate::shard(shard))?
+            .block(1)
+            .max_ahead_ms(1000);
+        tasks.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for _ in 0..150 {
+                ids.push(generator.next_id(&c).await.map_err(|e| e.to_string())?);
+            }
+            Ok::<_, String>((shard, ids))
+        }));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for task in tasks {
+        let (shard, ids) = task.await??;
+        for id in ids {
+            assert_eq!(id.shard(), u32::from(shard), "{id} reserved for shard {shard}");
+            assert!(seen.insert(id), "{id} minted twice");
+        }
+    }
+    assert_eq!(seen.len(), 8 * 150);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: behind_a_transaction_pooler_a_schema_type_is_refused_clearly);
 /// A table with a column whose type lives in the shard's schema (an enum) cannot be
 /// used with unnamed statements only: behind a transaction pooler it is refused before

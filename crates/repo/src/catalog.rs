@@ -804,7 +804,10 @@ impl Catalog {
     pub(crate) async fn complete_flip(&self, id: i64, token: &str) -> Result<bool> {
         let row = self
             .client
-            .query_one("SELECT shardline.complete_flip($1, $2)", &[&id, &token])
+            .query_typed_one(
+                "SELECT shardline.complete_flip($1, $2)",
+                &[(&id, tokio_postgres::types::Type::INT8), (&token, tokio_postgres::types::Type::TEXT)],
+            )
             .await
             .map_err(|e| Error::catalog("complete a move's flip", e))?;
         Ok(row.get(0))

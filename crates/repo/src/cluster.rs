@@ -658,9 +658,11 @@ impl Cluster {
         for (shard, from) in shards {
             let schema = self.inner.prefix.schema(*shard);
             let asked = self.on_host(from, self.inner.options.host_timeout, |c| async move {
-                c.query_one(
+                // Unnamed, in one round trip: a transaction pooler may hand each round
+                // trip of a named statement to another server connection.
+                c.query_typed_one(
                     "SELECT outcome, move, token FROM shardline.resolve_fence($1)",
-                    &[&schema.as_str()],
+                    &[(&schema.as_str(), tokio_postgres::types::Type::TEXT)],
                 )
                 .await
                 .map_err(|e| Error::host(from, Some(*shard), "resolve a move's fence", e))

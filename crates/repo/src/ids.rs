@@ -93,12 +93,18 @@ impl<C: Clock> ShardIdGenerator<C> {
     pub async fn next_id(&self, client: &tokio_postgres::Client) -> Result<Id> {
         let mut blocks = self.blocks.lock().await;
         if blocks.remaining() == 0 {
+            // Unnamed, in one round trip: behind a transaction pooler a named
+            // statement's Parse and Bind can reach two server connections, and the Bind
+            // then runs another client's statement of that name, or none.
             let rows = client
-                .query(&self.reserve_sql, &[&self.block])
+                .query_typed(&self.reserve_sql, &[(&self.block, tokio_postgres::types::Type::INT4)])
                 .await
                 .map_err(|e| Error::db(self.shard, "reserving IDs", e))?;
             for row in rows {
-                let (first, last): (i64, i64) = (row.get(0), row.get(1));
+                let (first, last): (i64, i64) = (
+                    row.try_get(0).map_err(|e| Error::db(self.shard, "reserving IDs", e))?,
+                    row.try_get(1).map_err(|e| Error::db(self.shard, "reserving IDs", e))?,
+                );
                 blocks.push(first, last)?;
             }
         }

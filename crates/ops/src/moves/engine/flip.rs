@@ -159,20 +159,24 @@ impl Mover<'_> {
             }
         }
         let mut pending = Vec::new();
-        {
+        // Guards left on the copy let writes through only while its marker says the
+        // move decided to flip: then the marker stays too, and `gc` drops both, guards
+        // first.
+        let guarded = {
             let dropped = unless_hung(config, &target, hung_after, self.unguard()).await.and_then(|r| r);
-            if let Err(e) = dropped {
+            if let Err(e) = &dropped {
                 self.dst = None;
                 pending.push(format!(
-                    "{}: the copy's guards on {} ({})",
+                    "{}: the copy's guards on {} and the move's marker ({})",
                     self.target,
                     self.schema,
-                    shardline_repo::error_chain(&e)
+                    shardline_repo::error_chain(e)
                 ));
             }
-        }
+            dropped.is_err()
+        };
         let cleaned =
-            unless_hung(config, &target, hung_after, self.clean_target(false)).await.and_then(|r| r);
+            unless_hung(config, &target, hung_after, self.clean_target(false, guarded)).await.and_then(|r| r);
         if cleaned.is_err() {
             self.dst = None;
         }
@@ -229,21 +233,25 @@ impl Mover<'_> {
     }
 
     /// On the target: the subscription (detached from its slot if the source is down),
-    /// the marker, the change log; with `drop_schema`, the schema and its ledger rows too.
-    pub(super) async fn clean_target(&mut self, drop_schema: bool) -> Result<()> {
+    /// the marker (unless `keep_marker`: the copy's guards are still there, and let
+    /// writes through only while it says the move decided to flip), the change log;
+    /// with `drop_schema`, the schema and its ledger rows too.
+    pub(super) async fn clean_target(&mut self, drop_schema: bool, keep_marker: bool) -> Result<()> {
         let (name, target, id, schema) = (self.name(), self.target.clone(), self.id, self.schema.clone());
         let dst = self.dst().await?;
         drop_subscription(dst, &target, &name).await?;
-        dst.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
-            .await
-            .or_else(|e| {
-                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
-                    Ok(0)
-                } else {
-                    Err(e)
-                }
-            })
-            .map_err(on(&target, "delete the marker"))?;
+        if !keep_marker {
+            dst.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
+                .await
+                .or_else(|e| {
+                    if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                        Ok(0)
+                    } else {
+                        Err(e)
+                    }
+                })
+                .map_err(on(&target, "delete the marker"))?;
+        }
         // With the subscription gone nothing writes a copy being dropped, so its
         // triggers go at once.
         drop_changes(dst, &target, id, CLEANUP_LOCK_MS, CLEANUP_ATTEMPTS).await?;

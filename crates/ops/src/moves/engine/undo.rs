@@ -52,7 +52,7 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     let mut target_left = false;
     // A hung target is left to `gc` too, rather than holding the undo.
     let (config, target, hung_after) = (mover.config, [mover.target.clone()], mover.options.hung_after);
-    let cleaned = match unless_hung(config, &target, hung_after, mover.clean_target(true)).await {
+    let cleaned = match unless_hung(config, &target, hung_after, mover.clean_target(true, false)).await {
         Ok(r) => r,
         Err(hung) => {
             // Its statements may still run on the target: a new connection next time.
