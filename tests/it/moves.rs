@@ -2833,7 +2833,9 @@ shardline_testkit::register!(shared: a_router_a_move_behind_never_writes_into_th
 /// writes while the shard moves back there, after the new copy is made and before its
 /// flip: the copy turns the write away as a moved shard's, and it lands where the shard
 /// is; the move then carries it over. Unguarded, the write was acknowledged into the copy
-/// and then emptied by the copy, or failed the move.
+/// and then emptied by the copy, or failed the move. Nor does the copy mint an ID
+/// (`next_id()`, `reserve_ids()`) before the move carries its sequence: before, such an
+/// ID was one the source could hand out too.
 pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy(
     ctx: TestContext,
 ) -> TestResult {
@@ -2854,6 +2856,17 @@ pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy
             .await
             .unwrap_err();
         assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        // Nothing mints from the copy either (as a router a move behind would, calling
+        // the shard's minter there): its ID sequence is capped until the move carries it.
+        let copy = f.client(&ctx, host_index(from.as_str())).await?;
+        for sql in ["SELECT shard_0000.next_id()", "SELECT first_value FROM shard_0000.reserve_ids(10)"] {
+            let minted = copy.query(sql, &[]).await;
+            let code = minted.as_ref().err().and_then(|e| e.code()).map(|c| c.code().to_owned());
+            assert!(
+                matches!(code.as_deref(), Some("22003" | "2200H")),
+                "{step}: {sql} on the copy: {minted:?}"
+            );
+        }
         // The stale handle sends the write to the new copy, which turns it away.
         let written = stale.repo::<Photo>()?.insert(&photo(0, 7000)).await?;
         assert_eq!(stale.route_user(0).host.as_str(), other, "{step}: the write went where the shard is");

@@ -92,6 +92,24 @@ impl Mover<'_> {
             }
         }
         if reverts.is_none() {
+            // No ID is minted from the copy before its sequence is carried: capped where
+            // it stands (again on a resumed move). `reserve_ids()` or `next_id()` called
+            // through a router a move behind would hand out values the source hands out
+            // too (its writes are guarded, below). `carry_sequence` lifts the cap.
+            let seq = ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.sequence();
+            self.dst()
+                .await?
+                .batch_execute(&format!(
+                    "DO $cap$ DECLARE last bigint; BEGIN
+                       -- Called, at 1 at least (MAXVALUE must exceed MINVALUE, 0): the next
+                       -- nextval fails.
+                       SELECT greatest(last_value, 1) INTO last FROM {seq};
+                       PERFORM setval('{seq}', last, true);
+                       EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', '{seq}', last);
+                     END $cap$"
+                ))
+                .await
+                .map_err(on(&target, "cap the copy's ID sequence"))?;
             // Not the shard's until the flip: a router whose map is a move or more behind
             // (it heard of no move) must not write here, where the copy would empty or
             // undo what it wrote. Again on a resumed move (a guard made then is kept).

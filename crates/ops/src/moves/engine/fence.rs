@@ -239,18 +239,16 @@ impl Mover<'_> {
         let carry = format!(
             "SELECT setval('{seq}'::regclass, greatest({last}, (SELECT last_value FROM {seq})), true);{others}"
         );
-        let carry = match &self.detail.reverts {
-            None => carry,
-            // A revert's old copy: its cap (the reverted move's fence) lifted with the
-            // carry, so it mints above every ID the new owner handed out. Its guards stay
-            // until the flip.
-            Some(r) => {
-                let max = r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value());
-                format!(
-                    "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} COMMIT;"
-                )
-            }
+        // The copy's cap lifted with the carry, so it mints above every ID the source
+        // handed out: a new copy's (capped where it was made, see `prepare`), or a
+        // revert's old copy's (the reverted move's fence). Its guards stay until the flip.
+        let max = match &self.detail.reverts {
+            None => self.layout.max_sequence_value(),
+            Some(r) => r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value()),
         };
+        let carry = format!(
+            "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} COMMIT;"
+        );
         let dst = self.dst().await?;
         if let Err(e) = dst.batch_execute(&carry).await {
             let _ = dst.batch_execute("ROLLBACK").await;
