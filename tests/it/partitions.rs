@@ -190,6 +190,79 @@ pub(crate) async fn a_cancel_held_by_a_cut_link_closes_the_connection_it_was_for
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_catalog_cut_off_inside_the_fence_holds_the_shard_no_longer_than_hung_after);
+/// The catalog's link is cut the moment the move journals `fenced` (from its progress
+/// report, inside the step's own call): the mover's next write to the journal gets no
+/// answer. It gives the step up after `hung_after` (2 s) and undoes the move on the
+/// source, so a write to the shard sent right after the cut waits out the fence and
+/// lands on the source within seconds, while the catalog is still cut off. (Before,
+/// the mover waited on the catalog for as long as the cut lasted, renewing the fence's
+/// lease all along: the write failed after `move_wait`, 15 s here.)
+pub(crate) async fn a_catalog_cut_off_inside_the_fence_holds_the_shard_no_longer_than_hung_after(
+    ctx: TestContext,
+) -> TestResult {
+    let Linked { f, catalog, app: _app, peers: _peers } = linked(&ctx).await?;
+    let catalog = Arc::new(catalog);
+    let config = f.config()?;
+    let cluster = Cluster::connect(
+        &config,
+        ClusterOptions { move_wait: Duration::from_secs(15), ..ClusterOptions::default() },
+    )
+    .await?;
+    let photos = cluster.repo::<Photo>()?;
+    let first = photos.insert(&photo(0, 0)).await?;
+    let from = cluster.route_user(0).host;
+    let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
+    let (mut opts, cut_at) = cut_at(Step::Fenced, &catalog);
+    opts.hung_after = Duration::from_secs(2);
+    let mover = async {
+        let r = moves::run(&config, crate::shard(0), &to, &opts).await;
+        (r, Instant::now())
+    };
+    let writer = async {
+        let waited = Instant::now();
+        while cut_at.get().is_none() {
+            if waited.elapsed() > Duration::from_secs(60) {
+                return Err::<_, BoxError>("the move never journaled fenced".into());
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let t = Instant::now();
+        let written = tokio::time::timeout(Duration::from_secs(40), photos.insert(&photo(0, 1))).await;
+        let took = t.elapsed();
+        // Healed only now: the write's outcome is the one reached with the catalog cut.
+        catalog.heal();
+        let written = written.map_err(|_| "the write hung for 40 s")?;
+        Ok((written, took))
+    };
+    let ((moved, ended), written) =
+        tokio::time::timeout(Duration::from_secs(120), async { tokio::join!(mover, writer) })
+            .await
+            .map_err(|_| "the move and the write did not end within 120 s")?;
+    let (written, took) = written?;
+    let written = written
+        .map_err(|e| format!("a write to the shard while its mover could not reach the catalog: {e}"))?;
+    assert!(took < Duration::from_secs(10), "the write waited {took:?} for the fence");
+    let cut = *cut_at.get().ok_or("cut")?;
+    let err = moved.expect_err("a move whose catalog was cut off inside the fence flipped");
+    eprintln!("the mover gave up {:?} after the cut: {err}", ended.duration_since(cut));
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(0).host, from, "the map still places the shard on its source");
+    for id in [first.id, written.id] {
+        assert_eq!(photos.get(id).await?.map(|p| p.id), Some(id));
+    }
+    // What the undo could not journal with the catalog cut off, `--abort` finishes.
+    let journal = moves::list(&config).await?;
+    if journal.iter().any(|m| m.state == State::Running) {
+        moves::abort(&config, crate::shard(0)).await?;
+    }
+    let journal = moves::list(&config).await?;
+    assert!(journal.iter().all(|m| m.state == State::RolledBack), "{journal:?}");
+    moves::gc(&config, Duration::ZERO).await?;
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing);
 pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing(
     ctx: TestContext,

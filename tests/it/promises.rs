@@ -463,7 +463,8 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
 shardline_testkit::register!(shared: a_partitioned_table_moves_whole_with_its_shard);
 /// A shard with a partitioned table (a partition, a partitioned one with two of its own,
 /// a default one; an index of the table's built whole, one built partition by partition
-/// under names of their own and attached, one of a partition's alone) moves with every
+/// under names of their own and attached, one of a partition's alone; a foreign key to
+/// the shard's photos, so a copy is emptied with the partitioned table named) moves with every
 /// row: copied by the mover or by Postgres, verified by the change log or in full, with
 /// writes between the steps. Afterwards the target has the source's indexes, under the
 /// same names, attached and valid; the table takes writes there; a move verified by the
@@ -477,7 +478,8 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
     f.migration(
         "0005_events.sql",
         "CREATE TABLE events (id bigint NOT NULL DEFAULT next_id(), user_id bigint NOT NULL, day date NOT NULL,
-                              body text, PRIMARY KEY (id, day)) PARTITION BY RANGE (day);
+                              body text, photo_id bigint REFERENCES photos (id),
+                              PRIMARY KEY (id, day)) PARTITION BY RANGE (day);
          CREATE TABLE events_2026 PARTITION OF events FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
          CREATE TABLE events_2027 PARTITION OF events FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')
              PARTITION BY RANGE (day);

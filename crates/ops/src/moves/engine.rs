@@ -619,6 +619,27 @@ pub(crate) async fn maintenance_session(c: &Client, host: &HostName, app: &str) 
 /// Postgres cancels the worker.
 const MAINTENANCE_DEADLOCK_TIMEOUT: Duration = Duration::from_millis(20);
 
+/// `work` on the catalog for move `id`, given up (as [`Error::Journal`]) once `after`
+/// (the move's `hung_after`, 2 s at least) has passed without its answer. The mover
+/// renews the fence's lease for as long as it lives: a catalog that answers nothing
+/// (hung, or cut off) must not hold it, and so the fenced shard, for as long as that
+/// lasts. A step given up inside the fence is undone on the source.
+pub(super) async fn catalog_bounded<T>(
+    id: i64,
+    after: Duration,
+    what: &str,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let after = after.max(Duration::from_secs(2));
+    match tokio::time::timeout(after, work).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Journal {
+            id,
+            message: format!("the catalog answered nothing within {after:?} ({what})"),
+        }),
+    }
+}
+
 /// `work`, unless one of `hosts` answers no probe for `hung_after` first: then `Err`
 /// with the watchdog's error (and `work` is dropped where it was). `work` wins a tie.
 pub(super) async fn unless_hung<T>(
@@ -862,7 +883,13 @@ impl<'a> Mover<'a> {
     async fn journal(&mut self, step: Step) -> Result<()> {
         self.lap(&step.to_string());
         let detail = self.detail_json()?;
-        let n = journal::step_done(&self.catalog, self.id, step, &detail).await?;
+        let n = catalog_bounded(
+            self.id,
+            self.options.hung_after,
+            "journal a step",
+            journal::step_done(&self.catalog, self.id, step, &detail),
+        )
+        .await?;
         self.lap(&format!("journal {step}"));
         if n != 1 {
             return Err(Error::Journal {
@@ -1223,33 +1250,9 @@ pub(super) async fn tables_of(
     schema: &str,
     schema_sql: &str,
 ) -> Result<Vec<String>> {
-    relations_of(c, host, schema, schema_sql, "('r', 'p')").await
-}
-
-/// As [`tables_of`], but only the tables that hold rows themselves: no partitioned
-/// table (its rows are its partitions'; what is done to it is done to every partition,
-/// a foreign one too).
-pub(super) async fn leaf_tables_of(
-    c: &Client,
-    host: &HostName,
-    schema: &str,
-    schema_sql: &str,
-) -> Result<Vec<String>> {
-    relations_of(c, host, schema, schema_sql, "('r')").await
-}
-
-async fn relations_of(
-    c: &Client,
-    host: &HostName,
-    schema: &str,
-    schema_sql: &str,
-    kinds: &str,
-) -> Result<Vec<String>> {
     Ok(c.query(
-        &format!(
-            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE n.nspname = $1 AND c.relkind IN {kinds} ORDER BY 1"
-        ),
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1",
         &[&schema],
     )
     .await
@@ -1311,7 +1314,8 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
 }
 
 async fn record_error(mover: &Mover<'_>, error: &str) {
-    journal::record_error(&mover.catalog, mover.id, error).await;
+    let bound = mover.options.hung_after.max(Duration::from_secs(2));
+    let _ = tokio::time::timeout(bound, journal::record_error(&mover.catalog, mover.id, error)).await;
 }
 
 /// Installs [`RESOLVE_SQL`] on a host where it is missing (`init` replaces it

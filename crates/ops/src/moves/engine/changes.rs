@@ -703,7 +703,13 @@ impl Mover<'_> {
         // Journaled before the fence: a verification inside the fence relies only on a
         // comparison the journal holds.
         let detail = self.detail_json()?;
-        let j = journal::write_detail(&self.catalog, self.id, &detail, true).await?;
+        let j = catalog_bounded(
+            self.id,
+            self.options.hung_after,
+            "journal the comparison",
+            journal::write_detail(&self.catalog, self.id, &detail, true),
+        )
+        .await?;
         if j != 1 {
             return Err(Error::Journal {
                 id,

@@ -58,7 +58,13 @@ impl Mover<'_> {
         let (token, check): (String, String) = (row.get(0), row.get(1));
         self.detail.flip_check = Some(check);
         let detail = self.detail_json()?;
-        let j = journal::write_detail(&self.catalog, id, &detail, true).await?;
+        let j = catalog_bounded(
+            id,
+            self.options.hung_after,
+            "journal the flip's proof",
+            journal::write_detail(&self.catalog, id, &detail, true),
+        )
+        .await?;
         if j != 1 {
             return Err(Error::Journal {
                 id,
@@ -240,7 +246,17 @@ impl Mover<'_> {
         let (name, target, id, schema) = (self.name(), self.target.clone(), self.id, self.schema.clone());
         let dst = self.dst().await?;
         drop_subscription(dst, &target, &name).await?;
-        if !keep_marker {
+        if keep_marker {
+            // The guards read the decision from this row, which the subscription just
+            // dropped may not have brought yet: written here (it is final, and journaled).
+            dst.execute(
+                "INSERT INTO shardline.move_marks (move_id, decided) VALUES ($1, 'flip')
+                 ON CONFLICT (move_id) DO UPDATE SET decided = 'flip'",
+                &[&id],
+            )
+            .await
+            .map_err(on(&target, "keep the marker"))?;
+        } else {
             dst.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
                 .await
                 .or_else(|e| {

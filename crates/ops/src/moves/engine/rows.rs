@@ -131,11 +131,35 @@ impl Mover<'_> {
     pub(super) async fn empty_copy(&mut self) -> Result<()> {
         let (target, schema, id) = (self.target.clone(), self.schema.clone(), self.id);
         let dst = self.dst().await?;
-        // Each table that holds rows, alone (`ONLY`): a partitioned table's TRUNCATE
-        // would reach a foreign partition's rows on another server too.
-        let tables = leaf_tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
+        // A partitioned table's TRUNCATE empties every partition: a foreign one's rows
+        // are on another server, which both copies share. Such a shard is not moved.
+        let foreign: Vec<String> = dst
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'f' AND c.relispartition ORDER BY 1",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&target, "look for foreign partitions"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if !foreign.is_empty() {
+            return Err(Error::Host {
+                host: target.to_string(),
+                what: "empty the copy".into(),
+                sqlstate: None,
+                message: format!(
+                    "{schema} has foreign partitions ({}), whose rows live on another server: shardline does not move such a shard",
+                    foreign.join(", ")
+                ),
+            });
+        }
+        // Partitioned tables too (not `ONLY`): a foreign key from one names it, and
+        // TRUNCATE refuses to empty the referenced table without it.
+        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
         let truncate =
-            if tables.is_empty() { String::new() } else { format!("TRUNCATE ONLY {};", tables.join(", ")) };
+            if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
         dst.batch_execute(&format!(
             "BEGIN; {truncate} DELETE FROM shardline.move_marks WHERE move_id = {id}; COMMIT"
         ))

@@ -14,7 +14,9 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     }
     // The map, when it can be read, must still place the shard on the source: only then
     // is the target's copy nobody's.
-    match mover.catalog.map().await {
+    let (id, hung_after) = (mover.id, mover.options.hung_after);
+    let map = catalog_bounded(id, hung_after, "read the map", async { Ok(mover.catalog.map().await?) });
+    match map.await {
         Ok(map) if *map.host_of(mover.shard) != mover.source => {
             return Err(Error::Journal {
                 id: mover.id,
@@ -46,7 +48,8 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     if !mover.detail.undoing {
         mover.detail.undoing = true;
         let detail = mover.detail_json()?;
-        journal::write_detail(&mover.catalog, mover.id, &detail, false).await?;
+        let said = journal::write_detail(&mover.catalog, mover.id, &detail, false);
+        catalog_bounded(id, hung_after, "journal the undo", said).await?;
     }
     let mut pending = Vec::new();
     let mut target_left = false;
@@ -74,7 +77,8 @@ pub(super) async fn undo(mover: &mut Mover<'_>, reason: &str) -> Result<AbortRep
     mover.detail.cleanup_pending = pending.clone();
     mover.detail.target_schema_left = target_left;
     let detail = mover.detail_json()?;
-    journal::rolled_back(&mover.catalog, mover.id, reason, &detail).await?;
+    let said = journal::rolled_back(&mover.catalog, mover.id, reason, &detail);
+    catalog_bounded(id, hung_after, "journal the undo", said).await?;
     Ok(AbortReport {
         id: mover.id,
         shard: mover.shard,

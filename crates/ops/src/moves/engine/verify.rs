@@ -215,10 +215,14 @@ pub(super) fn row_hash(t: &str, columns: &[(String, bool)]) -> String {
     format!("hash_record_extended(ROW({}), 0)", parts.join(", "))
 }
 
+/// The indexes of `schema` by name, each with the partitioned index it is attached to
+/// (`name < parent`): a partition's index built but not attached differs.
 pub(super) async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String>> {
     let rows = c
         .query(
-            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            "SELECT c.relname::text || coalesce(' < ' || p.relname::text, '')
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+               LEFT JOIN pg_inherits h ON h.inhrelid = c.oid LEFT JOIN pg_class p ON p.oid = h.inhparent
               WHERE n.nspname = $1 AND c.relkind IN ('i', 'I') ORDER BY 1",
             &[&schema],
         )
