@@ -467,7 +467,9 @@ shardline_testkit::register!(shared: a_partitioned_table_moves_whole_with_its_sh
 /// the shard's photos, so a copy is emptied with the partitioned table named) moves with every
 /// row: copied by the mover or by Postgres, verified by the change log or in full, with
 /// writes between the steps. Afterwards the target has the source's indexes, under the
-/// same names, attached and valid; the table takes writes there; a move verified by the
+/// same names, attached and valid, and its materialized view filled from the copy (made
+/// by the migrations while its tables were empty, it stayed empty); the table takes
+/// writes there; a move verified by the
 /// change log read none of its rows again in full; and `gc` leaves no trigger. (Before,
 /// the move failed at `caught_up`: the partitioned index was built again, 42P07, and the
 /// change log's trigger could not be dropped from a partition, 2BP01; then the indexes
@@ -500,7 +502,8 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
          ALTER INDEX e27_body ATTACH PARTITION e27h2_body;
          ALTER INDEX events_by_body ATTACH PARTITION e26_body;
          ALTER INDEX events_by_body ATTACH PARTITION e27_body;
-         ALTER INDEX events_by_body ATTACH PARTITION other_body;",
+         ALTER INDEX events_by_body ATTACH PARTITION other_body;
+         CREATE MATERIALIZED VIEW events_per_user AS SELECT user_id, count(*) AS n FROM events GROUP BY user_id;",
     )?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let config = f.config()?;
@@ -544,6 +547,12 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
     let (log, full) = (moves::Verification::ChangeLog, moves::Verification::Full);
     for (user, verification, by_postgres) in [(1, log, false), (2, full, false), (3, log, true)] {
         assert_eq!(write(user, 30).await?, 30);
+        // The view as the application keeps it: refreshed on the source now and then.
+        cluster
+            .transaction(cluster.route_user(user).shard, |tx| {
+                Box::pin(async move { tx.execute("REFRESH MATERIALIZED VIEW events_per_user", &[]).await })
+            })
+            .await?;
         let route = cluster.route_user(user);
         let to = if route.host.as_str() == "pg1" { "pg2" } else { "pg1" };
         let mut options = MoveOptions::default().verifying(verification);
@@ -618,6 +627,19 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
             "the target's indexes, as the source's"
         );
         assert_eq!(write(user, 2).await?, 2, "the moved table takes writes");
+        let viewed: Vec<i64> = target
+            .query(
+                &format!("SELECT n FROM {}.events_per_user WHERE user_id = $1", route.schema.quoted()),
+                &[&user],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(
+            matches!(viewed.as_slice(), [n] if *n >= 30),
+            "user {user}'s row of the materialized view on the target, refreshed from the copy: {viewed:?}"
+        );
     }
     let gc = moves::gc(&config, Duration::ZERO).await?;
     let triggers: i64 = f

@@ -1174,12 +1174,14 @@ pub struct MapListener {
 }
 
 impl MapListener {
-    /// Opens a connection of its own to the catalog at `url` and `LISTEN`s on it.
-    /// Versions announced from then on can be read with [`MapListener::next`].
+    /// Opens a connection of its own to the catalog at `url` and `LISTEN`s on it, the
+    /// whole within the URL's connect timeout (per address, plus one). Versions
+    /// announced from then on can be read with [`MapListener::next`].
     ///
     /// # Errors
     ///
-    /// As [`connect`]; [`Error::Catalog`] when `LISTEN` fails.
+    /// As [`connect`]; [`Error::Catalog`] when `LISTEN` fails, [`Error::CatalogTimeout`]
+    /// when it gets no answer (a pooler that holds it waiting for a server).
     pub async fn start(url: &DbUrl) -> Result<MapListener> {
         use futures::StreamExt as _;
         let (config, tls) = pg_config_tls(url, "catalog")?;
@@ -1208,9 +1210,9 @@ impl MapListener {
                 }
             }
         });
-        client
-            .batch_execute(&format!("LISTEN {MAP_CHANNEL}"))
+        tokio::time::timeout(after, client.batch_execute(&format!("LISTEN {MAP_CHANNEL}")))
             .await
+            .map_err(|_| Error::CatalogTimeout { after })?
             .map_err(|e| Error::catalog("LISTEN for map changes", e))?;
         Ok(MapListener { _client: client, versions })
     }

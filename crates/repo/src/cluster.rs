@@ -1186,21 +1186,32 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
             Some(_) => {}
             None if listener.is_closed() => {
                 // The catalog connection ended: listen again, and reload in case a change
-                // was missed meanwhile.
+                // was missed meanwhile. The map check goes on while a new connection is
+                // made (which may take its whole connect timeout, a cut link): it is what
+                // bounds the map's age while no notification can come.
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                match MapListener::start(&inner.listen_url).await {
+                let start = MapListener::start(&inner.listen_url);
+                tokio::pin!(start);
+                let started = loop {
+                    let due = checked + wait;
+                    tokio::select! {
+                        started = &mut start => break started,
+                        () = tokio::time::sleep_until(due), if !check.is_zero() => {
+                            checked = tokio::time::Instant::now();
+                            let held = inner.map.read().map(|m| m.version()).unwrap_or(0);
+                            if catalog_is_ahead(&inner, held).await
+                                && let Err(e) = refresh(&inner).await
+                            {
+                                tracing::warn!(error = %crate::error_chain(&e), "cannot reload the shard map");
+                            }
+                        }
+                    }
+                };
+                match started {
                     Ok(l) => listener = l,
                     Err(e) => {
                         tracing::warn!(error = %crate::error_chain(&e), "cannot listen for map changes; retrying");
-                        // Meanwhile the map check goes on: it is what bounds the map's
-                        // age while no notification can come.
-                        if check.is_zero() || checked.elapsed() < check {
-                            continue;
-                        }
-                        checked = tokio::time::Instant::now();
-                        if !catalog_is_ahead(&inner, held).await {
-                            continue;
-                        }
+                        continue;
                     }
                 }
             }

@@ -467,6 +467,7 @@ impl Mover<'_> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         self.build_indexes().await?;
+        self.refresh_views().await?;
         // With the mover's own copy of the rows (made in the step before) counted in.
         let rows_ms = self.detail.rows_copied.as_ref().map_or(0, |r| r.ms);
         self.detail.copy_ms = Some(rows_ms + ms(started.elapsed()));
@@ -666,6 +667,39 @@ impl Mover<'_> {
         drop_slots(self.src().await?, &source, &name, &detail).await?;
         self.detail.copy_restarts += 1;
         self.subscribe().await
+    }
+
+    /// Fills the target's materialized views, which its migrations made while its tables
+    /// were empty: each one populated on the source is refreshed once the rows are
+    /// copied (as fresh as the copy, where the source's is as fresh as its last
+    /// refresh); one not populated there stays so. In the order they were made.
+    pub(super) async fn refresh_views(&mut self) -> Result<()> {
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        let views: Vec<String> = self
+            .src()
+            .await?
+            .query(
+                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'm' AND c.relispopulated ORDER BY c.oid",
+                &[&schema.as_str()],
+            )
+            .await
+            .map_err(on(&source, "list the materialized views"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let dst = self.dst().await?;
+        for view in &views {
+            tracing::debug!(view = %view, "refreshing a materialized view");
+            dst.batch_execute(&format!(
+                "REFRESH MATERIALIZED VIEW {}.{}",
+                schema.quoted(),
+                quote_ident(view)
+            ))
+            .await
+            .map_err(on(&target, format!("refresh the materialized view {view}")))?;
+        }
+        Ok(())
     }
 
     /// Builds on the target every secondary index the source's schema has and the
