@@ -2361,6 +2361,20 @@ pub(crate) async fn a_move_whose_copy_keeps_its_guards_leaves_the_shard_writable
     let row = pg2.query_one(left, &[]).await?;
     let (guards, marks): (i64, i64) = (row.get(0), row.get(1));
     assert!(guards > 0 && marks == 1, "the guards ({guards}) and the marker ({marks}) were left for gc");
+    // The shard's next move drops the stale guards from its source, where the shard is
+    // live (a fence would hide them from gc, and an undo bring them back unmarked).
+    let err = moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg3"),
+        &MoveOptions::default().stopping_after(Step::Prepared),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, OpsError::Interrupted { step: Step::Prepared, .. }), "{err}");
+    let row = pg2.query_one(left, &[]).await?;
+    assert_eq!(row.get::<_, i64>(0), 0, "the next move dropped its source's stale guards");
+    moves::abort(&config, crate::shard(0)).await?;
     moves::gc(&config, Duration::ZERO).await?;
     let row = pg2.query_one(left, &[]).await?;
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (0, 0), "gc dropped the guards and the marker");

@@ -641,6 +641,35 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
             "user {user}'s row of the materialized view on the target, refreshed from the copy: {viewed:?}"
         );
     }
+    // A foreign table under one of the shard's (here an inheritance child of photos; a
+    // partitioned table with a primary key takes no foreign partition): its rows are on
+    // another server, which both copies would share and emptying a copy would empty.
+    // Refused before anything is done.
+    let route = cluster.route_user(4);
+    let host = if route.host.as_str() == "pg1" { 0 } else { 1 };
+    let admin = f.client(&ctx, host).await?;
+    admin
+        .batch_execute(&format!(
+            "CREATE FOREIGN DATA WRAPPER far_fdw; CREATE SERVER far FOREIGN DATA WRAPPER far_fdw;
+             CREATE FOREIGN TABLE {s}.photos_far () INHERITS ({s}.photos) SERVER far;",
+            s = route.schema.quoted()
+        ))
+        .await?;
+    let to = if route.host.as_str() == "pg1" { "pg2" } else { "pg1" };
+    let refused = moves::run(&config, route.shard, &crate::host(to), &MoveOptions::default()).await;
+    admin
+        .batch_execute(&format!(
+            "DROP FOREIGN TABLE {}.photos_far; DROP SERVER far; DROP FOREIGN DATA WRAPPER far_fdw;",
+            route.schema.quoted()
+        ))
+        .await?;
+    match refused {
+        Err(shardline_ops::Error::Preflight(p)) => {
+            let text = p.to_string();
+            assert!(text.contains("photos_far") && text.contains("another server"), "{text}");
+        }
+        other => return Err(format!("a shard with a foreign partition: {other:?}").into()),
+    }
     let gc = moves::gc(&config, Duration::ZERO).await?;
     let triggers: i64 = f
         .client(&ctx, 0)

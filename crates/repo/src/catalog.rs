@@ -1192,7 +1192,7 @@ impl MapListener {
             .map_err(|source| connect_error("catalog", source))?;
         let (tx, versions) = tokio::sync::mpsc::unbounded_channel();
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(tokio_postgres::AsyncMessage::Notification(n)) if n.channel() == MAP_CHANNEL => {
@@ -1210,10 +1210,15 @@ impl MapListener {
                 }
             }
         });
-        tokio::time::timeout(after, client.batch_execute(&format!("LISTEN {MAP_CHANNEL}")))
+        let listened = tokio::time::timeout(after, client.batch_execute(&format!("LISTEN {MAP_CHANNEL}")))
             .await
-            .map_err(|_| Error::CatalogTimeout { after })?
-            .map_err(|e| Error::catalog("LISTEN for map changes", e))?;
+            .map_err(|_| Error::CatalogTimeout { after })
+            .and_then(|r| r.map_err(|e| Error::catalog("LISTEN for map changes", e)));
+        if let Err(e) = listened {
+            // The connection's task holds the socket while a reply is pending: ended here.
+            task.abort();
+            return Err(e);
+        }
         Ok(MapListener { _client: client, versions })
     }
 

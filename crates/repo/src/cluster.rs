@@ -1193,7 +1193,10 @@ async fn listen(inner: Weak<Inner>, mut listener: MapListener) {
                 let start = MapListener::start(&inner.listen_url);
                 tokio::pin!(start);
                 let started = loop {
-                    let due = checked + wait;
+                    // `map_check` may be very large: no overflow.
+                    let due = checked
+                        .checked_add(wait)
+                        .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
                     tokio::select! {
                         started = &mut start => break started,
                         () = tokio::time::sleep_until(due), if !check.is_zero() => {

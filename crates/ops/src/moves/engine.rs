@@ -1241,6 +1241,18 @@ pub(super) async fn check_reverse(
 /// Why a revert cannot go on (`Err`), or `Ok`.
 pub(super) type Refusal = std::result::Result<(), String>;
 
+/// The foreign tables under the tables of schema `$1` (a partition, or an inheritance
+/// child, at any depth, in any schema), qualified: their rows live on another server,
+/// which both copies of a shard would share, and emptying a copy (a partitioned table's
+/// `TRUNCATE`) would empty them there. A shard with one is not moved.
+pub(crate) const FOREIGN_CHILDREN: &str = "WITH RECURSIVE tree(oid, root) AS (
+    SELECT c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+    UNION SELECT h.inhrelid, false FROM pg_inherits h JOIN tree t ON h.inhparent = t.oid)
+  SELECT DISTINCT format('%I.%I', n.nspname, c.relname) FROM tree t
+    JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
+   WHERE NOT t.root AND c.relkind = 'f' ORDER BY 1";
+
 /// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
 /// schema's name in the statement that uses them, which may differ from `schema`'s:
 /// a copy being renamed), in name order: partitioned tables and the others.

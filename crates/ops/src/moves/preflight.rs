@@ -362,6 +362,15 @@ async fn check_source(
         let table: String = r.get(0);
         checks.add(Some(host), "replica identity", format!("{schema}.{table} has no primary key or replica identity; add a primary key (or REPLICA IDENTITY FULL)"));
     }
+    let foreign = c.query(super::engine::FOREIGN_CHILDREN, &[&schema.as_str()]).await.map_err(fail)?;
+    for r in foreign {
+        let table: String = r.get(0);
+        checks.add(
+            Some(host),
+            "foreign table",
+            format!("{table}, a foreign partition or child of a table of {schema}, has its rows on another server, which both copies would share; shardline does not move such a shard"),
+        );
+    }
     let size = c
         .query_one(
             "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.relkind = 'r' AND c.reltuples > 0), 0)::bigint,

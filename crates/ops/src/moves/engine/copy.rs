@@ -120,6 +120,10 @@ impl Mover<'_> {
         self.carry_privileges(self.schema.as_str().to_owned()).await?;
         let source = self.source.clone();
         let src = self.src().await?;
+        // Guards on the source's live schema are an earlier move's, left to `gc` (see
+        // `clean`): the shard is the source's, and a fence renaming the schema would hide
+        // them from `gc` while an undo could bring them back without their marker.
+        drop_guards(src, &source, schema.as_str()).await?;
         src.batch_execute(MARKS_SQL).await.map_err(on(&source, "create the marker table"))?;
         install_resolve(src, &source).await?;
         src.execute("INSERT INTO shardline.move_marks (move_id) VALUES ($1) ON CONFLICT DO NOTHING", &[&id])
@@ -672,32 +676,47 @@ impl Mover<'_> {
     /// Fills the target's materialized views, which its migrations made while its tables
     /// were empty: each one populated on the source is refreshed once the rows are
     /// copied (as fresh as the copy, where the source's is as fresh as its last
-    /// refresh); one not populated there stays so. In the order they were made.
+    /// refresh); one not populated there is left so (`WITH NO DATA`). In the order they
+    /// were made. Each waits for its lock (a reader of the copy's view holds it off) at
+    /// most the move's `lock_timeout` a try, 10 tries.
     pub(super) async fn refresh_views(&mut self) -> Result<()> {
         let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
-        let views: Vec<String> = self
+        let lock_ms = self.options.lock_timeout.as_millis().max(1);
+        let views: Vec<(String, bool)> = self
             .src()
             .await?
             .query(
-                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 AND c.relkind = 'm' AND c.relispopulated ORDER BY c.oid",
+                "SELECT c.relname::text, c.relispopulated FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind = 'm' ORDER BY c.oid",
                 &[&schema.as_str()],
             )
             .await
             .map_err(on(&source, "list the materialized views"))?
             .iter()
-            .map(|r| r.get(0))
+            .map(|r| (r.get(0), r.get(1)))
             .collect();
         let dst = self.dst().await?;
-        for view in &views {
-            tracing::debug!(view = %view, "refreshing a materialized view");
-            dst.batch_execute(&format!(
-                "REFRESH MATERIALIZED VIEW {}.{}",
+        for (view, populated) in &views {
+            tracing::debug!(view = %view, populated, "refreshing a materialized view");
+            let data = if *populated { "" } else { " WITH NO DATA" };
+            let refresh = format!(
+                "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
+                 REFRESH MATERIALIZED VIEW {}.{}{data}; COMMIT",
                 schema.quoted(),
                 quote_ident(view)
-            ))
-            .await
-            .map_err(on(&target, format!("refresh the materialized view {view}")))?;
+            );
+            for attempt in 1..=10 {
+                match dst.batch_execute(&refresh).await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        let _ = dst.batch_execute("ROLLBACK").await;
+                        let e = on(&target, format!("refresh the materialized view {view}"))(e);
+                        if !is_lock_conflict(&e) || attempt == 10 {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
         }
         Ok(())
     }

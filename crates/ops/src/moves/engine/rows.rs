@@ -132,13 +132,10 @@ impl Mover<'_> {
         let (target, schema, id) = (self.target.clone(), self.schema.clone(), self.id);
         let dst = self.dst().await?;
         // A partitioned table's TRUNCATE empties every partition: a foreign one's rows
-        // are on another server, which both copies share. Such a shard is not moved.
+        // are on another server, which both copies share (the pre-flight refuses such a
+        // shard; again here, on the copy).
         let foreign: Vec<String> = dst
-            .query(
-                "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 AND c.relkind = 'f' AND c.relispartition ORDER BY 1",
-                &[&schema.as_str()],
-            )
+            .query(FOREIGN_CHILDREN, &[&schema.as_str()])
             .await
             .map_err(on(&target, "look for foreign partitions"))?
             .iter()
@@ -150,14 +147,26 @@ impl Mover<'_> {
                 what: "empty the copy".into(),
                 sqlstate: None,
                 message: format!(
-                    "{schema} has foreign partitions ({}), whose rows live on another server: shardline does not move such a shard",
+                    "{schema} has foreign partitions or children ({}), whose rows live on another server: shardline does not move such a shard",
                     foreign.join(", ")
                 ),
             });
         }
-        // Partitioned tables too (not `ONLY`): a foreign key from one names it, and
-        // TRUNCATE refuses to empty the referenced table without it.
-        let tables = tables_of(dst, &target, schema.as_str(), &schema.quoted()).await?;
+        // A plain table alone (`ONLY`: not an inheritance child of it), a partitioned
+        // table with its partitions (a foreign key from one names it, and TRUNCATE
+        // refuses to empty the referenced table without it; `ONLY` is refused there).
+        let tables: Vec<String> = dst
+            .query(
+                "SELECT CASE c.relkind WHEN 'r' THEN 'ONLY ' ELSE '' END || format('%s.%I', $2::text, c.relname)
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY c.relname",
+                &[&schema.as_str(), &schema.quoted()],
+            )
+            .await
+            .map_err(on(&target, format!("list the tables of {schema}")))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
         let truncate =
             if tables.is_empty() { String::new() } else { format!("TRUNCATE {};", tables.join(", ")) };
         dst.batch_execute(&format!(
