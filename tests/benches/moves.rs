@@ -283,7 +283,10 @@ async fn main() -> Result<(), BoxError> {
     let mut by_host: std::collections::BTreeMap<String, Vec<i64>> = std::collections::BTreeMap::new();
     // Shards 0 and 1 hold the sections above's data.
     for s in 2..i64::from(count) {
-        by_host.entry(cluster.route(LogicalShard::bounded(s)?).host.as_str().to_owned()).or_default().push(s);
+        by_host
+            .entry(cluster.route(LogicalShard::bounded(s)?)?.host.as_str().to_owned())
+            .or_default()
+            .push(s);
     }
     let Some((source, shards)) = by_host.iter().find(|(_, v)| v.len() >= 2) else {
         println!("gentle on the source: no host holds two shards; skipped");

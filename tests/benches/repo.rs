@@ -174,7 +174,7 @@ async fn main() -> Result<(), BoxError> {
     );
     let map = cluster.map();
     for shard in map.hosts().iter().flat_map(|h| map.shards_of(h)) {
-        let route = cluster.route(shard);
+        let route = cluster.route(shard)?;
         let sql = format!(
             "SELECT {columns} FROM {}.photos WHERE id BETWEEN $1 AND $2 ORDER BY id DESC",
             route.schema.quoted()

@@ -841,7 +841,7 @@ pub(crate) async fn rebalance_spreads_shards_onto_a_new_host(ctx: TestContext) -
     assert!(cluster.hosts().iter().any(|(h, _)| h == "pg3"), "{:?}", cluster.hosts());
     for shard in 0..8u16 {
         let route =
-            cluster.route(shardline_router::LogicalShard::new(i64::from(shard), config.logical_shards)?);
+            cluster.route(shardline_router::LogicalShard::new(i64::from(shard), config.logical_shards)?)?;
         let h = host_index(route.host.as_str());
         assert_eq!(counts(&f, &ctx, h, route.schema.as_str()).await?, Some([20, 20, 20]), "shard {shard}");
     }
@@ -1364,7 +1364,7 @@ async fn ends_whole_on(
     let schema = format!("shard_{n:04}");
     let gone = if now_on == "pg2" { "pg3" } else { "pg2" };
     cluster.refresh().await?;
-    assert_eq!(cluster.route(crate::shard(n)).host.as_str(), now_on, "{case}");
+    assert_eq!(cluster.route(crate::shard(n))?.host.as_str(), now_on, "{case}");
     assert_eq!(counts(f, ctx, host_index(now_on), &schema).await?, Some(expected), "{case}");
     assert_eq!(counts(f, ctx, host_index(gone), &schema).await?, None, "{case}: {said}");
     assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0], "{case}: {said}");
@@ -3049,7 +3049,7 @@ async fn disjoint_pairs_on(kit: &shardline_testkit::Cluster) -> Result<(), BoxEr
     // takes two from pg1 (to pg3, then pg4), then one from pg2 to pg3, perhaps one more.
     let mut photos = Vec::new();
     for shard in 0..8 {
-        let on = cluster.route(shardline_router::LogicalShard::new(shard, config.logical_shards)?).host;
+        let on = cluster.route(shardline_router::LogicalShard::new(shard, config.logical_shards)?)?.host;
         photos.extend(seed(&cluster, shard, 8, if on == "pg1" { 40 } else { 20 }).await?);
     }
     std::fs::write(f.path(), &four)?;

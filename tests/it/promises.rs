@@ -259,7 +259,7 @@ pub(crate) async fn errors_are_classified_by_where_they_happened(ctx: TestContex
 
     // Lost on the way: the session ends while the statement runs; it may have been
     // applied, and running it again may work.
-    let host = cluster.route(shard).host;
+    let host = cluster.route(shard)?.host;
     let h = if host.as_str() == "pg1" { 0 } else { 1 };
     let killer = f.client(&ctx, h).await?;
     let running = tokio::spawn({

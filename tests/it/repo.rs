@@ -199,7 +199,7 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
 
     // A transaction of another stale handle: rolled back on pg1, run again on pg2.
     let shard0 = stale_tx.route_user(0).shard;
-    assert_eq!(stale_tx.route(shard0).host.as_str(), "pg1");
+    assert_eq!(stale_tx.route(shard0)?.host.as_str(), "pg1");
     let runs = std::sync::atomic::AtomicUsize::new(0);
     let (id, host) = stale_tx
         .transaction(shard0, |tx| {

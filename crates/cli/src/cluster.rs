@@ -24,7 +24,7 @@ pub struct ApplyOpt {
     pub jobs: u16,
     /// How long a statement may wait for a lock before its shard fails (so a migration
     /// never stalls a busy table's queries behind it), e.g. `5s`, `500ms`.
-    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_lock_timeout)]
     pub lock_timeout: Duration,
     /// How long one shard's transaction may take before the run fails naming the host
     /// and shard (a hung host ends the run instead of holding it), e.g. `30min`, `2h`.
@@ -203,15 +203,32 @@ struct Located<'a> {
     host: &'a str,
 }
 
-/// Parses an ID in decimal or compact form.
+/// Parses an ID in decimal or compact form; refuses a text that is both, naming two
+/// different IDs (13 digits: a compact form made of digits only).
 fn parse_id(s: &str) -> Result<Id, UsageError> {
-    s.parse::<Id>().or_else(|decimal| {
-        Id::from_compact(s).map_err(|compact| {
-            UsageError(format!(
-                "invalid value {s:?} for --id: not a decimal ID ({decimal}) nor a compact one ({compact})"
-            ))
-        })
-    })
+    match (s.parse::<Id>(), Id::from_compact(s)) {
+        (Ok(decimal), Ok(compact)) if decimal != compact => Err(UsageError(format!(
+            "invalid value {s:?} for --id: it is both the decimal ID {decimal} and the compact form of \
+             {compact}; give the other form ({})",
+            compact.as_i64()
+        ))),
+        (Ok(id), _) | (Err(_), Ok(id)) => Ok(id),
+        (Err(decimal), Err(compact)) => Err(UsageError(format!(
+            "invalid value {s:?} for --id: not a decimal ID ({decimal}) nor a compact one ({compact})"
+        ))),
+    }
+}
+
+/// A lock wait for `--lock-timeout`: 1 ms to 2,147,483,647 ms (Postgres's
+/// `lock_timeout` range; 0 there means no timeout at all).
+pub(crate) fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let ms = d.as_millis();
+    if (1..=i32::MAX as u128).contains(&ms) {
+        Ok(d)
+    } else {
+        Err(format!("must be 1ms to {}ms (0 would turn the lock timeout off)", i32::MAX))
+    }
 }
 
 /// Runs `locate`: where a user's or an ID's row lives, by the catalog's map.
@@ -331,6 +348,21 @@ mod tests {
         assert_eq!(parse_id(&id.to_compact()).unwrap(), id);
         let err = parse_id("-5").unwrap_err().to_string();
         assert!(err.starts_with("invalid value \"-5\" for --id: not a decimal ID"), "{err}");
+        // 13 digits: a decimal ID and the compact form of another; which is meant is
+        // asked, not guessed.
+        let both = Id::from_compact("0000000000010").unwrap();
+        assert_ne!(both.as_i64(), 10);
+        let err = parse_id("0000000000010").unwrap_err().to_string();
+        assert!(err.contains("both the decimal ID 10 and the compact form of"), "{err}");
+        assert_eq!(parse_id(&both.as_i64().to_string()).unwrap(), both);
+    }
+
+    #[test]
+    fn a_lock_timeout_of_zero_is_refused() {
+        assert!(parse_lock_timeout("0s").unwrap_err().contains("turn the lock timeout off"));
+        assert!(parse_lock_timeout("500us").is_err());
+        assert!(parse_lock_timeout("30d").is_err());
+        assert_eq!(parse_lock_timeout("5s").unwrap(), Duration::from_secs(5));
     }
 
     #[test]

@@ -84,11 +84,16 @@ fn layout(epoch_ms: i64) -> Result<Layout, UsageError> {
         .map_err(|e| UsageError(format!("invalid value {epoch_ms} for --epoch-ms: {e}")))
 }
 
+/// `unix_ms` as an RFC 3339 time in UTC, or as `N ms` where there is none (before 1970,
+/// from the year 10000 on).
 pub(crate) fn utc(unix_ms: i64) -> String {
-    u64::try_from(unix_ms).map_or_else(
-        |_| format!("{unix_ms} ms"),
-        |ms| humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string(),
-    )
+    use std::fmt::Write as _;
+    let at = u64::try_from(unix_ms).ok().and_then(|ms| UNIX_EPOCH.checked_add(Duration::from_millis(ms)));
+    let mut text = String::new();
+    match at {
+        Some(at) if write!(text, "{}", humantime::format_rfc3339_millis(at)).is_ok() => text,
+        _ => format!("{unix_ms} ms"),
+    }
 }
 
 /// Runs `shardline id`. Every input is checked before anything is printed.

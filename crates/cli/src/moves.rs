@@ -47,12 +47,12 @@ pub struct MoveOpt {
     #[command(flatten)]
     pub copy: CopyArgs,
     /// Fence only once a change on the source reaches the target this fast.
-    #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "250ms", value_name = "DURATION", value_parser = parse_max_lag)]
     pub max_lag: Duration,
     /// The fence's lease: renewed by the mover while the shard is fenced; once it ran
     /// out with the mover gone, a router that finds the shard fenced unfences it on its
     /// source. Keep the routers' `move_wait` above it plus 5 s.
-    #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = parse_lease)]
     pub lease: Duration,
     /// Give up the step in progress once the source or the target has answered no probe
     /// for this long (a host hung or cut off); the move then fails, or is undone while
@@ -97,6 +97,29 @@ impl CopyArgs {
 }
 
 /// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
+/// `--max-lag`: 1 ms to 1 min (0 is never reached: the move would wait out its
+/// `copy_timeout`).
+fn parse_max_lag(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d >= Duration::from_millis(1) && d <= Duration::from_secs(60) {
+        Ok(d)
+    } else {
+        Err("must be 1ms to 1min (a lag of 0 is never reached)".to_owned())
+    }
+}
+
+/// `--lease`: 1 s to 10 min (0 runs out before any flip can be decided, so every move
+/// would be undone; a long one keeps a dead mover's shard fenced that long, past the
+/// routers' `move_wait`).
+fn parse_lease(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d >= Duration::from_secs(1) && d <= Duration::from_secs(600) {
+        Ok(d)
+    } else {
+        Err("must be 1s to 10min (keep the routers' move_wait above it plus 5 s)".to_owned())
+    }
+}
+
 pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     match s.trim().parse::<f64>() {
         // A positive rate below a byte a second would round to 0, "no cap".
@@ -410,7 +433,7 @@ mod tests {
     use clap::Parser;
     use shardline_ops::moves::{DEFAULT_MAX_RATE, MoveOptions};
 
-    use super::{CopyArgs, parse_rate};
+    use super::{CopyArgs, parse_lease, parse_max_lag, parse_rate};
 
     #[derive(Debug, Parser)]
     struct Copy {
@@ -423,6 +446,15 @@ mod tests {
         let mut options = MoveOptions::default();
         parsed.copy.apply(&mut options);
         Ok(options.max_rate)
+    }
+
+    #[test]
+    fn a_lease_and_a_lag_that_no_move_could_meet_are_refused() {
+        assert!(parse_lease("0s").is_err());
+        assert!(parse_lease("1d").unwrap_err().contains("move_wait"));
+        assert_eq!(parse_lease("10s").unwrap(), std::time::Duration::from_secs(10));
+        assert!(parse_max_lag("0s").unwrap_err().contains("never reached"));
+        assert_eq!(parse_max_lag("250ms").unwrap(), std::time::Duration::from_millis(250));
     }
 
     #[test]

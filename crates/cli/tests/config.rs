@@ -59,7 +59,7 @@ fn every_config_mistake_names_file_line_and_key() {
         (
             "credentials.toml",
             "[catalog]\nurl = \"postgres://c/db\"\n[credentials]\npassword_env = \"PW\"\n".to_owned(),
-            ":4: credentials.password_env: \"PW\" must name an environment variable with {host} in it",
+            ":4: credentials.password_env: must name an environment variable with {host} in it",
         ),
         (
             "twice.toml",

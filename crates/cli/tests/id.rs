@@ -80,3 +80,19 @@ fn bad_input_exits_2_names_the_field_and_prints_nothing() {
         assert!(err.contains(message), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn an_epoch_near_the_year_10000_prints_its_times_without_a_panic() {
+    // Accepted by the layout; its times from the year 10000 on have no RFC 3339 form.
+    for args in [
+        &["id", "layout", "--epoch-ms", "253402300800000"][..],
+        &["id", "decode", "--epoch-ms", "253402300800000", "0"][..],
+        &["id", "layout", "--epoch-ms", "251203277544448"][..],
+    ] {
+        let o = shardline(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(stdout(&o).contains(" ms"), "{args:?}: {}", stdout(&o));
+    }
+}

@@ -410,8 +410,15 @@ impl Cluster {
     }
 
     /// Where a shard lives.
-    pub fn route(&self, shard: LogicalShard) -> Route {
-        self.map().route(shard, &self.inner.prefix)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] when the cluster has no such shard (a [`LogicalShard`] is
+    /// checked only against the most shards a cluster can have).
+    pub fn route(&self, shard: LogicalShard) -> Result<Route> {
+        let map = self.map();
+        let shard = shard.within(map.count())?;
+        Ok(map.route(shard, &self.inner.prefix))
     }
 
     /// Reloads the map from the catalog; returns its version. A map older than the one

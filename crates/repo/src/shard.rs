@@ -403,6 +403,8 @@ impl Cluster {
         Er: From<Error>,
     {
         let timeout = self.options().host_timeout;
+        // A shard the cluster has (a map change never changes the count).
+        let shard = shard.within(self.map().count()).map_err(|e| Er::from(Error::from(e)))?;
         // Each run borrows `work` in turn; the lock is never contended.
         let work = &tokio::sync::Mutex::new(work);
         self.with_move_retry(|map, _| async move {

@@ -429,8 +429,8 @@ impl Sqlx {
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         let options = self.cluster.options();
+        let host = self.cluster.route(shard)?.host;
         if options.transaction_pooler {
-            let host = self.cluster.route(shard).host;
             return Err(Error::Pooler {
                 host,
                 reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \

@@ -472,11 +472,15 @@ impl Source<'_> {
             (None, Some(e)) => {
                 let var = e.get_ref();
                 (self.env)(var).filter(|v| !v.is_empty()).map(|v| Some(DbUrl(v))).ok_or_else(|| {
-                    self.err(
-                        e.span().start,
-                        &format!("{key}_env"),
-                        format!("environment variable {var} is not set"),
-                    )
+                    // Named only when it is a name: a URL put here by mistake carries
+                    // its password.
+                    let said = if is_env_name(var) {
+                        format!("environment variable {var} is not set")
+                    } else {
+                        "must name an environment variable (ASCII letters, digits and _), not hold a value"
+                            .to_owned()
+                    };
+                    self.err(e.span().start, &format!("{key}_env"), said)
                 })
             }
             (Some(u), None) => self.expand(u.span().start, key, u.get_ref()).map(|u| Some(DbUrl(u))),
@@ -522,7 +526,7 @@ impl Config {
         let src = Source { file, text, env };
         let raw: RawConfig = toml::from_str(text).map_err(|e| {
             let offset = e.span().map_or(0, |s| s.start);
-            src.err(offset, "toml", e.message().trim().to_owned())
+            src.err(offset, "toml", without_values(e.message().trim()))
         })?;
 
         let logical_shards = match raw.logical_shards {
@@ -607,10 +611,10 @@ impl Config {
                             return Err(src.err(
                                 t.span().start,
                                 "credentials.password_env",
-                                format!(
-                                    "{template:?} must name an environment variable with {{host}} in it \
-                                     (letters, digits and _ around it), as SHARDLINE_{{host}}_PASSWORD"
-                                ),
+                                // Not echoed: a password put here by mistake.
+                                "must name an environment variable with {host} in it \
+                                 (letters, digits and _ around it), as SHARDLINE_{host}_PASSWORD"
+                                    .to_owned(),
                             ));
                         }
                         Credentials::PasswordEnv(template.clone())
@@ -687,9 +691,71 @@ fn strip_name(e: &Error) -> String {
     }
 }
 
+/// Whether `s` can name an environment variable: ASCII letters, digits and `_`.
+fn is_env_name(s: &str) -> bool {
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// A TOML parser's message with every double-quoted value taken out (`invalid type:
+/// string "postgres://u:pw@h/db"` quotes what it refused, which may be a URL with its
+/// password); names are quoted with backticks and stay.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(start) = rest.find("string \"") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + "string \"".len()..];
+        // Up to the closing quote, past escaped ones.
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in after.char_indices() {
+            match c {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = Some(i);
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        out.push_str("a string");
+        match end {
+            Some(i) => rest = &after[i + 1..],
+            None => {
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_errors_never_echo_a_value() {
+        let secret = "hunter2";
+        let cases = [
+            // A URL where the variable's name goes.
+            GOOD.replace("url_env = \"PG1_URL\"", "url_env = \"postgres://app:hunter2@pg1/app\""),
+            // A URL where a table goes (toml quotes the string it refuses).
+            GOOD.replace(
+                "[catalog]\nurl = \"postgres://shardline:${CATALOG_PASSWORD}@catalog:5432/shardline\"",
+                "catalog = \"postgres://u:hunter2@h/db\"\n[x]\nurl = \"postgres://c/db\"",
+            ),
+            // A password where the template goes.
+            format!("{GOOD}\n[credentials]\npassword_env = \"hunter2\"\n"),
+        ];
+        for text in cases {
+            assert_ne!(text, GOOD, "the case changed the config");
+            let err = load(&text).map(|_| ()).unwrap_err().to_string();
+            assert!(!err.contains(secret), "the error shows the secret: {err}");
+        }
+        let said = without_values("invalid type: string \"a:hunter2@c\", expected a table");
+        assert_eq!(said, "invalid type: a string, expected a table");
+    }
 
     const GOOD: &str = r#"
 logical_shards = 2000
@@ -782,7 +848,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         for (text, message) in [
             (
                 "transaction_pooler = \"yes\"\n[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
-                "shardline.toml:1: toml: invalid type: string \"yes\", expected a boolean",
+                "shardline.toml:1: toml: invalid type: a string, expected a boolean",
             ),
             (
                 "[catalog]\nurl = \"postgres://c/db\"\nlisten_url = \"postgres://c/db\"\nlisten_url_env = \"PG1_URL\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
@@ -809,10 +875,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
     #[test]
     fn app_role_mistakes_name_their_line_and_key() {
         let cases: &[(&str, &str)] = &[
-            (
-                "app_roles = \"app\"",
-                "shardline.toml:2: toml: invalid type: string \"app\", expected a sequence",
-            ),
+            ("app_roles = \"app\"", "shardline.toml:2: toml: invalid type: a string, expected a sequence"),
             (
                 "app_roles = [\"App\"]",
                 "shardline.toml:2: app_roles[0]: \"App\" is not allowed: must start with a lowercase",
@@ -855,7 +918,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             ("logical_shards = 9000", "shardline.toml:2: logical_shards: 9000 is out of range"),
             (
                 "logical_shards = \"many\"",
-                "shardline.toml:2: toml: invalid type: string \"many\", expected i64",
+                "shardline.toml:2: toml: invalid type: a string, expected i64",
             ),
             ("shards = 3", "shardline.toml:2: toml: unknown field `shards`"),
             ("schema_prefix = \"Shard-\"", "shardline.toml:2: schema_prefix: \"Shard-\" is not allowed"),
@@ -967,7 +1030,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         let c = load(&format!("{base}[credentials]\npassfile = \"pgpass\"\n")).unwrap();
         assert_eq!(c.credentials, Credentials::Passfile(PathBuf::from("/etc/shardline/pgpass")));
         let cases = [
-            ("password_env = \"PW\"", "credentials.password_env: \"PW\" must name"),
+            ("password_env = \"PW\"", "credentials.password_env: must name"),
             ("password_env = \"A-{host}\"", "credentials.password_env"),
             (
                 "password_env = \"A_{host}\"\npassfile = \"x\"",

@@ -207,7 +207,11 @@ pub(crate) fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if chars.next() != Some('=') {
-            return Err(format!("{key:?} has no value in the connection string"));
+            // Not echoed: an unquoted value with spaces (a passphrase) splits into words.
+            return Err(
+                "a word of the connection string has no value (quote a value that holds spaces: password='a b')"
+                    .to_owned(),
+            );
         }
         while chars.peek().is_some_and(|c| c.is_whitespace()) {
             chars.next();
@@ -337,6 +341,9 @@ mod tests {
             let err = parse(url).unwrap_err();
             assert!(err.contains(wanted), "{url}: {err}");
         }
+        // An unquoted passphrase splits into words: none of them is shown.
+        let err = parse("host=h password=correct horse staple").unwrap_err();
+        assert!(!err.contains("horse") && !err.contains("staple"), "{err}");
     }
 
     proptest::proptest! {

@@ -478,7 +478,8 @@ async fn mover(run: &Arc<Run>) {
             Err(_) => continue,
         };
         let _ = run.cluster.refresh().await;
-        let source = host_index(&run.cluster.route(shard).host);
+        let Ok(route) = run.cluster.route(shard) else { continue };
+        let source = host_index(&route.host);
         let target = (source + 1 + rng.index(HOSTS - 1)) % HOSTS;
         // Every other move revertible, and half of those reverted a moment later (its
         // writes since the flip carried back), under the same faults.
@@ -870,7 +871,8 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let mine: Vec<String> = map.shards_of(&name).map(|s| cluster.route(s).schema.to_string()).collect();
+        let mine: Vec<String> =
+            map.shards_of(&name).map(|s| map.route(s, cluster.prefix()).schema.to_string()).collect();
         for s in &mine {
             if !schemas.contains(s) {
                 seen.missing_schemas.push(format!("{s} is missing on {name}, where the map places it"));
@@ -933,7 +935,7 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
         let name = host_name(i)?;
         let client = host.connect(DB).await?;
         for s in map.shards_of(&name) {
-            let schema = cluster.route(s).schema.to_string();
+            let schema = cluster.route(s)?.schema.to_string();
             let rows = client
                 .query(
                     &format!(
