@@ -28,6 +28,27 @@ async fn cluster(
     Ok((f, c))
 }
 
+shardline_testkit::register!(shared: a_shard_the_cluster_does_not_have_is_refused_not_a_panic);
+/// A `LogicalShard` is checked only against the most shards any cluster can have: one
+/// past this cluster's 4 shards, given to `Cluster::route` or to a shard transaction, is
+/// an error naming it (before, the map indexed past its end and panicked), and nothing
+/// is sent.
+pub(crate) async fn a_shard_the_cluster_does_not_have_is_refused_not_a_panic(ctx: TestContext) -> TestResult {
+    let (_f, c) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
+    for n in [4_u16, 5000] {
+        let shard = crate::shard(n);
+        let err = c.route(shard).unwrap_err();
+        assert!(matches!(err, Error::Router(_)), "{err}");
+        let err = c
+            .transaction(shard, |tx| Box::pin(async move { tx.execute("SELECT 1", &[]).await }))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Router(_)) && err.to_string().contains(&n.to_string()), "{err}");
+    }
+    assert_eq!(c.route(crate::shard(3))?.shard, crate::shard(3));
+    Ok(())
+}
+
 /// Photo `id` is on the route's host, in the route's schema, and on no other of the
 /// three hosts.
 pub(crate) async fn only_where_routed(

@@ -916,10 +916,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         let cases: &[(&str, &str)] = &[
             ("logical_shards = 0", "shardline.toml:2: logical_shards: 0 is out of range 1..=8192"),
             ("logical_shards = 9000", "shardline.toml:2: logical_shards: 9000 is out of range"),
-            (
-                "logical_shards = \"many\"",
-                "shardline.toml:2: toml: invalid type: a string, expected i64",
-            ),
+            ("logical_shards = \"many\"", "shardline.toml:2: toml: invalid type: a string, expected i64"),
             ("shards = 3", "shardline.toml:2: toml: unknown field `shards`"),
             ("schema_prefix = \"Shard-\"", "shardline.toml:2: schema_prefix: \"Shard-\" is not allowed"),
             ("schema_prefix = \"a;drop schema x;\"", "schema_prefix: \"a;drop schema x;\" is not allowed"),
