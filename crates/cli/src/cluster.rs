@@ -209,7 +209,8 @@ fn parse_id(s: &str) -> Result<Id, UsageError> {
     match (s.parse::<Id>(), Id::from_compact(s)) {
         (Ok(decimal), Ok(compact)) if decimal != compact => Err(UsageError(format!(
             "invalid value {s:?} for --id: it is both the decimal ID {decimal} and the compact form of \
-             {compact}; give the other form ({})",
+             {compact}; for the first give {}, for the second {}",
+            decimal.to_compact(),
             compact.as_i64()
         ))),
         (Ok(id), _) | (Err(_), Ok(id)) => Ok(id),

@@ -96,7 +96,6 @@ impl CopyArgs {
     }
 }
 
-/// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
 /// `--max-lag`: 1 ms to 1 min (0 is never reached: the move would wait out its
 /// `copy_timeout`).
 fn parse_max_lag(s: &str) -> Result<Duration, String> {
@@ -120,6 +119,7 @@ fn parse_lease(s: &str) -> Result<Duration, String> {
     }
 }
 
+/// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
 pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     match s.trim().parse::<f64>() {
         // A positive rate below a byte a second would round to 0, "no cap".

@@ -270,7 +270,8 @@ pub(crate) async fn apply_shard(
         Origin::Ours("begin the shard's transaction"),
         format!(
             "BEGIN; SET LOCAL search_path TO {q}, public; SET LOCAL lock_timeout = '{}ms'; CREATE SCHEMA IF NOT EXISTS {q}",
-            inputs.lock_timeout.as_millis()
+            // 0 would be no timeout at all.
+            inputs.lock_timeout.as_millis().max(1)
         ),
     )];
     let mut ledger: Vec<(String, String)> = Vec::new();

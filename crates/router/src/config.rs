@@ -496,8 +496,16 @@ impl Source<'_> {
             let after = &rest[start + 2..];
             let end = after.find('}').ok_or_else(|| self.err(at, key, "an unclosed ${ in the URL"))?;
             let var = &after[..end];
-            let value = (self.env)(var)
-                .ok_or_else(|| self.err(at, key, format!("environment variable {var} is not set")))?;
+            let value = (self.env)(var).ok_or_else(|| {
+                // Named only when it is a name (`${PW:-secret}` holds a value).
+                let said = if is_env_name(var) {
+                    format!("environment variable {var} is not set")
+                } else {
+                    "a ${...} in the URL must name an environment variable (ASCII letters, digits and _)"
+                        .to_owned()
+                };
+                self.err(at, key, said)
+            })?;
             out.push_str(&value);
             rest = &after[end + 1..];
         }
@@ -747,6 +755,8 @@ mod tests {
             ),
             // A password where the template goes.
             format!("{GOOD}\n[credentials]\npassword_env = \"hunter2\"\n"),
+            // A shell-style default inside `${...}`.
+            GOOD.replace("${CATALOG_PASSWORD}", "${NOT_SET:-hunter2}"),
         ];
         for text in cases {
             assert_ne!(text, GOOD, "the case changed the config");

@@ -196,7 +196,15 @@ pub(crate) fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
         }
         if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             // Never the key whole: a mistyped URL (`mysql://u:pw@h`) would show its
-            // password.
+            // password; its scheme only, and nothing of any other word (a word of an
+            // unquoted passphrase).
+            if !key.contains("://") {
+                return Err(
+                    "a word of the connection string is not a key=value (quote a value that holds spaces: \
+                     password='a b'; a URL starts with postgres:// or postgresql://)"
+                        .to_owned(),
+                );
+            }
             let shown: String = key.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
             return Err(format!(
                 "{shown:?}{} is not a connection string key (a URL starts with postgres:// or postgresql://)",
@@ -331,7 +339,7 @@ mod tests {
             ("postgres://h/db?sslrootcert=%zz", "bad %-escape"),
             ("host=h sslrootcert='/ca.pem", "not closed"),
             ("host=h sslmode", "has no value"),
-            ("host=h =x", "\"\" is not a connection string key"),
+            ("host=h =x", "a word of the connection string is not a key=value"),
             ("\npostgresql://=/", "\"postgresql\"... is not a connection string key"),
             (
                 "mysql://u:pw@h/db",
@@ -342,8 +350,10 @@ mod tests {
             assert!(err.contains(wanted), "{url}: {err}");
         }
         // An unquoted passphrase splits into words: none of them is shown.
-        let err = parse("host=h password=correct horse staple").unwrap_err();
-        assert!(!err.contains("horse") && !err.contains("staple"), "{err}");
+        for url in ["host=h password=correct horse staple", "host=h password=correct horse! staple"] {
+            let err = parse(url).unwrap_err();
+            assert!(!err.contains("horse") && !err.contains("staple"), "{err}");
+        }
     }
 
     proptest::proptest! {

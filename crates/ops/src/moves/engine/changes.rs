@@ -551,7 +551,7 @@ impl Mover<'_> {
     pub(super) async fn start_change_log(&mut self) -> Result<bool> {
         let (source, target, id) = (self.source.clone(), self.target.clone(), self.id);
         let schema = self.schema.as_str().to_owned();
-        let lock_ms = self.options.lock_timeout.as_millis();
+        let lock_ms = self.options.lock_timeout.as_millis().max(1);
         let attempts = self.options.fence_attempts.max(1);
         let dst = self.dst().await?;
         let keyed = keyed_tables(dst, &target, &schema).await?;

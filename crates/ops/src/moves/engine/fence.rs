@@ -68,7 +68,7 @@ impl Mover<'_> {
         let (source, id) = (self.source.clone(), self.id);
         let (schema, moved) = (self.schema.clone(), self.moved.clone());
         let attempts = self.options.fence_attempts.max(1);
-        let lock_ms = self.options.lock_timeout.as_millis();
+        let lock_ms = self.options.lock_timeout.as_millis().max(1);
         let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
         self.fence_started = None;
         self.lap_at = None;
@@ -201,7 +201,7 @@ impl Mover<'_> {
         let (source, target) = (self.source.clone(), self.target.clone());
         let moved_seq = format!("{}.shardline_id_seq", quote_ident(&self.moved));
         let seq = format!("{}.shardline_id_seq", self.schema.quoted());
-        let lock_ms = self.options.lock_timeout.as_millis();
+        let lock_ms = self.options.lock_timeout.as_millis().max(1);
         let src = self.src().await?;
         let (mut last, max) = read_sequence(src, &source, &moved_seq).await?;
         if max > last {
