@@ -223,13 +223,21 @@ fn parse_id(s: &str) -> Result<Id, UsageError> {
 /// A lock wait for `--lock-timeout`: 1 ms to 2,147,483,647 ms (Postgres's
 /// `lock_timeout` range; 0 there means no timeout at all).
 pub(crate) fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
+    duration_within(
+        s,
+        Duration::from_millis(1)..=Duration::from_millis(i32::MAX.unsigned_abs().into()),
+        &format!("must be 1ms to {}ms (0 would turn the lock timeout off)", i32::MAX),
+    )
+}
+
+/// A duration flag (`5s`, `500ms`, `2h`) within `range`; `why` says the range and why.
+pub(crate) fn duration_within(
+    s: &str,
+    range: std::ops::RangeInclusive<Duration>,
+    why: &str,
+) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    let ms = d.as_millis();
-    if (1..=i32::MAX as u128).contains(&ms) {
-        Ok(d)
-    } else {
-        Err(format!("must be 1ms to {}ms (0 would turn the lock timeout off)", i32::MAX))
-    }
+    if range.contains(&d) { Ok(d) } else { Err(why.to_owned()) }
 }
 
 /// Runs `locate`: where a user's or an ID's row lives, by the catalog's map.

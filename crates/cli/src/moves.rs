@@ -99,24 +99,22 @@ impl CopyArgs {
 /// `--max-lag`: 1 ms to 1 min (0 is never reached: the move would wait out its
 /// `copy_timeout`).
 fn parse_max_lag(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    if d >= Duration::from_millis(1) && d <= Duration::from_secs(60) {
-        Ok(d)
-    } else {
-        Err("must be 1ms to 1min (a lag of 0 is never reached)".to_owned())
-    }
+    crate::cluster::duration_within(
+        s,
+        Duration::from_millis(1)..=Duration::from_secs(60),
+        "must be 1ms to 1min (a lag of 0 is never reached)",
+    )
 }
 
 /// `--lease`: 1 s to 10 min (0 runs out before any flip can be decided, so every move
 /// would be undone; a long one keeps a dead mover's shard fenced that long, past the
 /// routers' `move_wait`).
 fn parse_lease(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    if d >= Duration::from_secs(1) && d <= Duration::from_secs(600) {
-        Ok(d)
-    } else {
-        Err("must be 1s to 10min (keep the routers' move_wait above it plus 5 s)".to_owned())
-    }
+    crate::cluster::duration_within(
+        s,
+        Duration::from_secs(1)..=Duration::from_secs(600),
+        "must be 1s to 10min (keep the routers' move_wait above it plus 5 s)",
+    )
 }
 
 /// `--max-rate`: MB/s (decimal megabytes, a fraction allowed) to bytes a second.
