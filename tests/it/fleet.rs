@@ -257,13 +257,31 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
     let said = cli(&f, &["rebalance", "--apply", "--max-moves", "8"]).await?;
     assert!(said.contains("-> pg3"), "{said}");
     load.progress(50).await?;
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // Within a few map checks (5 s each) of the moves' flips, whose notifications come
+    // first; on two cores shared with the rest of the suite, 30 s at most.
+    let (started, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(30));
     while cluster.map().shards_of(&crate::host("pg3")).count() < 2 {
         if Instant::now() > deadline {
-            return Err("the handle never saw pg3's shards".into());
+            let catalog = f.client(&ctx, 0).await?;
+            let row = catalog
+                .query_one(
+                    "SELECT (SELECT map_version FROM shardline.cluster),
+                            (SELECT count(*) FROM shardline.shards WHERE host = 'pg3')",
+                    &[],
+                )
+                .await?;
+            let (version, on_pg3): (i64, i64) = (row.get(0), row.get(1));
+            return Err(format!(
+                "the handle never saw pg3's shards: it holds map version {} ({} shards on pg3), the catalog \
+                 {version} ({on_pg3})",
+                cluster.map().version(),
+                cluster.map().shards_of(&crate::host("pg3")).count()
+            )
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    eprintln!("      the handle saw pg3's shards {:?} after the rebalance", started.elapsed());
 
     // pg1 cannot go while it holds shards; drained, it can.
     let (_, held) = cli_full(&f, &["host", "remove", "pg1"]).await;
