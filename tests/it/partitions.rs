@@ -263,6 +263,90 @@ pub(crate) async fn a_catalog_cut_off_inside_the_fence_holds_the_shard_no_longer
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_catalog_cut_off_inside_the_flip_holds_the_map_no_longer_than_hung_after);
+/// The mover's link to the catalog is cut inside the flip's transaction (from the
+/// `on_flip` drill: the map's row and the journal's written, the commit not sent yet),
+/// and stays cut. The source has decided to flip, so the shard is the target's: a write
+/// through a handle whose own link to the catalog is whole finds the shard fenced and
+/// completes the flip (`shardline.complete_flip`), which waits for the rows the cut
+/// session holds. The catalog's server ends that session once it has been idle in its
+/// transaction for `hung_after` (2 s), so the write lands on the target within seconds,
+/// the cut still on. Once healed, the mover's next try makes the same flip again (it is
+/// idempotent) and cleans up. (Before,
+/// the cut session held the rows for as long as the cut lasted, and the mover waited on
+/// its commit as long: the write failed with 42P01 after `move_wait`, 20 s here.)
+pub(crate) async fn a_catalog_cut_off_inside_the_flip_holds_the_map_no_longer_than_hung_after(
+    ctx: TestContext,
+) -> TestResult {
+    let Linked { f, catalog, app: _app, peers: _peers } = linked(&ctx).await?;
+    let catalog = Arc::new(catalog);
+    let config = f.config()?;
+    // The application's way to the catalog: a link of its own, never cut.
+    let own = ctx.cluster().link(0).await?;
+    let text = f.config_text()?.replace(&catalog.url(f.db()), &own.url(f.db()));
+    let app_config = f.config_from(&text)?;
+    let cluster = Cluster::connect(
+        &app_config,
+        ClusterOptions { move_wait: Duration::from_secs(20), ..ClusterOptions::default() },
+    )
+    .await?;
+    let photos = cluster.repo::<Photo>()?;
+    let first = photos.insert(&photo(0, 0)).await?;
+    let from = cluster.route_user(0).host;
+    let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
+    let cut_at = Arc::new(OnceLock::new());
+    let mut opts = MoveOptions::default();
+    opts.hung_after = Duration::from_secs(2);
+    opts.sync_timeout = Duration::from_secs(60);
+    let (link, at) = (catalog.clone(), cut_at.clone());
+    opts.on_flip = Some(Arc::new(move || {
+        let (link, at) = (link.clone(), at.clone());
+        Box::pin(async move {
+            // Once: a try of the flip after the heal goes through.
+            if at.set(Instant::now()).is_ok() {
+                link.cut();
+            }
+        })
+    }));
+    let mover = async { moves::run(&config, crate::shard(0), &to, &opts).await };
+    let writer = async {
+        let waited = Instant::now();
+        while cut_at.get().is_none() {
+            if waited.elapsed() > Duration::from_secs(60) {
+                return Err::<_, BoxError>("the move never reached the flip's transaction".into());
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let t = Instant::now();
+        let written = tokio::time::timeout(Duration::from_secs(40), photos.insert(&photo(0, 1))).await;
+        let took = t.elapsed();
+        // Healed only now: the write's outcome is the one reached with the mover cut off.
+        catalog.heal();
+        let written = written.map_err(|_| "the write hung for 40 s")?;
+        Ok((written, took))
+    };
+    let (moved, written) =
+        tokio::time::timeout(Duration::from_secs(120), async { tokio::join!(mover, writer) })
+            .await
+            .map_err(|_| "the move and the write did not end within 120 s")?;
+    let (written, took) = written?;
+    let written =
+        written.map_err(|e| format!("a write to the shard while its mover was cut off in the flip: {e}"))?;
+    eprintln!("the write landed {took:?} after the cut");
+    assert!(took < Duration::from_secs(10), "the write waited {took:?} for the cut-off flip");
+    let report = moved.map_err(|e| format!("the mover, healed after a router completed its flip: {e}"))?;
+    assert_eq!(report.target, to);
+    cluster.refresh().await?;
+    assert_eq!(cluster.route_user(0).host, to, "the map places the shard on its target");
+    for id in [first.id, written.id] {
+        assert_eq!(photos.get(id).await?.map(|p| p.id), Some(id));
+    }
+    let journal = moves::list(&config).await?;
+    assert!(journal.iter().all(|m| m.state == State::Done), "{journal:?}");
+    moves::gc(&config, Duration::ZERO).await?;
+    Ok(())
+}
+
 shardline_testkit::register!(shared: with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing);
 pub(crate) async fn with_the_catalog_link_cut_requests_go_on_and_a_move_fails_changing_nothing(
     ctx: TestContext,

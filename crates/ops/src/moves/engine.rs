@@ -226,6 +226,10 @@ pub struct MoveOptions {
     /// Drill: run and awaited right after the comparison before the fence passed (and
     /// was journaled), before the fence. For tests that change a copy at that point.
     pub on_compared: Option<HookFn>,
+    /// Drill: run and awaited inside the flip's catalog transaction, once the map's row
+    /// and the journal's are written, before the commit. For tests that cut the catalog
+    /// off there.
+    pub on_flip: Option<HookFn>,
     /// The rounds before the fence stop once at most this many keys were logged since
     /// the last one began (default 256; see `docs/moves.md`).
     pub round_keys: i64,
@@ -285,6 +289,7 @@ impl Default for MoveOptions {
             progress: None,
             verification: Verification::default(),
             on_compared: None,
+            on_flip: None,
             round_keys: changes::SMALL_ROUND,
             max_rounds: changes::MAX_ROUNDS,
             on_round: None,
@@ -352,6 +357,14 @@ impl MoveOptions {
         self
     }
 
+    /// These options, running `hook` inside the flip's catalog transaction, before its
+    /// commit (see [`MoveOptions::on_flip`]).
+    #[must_use]
+    pub fn on_flip(mut self, hook: HookFn) -> Self {
+        self.on_flip = Some(hook);
+        self
+    }
+
     /// These options, keeping the move revertible after its flip (see
     /// [`MoveOptions::revertible`]).
     #[must_use]
@@ -384,6 +397,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("progress", &self.progress.is_some())
             .field("verification", &self.verification)
             .field("on_compared", &self.on_compared.is_some())
+            .field("on_flip", &self.on_flip.is_some())
             .field("round_keys", &self.round_keys)
             .field("max_rounds", &self.max_rounds)
             .field("on_round", &self.on_round.is_some())

@@ -657,6 +657,12 @@ pub(crate) async fn record_error(catalog: &Catalog, id: i64, error: &str) {
 /// on `target` ([`Catalog::flip_shard`], only from `source`) and running move `id` is
 /// journaled [`Step::Flipped`] with `detail`. Refused (nothing changes) when the map no
 /// longer places the shard on the source, or the move no longer runs.
+///
+/// The transaction holds the map's row (and the journal's), which routers completing
+/// the flip wait for: a session cut off inside it is ended by the catalog's server once
+/// it has been idle in the transaction for `idle` (its work rolled back). `drill` runs
+/// before the commit ([`super::MoveOptions::on_flip`]).
+#[expect(clippy::too_many_arguments, reason = "the flip's parts, each named")]
 pub(crate) async fn flip(
     catalog: &Catalog,
     id: i64,
@@ -664,10 +670,15 @@ pub(crate) async fn flip(
     source: &HostName,
     target: &HostName,
     detail: &str,
+    idle: std::time::Duration,
+    drill: Option<&super::HookFn>,
 ) -> Result<()> {
     let c = client(catalog);
     let result = async {
-        c.batch_execute("BEGIN").await.map_err(catalog_err("begin the flip"))?;
+        let idle_ms = idle.as_millis().clamp(1, i32::MAX as u128);
+        c.batch_execute(&format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = '{idle_ms}ms'"))
+            .await
+            .map_err(catalog_err("begin the flip"))?;
         let n = catalog.flip_shard(shard, source, target).await?;
         let j = c
             .execute(
@@ -682,6 +693,9 @@ pub(crate) async fn flip(
                 id,
                 message: "the map no longer places the shard on the source, or the move is no longer running".into(),
             });
+        }
+        if let Some(hook) = drill {
+            hook().await;
         }
         c.batch_execute("COMMIT").await.map_err(catalog_err("commit the flip"))
     }

@@ -115,21 +115,50 @@ impl Mover<'_> {
             }
             self.lap("drop the copy's guards");
         }
+        // Each try bounded by `hung_after` (2 s at least): a catalog cut off or hung in
+        // the middle of the flip's transaction holds no one. Its session is dropped and
+        // the catalog's server ends it (`journal::flip`), freeing the map's row for the
+        // routers that complete the flip meanwhile.
+        let bound = hung_after.max(Duration::from_secs(2));
         let deadline = Instant::now() + self.options.sync_timeout;
         loop {
-            match self.flip_catalog().await {
-                Ok(()) => return Ok(()),
-                Err(e @ Error::Repo(_)) if Instant::now() < deadline => {
-                    tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "the flip is decided but the catalog failed; trying again");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    if self.catalog.is_closed()
-                        && let Ok((catalog, _)) = Catalog::open(self.config).await
-                        && lock_move(&catalog, self.id).await.is_ok()
-                    {
-                        self.catalog = catalog;
+            let (e, reopen) = match tokio::time::timeout(bound, self.flip_catalog()).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e @ Error::Repo(_))) => (e, false),
+                // Refused (the map places the shard on a third host, or the move no
+                // longer runs). A flip already made, by a router that found the shard
+                // fenced or by a try whose commit's reply was lost, is made again.
+                Ok(Err(e)) => return Err(e),
+                Err(_) => (
+                    Error::Journal {
+                        id: self.id,
+                        message: format!("the catalog answered nothing within {bound:?} (flip the map)"),
+                    },
+                    true,
+                ),
+            };
+            if Instant::now() >= deadline {
+                return Err(e);
+            }
+            tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "the flip is decided but the catalog failed; trying again");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if reopen || self.catalog.is_closed() {
+                // Bounded too: through a cut link a new connection gets no answer either.
+                let opened = tokio::time::timeout(bound, async {
+                    let (catalog, _) = Catalog::open(self.config).await.map_err(Error::from)?;
+                    lock_move(&catalog, self.id).await.map(|()| catalog)
+                })
+                .await;
+                match opened {
+                    Ok(Ok(catalog)) => self.catalog = catalog,
+                    Ok(Err(e)) => {
+                        tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot open the catalog again yet")
                     }
+                    Err(_) => tracing::warn!(
+                        id = self.id,
+                        "cannot open the catalog again yet: no answer within {bound:?}"
+                    ),
                 }
-                Err(e) => return Err(e),
             }
         }
     }
@@ -143,7 +172,18 @@ impl Mover<'_> {
         self.lap("flip");
         self.lap_at = None;
         let detail = self.detail_json()?;
-        journal::flip(&self.catalog, self.id, self.shard, &self.source, &self.target, &detail).await?;
+        let idle = self.options.hung_after.max(Duration::from_secs(2));
+        journal::flip(
+            &self.catalog,
+            self.id,
+            self.shard,
+            &self.source,
+            &self.target,
+            &detail,
+            idle,
+            self.options.on_flip.as_ref(),
+        )
+        .await?;
         let shard = self.shard.get();
         self.step = Step::Flipped;
         tracing::info!(id = self.id, shard = shard, pause_ms = pause, "move flipped");
