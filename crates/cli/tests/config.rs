@@ -54,7 +54,7 @@ fn every_config_mistake_names_file_line_and_key() {
             "env.toml",
             "[catalog]\nurl = \"postgres://c/db\"\n[[hosts]]\nname = \"pg1\"\nurl_env = \"PG1_URL\"\n"
                 .to_owned(),
-            ":5: hosts[0].url_env: environment variable PG1_URL is not set",
+            ":5: hosts[0].url_env: names an environment variable that is not set",
         ),
         (
             "credentials.toml",

@@ -181,7 +181,7 @@ impl DbUrl {
                     let mut kept = Vec::new();
                     for kv in query.split('&') {
                         match kv.split_once('=') {
-                            Some((k, v)) if k.eq_ignore_ascii_case("password") => {
+                            Some((k, v)) if is_password_key(k) => {
                                 password.push(percent_decode(v));
                             }
                             _ if kv.is_empty() => {}
@@ -201,7 +201,7 @@ impl DbUrl {
         let mut password = Vec::new();
         let mut kept = Vec::new();
         for (k, v) in pairs {
-            if k.eq_ignore_ascii_case("password") {
+            if is_password_key(&k) {
                 password.push(v);
             } else {
                 kept.push(format!("{k}={}", quote_value(&v)));
@@ -318,7 +318,7 @@ pub fn redact(url: &str) -> String {
     pairs
         .into_iter()
         .map(|(k, v)| {
-            if k.eq_ignore_ascii_case("password") {
+            if is_password_key(&k) {
                 format!("{}=***", mask_userinfo(&k))
             } else {
                 format!("{}={}", mask_userinfo(&k), quote_value(&mask_userinfo(&v)))
@@ -375,12 +375,19 @@ fn mask_userinfo(s: &str) -> String {
     }
 }
 
+/// Whether a connection string's key names the password: as the driver reads it, a
+/// URL's key percent-decoded (`pass%77ord` is `password`), in any case. The one test of
+/// it, for splitting a password off and for redacting one.
+fn is_password_key(k: &str) -> bool {
+    percent_decode(k).eq_ignore_ascii_case("password")
+}
+
 fn redact_query(url: &str) -> String {
     let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
     let query = query
         .split('&')
         .map(|kv| match kv.split_once('=') {
-            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            Some((k, _)) if is_password_key(k) => format!("{k}=***"),
             _ => kv.to_owned(),
         })
         .collect::<Vec<_>>()
@@ -472,10 +479,11 @@ impl Source<'_> {
             (None, Some(e)) => {
                 let var = e.get_ref();
                 (self.env)(var).filter(|v| !v.is_empty()).map(|v| Some(DbUrl(v))).ok_or_else(|| {
-                    // Named only when it is a name: a URL put here by mistake carries
-                    // its password.
+                    // Never named: a URL put here by mistake carries its password, and
+                    // a password of letters and digits would read as a name. The line
+                    // and the key say where it is.
                     let said = if is_env_name(var) {
-                        format!("environment variable {var} is not set")
+                        "names an environment variable that is not set".to_owned()
                     } else {
                         "must name an environment variable (ASCII letters, digits and _), not hold a value"
                             .to_owned()
@@ -491,15 +499,18 @@ impl Source<'_> {
     fn expand(&self, at: usize, key: &str, text: &str) -> Result<String> {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
+        let mut nth = 0;
         while let Some(start) = rest.find("${") {
+            nth += 1;
             out.push_str(&rest[..start]);
             let after = &rest[start + 2..];
             let end = after.find('}').ok_or_else(|| self.err(at, key, "an unclosed ${ in the URL"))?;
             let var = &after[..end];
             let value = (self.env)(var).ok_or_else(|| {
-                // Named only when it is a name (`${PW:-secret}` holds a value).
+                // Never named (`${PW:-secret}` holds a value, and so may what reads
+                // as a name): counted.
                 let said = if is_env_name(var) {
-                    format!("environment variable {var} is not set")
+                    format!("${{...}} number {nth} names an environment variable that is not set")
                 } else {
                     "a ${...} in the URL must name an environment variable (ASCII letters, digits and _)"
                         .to_owned()
@@ -757,12 +768,23 @@ mod tests {
             format!("{GOOD}\n[credentials]\npassword_env = \"hunter2\"\n"),
             // A shell-style default inside `${...}`.
             GOOD.replace("${CATALOG_PASSWORD}", "${NOT_SET:-hunter2}"),
+            // A password of letters and digits where the variable's name goes, and in
+            // `${...}`: either reads as a name.
+            GOOD.replace("url_env = \"PG1_URL\"", "url_env = \"hunter2\""),
+            GOOD.replace("${CATALOG_PASSWORD}", "${hunter2}"),
         ];
         for text in cases {
             assert_ne!(text, GOOD, "the case changed the config");
             let err = load(&text).map(|_| ()).unwrap_err().to_string();
             assert!(!err.contains(secret), "the error shows the secret: {err}");
         }
+        // A password given under a percent-encoded key (the driver decodes the key).
+        let url = DbUrl::new("postgres://app@pg1/app?sslmode=disable&pass%77ord=hunter2".into());
+        assert!(!url.redacted().contains(secret), "{}", url.redacted());
+        assert!(!format!("{url:?}").contains(secret));
+        let (bare, password) = url.split_password();
+        assert_eq!(password.as_deref(), Some(secret));
+        assert!(!bare.expose().contains(secret), "{}", bare.expose());
         let said = without_values("invalid type: string \"a:hunter2@c\", expected a table");
         assert_eq!(said, "invalid type: a string, expected a table");
     }
@@ -1002,11 +1024,11 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             ("[[hosts]]\nname = \"a\"\n", "hosts[0].url: missing: give url or url_env"),
             (
                 "[[hosts]]\nname = \"a\"\nurl_env = \"NOPE\"\n",
-                "shardline.toml:5: hosts[0].url_env: environment variable NOPE is not set",
+                "shardline.toml:5: hosts[0].url_env: names an environment variable that is not set",
             ),
             (
                 "[[hosts]]\nname = \"a\"\nurl = \"postgres://u:${NOPE}@a/db\"\n",
-                "hosts[0].url: environment variable NOPE is not set",
+                "hosts[0].url: ${...} number 1 names an environment variable that is not set",
             ),
             (
                 "[[hosts]]\nname = \"a\"\nurl = \"x\"\nurl_env = \"PG1_URL\"\n",
