@@ -56,6 +56,12 @@ const MAX_COPY_RESTARTS: u32 = 3;
 /// by the mover right before it flips the map, or to `undo` by whoever unfences the
 /// shard (the mover, `--abort`, or [`RESOLVE_SQL`]'s function once the lease ran out).
 /// Both are compare-and-set on this one row, so exactly one of them happens.
+///
+/// On the target, a new copy's ID sequence stays capped from the carry until the flip's
+/// decision (nothing mints there that the source could hand out again if the move is
+/// undone): the decision's arrival with the source's row lifts it to `sequence_max`,
+/// in the same transaction (a trigger that fires in the replication's apply worker
+/// too), as it lets the copy's guards pass writes. The mover lifts it as well.
 pub const MARKS_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
 CREATE TABLE IF NOT EXISTS shardline.move_marks (
     move_id bigint PRIMARY KEY,
@@ -69,7 +75,32 @@ ALTER TABLE shardline.move_marks
     ADD COLUMN IF NOT EXISTS moved_schema text,
     ADD COLUMN IF NOT EXISTS sequence_max bigint,
     ADD COLUMN IF NOT EXISTS flip_token   text;
-COMMENT ON TABLE shardline.move_marks IS 'shardline: one row per move in progress, replicated from source to target to measure lag and to know when the target has everything; on the source, the fence''s lease and its one decision (flip or undo)';";
+COMMENT ON TABLE shardline.move_marks IS 'shardline: one row per move in progress, replicated from source to target to measure lag and to know when the target has everything; on the source, the fence''s lease and its one decision (flip or undo)';
+CREATE OR REPLACE FUNCTION shardline.lift_copy_cap() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    seq regclass;
+BEGIN
+    -- Only where the shard's schema is: the target (the source renamed it at the fence).
+    IF NEW.schema_name IS NULL OR NEW.sequence_max IS NULL
+       OR NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = NEW.schema_name) THEN
+        RETURN NULL;
+    END IF;
+    seq := to_regclass(format('%I.shardline_id_seq', NEW.schema_name));
+    IF seq IS NOT NULL AND (SELECT seqmax FROM pg_sequence WHERE seqrelid = seq) < NEW.sequence_max THEN
+        EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', seq, NEW.sequence_max);
+    END IF;
+    RETURN NULL;
+EXCEPTION WHEN OTHERS THEN
+    -- Never in the way of the replication that brought the decision: the mover lifts
+    -- the cap too.
+    RAISE WARNING 'shardline: move %: cannot lift the ID sequence''s cap of %: %', NEW.move_id, NEW.schema_name, SQLERRM;
+    RETURN NULL;
+END
+$fn$;
+CREATE OR REPLACE TRIGGER shardline_lift_copy_cap AFTER INSERT OR UPDATE ON shardline.move_marks
+    FOR EACH ROW WHEN (NEW.decided = 'flip') EXECUTE FUNCTION shardline.lift_copy_cap();
+ALTER TABLE shardline.move_marks ENABLE ALWAYS TRIGGER shardline_lift_copy_cap;";
 
 /// `shardline.resolve_fence(schema)` on every host: what anyone (a router that found
 /// the shard's schema missing) may do about a fence whose mover is gone. It finds the

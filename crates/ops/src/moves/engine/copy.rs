@@ -95,7 +95,8 @@ impl Mover<'_> {
             // No ID is minted from the copy before its sequence is carried: capped where
             // it stands (again on a resumed move). `reserve_ids()` or `next_id()` called
             // through a router a move behind would hand out values the source hands out
-            // too (its writes are guarded, below). `carry_sequence` lifts the cap.
+            // too (its writes are guarded, below). `carry_sequence` sets it above the
+            // source's and keeps it capped; the flip's decision lifts the cap.
             let seq = ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.sequence();
             self.dst()
                 .await?

@@ -236,18 +236,20 @@ impl Mover<'_> {
         }
         let (moved, schema) = (self.moved.clone(), self.schema.clone());
         let others = other_sequences(self.src().await?, &source, &moved, &schema).await?;
+        // The copy's sequence is set above every ID the source handed out and stays
+        // capped there (a new copy's was capped where it was made, see `prepare`; a
+        // revert's old copy's by the reverted move's fence) until the flip's decision
+        // lifts it ([`Mover::lift_cap`], and `MARKS_SQL`'s trigger as the decision
+        // reaches the copy): an ID minted from it in the pause (a router a move behind)
+        // is one the source could hand out again if the move is undone.
+        let seq_literal = quote_literal(&seq);
         let carry = format!(
-            "SELECT setval('{seq}'::regclass, greatest({last}, (SELECT last_value FROM {seq})), true);{others}"
-        );
-        // The copy's cap lifted with the carry, so it mints above every ID the source
-        // handed out: a new copy's (capped where it was made, see `prepare`), or a
-        // revert's old copy's (the reverted move's fence). Its guards stay until the flip.
-        let max = match &self.detail.reverts {
-            None => self.layout.max_sequence_value(),
-            Some(r) => r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value()),
-        };
-        let carry = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms'; ALTER SEQUENCE {seq} MAXVALUE {max}; {carry} COMMIT;"
+            "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
+             DO $carry$ DECLARE v bigint; BEGIN
+               SELECT greatest({last}, last_value, 1) INTO v FROM {seq};
+               EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq_literal}, v);
+               PERFORM setval({seq_literal}::regclass, v, true);
+             END $carry$;{others} COMMIT;"
         );
         let dst = self.dst().await?;
         if let Err(e) = dst.batch_execute(&carry).await {
@@ -256,6 +258,33 @@ impl Mover<'_> {
         }
         self.detail.sequence = Some(last);
         self.journal(Step::SequenceCarried).await
+    }
+
+    /// Lifts the cap the carry left on the copy's ID sequence: the copy is the shard's
+    /// from the flip's decision on. Only ever raised, to the layout's ceiling (a
+    /// revert's old copy: the one its sequence had before the reverted move's fence).
+    pub(super) async fn lift_cap(&mut self) -> Result<()> {
+        let target = self.target.clone();
+        let seq = quote_literal(&format!("{}.shardline_id_seq", self.schema.quoted()));
+        let max = match &self.detail.reverts {
+            None => self.layout.max_sequence_value(),
+            Some(r) => r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value()),
+        };
+        let lock_ms = self.options.lock_timeout.as_millis().max(1);
+        let lift = format!(
+            "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
+             DO $lift$ BEGIN
+               IF (SELECT seqmax FROM pg_sequence WHERE seqrelid = {seq}::regclass) < {max} THEN
+                 EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq}, {max});
+               END IF;
+             END $lift$; COMMIT;"
+        );
+        let dst = self.dst().await?;
+        if let Err(e) = dst.batch_execute(&lift).await {
+            let _ = dst.batch_execute("ROLLBACK").await;
+            return Err(on(&target, "lift the ID sequence's cap")(e));
+        }
+        Ok(())
     }
 }
 

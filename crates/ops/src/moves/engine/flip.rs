@@ -103,13 +103,18 @@ impl Mover<'_> {
             tracing::warn!(id = self.id, "drill: the flip is decided; stopping as if the mover died");
             return Err(Error::Interrupted { id: self.id, step: self.step });
         }
-        // The target's copy is the shard's from the decision on: its guards go before
-        // the map points at it (they already let writes through once the decision
-        // reaches the copy; the clean-up and `gc` drop any left).
+        // The target's copy is the shard's from the decision on: its ID sequence's cap
+        // is lifted and its guards go before the map points at it (the decision's
+        // arrival on the copy lifts the cap as it lets the guards pass writes; the
+        // clean-up and `gc` drop guards left). A cap not lifted here keeps the guards.
         {
             let target = [self.target.clone()];
-            let dropped = unless_hung(config, &target, hung_after, self.unguard()).await;
-            if let Err(e) = dropped.and_then(|r| r) {
+            let lifted = unless_hung(config, &target, hung_after, self.lift_cap()).await.and_then(|r| r);
+            let dropped = match lifted {
+                Ok(()) => unless_hung(config, &target, hung_after, self.unguard()).await.and_then(|r| r),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = dropped {
                 self.dst = None;
                 tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "cannot drop the copy's guards yet");
             }
@@ -209,7 +214,11 @@ impl Mover<'_> {
         // move decided to flip: then the marker stays too, and `gc` drops both, guards
         // first.
         let guarded = {
-            let dropped = unless_hung(config, &target, hung_after, self.unguard()).await.and_then(|r| r);
+            let lifted = unless_hung(config, &target, hung_after, self.lift_cap()).await.and_then(|r| r);
+            let dropped = match lifted {
+                Ok(()) => unless_hung(config, &target, hung_after, self.unguard()).await.and_then(|r| r),
+                Err(e) => Err(e),
+            };
             if let Err(e) = &dropped {
                 self.dst = None;
                 pending.push(format!(
