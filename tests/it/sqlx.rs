@@ -259,6 +259,42 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         .unwrap_err();
     assert!(matches!(&err, Error::TransactionEnded { .. }) && err.outcome_unknown(), "{err}");
     assert_eq!(runs.into_inner(), 1);
+    // The same when the connection is then lost (here its session is ended by the
+    // server): nothing can tell that the closure committed, so the outcome is unknown,
+    // and the work is not run again. (Before, "work" failed and said it was not applied.)
+    let runs = AtomicUsize::new(0);
+    let err = db
+        .on_user(5, |conn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                ::sqlx::query(INSERT)
+                    .bind(5i64)
+                    .bind("u")
+                    .bind("committed, then the connection lost")
+                    .execute(&mut **conn)
+                    .await?;
+                ::sqlx::raw_sql("COMMIT").execute(&mut **conn).await?;
+                ::sqlx::raw_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+                    .execute(&mut **conn)
+                    .await
+                    .map(drop)
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(err.outcome_unknown(), "a unit whose closure committed, then lost its connection: {err}");
+    assert_eq!(runs.into_inner(), 1, "{err}");
+    let route = cluster.route_user(5);
+    let kept: i64 = f
+        .client(&ctx, host_index(route.host.as_str()))
+        .await?
+        .query_one(
+            &format!("SELECT count(*) FROM {}.photos WHERE caption = $1", route.schema.quoted()),
+            &[&"committed, then the connection lost"],
+        )
+        .await?
+        .get(0);
+    assert_eq!(kept, 1, "the closure's own commit applied");
     // Behind a transaction-mode pooler the sqlx path refuses, naming why.
     let pooled = Cluster::connect(
         &f.config()?,

@@ -209,7 +209,9 @@ pub enum Error {
         /// The logical shard, when the work was for one.
         shard: Option<LogicalShard>,
         /// What was being done: `begin` (a connection, `BEGIN` and the `search_path`),
-        /// `work` (the caller's statements), `commit` (a check that the transaction is
+        /// `work` (the caller's statements), `work (connection lost)` (the caller's
+        /// statements failed and the connection was lost before shardline could tell
+        /// whether the closure had committed by itself), `commit` (a check that the transaction is
         /// not aborted, and `COMMIT`, in one round trip); `statement` (the caller's
         /// statements outside a transaction, [`crate::Sqlx::statement`]), `connect`
         /// (a connection for one; nothing sent).
@@ -541,13 +543,15 @@ impl Error {
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,
-            // A unit of work that failed before its COMMIT was sent was rolled back;
-            // a COMMIT, or a statement committing on its own, that got no verdict (or a
-            // connection-class one) may have applied.
+            // A unit of work that failed before its COMMIT was sent was rolled back,
+            // unless its closure committed by itself and the connection was then lost
+            // (nothing can tell); a COMMIT, or a statement committing on its own, that
+            // got no verdict (or a connection-class one) may have applied.
             #[cfg(feature = "sqlx")]
             Error::Sqlx { what, sqlstate, .. } => {
-                (*what == "commit" || *what == "statement")
-                    && sqlstate.as_deref().is_none_or(|s| s.starts_with("57P") || s.starts_with("08"))
+                *what == crate::sqlx::WORK_CONNECTION_LOST
+                    || ((*what == "commit" || *what == "statement")
+                        && sqlstate.as_deref().is_none_or(|s| s.starts_with("57P") || s.starts_with("08")))
             }
             _ => matches!(self.sqlstate(), Some(s) if s.starts_with("57P") || s.starts_with("08")),
         }

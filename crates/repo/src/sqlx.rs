@@ -167,6 +167,19 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
 }
 
 /// The error of a unit of work whose closure ended shardline's transaction itself.
+/// [`Error::Sqlx`]'s `what` for work whose connection was lost before shardline could
+/// tell whether its transaction was still there: the outcome is unknown.
+pub(crate) const WORK_CONNECTION_LOST: &str = "work (connection lost)";
+
+/// Whether `e` leaves no server to answer on its connection: no verdict (I/O, a closed
+/// connection, a protocol error), or a connection-class or shutdown one.
+fn lost(e: &::sqlx::Error) -> bool {
+    match e.as_database_error().and_then(|d| d.code()) {
+        None => !matches!(e, ::sqlx::Error::Database(_)),
+        Some(code) => code.starts_with("08") || code.starts_with("57P"),
+    }
+}
+
 fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
     Error::TransactionEnded { host: host.clone(), shard }
 }
@@ -535,6 +548,12 @@ impl Sqlx {
                     {
                         conn.release();
                         return Err(ended_by_closure(&host, shard));
+                    }
+                    // No verdict: the connection is gone (or going), and with it any way
+                    // to tell whether the closure had committed by itself before it
+                    // failed. Its outcome is unknown.
+                    Err(check) if lost(&check) => {
+                        return Err(Error::sqlx(&host, Some(shard), WORK_CONNECTION_LOST, e));
                     }
                     _ => Error::sqlx(&host, Some(shard), "work", e),
                 }
