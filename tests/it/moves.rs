@@ -2375,6 +2375,20 @@ pub(crate) async fn a_move_whose_copy_keeps_its_guards_leaves_the_shard_writable
     let row = pg2.query_one(left, &[]).await?;
     assert_eq!(row.get::<_, i64>(0), 0, "the next move dropped its source's stale guards");
     moves::abort(&config, crate::shard(0)).await?;
+    // The copy's ID sequence capped as the carry leaves it, as when the decision never
+    // reached the copy (its host down from the decision through the clean-up): `gc`
+    // lifts it where the map places the shard. (Before, nothing did: every insert
+    // failed, the shard writable for updates only.)
+    pg2.batch_execute(
+        "DO $c$ DECLARE v bigint; BEGIN
+           SELECT greatest(last_value, 1) INTO v FROM shard_0000.shardline_id_seq;
+           EXECUTE format('ALTER SEQUENCE shard_0000.shardline_id_seq MAXVALUE %s', v);
+           PERFORM setval('shard_0000.shardline_id_seq', v, true);
+         END $c$",
+    )
+    .await?;
+    let capped = cluster.repo::<Photo>()?.insert(&photo(0, 99)).await;
+    assert!(capped.is_err(), "an insert with the sequence capped: {capped:?}");
     moves::gc(&config, Duration::ZERO).await?;
     let row = pg2.query_one(left, &[]).await?;
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (0, 0), "gc dropped the guards and the marker");
@@ -2837,8 +2851,9 @@ shardline_testkit::register!(shared: a_router_a_move_behind_never_writes_into_th
 /// flip: the copy turns the write away as a moved shard's, and it lands where the shard
 /// is; the move then carries it over. Unguarded, the write was acknowledged into the copy
 /// and then emptied by the copy, or failed the move. Nor does the copy mint an ID
-/// (`next_id()`, `reserve_ids()`) before the move carries its sequence: before, such an
-/// ID was one the source could hand out too.
+/// (`next_id()`, `reserve_ids()`) before the flip's decision: before, such an ID was one
+/// the source could hand out too (before the carry), or again once the move was undone
+/// (after it).
 pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy(
     ctx: TestContext,
 ) -> TestResult {

@@ -464,6 +464,18 @@ pub(crate) async fn the_request_path_needs_no_superuser(ctx: TestContext) -> Tes
     let pg = shardline_repo::catalog::connect(&config.hosts[0].url, "host pg1").await?;
     let err = pg.batch_execute("DROP TABLE shard_0000.comments").await.unwrap_err();
     assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
+    // Nor borrow the function that lifts a copy's ID sequence's cap (SECURITY DEFINER,
+    // the admin's): attached to a table of its own, it would raise any shard's cap, the
+    // fence's included. (Before, EXECUTE was PUBLIC's and the trigger was made.)
+    let err = pg
+        .batch_execute(
+            "CREATE TEMP TABLE marks (move_id bigint, decided text, schema_name text, sequence_max bigint);
+             CREATE TRIGGER lift AFTER INSERT ON pg_temp.marks FOR EACH ROW
+                 EXECUTE FUNCTION shardline.lift_copy_cap()",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
 
     // A revert's old copy turns away a stale router's write as a moved shard's (3F000,
     // so the router finds the shard where it is), also for this role, which may not

@@ -34,6 +34,7 @@ pub use changes::CHANGES_SQL;
 pub(crate) use changes::{drop_changes, logged_moves};
 pub(crate) use copy::drop_guards;
 use fence::Renewer;
+pub(crate) use fence::{copy_ceiling, lift_cap_sql};
 pub(crate) use flip::{drop_slots, drop_source_side, drop_subscription, sync_slots};
 pub(crate) use undo::finish_undone;
 use undo::undo;
@@ -81,8 +82,10 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 DECLARE
     seq regclass;
 BEGIN
-    -- Only where the shard's schema is: the target (the source renamed it at the fence).
-    IF NEW.schema_name IS NULL OR NEW.sequence_max IS NULL
+    -- Only for the marker table (a trigger of the function's on another table, as its
+    -- creator could attach it, does nothing), and only where the shard's schema is: the
+    -- target (the source renamed it at the fence).
+    IF TG_RELID <> 'shardline.move_marks'::regclass OR NEW.schema_name IS NULL OR NEW.sequence_max IS NULL
        OR NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = NEW.schema_name) THEN
         RETURN NULL;
     END IF;
@@ -98,6 +101,7 @@ EXCEPTION WHEN OTHERS THEN
     RETURN NULL;
 END
 $fn$;
+REVOKE ALL ON FUNCTION shardline.lift_copy_cap() FROM PUBLIC;
 CREATE OR REPLACE TRIGGER shardline_lift_copy_cap AFTER INSERT OR UPDATE ON shardline.move_marks
     FOR EACH ROW WHEN (NEW.decided = 'flip') EXECUTE FUNCTION shardline.lift_copy_cap();
 ALTER TABLE shardline.move_marks ENABLE ALWAYS TRIGGER shardline_lift_copy_cap;";

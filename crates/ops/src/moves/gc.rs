@@ -67,7 +67,7 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 /// not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
     let config = &crate::fleet::resolved(config).await?;
-    let (catalog, _) = Catalog::open(config).await?;
+    let (catalog, info) = Catalog::open(config).await?;
     // Held to the end of the run: every move not in the journal read below starts
     // after it, so a move missing from it has made nothing yet.
     catalog.lock_for_gc().await?;
@@ -140,7 +140,18 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
         // A host that stops answering (hung, or cut off) mid-way is left for the next run,
         // as an unreachable one is: its statements are not waited for.
         let name = std::slice::from_ref(&host.name);
-        let work = gc_host(&c, &host.name, &moves, &by_id, &old, &reverting, &map, config, &mut report);
+        let work = gc_host(
+            &c,
+            &host.name,
+            &moves,
+            &by_id,
+            &old,
+            &reverting,
+            &map,
+            config,
+            &info.layout,
+            &mut report,
+        );
         match super::engine::unless_hung(config, name, GC_HUNG_AFTER, work).await {
             Ok(done) => done?,
             Err(hung) => {
@@ -179,6 +190,7 @@ async fn gc_host(
     reverting: &HashSet<i64>,
     map: &shardline_router::ShardMap,
     config: &Config,
+    layout: &shardline_id::Layout,
     report: &mut GcReport,
 ) -> Result<()> {
     let fail = |what: &'static str| move |e: tokio_postgres::Error| host_err(host, what, &e);
@@ -276,10 +288,19 @@ async fn gc_host(
     }
     // The guards of a move's copy where the map places the shard (the move flipped),
     // left when its mover died or the host did not answer right after the decision:
-    // before the markers below go (the guard lets writes through by its marker).
+    // before the markers below go (the guard lets writes through by its marker). The
+    // copy's ID sequence's cap, left with them when the decision never reached the copy,
+    // is lifted first (only ever raised; nothing for a schema fenced away).
     for m in moves.iter().filter(|m| m.target == *host) {
         let Ok(shard) = m.shard.within(map.count()) else { continue };
-        if map.host_of(shard) == host {
+        if map.host_of(shard) == host && !m.detail.schema.is_empty() {
+            let seq = format!("{}.shardline_id_seq", quote_ident(&m.detail.schema));
+            let lift =
+                super::engine::lift_cap_sql(&seq, super::engine::copy_ceiling(&m.detail, layout), 2000);
+            if let Err(e) = c.batch_execute(&lift).await {
+                let _ = c.batch_execute("ROLLBACK").await;
+                return Err(host_err(host, "lift a copy's ID sequence's cap", &e));
+            }
             super::engine::drop_guards(c, host, &m.detail.schema).await?;
         }
     }

@@ -912,8 +912,8 @@ impl Mover<'_> {
 
 /// On a revert's target, in one transaction: the old copy `old` renamed back to `schema`,
 /// its tables guarded ([`REVERT_GUARD`]), and its ledger rows moved along. Its ID
-/// sequence stays capped (as the reverted move's fence left it) until the sequence is
-/// carried. The reverse replication then brings it up to date.
+/// sequence stays capped (as the reverted move's fence left it, then where the carry
+/// sets it) until the flip's decision. The reverse replication then brings it up to date.
 /// The SQL that guards the tables of a copy that is not the shard's until its move's
 /// flip (a move's new target copy, a revert's old copy): the tables `tables` (listed
 /// under `schema`, qualified and quoted) get a [`REVERT_GUARD`] statement trigger that

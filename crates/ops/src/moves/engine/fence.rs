@@ -242,12 +242,20 @@ impl Mover<'_> {
         // lifts it ([`Mover::lift_cap`], and `MARKS_SQL`'s trigger as the decision
         // reaches the copy): an ID minted from it in the pause (a router a move behind)
         // is one the source could hand out again if the move is undone.
+        // A target whose marker table has no such trigger (a move prepared by an older
+        // shardline, resumed by this one) has its cap lifted here, as then.
         let seq_literal = quote_literal(&seq);
+        let ceiling = copy_ceiling(&self.detail, &self.layout);
         let carry = format!(
             "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
              DO $carry$ DECLARE v bigint; BEGIN
                SELECT greatest({last}, last_value, 1) INTO v FROM {seq};
-               EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq_literal}, v);
+               IF EXISTS (SELECT FROM pg_trigger WHERE tgname = 'shardline_lift_copy_cap'
+                           AND tgrelid = to_regclass('shardline.move_marks')) THEN
+                 EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq_literal}, v);
+               ELSE
+                 EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq_literal}, greatest(v, {ceiling}));
+               END IF;
                PERFORM setval({seq_literal}::regclass, v, true);
              END $carry$;{others} COMMIT;"
         );
@@ -261,24 +269,12 @@ impl Mover<'_> {
     }
 
     /// Lifts the cap the carry left on the copy's ID sequence: the copy is the shard's
-    /// from the flip's decision on. Only ever raised, to the layout's ceiling (a
-    /// revert's old copy: the one its sequence had before the reverted move's fence).
+    /// from the flip's decision on ([`lift_cap_sql`], to [`copy_ceiling`]).
     pub(super) async fn lift_cap(&mut self) -> Result<()> {
         let target = self.target.clone();
-        let seq = quote_literal(&format!("{}.shardline_id_seq", self.schema.quoted()));
-        let max = match &self.detail.reverts {
-            None => self.layout.max_sequence_value(),
-            Some(r) => r.sequence_max.unwrap_or_else(|| self.layout.max_sequence_value()),
-        };
+        let seq = format!("{}.shardline_id_seq", self.schema.quoted());
         let lock_ms = self.options.lock_timeout.as_millis().max(1);
-        let lift = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
-             DO $lift$ BEGIN
-               IF (SELECT seqmax FROM pg_sequence WHERE seqrelid = {seq}::regclass) < {max} THEN
-                 EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq}, {max});
-               END IF;
-             END $lift$; COMMIT;"
-        );
+        let lift = lift_cap_sql(&seq, copy_ceiling(&self.detail, &self.layout), lock_ms);
         let dst = self.dst().await?;
         if let Err(e) = dst.batch_execute(&lift).await {
             let _ = dst.batch_execute("ROLLBACK").await;
@@ -286,6 +282,30 @@ impl Mover<'_> {
         }
         Ok(())
     }
+}
+
+/// The ceiling a flipped copy's ID sequence is lifted to: the layout's, or for a
+/// revert's old copy the one its sequence had before the reverted move's fence.
+pub(crate) fn copy_ceiling(detail: &Detail, layout: &Layout) -> i64 {
+    match &detail.reverts {
+        None => layout.max_sequence_value(),
+        Some(r) => r.sequence_max.unwrap_or_else(|| layout.max_sequence_value()),
+    }
+}
+
+/// The SQL, one transaction, that raises the `MAXVALUE` of sequence `seq` (a qualified,
+/// quoted name) to `max`, never lowers it, and does nothing when there is no such
+/// sequence (a schema fenced away); waiting at most `lock_ms` for its lock.
+pub(crate) fn lift_cap_sql(seq: &str, max: i64, lock_ms: u128) -> String {
+    let seq = quote_literal(seq);
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
+         DO $lift$ DECLARE s regclass := to_regclass({seq}); BEGIN
+           IF s IS NOT NULL AND (SELECT seqmax FROM pg_sequence WHERE seqrelid = s) < {max} THEN
+             EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', s, {max});
+           END IF;
+         END $lift$; COMMIT;"
+    )
 }
 
 /// The SQL that carries the shard's other sequences (a `serial`, `bigserial` or

@@ -106,7 +106,8 @@ impl Mover<'_> {
         // The target's copy is the shard's from the decision on: its ID sequence's cap
         // is lifted and its guards go before the map points at it (the decision's
         // arrival on the copy lifts the cap as it lets the guards pass writes; the
-        // clean-up and `gc` drop guards left). A cap not lifted here keeps the guards.
+        // clean-up and `gc` lift a cap and drop guards left). A cap not lifted here
+        // keeps the guards here.
         {
             let target = [self.target.clone()];
             let lifted = unless_hung(config, &target, hung_after, self.lift_cap()).await.and_then(|r| r);
@@ -222,7 +223,7 @@ impl Mover<'_> {
             if let Err(e) = &dropped {
                 self.dst = None;
                 pending.push(format!(
-                    "{}: the copy's guards on {} and the move's marker ({})",
+                    "{}: the copy's ID sequence's cap, its guards on {} and the move's marker ({})",
                     self.target,
                     self.schema,
                     shardline_repo::error_chain(e)
