@@ -83,6 +83,51 @@ async fn get_statement(cluster: &Cluster, id: Id) -> Result<Option<Photo>, Error
     get_as(cluster, id, true).await
 }
 
+shardline_testkit::register!(shared: a_temporary_table_left_on_a_pooled_connection_never_takes_the_shards_place);
+/// A temporary table named as a shard's table (`photos`), left on a pooled connection by
+/// earlier work, is not what a later unit of work on that connection writes, through the
+/// sqlx path or a repository transaction: Postgres searches `pg_temp` first unless the
+/// `search_path` names it, and the routed transaction's names it last. (Before, both
+/// inserts were acknowledged into the temporary table, and lost with the session.)
+pub(crate) async fn a_temporary_table_left_on_a_pooled_connection_never_takes_the_shards_place(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    // One connection per host and pool: the next unit of work gets the same one.
+    let cluster =
+        Cluster::connect(&f.config()?, ClusterOptions { pool_size: 1, ..ClusterOptions::default() }).await?;
+    let route = cluster.route_user(3);
+    let temp =
+        "CREATE TEMP TABLE IF NOT EXISTS photos (id bigserial, user_id bigint, url text, caption text)";
+    let db = cluster.sqlx();
+    db.on_user(3, |conn| Box::pin(async move { ::sqlx::raw_sql(temp).execute(&mut **conn).await.map(drop) }))
+        .await?;
+    let through_sqlx = insert(&cluster, 3, "after a temporary table (sqlx)".into()).await?;
+    cluster
+        .transaction(route.shard, |tx| Box::pin(async move { tx.execute(temp, &[]).await.map(drop) }))
+        .await?;
+    let caption = "after a temporary table (repository)";
+    cluster
+        .transaction(route.shard, |tx| {
+            Box::pin(async move {
+                tx.execute("INSERT INTO photos (user_id, url, caption) VALUES (3, 'u', $1)", &[&caption])
+                    .await
+            })
+        })
+        .await?;
+    let admin = f.client(&ctx, host_index(route.host.as_str())).await?;
+    let stored: i64 = admin
+        .query_one(
+            &format!("SELECT count(*) FROM {}.photos WHERE id = $1 OR caption = $2", route.schema.quoted()),
+            &[&through_sqlx.id.as_i64(), &caption],
+        )
+        .await?
+        .get(0);
+    assert_eq!(stored, 2, "both inserts are in the shard's table, not in the temporary one");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: every_operation_runs_in_the_shard_the_map_gives);
 pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 12).await?;

@@ -46,6 +46,15 @@ use crate::cluster::{self, Cluster, Failed};
 /// The savepoint that probes whether shardline's transaction is still open and whole
 /// before `COMMIT` (and after a closure failed): shared by the sqlx path.
 pub(crate) const PROBE: &str = "shardline_check";
+
+/// `SET LOCAL search_path` to `schema` for a routed transaction (the schema quoted by
+/// the one quoting function, `SchemaName::quoted`): shared by the sqlx path. `pg_temp`
+/// is named last, because a path that does not name it searches it first: a temporary
+/// table left on a pooled connection (`photos`, say) would take the place of the
+/// shard's table of that name, and the writes sent there vanish with the session.
+pub(crate) fn set_local_search_path(schema: &shardline_router::SchemaName) -> String {
+    format!("SET LOCAL search_path TO {}, pg_temp", schema.quoted())
+}
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
@@ -414,7 +423,7 @@ impl Cluster {
                 Failed::new(Er::from(e), moved, [shard])
             })?;
             let client = Pinned::new(object, self.cancel_to(&route.host));
-            let begin = format!("BEGIN; SET LOCAL search_path TO {}", route.schema.quoted());
+            let begin = format!("BEGIN; {}", set_local_search_path(&route.schema));
             let mut tx = ShardTx {
                 client: Some(client),
                 cluster: self,

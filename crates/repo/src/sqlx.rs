@@ -498,8 +498,8 @@ impl Sqlx {
         // on here holds no lock past it (the close reaches a server only between
         // statements).
         let begin = format!(
-            "BEGIN; SET LOCAL search_path TO {}; SET LOCAL statement_timeout = {}",
-            schema.quoted(),
+            "BEGIN; {}; SET LOCAL statement_timeout = {}",
+            crate::shard::set_local_search_path(&schema),
             timeout_ms(self.cluster.options().host_timeout)
         );
         ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).execute(conn.conn()).await.map_err(fail("begin"))?;
