@@ -217,8 +217,15 @@ fn entity(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     check_table(&table)?;
     let fields = fields(input)?;
     check_columns(&fields)?;
-    let user = optional_column(marked(&fields, "user", |f| f.user)?);
-    let parent = optional_column(marked(&fields, "parent", |f| f.parent)?);
+    let (user, parent) = (marked(&fields, "user", |f| f.user)?, marked(&fields, "parent", |f| f.parent)?);
+    if let (Some(_), Some(p)) = (user, parent) {
+        // Rows are placed by one of them: the other's pages would read the wrong shards.
+        return Err(syn::Error::new(
+            p.ident.span(),
+            "an entity's rows are placed by their user or by their parent, not both: mark one (the other stays a plain column)",
+        ));
+    }
+    let (user, parent) = (optional_column(user), optional_column(parent));
     let marked: Vec<&Field> = fields.iter().filter(|f| f.id).collect();
     let id = match marked.as_slice() {
         [one] => *one,
@@ -271,14 +278,23 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     };
     let fields = fields(input)?;
     check_columns(&fields)?;
-    let key = match (marked(&fields, "user", |f| f.user)?, marked(&fields, "parent", |f| f.parent)?) {
+    let (key, placed_by) = match (
+        marked(&fields, "user", |f| f.user)?,
+        marked(&fields, "parent", |f| f.parent)?,
+    ) {
         (Some(u), None) => {
             let ident = &u.ident;
-            quote! { ::shardline_repo::ShardKey::User(::core::convert::Into::<i64>::into(self.#ident)) }
+            (
+                quote! { ::shardline_repo::ShardKey::User(::core::convert::Into::<i64>::into(self.#ident)) },
+                (u, "user", quote! { USER_COLUMN }),
+            )
         }
         (None, Some(p)) => {
             let ident = &p.ident;
-            quote! { ::shardline_repo::ShardKey::Parent(self.#ident) }
+            (
+                quote! { ::shardline_repo::ShardKey::Parent(self.#ident) },
+                (p, "parent", quote! { PARENT_COLUMN }),
+            )
         }
         (Some(_), Some(p)) => {
             return Err(syn::Error::new(
@@ -300,11 +316,38 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
     let columns: Vec<&str> = fields.iter().map(|f| f.column.as_str()).collect();
     let values = fields.iter().map(|f| &f.ident);
+    // The row's key must be stored in the column the entity's pages read by (its
+    // `#[shardline(user)]` or `#[shardline(parent)]` one): placed by another, a row lands
+    // in a shard those pages never look in. Checked when the type checks, by the compiler.
+    let (field, kind, entity_column) = placed_by;
+    let column = &field.column;
+    let entity_name = quote!(#entity).to_string().replace(' ', "");
+    let message = format!(
+        "{name} places its rows by its {kind} `{column}`, but {entity_name} has no #[shardline({kind})] field stored in `{column}`: mark the same column in both"
+    );
+    let same = quote! {
+        ::shardline_repo::entity::same_column(
+            <#entity as ::shardline_repo::entity::Entity>::#entity_column,
+            #column,
+        )
+    };
+    let check = if input.generics.params.is_empty() {
+        quote! { const _: () = ::core::assert!(#same, #message); }
+    } else {
+        quote! {}
+    };
+    let check_generic = if input.generics.params.is_empty() {
+        quote! {}
+    } else {
+        quote! { const { ::core::assert!(#same, #message) }; }
+    };
     Ok(quote! {
+        #check
         impl #impl_generics ::shardline_repo::entity::NewRow for #name #ty_generics #where_clause {
             type Entity = #entity;
             const COLUMNS: &'static [&'static str] = &[#(#columns),*];
             fn shard_key(&self) -> ::shardline_repo::ShardKey {
+                #check_generic
                 #key
             }
             fn values(&self) -> ::std::vec::Vec<&(dyn ::shardline_repo::tokio_postgres::types::ToSql + ::core::marker::Sync)> {

@@ -1,8 +1,9 @@
-//! Compile-fail tests of `#[derive(Entity, NewRow)]`: each `ui/*.rs` must fail to
+//! Compile-fail tests of `#[derive(Entity, NewRow)]` (names that are not plain SQL
+//! identifiers, rows placed by a column their entity does not read by): each `ui/*.rs` must fail to
 //! compile with exactly the errors in its `.stderr` beside it (`TRYBUILD=overwrite`
 //! rewrites them after a deliberate change of wording).
 
 #[test]
-fn names_that_are_not_plain_identifiers_do_not_compile() {
+fn declarations_that_cannot_work_do_not_compile() {
     trybuild::TestCases::new().compile_fail("tests/ui/*.rs");
 }

@@ -108,6 +108,27 @@ pub trait NewRow: Send + Sync {
     fn values(&self) -> Vec<&(dyn ToSql + Sync)>;
 }
 
+/// Whether an entity's user or parent column (`entity`) is `column`: what
+/// `#[derive(NewRow)]` asserts at compile time of the column its row is placed by. Not
+/// for other use.
+#[doc(hidden)]
+#[must_use]
+pub const fn same_column(entity: Option<&str>, column: &str) -> bool {
+    let Some(entity) = entity else { return false };
+    let (a, b) = (entity.as_bytes(), column.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// A plain SQL identifier ([`plain_identifier_problem`], the rule `#[derive]` applies at
 /// compile time): lowercase ASCII letter or `_`, then letters, digits, `_`; at most 63
 /// bytes. Everything the SQL builder quotes is checked with it first.
