@@ -128,6 +128,125 @@ pub(crate) async fn a_temporary_table_left_on_a_pooled_connection_never_takes_th
     Ok(())
 }
 
+shardline_testkit::register!(shared: what_work_on_pool_leaves_on_a_session_never_reaches_routed_work);
+/// `Sqlx::pool` hands out a pool of its own: a `search_path` set there (another shard's
+/// schema) does not reach a routed statement, whose unqualified name still fails with
+/// 42P01 rather than reading that other shard. (Before, it was the routed work's pool,
+/// and the statement read the other shard's table.) Behind a declared transaction
+/// pooler it refuses, as routed work does.
+pub(crate) async fn what_work_on_pool_leaves_on_a_session_never_reaches_routed_work(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster =
+        Cluster::connect(&f.config()?, ClusterOptions { pool_size: 1, ..ClusterOptions::default() }).await?;
+    let db = cluster.sqlx();
+    // Two shards on one host (user `n` is in shard `n`).
+    let routes = (0..4).map(|s| cluster.route(crate::shard(s))).collect::<Result<Vec<_>, _>>()?;
+    let (a, b) = (0..4)
+        .flat_map(|i| (i + 1..4).map(move |j| (i, j)))
+        .find(|&(i, j)| routes[i].host == routes[j].host)
+        .ok_or("two shards on one host")?;
+    insert(&cluster, i64::try_from(b)?, "in the other shard".into()).await?;
+    let id = insert(&cluster, i64::try_from(a)?, "in the shard read".into()).await?.id;
+    let (a, b) = (routes[a].clone(), routes[b].clone());
+    {
+        let pool = db.pool(&a.host).await?;
+        let mut conn = pool.acquire().await?;
+        ::sqlx::raw_sql(::sqlx::AssertSqlSafe(format!("SET search_path TO {}", b.schema.quoted())))
+            .execute(&mut *conn)
+            .await?;
+    }
+    // Routed, one statement, an unqualified name: no schema of the session's own.
+    let err = db
+        .statement_on_id(id, |conn| {
+            Box::pin(async move {
+                ::sqlx::query_scalar::<_, i64>("SELECT count(*) FROM photos").fetch_one(&mut **conn).await
+            })
+        })
+        .await
+        .expect_err("an unqualified name in a statement read a schema left by work on pool()");
+    assert_eq!(err.sqlstate(), Some("42P01"), "{err}");
+    let pooled = Cluster::connect(
+        &f.config()?,
+        ClusterOptions { transaction_pooler: true, ..ClusterOptions::default() },
+    )
+    .await?;
+    let err = pooled.sqlx().pool(&a.host).await.expect_err("pool() behind a transaction pooler");
+    assert!(matches!(err, Error::Pooler { .. }), "{err}");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_unit_of_work_given_up_holds_no_lock_past_its_deadline);
+/// A unit of work that waited for its connection, then for a row lock, and was given up
+/// at `host_timeout` stops waiting on the server then too: its transaction's
+/// `statement_timeout` is what was left of the unit's time, not the whole of it again.
+/// (Before, its statement waited on the lock for as long again as the unit had waited
+/// for a connection: about 3 s here.)
+pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let timeout = Duration::from_secs(4);
+    let cluster = Cluster::connect(
+        &f.config()?,
+        ClusterOptions { pool_size: 1, host_timeout: timeout, ..ClusterOptions::default() },
+    )
+    .await?;
+    let photo = insert(&cluster, 0, "locked".into()).await?;
+    let route = cluster.route_user(0);
+    let admin = f.client(&ctx, host_index(route.host.as_str())).await?;
+    admin
+        .batch_execute(&format!(
+            "BEGIN; SELECT FROM {}.photos WHERE id = {} FOR UPDATE",
+            route.schema.quoted(),
+            photo.id.as_i64()
+        ))
+        .await?;
+    let db = cluster.sqlx();
+    // The host's one connection, held 3 s by another unit of work.
+    let holder = db.on_user(0, |conn| {
+        Box::pin(async move { ::sqlx::raw_sql("SELECT pg_sleep(3)").execute(&mut **conn).await.map(drop) })
+    });
+    let waiter = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let id = photo.id;
+        let r = db
+            .on_id(id, |conn| {
+                Box::pin(async move {
+                    ::sqlx::query("UPDATE photos SET caption = 'waited' WHERE id = $1")
+                        .bind(id)
+                        .execute(&mut **conn)
+                        .await
+                        .map(drop)
+                })
+            })
+            .await;
+        (r, Instant::now())
+    };
+    let (held, (waited, gave_up)) = tokio::join!(holder, waiter);
+    held?;
+    let err = waited.expect_err("an update waiting on a row lock held to the end");
+    // The server's statement timeout or the unit's own, whichever came first: either
+    // way rolled back.
+    assert!(err.is_timeout() || err.sqlstate() == Some("57014"), "{err}");
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()";
+    while admin.query_one(waiting, &[]).await?.get::<_, i64>(0) > 0 {
+        assert!(
+            gave_up.elapsed() < Duration::from_millis(1500),
+            "the given-up unit's statement still waits on the lock {:?} after its deadline",
+            gave_up.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "observed: the given-up statement stopped waiting {:?} after its unit's deadline",
+        gave_up.elapsed()
+    );
+    admin.batch_execute("ROLLBACK").await?;
+    Ok(())
+}
+
 shardline_testkit::register!(shared: every_operation_runs_in_the_shard_the_map_gives);
 pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 12).await?;
@@ -695,9 +814,9 @@ pub(crate) async fn a_killed_or_hung_host_fails_sqlx_work_in_time_classified(ctx
     // sqlx gives a connection back to its pool on a task of its own: the hang below is
     // meant to meet a pooled connection (a statement sent, never answered), not a new
     // one that cannot be had.
-    let pool = cluster.sqlx().pool(&cluster.route_user(u2).host).await?;
+    let (db, host) = (cluster.sqlx(), cluster.route_user(u2).host);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while pool.num_idle() == 0 {
+    while db.idle_connections(&host) == 0 {
         assert!(Instant::now() < deadline, "no idle connection to pg2");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -227,6 +227,11 @@ struct HostPool {
     /// The host's sqlx pool ([`crate::sqlx`]), made on first use.
     #[cfg(feature = "sqlx")]
     sqlx: Arc<std::sync::OnceLock<::sqlx::PgPool>>,
+    /// The host's sqlx pool for work that is not routed ([`crate::Sqlx::pool`]), made on
+    /// first use: apart, so that what such work leaves on a session (a `SET`, a
+    /// temporary table) never reaches routed work.
+    #[cfg(feature = "sqlx")]
+    sqlx_unrouted: Arc<std::sync::OnceLock<::sqlx::PgPool>>,
 }
 
 impl Drop for Inner {
@@ -346,15 +351,17 @@ impl Cluster {
         Ok(sql)
     }
 
-    /// The sqlx pool of `host`, made on first use.
+    /// The sqlx pool of `host`, made on first use: the routed work's, or (`routed`
+    /// false) the one [`crate::Sqlx::pool`] hands out.
     #[cfg(feature = "sqlx")]
-    pub(crate) fn sqlx_pool(&self, host: &HostName) -> Result<::sqlx::PgPool> {
+    pub(crate) fn sqlx_pool(&self, host: &HostName, routed: bool) -> Result<::sqlx::PgPool> {
         let p = self.host_pool(host)?;
-        if let Some(pool) = p.sqlx.get() {
+        let slot = if routed { &p.sqlx } else { &p.sqlx_unrouted };
+        if let Some(pool) = slot.get() {
             return Ok(pool.clone());
         }
         let pool = crate::sqlx::host_pool(host, &p.url, &self.inner.options)?;
-        Ok(p.sqlx.get_or_init(|| pool).clone())
+        Ok(slot.get_or_init(|| pool).clone())
     }
 
     /// The map as this handle knows it now.
@@ -1066,6 +1073,8 @@ fn new_host_pool(
         url,
         #[cfg(feature = "sqlx")]
         sqlx: Arc::default(),
+        #[cfg(feature = "sqlx")]
+        sqlx_unrouted: Arc::default(),
     })
 }
 

@@ -184,9 +184,11 @@ fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
     Error::TransactionEnded { host: host.clone(), shard }
 }
 
-/// `after` in whole milliseconds, at least 1, for `statement_timeout`.
+/// `after` in whole milliseconds, at least 1, for `statement_timeout`; at most the
+/// largest it takes (2^31 - 1 ms, about 24.8 days), which a longer `host_timeout` is
+/// sent as (Postgres refuses more, and every connection with it).
 fn timeout_ms(after: std::time::Duration) -> u128 {
-    after.as_millis().max(1)
+    after.as_millis().clamp(1, i32::MAX as u128)
 }
 
 /// How [`Sqlx`] runs a unit of work.
@@ -256,8 +258,9 @@ impl Cluster {
 ///
 /// The transaction is shardline's, not one sqlx counts: a `begin()` inside the closure
 /// starts no savepoint, and its `commit()` or `rollback()` would end shardline's
-/// transaction. That is caught before `COMMIT` (the call fails with
-/// [`Error::Invalid`]); use `SAVEPOINT` in SQL for a part that may fail.
+/// transaction. That is caught before `COMMIT`, whether the closure then returns `Ok` or
+/// `Err` (the call fails with [`Error::TransactionEnded`], outcome unknown); use
+/// `SAVEPOINT` in SQL for a part that may fail.
 pub struct ShardConn<'env> {
     conn: Option<PoolConnection<Postgres>>,
     route: Route,
@@ -343,17 +346,43 @@ impl Sqlx {
         &self.cluster
     }
 
-    /// The sqlx pool of `host` (made on first use), for work that is
-    /// not routed: it bypasses routing, timeouts and the move retry. Its sessions start
-    /// with an empty `search_path` (qualify table names) and `statement_timeout` at
-    /// [`ClusterOptions::host_timeout`] (`SET` it for longer work).
+    /// A sqlx pool of `host` (made on first use), for work that is not routed: it
+    /// bypasses routing, timeouts and the move retry. Its sessions start with an empty
+    /// `search_path` (qualify table names) and `statement_timeout` at
+    /// [`ClusterOptions::host_timeout`] (`SET` it for longer work). It is not the pool
+    /// routed work runs on (as large, made only when asked for): what work leaves on
+    /// its sessions never reaches a routed unit of work.
     ///
     /// # Errors
     ///
     /// [`Error::UnknownHost`]; [`Error::BadUrl`] when a host's URL cannot be used by
-    /// sqlx (a `key=value` connection string: the sqlx path takes `postgres://` URLs).
+    /// sqlx (a `key=value` connection string: the sqlx path takes `postgres://` URLs);
+    /// [`Error::Pooler`] behind a transaction-mode pooler (`transaction_pooler`), as
+    /// for routed work.
     pub async fn pool(&self, host: &HostName) -> Result<PgPool> {
-        self.cluster.sqlx_pool(host)
+        self.refuse_pooler(host)?;
+        self.cluster.sqlx_pool(host, false)
+    }
+
+    /// How many connections to `host` sit idle in the pool routed work runs on (0 before
+    /// its first use, or for a host the handle does not know): for diagnostics and
+    /// metrics.
+    pub fn idle_connections(&self, host: &HostName) -> usize {
+        self.cluster.sqlx_pool(host, true).map_or(0, |p| p.num_idle())
+    }
+
+    /// Behind a transaction-mode pooler, the sqlx path refuses ([`Error::Pooler`]).
+    fn refuse_pooler(&self, host: &HostName) -> Result<()> {
+        if !self.cluster.options().transaction_pooler {
+            return Ok(());
+        }
+        Err(Error::Pooler {
+            host: host.clone(),
+            reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
+                     prepared statements on each connection, which such a pooler hands to other clients; \
+                     use the repository API, or reach the hosts directly or through a session pool"
+                .into(),
+        })
     }
 
     /// Runs `work` in one transaction in `shard`, on the shard's host, with the
@@ -443,15 +472,7 @@ impl Sqlx {
     {
         let options = self.cluster.options();
         let host = self.cluster.route(shard)?.host;
-        if options.transaction_pooler {
-            return Err(Error::Pooler {
-                host,
-                reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
-                         prepared statements on each connection, which such a pooler hands to other clients; \
-                         use the repository API, or reach the hosts directly or through a session pool"
-                    .into(),
-            });
-        }
+        self.refuse_pooler(&host)?;
         let timeout = options.host_timeout;
         // Each run borrows `work` in turn; the lock is never contended.
         let work = &tokio::sync::Mutex::new(work);
@@ -459,12 +480,15 @@ impl Sqlx {
             .with_move_retry(|map, _| async move {
                 let route = map.route(shard, self.cluster.prefix());
                 let host = route.host.clone();
-                let pool = self.pool(&host).await.map_err(|e| Failed::of(e, [shard]))?;
+                let pool = self.cluster.sqlx_pool(&host, true).map_err(|e| Failed::of(e, [shard]))?;
                 let mut work = work.lock().await;
                 let mut moved = false;
+                let deadline = tokio::time::Instant::now() + timeout;
                 let run = async {
                     match mode {
-                        Mode::Transaction => self.attempt(&pool, route, &mut *work, &mut moved).await,
+                        Mode::Transaction => {
+                            self.attempt(&pool, route, &mut *work, &mut moved, deadline).await
+                        }
                         Mode::Statement => self.once(&pool, route, &mut *work, &mut moved).await,
                     }
                 };
@@ -474,14 +498,15 @@ impl Sqlx {
             .await
     }
 
-    /// One run of [`Sqlx::transaction`] on `route`; sets `moved` when the shard's
-    /// schema is gone from its host.
+    /// One run of [`Sqlx::transaction`] on `route`, given up at `deadline`; sets `moved`
+    /// when the shard's schema is gone from its host.
     async fn attempt<'env, T, F>(
         &'env self,
         pool: &PgPool,
         route: Route,
         work: &mut F,
         moved: &mut bool,
+        deadline: tokio::time::Instant,
     ) -> Result<T>
     where
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
@@ -494,13 +519,13 @@ impl Sqlx {
         let mut conn = acquire(pool, route, "begin").await?;
         // One round trip: the transaction and its search_path (the schema quoted by the
         // one quoting function, `SchemaName::quoted`).
-        // The server stops a statement at the host timeout too: a unit of work given up
-        // on here holds no lock past it (the close reaches a server only between
-        // statements).
+        // The server stops a statement at the unit of work's deadline too (what is left
+        // of the host timeout once a connection was had): a unit given up on here holds
+        // no lock past it (the close reaches a server only between statements).
         let begin = format!(
             "BEGIN; {}; SET LOCAL statement_timeout = {}",
             crate::shard::set_local_search_path(&schema),
-            timeout_ms(self.cluster.options().host_timeout)
+            timeout_ms(deadline.saturating_duration_since(tokio::time::Instant::now()))
         );
         ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).execute(conn.conn()).await.map_err(fail("begin"))?;
         let error = match work(&mut conn).await {
@@ -678,6 +703,16 @@ impl Sqlx {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_statement_timeout_is_one_postgres_takes() {
+        use std::time::Duration;
+        assert_eq!(timeout_ms(Duration::ZERO), 1);
+        assert_eq!(timeout_ms(Duration::from_micros(10)), 1);
+        assert_eq!(timeout_ms(Duration::from_secs(5)), 5000);
+        assert_eq!(timeout_ms(Duration::from_secs(30 * 24 * 3600)), 2_147_483_647);
+        assert_eq!(timeout_ms(Duration::MAX), 2_147_483_647);
+    }
+
     fn options(url: &str) -> Result<PgConnectOptions> {
         let host = HostName::new("pg1").map_err(Error::Router)?;
         connect_options(&host, &DbUrl::new(url.to_owned()))
@@ -711,9 +746,14 @@ mod tests {
     fn a_statement_or_commit_without_a_verdict_may_have_applied_work_may_not() {
         let host = HostName::new("pg1").unwrap_or_else(|e| panic!("{e}"));
         let lost = || ::sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        for (what, unknown) in
-            [("statement", true), ("commit", true), ("work", false), ("begin", false), ("connect", false)]
-        {
+        for (what, unknown) in [
+            ("statement", true),
+            ("commit", true),
+            (WORK_CONNECTION_LOST, true),
+            ("work", false),
+            ("begin", false),
+            ("connect", false),
+        ] {
             let e = Error::sqlx(&host, None, what, lost());
             assert_eq!(e.outcome_unknown(), unknown, "{what}");
         }
