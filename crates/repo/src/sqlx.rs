@@ -130,6 +130,25 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
             _ => "sqlx cannot read it".into(),
         })
     })?;
+    // Where and who as the repository's connections: sqlx fills what a URL leaves out
+    // from PGHOST, PGPORT, PGUSER, PGDATABASE and PGAPPNAME, the repository's driver
+    // from its own defaults (port 5432, the user's name as the database), so the same
+    // URL could reach another server or database on the sqlx path.
+    let same: tokio_postgres::Config = tls
+        .driver_url
+        .parse()
+        .map_err(|_: tokio_postgres::Error| bad("the repository's driver cannot read it".into()))?;
+    let mut connect = connect.port(same.get_ports().first().copied().unwrap_or(5432));
+    if let Some(tokio_postgres::config::Host::Tcp(h)) = same.get_hosts().first() {
+        connect = connect.host(h);
+    }
+    if let Some(user) = same.get_user() {
+        connect = connect.username(user);
+    }
+    if let Some(db) = same.get_dbname().or(same.get_user()) {
+        connect = connect.database(db);
+    }
+    connect = connect.application_name(same.get_application_name().unwrap_or("shardline"));
     // libpq's (and the repository's) meaning of each mode: `require` with a root
     // certificate checks the chain.
     let mode = match tls.mode {
@@ -166,7 +185,6 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
     })
 }
 
-/// The error of a unit of work whose closure ended shardline's transaction itself.
 /// [`Error::Sqlx`]'s `what` for work whose connection was lost before shardline could
 /// tell whether its transaction was still there: the outcome is unknown.
 pub(crate) const WORK_CONNECTION_LOST: &str = "work (connection lost)";
@@ -180,6 +198,7 @@ fn lost(e: &::sqlx::Error) -> bool {
     }
 }
 
+/// The error of a unit of work whose closure ended shardline's transaction itself.
 fn ended_by_closure(host: &HostName, shard: LogicalShard) -> Error {
     Error::TransactionEnded { host: host.clone(), shard }
 }
@@ -702,6 +721,41 @@ impl Sqlx {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_url_alone_says_where_and_who() -> Result<()> {
+        let o = options("postgres://app@db")?;
+        assert_eq!((o.get_host(), o.get_port(), o.get_username()), ("db", 5432, "app"));
+        assert_eq!((o.get_database(), o.get_application_name()), (Some("app"), Some("shardline")));
+        let o = options("postgres://app@db:6543/other?application_name=mine")?;
+        assert_eq!(
+            (o.get_port(), o.get_database(), o.get_application_name()),
+            (6543, Some("other"), Some("mine"))
+        );
+        Ok(())
+    }
+
+    /// The test above, run again in a process whose environment names another port,
+    /// database, user and application, as sqlx reads them: the URL still decides (before,
+    /// the environment's port and database were taken).
+    #[test]
+    fn the_environment_does_not_say_where_or_who() {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "sqlx::tests::the_url_alone_says_where_and_who"])
+            .env("PGPORT", "1")
+            .env("PGDATABASE", "elsewhere")
+            .env("PGAPPNAME", "someone")
+            .env("PGHOST", "elsewhere")
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && said.contains("1 passed"),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     #[test]
     fn a_statement_timeout_is_one_postgres_takes() {
