@@ -319,8 +319,10 @@ pub(crate) async fn a_shard_moves_online_verified_with_its_ids_growing(ctx: Test
     assert_eq!(counts(&f, &ctx, 0, &moved).await?, Some([100, 100, 100]));
     assert_eq!(counts(&f, &ctx, 0, "shard_0001").await?, shard1_before);
 
-    // A stale handle's shard transaction finds the schema gone on the source by a
-    // function or a type it names, and runs again on the target.
+    // A stale handle's shard transaction that names a function or a type finds the
+    // schema gone on the source (its BEGIN looks it up) and runs on the target. (The
+    // schema leaving in the middle of one, where such a name is what finds it gone:
+    // `repo::a_stale_map_is_refreshed_not_obeyed`.)
     let shard0 = crate::shard(0);
     let minted = stale_fn
         .transaction(shard0, |tx| {

@@ -125,6 +125,30 @@ pub(crate) async fn a_temporary_table_left_on_a_pooled_connection_never_takes_th
         .await?
         .get(0);
     assert_eq!(stored, 2, "both inserts are in the shard's table, not in the temporary one");
+    // With the shard's schema gone (renamed aside here, as a move's fence does), `pg_temp`
+    // would be the path's first schema: an unqualified `CREATE TABLE` there made a
+    // temporary table, and the unit of work committed into it. It fails instead, as a
+    // moved shard's whose move is not found (3F000), through either path.
+    admin.batch_execute(&format!("ALTER SCHEMA {} RENAME TO aside", route.schema.quoted())).await?;
+    let create = "CREATE TABLE IF NOT EXISTS made_here (x int); INSERT INTO made_here VALUES (1)";
+    let through_repo = cluster
+        .transaction(route.shard, |tx| {
+            Box::pin(async move {
+                tx.execute("CREATE TABLE IF NOT EXISTS made_here (x int)", &[]).await?;
+                tx.execute("INSERT INTO made_here VALUES (1)", &[]).await.map(drop)
+            })
+        })
+        .await;
+    let through_sqlx = db
+        .on_user(3, |conn| {
+            Box::pin(async move { ::sqlx::raw_sql(create).execute(&mut **conn).await.map(drop) })
+        })
+        .await;
+    admin.batch_execute(&format!("ALTER SCHEMA aside RENAME TO {}", route.schema.quoted())).await?;
+    for (path, r) in [("repository", through_repo), ("sqlx", through_sqlx)] {
+        let err = r.err().ok_or(format!("{path}: a unit of work committed with its shard's schema gone"))?;
+        assert_eq!(err.sqlstate(), Some("3F000"), "{path}: {err}");
+    }
     Ok(())
 }
 
@@ -195,8 +219,11 @@ pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx:
     .await?;
     let photo = insert(&cluster, 0, "locked".into()).await?;
     let route = cluster.route_user(0);
+    // One session holds the row's lock; another watches (outside a transaction: a
+    // transaction reads `pg_stat_activity` once, at its first look).
     let admin = f.client(&ctx, host_index(route.host.as_str())).await?;
-    admin
+    let locker = f.client(&ctx, host_index(route.host.as_str())).await?;
+    locker
         .batch_execute(&format!(
             "BEGIN; SELECT FROM {}.photos WHERE id = {} FOR UPDATE",
             route.schema.quoted(),
@@ -227,9 +254,9 @@ pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx:
     let (held, (waited, gave_up)) = tokio::join!(holder, waiter);
     held?;
     let err = waited.expect_err("an update waiting on a row lock held to the end");
-    // The server's statement timeout or the unit's own, whichever came first: either
-    // way rolled back.
-    assert!(err.is_timeout() || err.sqlstate() == Some("57014"), "{err}");
+    // The server's statement timeout or the unit's own, whichever came first: told
+    // alike.
+    assert!(err.is_timeout(), "{err}");
     let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()";
     while admin.query_one(waiting, &[]).await?.get::<_, i64>(0) > 0 {
         assert!(
@@ -243,7 +270,37 @@ pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx:
         "observed: the given-up statement stopped waiting {:?} after its unit's deadline",
         gave_up.elapsed()
     );
-    admin.batch_execute("ROLLBACK").await?;
+    // A later statement of the unit, begun 2.5 s into it: its statement timeout (what
+    // was left at the start, 4 s) would keep it waiting 2.5 s past the deadline; the
+    // unit given up cancels it. (Before, nothing did.)
+    let t = Instant::now();
+    let late = db
+        .on_id(photo.id, |conn| {
+            let id = photo.id;
+            Box::pin(async move {
+                ::sqlx::raw_sql("SELECT pg_sleep(2.5)").execute(&mut **conn).await?;
+                ::sqlx::query("UPDATE photos SET caption = 'late' WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut **conn)
+                    .await
+                    .map(drop)
+            })
+        })
+        .await;
+    let gave_up = Instant::now();
+    let err = late.expect_err("a later statement waiting on a row lock held to the end");
+    assert!(err.is_timeout(), "{err}");
+    assert!(gave_up - t >= timeout, "given up after {:?}", gave_up - t);
+    while admin.query_one(waiting, &[]).await?.get::<_, i64>(0) > 0 {
+        assert!(
+            gave_up.elapsed() < Duration::from_millis(1500),
+            "the given-up unit's later statement still waits on the lock {:?} after its deadline",
+            gave_up.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("observed: its later statement stopped waiting {:?} after its deadline", gave_up.elapsed());
+    locker.batch_execute("ROLLBACK").await?;
     Ok(())
 }
 
@@ -474,8 +531,11 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         .unwrap_err();
     assert!(matches!(&err, Error::Pooler { reason, .. } if reason.contains("named")), "{err}");
 
-    // A handled failure because the shard is gone from where a stale map says: rolled
-    // back, the schema looked for, and the work run again on the shard's new host.
+    // The shard leaves, under a stale map, in the middle of a unit of work there (its
+    // schema renamed away after the work began, as a move's fence does): the work's
+    // failure is handled, yet the unit is rolled back, the schema looked for, and the
+    // work run again on the shard's new host. (A schema already gone at the BEGIN is
+    // found there, and the work runs once: the second part below.)
     let stale =
         Cluster::connect(&f.config()?, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     let route = stale.route_user(3);
@@ -503,7 +563,6 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         )
         .await?;
     }
-    src.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await?;
     f.client(&ctx, 0)
         .await?
         .execute(
@@ -512,11 +571,17 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         )
         .await?;
     let runs = AtomicUsize::new(0);
+    let aside = format!("ALTER SCHEMA {schema} RENAME TO gone_aside");
+    let (src, aside) = (&src, &aside);
     let on = stale
         .sqlx()
         .on_user(3, |conn| {
-            runs.fetch_add(1, Ordering::SeqCst);
+            let run = runs.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {
+                if run == 0 {
+                    ::sqlx::raw_sql("SELECT 1").execute(&mut **conn).await?;
+                    src.batch_execute(aside).await.map_err(|e| ::sqlx::Error::Protocol(e.to_string()))?;
+                }
                 // Its error handled: the unit returns Ok either way.
                 let wrote =
                     ::sqlx::query(INSERT).bind(3i64).bind("u").bind("rerun").execute(&mut **conn).await;
@@ -530,6 +595,33 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         .await?
         .get(0);
     assert_eq!(n, 1, "written once, on the shard's new host");
+    // Gone at the BEGIN: the work runs once, where the shard is.
+    let runs = AtomicUsize::new(0);
+    let stale =
+        Cluster::connect(&f.config()?, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    f.client(&ctx, 0)
+        .await?
+        .execute(
+            "UPDATE shardline.shards SET host = $1 WHERE shard = $2",
+            &[&route.host.as_str(), &i32::from(route.shard.get())],
+        )
+        .await?;
+    let stale_back = stale.route_user(3).host;
+    assert_eq!(stale_back.as_str(), other, "a handle whose map places the shard on {other}");
+    let (dst_host, src_host) = (other, route.host.as_str());
+    f.client(&ctx, to).await?.batch_execute(&format!("ALTER SCHEMA {schema} RENAME TO left_aside")).await?;
+    src.batch_execute(&format!("ALTER SCHEMA gone_aside RENAME TO {schema}")).await?;
+    let on = stale
+        .sqlx()
+        .on_user(3, |conn| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                ::sqlx::query(INSERT).bind(3i64).bind("u").bind("once").execute(&mut **conn).await?;
+                Ok(conn.host().to_string())
+            })
+        })
+        .await?;
+    assert_eq!((runs.into_inner(), on.as_str()), (1, src_host), "moved back from {dst_host}");
 
     // Decoding: the type is named as users write it; a negative value is refused.
     let err = db

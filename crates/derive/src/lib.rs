@@ -286,14 +286,14 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
             let ident = &u.ident;
             (
                 quote! { ::shardline_repo::ShardKey::User(::core::convert::Into::<i64>::into(self.#ident)) },
-                (u, "user", quote! { USER_COLUMN }),
+                (u, "user", quote! { USER_COLUMN }, quote! { PARENT_COLUMN }),
             )
         }
         (None, Some(p)) => {
             let ident = &p.ident;
             (
                 quote! { ::shardline_repo::ShardKey::Parent(self.#ident) },
-                (p, "parent", quote! { PARENT_COLUMN }),
+                (p, "parent", quote! { PARENT_COLUMN }, quote! { USER_COLUMN }),
             )
         }
         (Some(_), Some(p)) => {
@@ -319,7 +319,7 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     // The row's key must be stored in the column the entity's pages read by (its
     // `#[shardline(user)]` or `#[shardline(parent)]` one): placed by another, a row lands
     // in a shard those pages never look in. Checked when the type checks, by the compiler.
-    let (field, kind, entity_column) = placed_by;
+    let (field, kind, entity_column, other_column) = placed_by;
     let column = &field.column;
     let entity_name = quote!(#entity).to_string().replace(' ', "");
     let message = format!(
@@ -328,6 +328,7 @@ fn new_row(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     let same = quote! {
         ::shardline_repo::entity::same_column(
             <#entity as ::shardline_repo::entity::Entity>::#entity_column,
+            <#entity as ::shardline_repo::entity::Entity>::#other_column,
             #column,
         )
     };

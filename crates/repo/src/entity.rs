@@ -108,13 +108,14 @@ pub trait NewRow: Send + Sync {
     fn values(&self) -> Vec<&(dyn ToSql + Sync)>;
 }
 
-/// Whether an entity's user or parent column (`entity`) is `column`: what
-/// `#[derive(NewRow)]` asserts at compile time of the column its row is placed by. Not
-/// for other use.
+/// Whether a new row placed by `column` (a user or a parent column) fits its entity,
+/// whose column of that kind is `entity` and of the other kind `other`: the same column,
+/// or an entity that names neither (written by hand, its pages not used). What
+/// `#[derive(NewRow)]` asserts at compile time. Not for other use.
 #[doc(hidden)]
 #[must_use]
-pub const fn same_column(entity: Option<&str>, column: &str) -> bool {
-    let Some(entity) = entity else { return false };
+pub const fn same_column(entity: Option<&str>, other: Option<&str>, column: &str) -> bool {
+    let Some(entity) = entity else { return other.is_none() };
     let (a, b) = (entity.as_bytes(), column.as_bytes());
     if a.len() != b.len() {
         return false;
@@ -197,4 +198,20 @@ pub(crate) fn check_update<'a, E: Entity>(set: &[(&'a str, &(dyn ToSql + Sync))]
         return Err(Error::Invalid { what: format!("an update of {} sets no column", E::TABLE) });
     }
     Ok(set.iter().map(|(c, _)| *c).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_column;
+
+    #[test]
+    fn a_new_row_fits_its_entity_by_the_same_column_or_an_entity_that_names_none() {
+        // The entity's column of the new row's kind.
+        assert!(same_column(Some("user_id"), None, "user_id"));
+        assert!(!same_column(Some("author"), None, "user_id"));
+        // Placed by a kind of key the entity does not read by, while it reads by the other.
+        assert!(!same_column(None, Some("photo_id"), "user_id"));
+        // An entity written by hand that names neither: not checked.
+        assert!(same_column(None, None, "user_id"));
+    }
 }

@@ -47,13 +47,32 @@ use crate::cluster::{self, Cluster, Failed};
 /// before `COMMIT` (and after a closure failed): shared by the sqlx path.
 pub(crate) const PROBE: &str = "shardline_check";
 
-/// `SET LOCAL search_path` to `schema` for a routed transaction (the schema quoted by
-/// the one quoting function, `SchemaName::quoted`): shared by the sqlx path. `pg_temp`
-/// is named last, because a path that does not name it searches it first: a temporary
-/// table left on a pooled connection (`photos`, say) would take the place of the
-/// shard's table of that name, and the writes sent there vanish with the session.
-pub(crate) fn set_local_search_path(schema: &shardline_router::SchemaName) -> String {
-    format!("SET LOCAL search_path TO {}, pg_temp", schema.quoted())
+/// What a routed transaction runs after its `BEGIN`, in the same round trip: the
+/// `search_path` set to `schema` (quoted by the one quoting function,
+/// `SchemaName::quoted`), and a check that the schema is there, which answers with the
+/// session's process ID (the sqlx path cancels by it). Shared by the sqlx path.
+///
+/// `pg_temp` is named last, because a path that does not name it searches it first: a
+/// temporary table left on a pooled connection (`photos`, say) would take the place of
+/// the shard's table of that name, and the writes sent there vanish with the session.
+/// With the shard's schema gone (moved, or renamed by a move's fence), `pg_temp` would
+/// be the first schema of the path, where an unqualified `CREATE TABLE` makes a
+/// temporary table: so the schema is looked up first, and its absence fails the `BEGIN`
+/// with 3F000 ([`begin_finds_schema_gone`]), which is taken for a moved shard. A schema
+/// renamed later in the transaction is not caught this way (a temporary table of a
+/// shard table's name still takes that table's writes then; see `docs/sqlx.md`).
+pub(crate) fn enter_schema(schema: &shardline_router::SchemaName) -> String {
+    let quoted = schema.quoted();
+    format!(
+        "SET LOCAL search_path TO {quoted}, pg_temp; SELECT {}::regnamespace, pg_backend_pid()",
+        shardline_id::ident::literal(&quoted.to_string())
+    )
+}
+
+/// Whether a routed transaction's `BEGIN` round trip ([`enter_schema`]) failed because
+/// the shard's schema is not on the host (SQLSTATE 3F000).
+pub(crate) fn begin_finds_schema_gone(sqlstate: Option<&str>) -> bool {
+    sqlstate == Some("3F000")
 }
 use crate::entity::{Entity, NewRow, check_new_row, check_update};
 use crate::statement::{self, Param, check_rows};
@@ -423,7 +442,7 @@ impl Cluster {
                 Failed::new(Er::from(e), moved, [shard])
             })?;
             let client = Pinned::new(object, self.cancel_to(&route.host));
-            let begin = format!("BEGIN; {}", set_local_search_path(&route.schema));
+            let begin = format!("BEGIN; {}", enter_schema(&route.schema));
             let mut tx = ShardTx {
                 client: Some(client),
                 cluster: self,
@@ -433,10 +452,15 @@ impl Cluster {
                 abandoned: false,
             };
             let (host, c) = (&tx.route.host, tx.client()?);
-            within(host, timeout, async {
+            let begun = within(host, timeout, async {
                 c.batch_execute(&begin).await.map_err(|e| Error::host(host, Some(shard), "begin", e))
             })
-            .await?;
+            .await;
+            if let Err(e) = begun {
+                // The shard's schema is gone from here: it moved, or is fenced for a move.
+                let moved = begin_finds_schema_gone(e.sqlstate());
+                return Err(Failed::new(Er::from(e), moved, [shard]));
+            }
             let mut work = work.lock().await;
             match (*work)(&mut tx).await {
                 Ok(value) => match tx.commit().await {

@@ -138,17 +138,23 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         .driver_url
         .parse()
         .map_err(|_: tokio_postgres::Error| bad("the repository's driver cannot read it".into()))?;
-    let mut connect = connect.port(same.get_ports().first().copied().unwrap_or(5432));
-    if let Some(tokio_postgres::config::Host::Tcp(h)) = same.get_hosts().first() {
-        connect = connect.host(h);
+    // One host: sqlx reads neither a list of hosts nor `target_session_attrs`, so it
+    // could not follow the repository's driver to the right one. (The host itself, or
+    // a `hostaddr`, sqlx takes from the URL.)
+    if same.get_hosts().len() > 1 || same.get_hostaddrs().len() > 1 {
+        return Err(bad("the sqlx path takes a URL naming one host, not a list".into()));
     }
-    if let Some(user) = same.get_user() {
-        connect = connect.username(user);
-    }
-    if let Some(db) = same.get_dbname().or(same.get_user()) {
-        connect = connect.database(db);
-    }
-    connect = connect.application_name(same.get_application_name().unwrap_or("shardline"));
+    // The user as tokio-postgres decides it: the URL's, else the process's.
+    let user = match same.get_user() {
+        Some(user) => user.to_owned(),
+        None => whoami::username()
+            .map_err(|_| bad("it names no user, and the process's user is unknown".into()))?,
+    };
+    let connect = connect
+        .port(same.get_ports().first().copied().unwrap_or(5432))
+        .username(&user)
+        .database(same.get_dbname().unwrap_or(&user))
+        .application_name(same.get_application_name().unwrap_or("shardline"));
     // libpq's (and the repository's) meaning of each mode: `require` with a root
     // certificate checks the chain.
     let mode = match tls.mode {
@@ -196,6 +202,28 @@ fn lost(e: &::sqlx::Error) -> bool {
         None => !matches!(e, ::sqlx::Error::Database(_)),
         Some(code) => code.starts_with("08") || code.starts_with("57P"),
     }
+}
+
+/// How near its unit of work's deadline a statement stopped by the server's statement
+/// timeout (57014) is taken for the unit timing out.
+const DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Asks `pool`'s host, on a connection of its own and within `within`, to cancel what
+/// session `pid` runs (nothing for 0): a unit of work given up on closes its connection,
+/// which a session waiting on a lock does not notice, so its statement would go on
+/// holding what it holds until its own statement timeout. In the background.
+fn cancel(pool: &PgPool, pid: i32, within: std::time::Duration) {
+    use ::sqlx::ConnectOptions as _;
+    if pid == 0 {
+        return;
+    }
+    let options = pool.connect_options();
+    tokio::spawn(tokio::time::timeout(within, async move {
+        if let Ok(mut c) = options.connect().await {
+            let _ = ::sqlx::query("SELECT pg_cancel_backend($1)").bind(pid).execute(&mut c).await;
+            let _ = ::sqlx::Connection::close(c).await;
+        }
+    }));
 }
 
 /// The error of a unit of work whose closure ended shardline's transaction itself.
@@ -416,8 +444,8 @@ impl Sqlx {
     /// # Errors
     ///
     /// [`Error::Sqlx`] naming the host, the shard, the step and the SQLSTATE (only a
-    /// `commit` step's may leave the outcome unknown: every other failure rolled the
-    /// work back); [`Error::Timeout`] when the whole unit of work took longer than
+    /// `commit` step's, or `work (connection lost)`, may leave the outcome unknown:
+    /// every other failure rolled the work back); [`Error::Timeout`] when the whole unit of work took longer than
     /// [`ClusterOptions::host_timeout`]; [`Error::Pool`] when no connection could be had
     /// in time; [`Error::RolledBack`] when `work` returned `Ok` but a statement in it had
     /// failed (its error handled), so Postgres rolled the transaction back;
@@ -503,22 +531,30 @@ impl Sqlx {
                 let mut work = work.lock().await;
                 let mut moved = false;
                 let deadline = tokio::time::Instant::now() + timeout;
+                let pid = std::sync::atomic::AtomicI32::new(0);
                 let run = async {
-                    match mode {
+                    let done = match mode {
                         Mode::Transaction => {
-                            self.attempt(&pool, route, &mut *work, &mut moved, deadline).await
+                            self.attempt(&pool, route, &mut *work, &mut moved, deadline, &pid).await
                         }
                         Mode::Statement => self.once(&pool, route, &mut *work, &mut moved).await,
-                    }
+                    };
+                    // Ended, not given up: its connection is back in the pool, or closed.
+                    pid.store(0, std::sync::atomic::Ordering::Relaxed);
+                    done
                 };
                 let done = within(&host, timeout, run).await;
+                // Given up at its deadline (the run dropped, its connection closed): its
+                // session may still be waiting on a lock.
+                cancel(&pool, pid.load(std::sync::atomic::Ordering::Relaxed), timeout);
                 done.map_err(|e| Failed::new(e, moved, [shard]))
             })
             .await
     }
 
     /// One run of [`Sqlx::transaction`] on `route`, given up at `deadline`; sets `moved`
-    /// when the shard's schema is gone from its host.
+    /// when the shard's schema is gone from its host, and `pid` to its session's process
+    /// once it has begun (for a cancel when it is given up).
     async fn attempt<'env, T, F>(
         &'env self,
         pool: &PgPool,
@@ -526,6 +562,7 @@ impl Sqlx {
         work: &mut F,
         moved: &mut bool,
         deadline: tokio::time::Instant,
+        pid: &std::sync::atomic::AtomicI32,
     ) -> Result<T>
     where
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
@@ -543,10 +580,23 @@ impl Sqlx {
         // no lock past it (the close reaches a server only between statements).
         let begin = format!(
             "BEGIN; {}; SET LOCAL statement_timeout = {}",
-            crate::shard::set_local_search_path(&schema),
+            crate::shard::enter_schema(&schema),
             timeout_ms(deadline.saturating_duration_since(tokio::time::Instant::now()))
         );
-        ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).execute(conn.conn()).await.map_err(fail("begin"))?;
+        match ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).fetch_one(conn.conn()).await {
+            Ok(row) => {
+                use ::sqlx::Row as _;
+                if let Ok(p) = row.try_get::<i32, _>(1) {
+                    pid.store(p, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Err(e) => {
+                let e = fail("begin")(e);
+                // The shard's schema is gone from here: it moved, or is fenced for a move.
+                *moved = crate::shard::begin_finds_schema_gone(e.sqlstate());
+                return Err(e);
+            }
+        }
         let error = match work(&mut conn).await {
             // A statement that failed inside the transaction aborted it, even when `work`
             // handled its error: Postgres would answer COMMIT with a rollback. So a
@@ -598,6 +648,13 @@ impl Sqlx {
                     // failed. Its outcome is unknown.
                     Err(check) if lost(&check) => {
                         return Err(Error::sqlx(&host, Some(shard), WORK_CONNECTION_LOST, e));
+                    }
+                    // The server's statement timeout, set to the unit's deadline, met it
+                    // a moment before the unit's own timer: the same failure, told alike.
+                    _ if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("57014")
+                        && tokio::time::Instant::now() + DEADLINE_SLACK >= deadline =>
+                    {
+                        Error::Timeout { host: host.clone(), after: self.cluster.options().host_timeout }
                     }
                     _ => Error::sqlx(&host, Some(shard), "work", e),
                 }
@@ -727,6 +784,11 @@ mod tests {
         let o = options("postgres://app@db")?;
         assert_eq!((o.get_host(), o.get_port(), o.get_username()), ("db", 5432, "app"));
         assert_eq!((o.get_database(), o.get_application_name()), (Some("app"), Some("shardline")));
+        let o = options("postgres://db")?;
+        let me = whoami::username().unwrap_or_default();
+        assert_eq!((o.get_username(), o.get_database()), (me.as_str(), Some(me.as_str())));
+        let err = options("postgres://app@pg1a,pg1b/app").map(drop).unwrap_err().to_string();
+        assert!(err.contains("one host"), "{err}");
         let o = options("postgres://app@db:6543/other?application_name=mine")?;
         assert_eq!(
             (o.get_port(), o.get_database(), o.get_application_name()),
@@ -747,6 +809,7 @@ mod tests {
             .env("PGDATABASE", "elsewhere")
             .env("PGAPPNAME", "someone")
             .env("PGHOST", "elsewhere")
+            .env("PGUSER", "someone")
             .output()
             .unwrap_or_else(|e| panic!("{e}"));
         let said = String::from_utf8_lossy(&out.stdout);

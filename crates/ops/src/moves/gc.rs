@@ -34,6 +34,9 @@ pub struct GcReport {
     pub kept: Vec<String>,
     /// Hosts that could not be reached (their leftovers stay for the next run).
     pub unreachable: Vec<String>,
+    /// What could not be done on a host that answered, and why, as `host: what`
+    /// (tried again by the next run).
+    pub left: Vec<String>,
 }
 
 impl std::fmt::Display for GcReport {
@@ -43,6 +46,7 @@ impl std::fmt::Display for GcReport {
         lines.extend(
             self.unreachable.iter().map(|u| format!("unreachable {u}: its leftovers stay for the next run")),
         );
+        lines.extend(self.left.iter().map(|l| format!("left {l}: tried again by the next run")));
         if self.dropped.is_empty() {
             lines.insert(0, "nothing to drop".to_owned());
         }
@@ -294,12 +298,19 @@ async fn gc_host(
     for m in moves.iter().filter(|m| m.target == *host) {
         let Ok(shard) = m.shard.within(map.count()) else { continue };
         if map.host_of(shard) == host && !m.detail.schema.is_empty() {
-            let seq = format!("{}.shardline_id_seq", quote_ident(&m.detail.schema));
-            let lift =
-                super::engine::lift_cap_sql(&seq, super::engine::copy_ceiling(&m.detail, layout), 2000);
+            let ceiling = super::engine::copy_ceiling(&m.detail, layout);
+            let lift = super::engine::lift_cap_sql(&m.detail.schema, ceiling, 2000);
             if let Err(e) = c.batch_execute(&lift).await {
+                // The guards stay with the cap (inserts fail either way); the next run
+                // tries again, and the rest of this one goes on.
                 let _ = c.batch_execute("ROLLBACK").await;
-                return Err(host_err(host, "lift a copy's ID sequence's cap", &e));
+                let e = host_err(host, "lift a copy's ID sequence's cap", &e);
+                tracing::warn!(id = m.id, host = %host, error = %shardline_repo::error_chain(&e), "cannot lift the cap on a flipped copy's ID sequence");
+                report.left.push(format!(
+                    "{host}: the cap on {}'s ID sequence (move {}): {e}",
+                    m.detail.schema, m.id
+                ));
+                continue;
             }
             super::engine::drop_guards(c, host, &m.detail.schema).await?;
         }

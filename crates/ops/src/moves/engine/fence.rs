@@ -272,9 +272,8 @@ impl Mover<'_> {
     /// from the flip's decision on ([`lift_cap_sql`], to [`copy_ceiling`]).
     pub(super) async fn lift_cap(&mut self) -> Result<()> {
         let target = self.target.clone();
-        let seq = format!("{}.shardline_id_seq", self.schema.quoted());
         let lock_ms = self.options.lock_timeout.as_millis().max(1);
-        let lift = lift_cap_sql(&seq, copy_ceiling(&self.detail, &self.layout), lock_ms);
+        let lift = lift_cap_sql(self.schema.as_str(), copy_ceiling(&self.detail, &self.layout), lock_ms);
         let dst = self.dst().await?;
         if let Err(e) = dst.batch_execute(&lift).await {
             let _ = dst.batch_execute("ROLLBACK").await;
@@ -293,15 +292,25 @@ pub(crate) fn copy_ceiling(detail: &Detail, layout: &Layout) -> i64 {
     }
 }
 
-/// The SQL, one transaction, that raises the `MAXVALUE` of sequence `seq` (a qualified,
-/// quoted name) to `max`, never lowers it, and does nothing when there is no such
-/// sequence (a schema fenced away); waiting at most `lock_ms` for its lock.
-pub(crate) fn lift_cap_sql(seq: &str, max: i64, lock_ms: u128) -> String {
-    let seq = quote_literal(seq);
+/// The SQL, one transaction, that raises the `MAXVALUE` of schema `schema`'s ID sequence
+/// to `max`, never lowers it, and does nothing when the schema has none (it was fenced
+/// away); waiting at most `lock_ms` for its lock. It takes the lock a fence takes on the
+/// sequence first (a no-op `OWNED BY NONE`, as the fence's), then looks again: a fence
+/// that renamed the schema meanwhile capped the sequence under its new name, and that
+/// cap is not lifted.
+pub(crate) fn lift_cap_sql(schema: &str, max: i64, lock_ms: u128) -> String {
+    let seq = quote_literal(&format!("{}.shardline_id_seq", quote_ident(schema)));
+    let schema = quote_literal(schema);
     format!(
         "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
          DO $lift$ DECLARE s regclass := to_regclass({seq}); BEGIN
-           IF s IS NOT NULL AND (SELECT seqmax FROM pg_sequence WHERE seqrelid = s) < {max} THEN
+           IF s IS NULL THEN
+             RETURN;
+           END IF;
+           EXECUTE format('ALTER SEQUENCE %s OWNED BY NONE', s);
+           IF (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                WHERE c.oid = s) = {schema}
+              AND (SELECT seqmax FROM pg_sequence WHERE seqrelid = s) < {max} THEN
              EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', s, {max});
            END IF;
          END $lift$; COMMIT;"
