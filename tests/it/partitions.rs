@@ -219,22 +219,7 @@ pub(crate) async fn a_catalog_cut_off_inside_the_fence_holds_the_shard_no_longer
         let r = moves::run(&config, crate::shard(0), &to, &opts).await;
         (r, Instant::now())
     };
-    let writer = async {
-        let waited = Instant::now();
-        while cut_at.get().is_none() {
-            if waited.elapsed() > Duration::from_secs(60) {
-                return Err::<_, BoxError>("the move never journaled fenced".into());
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let t = Instant::now();
-        let written = tokio::time::timeout(Duration::from_secs(40), photos.insert(&photo(0, 1))).await;
-        let took = t.elapsed();
-        // Healed only now: the write's outcome is the one reached with the catalog cut.
-        catalog.heal();
-        let written = written.map_err(|_| "the write hung for 40 s")?;
-        Ok((written, took))
-    };
+    let writer = write_once_cut(&cut_at, &catalog, &photos, "the move never journaled fenced");
     let ((moved, ended), written) =
         tokio::time::timeout(Duration::from_secs(120), async { tokio::join!(mover, writer) })
             .await
@@ -309,22 +294,7 @@ pub(crate) async fn a_catalog_cut_off_inside_the_flip_holds_the_map_no_longer_th
         })
     }));
     let mover = async { moves::run(&config, crate::shard(0), &to, &opts).await };
-    let writer = async {
-        let waited = Instant::now();
-        while cut_at.get().is_none() {
-            if waited.elapsed() > Duration::from_secs(60) {
-                return Err::<_, BoxError>("the move never reached the flip's transaction".into());
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let t = Instant::now();
-        let written = tokio::time::timeout(Duration::from_secs(40), photos.insert(&photo(0, 1))).await;
-        let took = t.elapsed();
-        // Healed only now: the write's outcome is the one reached with the mover cut off.
-        catalog.heal();
-        let written = written.map_err(|_| "the write hung for 40 s")?;
-        Ok((written, took))
-    };
+    let writer = write_once_cut(&cut_at, &catalog, &photos, "the move never reached the flip's transaction");
     let (moved, written) =
         tokio::time::timeout(Duration::from_secs(120), async { tokio::join!(mover, writer) })
             .await
@@ -479,6 +449,30 @@ async fn seeded(ctx: &TestContext) -> Result<(Linked, Config, Cluster), BoxError
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 100).await?;
     Ok((l, config, cluster))
+}
+
+/// Once `cut_at` is set (the link cut, `never` said if that takes a minute), inserts a
+/// photo of user 0 within 40 s, then heals `link`: the write's outcome is the one
+/// reached with the link cut. Returns it and how long it took.
+async fn write_once_cut(
+    cut_at: &OnceLock<Instant>,
+    link: &Link,
+    photos: &shardline_repo::Repo<Photo>,
+    never: &str,
+) -> Result<(Result<Photo, shardline_repo::Error>, Duration), BoxError> {
+    let waited = Instant::now();
+    while cut_at.get().is_none() {
+        if waited.elapsed() > Duration::from_secs(60) {
+            return Err(never.into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let t = Instant::now();
+    let written = tokio::time::timeout(Duration::from_secs(40), photos.insert(&photo(0, 1))).await;
+    let took = t.elapsed();
+    link.heal();
+    let written = written.map_err(|_| "the write hung for 40 s")?;
+    Ok((written, took))
 }
 
 /// Cuts `link` when a move reports `step` done, so the cut lands inside the next step;

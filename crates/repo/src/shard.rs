@@ -49,8 +49,9 @@ pub(crate) const PROBE: &str = "shardline_check";
 
 /// What a routed transaction runs after its `BEGIN`, in the same round trip: the
 /// `search_path` set to `schema` (quoted by the one quoting function,
-/// `SchemaName::quoted`), and a check that the schema is there, which answers with the
-/// session's process ID (the sqlx path cancels by it). Shared by the sqlx path.
+/// `SchemaName::quoted`), and a check that the schema is there (with `session`, it also
+/// answers with the session's process ID and start, which the sqlx path cancels by).
+/// Shared by the sqlx path.
 ///
 /// `pg_temp` is named last, because a path that does not name it searches it first: a
 /// temporary table left on a pooled connection (`photos`, say) would take the place of
@@ -61,12 +62,17 @@ pub(crate) const PROBE: &str = "shardline_check";
 /// with 3F000 ([`begin_finds_schema_gone`]), which is taken for a moved shard. A schema
 /// renamed later in the transaction is not caught this way (a temporary table of a
 /// shard table's name still takes that table's writes then; see `docs/sqlx.md`).
-pub(crate) fn enter_schema(schema: &shardline_router::SchemaName) -> String {
+pub(crate) fn enter_schema(schema: &shardline_router::SchemaName, session: bool) -> String {
     let quoted = schema.quoted();
-    format!(
-        "SET LOCAL search_path TO {quoted}, pg_temp; SELECT {}::regnamespace, pg_backend_pid()",
-        shardline_id::ident::literal(&quoted.to_string())
-    )
+    let check = format!("{}::regnamespace", shardline_id::ident::literal(&quoted.to_string()));
+    if session {
+        format!(
+            "SET LOCAL search_path TO {quoted}, pg_temp;
+             SELECT {check}, a.pid, a.backend_start::text FROM pg_stat_get_activity(pg_backend_pid()) AS a"
+        )
+    } else {
+        format!("SET LOCAL search_path TO {quoted}, pg_temp; SELECT {check}")
+    }
 }
 
 /// Whether a routed transaction's `BEGIN` round trip ([`enter_schema`]) failed because
@@ -442,7 +448,7 @@ impl Cluster {
                 Failed::new(Er::from(e), moved, [shard])
             })?;
             let client = Pinned::new(object, self.cancel_to(&route.host));
-            let begin = format!("BEGIN; {}", enter_schema(&route.schema));
+            let begin = format!("BEGIN; {}", enter_schema(&route.schema, false));
             let mut tx = ShardTx {
                 client: Some(client),
                 cluster: self,
@@ -459,6 +465,9 @@ impl Cluster {
             if let Err(e) = begun {
                 // The shard's schema is gone from here: it moved, or is fenced for a move.
                 let moved = begin_finds_schema_gone(e.sqlstate());
+                // Rolled back on the same connection, which then goes back to the pool
+                // (a rollback that fails leaves it to be given up on, as below).
+                let _ = tx.rollback().await;
                 return Err(Failed::new(Er::from(e), moved, [shard]));
             }
             let mut work = work.lock().await;

@@ -139,11 +139,23 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         .parse()
         .map_err(|_: tokio_postgres::Error| bad("the repository's driver cannot read it".into()))?;
     // One host: sqlx reads neither a list of hosts nor `target_session_attrs`, so it
-    // could not follow the repository's driver to the right one. (The host itself, or
-    // a `hostaddr`, sqlx takes from the URL.)
+    // could not follow the repository's driver to the right one.
     if same.get_hosts().len() > 1 || same.get_hostaddrs().len() > 1 {
         return Err(bad("the sqlx path takes a URL naming one host, not a list".into()));
     }
+    // Nor `hostaddr`: sqlx connects to it and checks the certificate against it, where
+    // the repository's driver checks it against the host's name.
+    if !same.get_hostaddrs().is_empty() {
+        return Err(bad("the sqlx path takes no hostaddr: give the address as the host".into()));
+    }
+    // The host as the repository's driver reads it (an IPv6 literal without its
+    // brackets, which sqlx keeps and cannot connect to).
+    let connect = match same.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => connect.host(h),
+        #[cfg(unix)]
+        Some(tokio_postgres::config::Host::Unix(path)) => connect.socket(path),
+        None => connect,
+    };
     // The user as tokio-postgres decides it: the URL's, else the process's.
     let user = match same.get_user() {
         Some(user) => user.to_owned(),
@@ -208,22 +220,39 @@ fn lost(e: &::sqlx::Error) -> bool {
 /// timeout (57014) is taken for the unit timing out.
 const DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// A server session: its process's ID and when it started (the pair names it; the ID
+/// alone may name the next session of that process, as a pooler's is handed on).
+#[derive(Debug)]
+struct Session {
+    pid: i32,
+    start: String,
+}
+
 /// Asks `pool`'s host, on a connection of its own and within `within`, to cancel what
-/// session `pid` runs (nothing for 0): a unit of work given up on closes its connection,
-/// which a session waiting on a lock does not notice, so its statement would go on
-/// holding what it holds until its own statement timeout. In the background.
-fn cancel(pool: &PgPool, pid: i32, within: std::time::Duration) {
+/// `session` runs, if it is still that session: a unit of work given up on closes its
+/// connection, which a session waiting on a lock does not notice, so its statement
+/// would go on holding what it holds until its own statement timeout. In the
+/// background; a cancel that cannot be made is logged at debug (no URL, no message).
+fn cancel(pool: &PgPool, session: Session, within: std::time::Duration) {
     use ::sqlx::ConnectOptions as _;
-    if pid == 0 {
-        return;
-    }
     let options = pool.connect_options();
-    tokio::spawn(tokio::time::timeout(within, async move {
-        if let Ok(mut c) = options.connect().await {
-            let _ = ::sqlx::query("SELECT pg_cancel_backend($1)").bind(pid).execute(&mut c).await;
-            let _ = ::sqlx::Connection::close(c).await;
+    tokio::spawn(async move {
+        let sent = tokio::time::timeout(within, async move {
+            let mut c = options.connect().await?;
+            ::sqlx::query(
+                "SELECT pg_cancel_backend(a.pid) FROM pg_stat_get_activity($1) AS a WHERE a.backend_start::text = $2",
+            )
+            .bind(session.pid)
+            .bind(&session.start)
+            .execute(&mut c)
+            .await?;
+            ::sqlx::Connection::close(c).await
+        })
+        .await;
+        if !matches!(sent, Ok(Ok(()))) {
+            tracing::debug!(pid = session.pid, "could not cancel a given-up unit of work's statement");
         }
-    }));
+    });
 }
 
 /// The error of a unit of work whose closure ended shardline's transaction itself.
@@ -531,30 +560,35 @@ impl Sqlx {
                 let mut work = work.lock().await;
                 let mut moved = false;
                 let deadline = tokio::time::Instant::now() + timeout;
-                let pid = std::sync::atomic::AtomicI32::new(0);
+                let session = std::sync::Mutex::new(None);
                 let run = async {
                     let done = match mode {
                         Mode::Transaction => {
-                            self.attempt(&pool, route, &mut *work, &mut moved, deadline, &pid).await
+                            self.attempt(&pool, route, &mut *work, &mut moved, deadline, &session).await
                         }
                         Mode::Statement => self.once(&pool, route, &mut *work, &mut moved).await,
                     };
                     // Ended, not given up: its connection is back in the pool, or closed.
-                    pid.store(0, std::sync::atomic::Ordering::Relaxed);
+                    if let Ok(mut s) = session.lock() {
+                        *s = None;
+                    }
                     done
                 };
                 let done = within(&host, timeout, run).await;
                 // Given up at its deadline (the run dropped, its connection closed): its
                 // session may still be waiting on a lock.
-                cancel(&pool, pid.load(std::sync::atomic::Ordering::Relaxed), timeout);
+                if let Some(s) = session.lock().ok().and_then(|mut s| s.take()) {
+                    cancel(&pool, s, timeout);
+                }
                 done.map_err(|e| Failed::new(e, moved, [shard]))
             })
             .await
     }
 
     /// One run of [`Sqlx::transaction`] on `route`, given up at `deadline`; sets `moved`
-    /// when the shard's schema is gone from its host, and `pid` to its session's process
-    /// once it has begun (for a cancel when it is given up).
+    /// when the shard's schema is gone from its host, and `session` to its session (the
+    /// server process's ID and start) once it has begun, for a cancel when it is given
+    /// up.
     async fn attempt<'env, T, F>(
         &'env self,
         pool: &PgPool,
@@ -562,7 +596,7 @@ impl Sqlx {
         work: &mut F,
         moved: &mut bool,
         deadline: tokio::time::Instant,
-        pid: &std::sync::atomic::AtomicI32,
+        session: &std::sync::Mutex<Option<Session>>,
     ) -> Result<T>
     where
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
@@ -580,20 +614,26 @@ impl Sqlx {
         // no lock past it (the close reaches a server only between statements).
         let begin = format!(
             "BEGIN; {}; SET LOCAL statement_timeout = {}",
-            crate::shard::enter_schema(&schema),
+            crate::shard::enter_schema(&schema, true),
             timeout_ms(deadline.saturating_duration_since(tokio::time::Instant::now()))
         );
         match ::sqlx::raw_sql(::sqlx::AssertSqlSafe(begin)).fetch_one(conn.conn()).await {
             Ok(row) => {
                 use ::sqlx::Row as _;
-                if let Ok(p) = row.try_get::<i32, _>(1) {
-                    pid.store(p, std::sync::atomic::Ordering::Relaxed);
+                if let (Ok(pid), Ok(start), Ok(mut s)) =
+                    (row.try_get::<i32, _>(1), row.try_get::<String, _>(2), session.lock())
+                {
+                    *s = Some(Session { pid, start });
                 }
             }
             Err(e) => {
                 let e = fail("begin")(e);
                 // The shard's schema is gone from here: it moved, or is fenced for a move.
                 *moved = crate::shard::begin_finds_schema_gone(e.sqlstate());
+                // Rolled back on the same connection, which then goes back to the pool.
+                if ::sqlx::raw_sql("ROLLBACK").execute(conn.conn()).await.is_ok() {
+                    conn.release();
+                }
                 return Err(e);
             }
         }
@@ -789,6 +829,9 @@ mod tests {
         assert_eq!((o.get_username(), o.get_database()), (me.as_str(), Some(me.as_str())));
         let err = options("postgres://app@pg1a,pg1b/app").map(drop).unwrap_err().to_string();
         assert!(err.contains("one host"), "{err}");
+        let err = options("postgres://app@db/app?hostaddr=10.0.0.5").map(drop).unwrap_err().to_string();
+        assert!(err.contains("hostaddr"), "{err}");
+        assert_eq!(options("postgres://app@[::1]:5433/app")?.get_host(), "::1");
         let o = options("postgres://app@db:6543/other?application_name=mine")?;
         assert_eq!(
             (o.get_port(), o.get_database(), o.get_application_name()),

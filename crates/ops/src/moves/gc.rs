@@ -295,6 +295,7 @@ async fn gc_host(
     // before the markers below go (the guard lets writes through by its marker). The
     // copy's ID sequence's cap, left with them when the decision never reached the copy,
     // is lifted first (only ever raised; nothing for a schema fenced away).
+    let mut capped = HashSet::new();
     for m in moves.iter().filter(|m| m.target == *host) {
         let Ok(shard) = m.shard.within(map.count()) else { continue };
         if map.host_of(shard) == host && !m.detail.schema.is_empty() {
@@ -310,6 +311,8 @@ async fn gc_host(
                     "{host}: the cap on {}'s ID sequence (move {}): {e}",
                     m.detail.schema, m.id
                 ));
+                // Its marker too: the guards let writes through by it.
+                capped.insert(m.id);
                 continue;
             }
             super::engine::drop_guards(c, host, &m.detail.schema).await?;
@@ -329,7 +332,7 @@ async fn gc_host(
         .map_err(fail("read the markers"))?;
     for r in marks {
         let id: i64 = r.get(0);
-        if !live(id) {
+        if !live(id) && !capped.contains(&id) {
             c.execute("DELETE FROM shardline.move_marks WHERE move_id = $1", &[&id])
                 .await
                 .map_err(fail("delete a marker"))?;

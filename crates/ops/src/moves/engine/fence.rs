@@ -294,17 +294,17 @@ pub(crate) fn copy_ceiling(detail: &Detail, layout: &Layout) -> i64 {
 
 /// The SQL, one transaction, that raises the `MAXVALUE` of schema `schema`'s ID sequence
 /// to `max`, never lowers it, and does nothing when the schema has none (it was fenced
-/// away); waiting at most `lock_ms` for its lock. It takes the lock a fence takes on the
-/// sequence first (a no-op `OWNED BY NONE`, as the fence's), then looks again: a fence
-/// that renamed the schema meanwhile capped the sequence under its new name, and that
-/// cap is not lifted.
+/// away). Only a sequence capped below `max` is locked (waiting at most `lock_ms`), with
+/// the lock a fence takes on it (a no-op `OWNED BY NONE`, as the fence's), and looked at
+/// again: a fence that renamed the schema meanwhile capped the sequence under its new
+/// name, and that cap is not lifted (the name then no longer found: an error).
 pub(crate) fn lift_cap_sql(schema: &str, max: i64, lock_ms: u128) -> String {
     let seq = quote_literal(&format!("{}.shardline_id_seq", quote_ident(schema)));
     let schema = quote_literal(schema);
     format!(
         "BEGIN; SET LOCAL lock_timeout = '{lock_ms}ms';
          DO $lift$ DECLARE s regclass := to_regclass({seq}); BEGIN
-           IF s IS NULL THEN
+           IF s IS NULL OR (SELECT seqmax FROM pg_sequence WHERE seqrelid = s) >= {max} THEN
              RETURN;
            END IF;
            EXECUTE format('ALTER SEQUENCE %s OWNED BY NONE', s);
