@@ -109,20 +109,23 @@ async fn main() -> Result<(), BoxError> {
     }
 
     // 1. created_between, 100 newest rows of the window, per variant.
-    let variants: Vec<(String, usize, usize, bool)> = vec![
-        ("one statement per host (before issue 18)".into(), usize::from(shards), 0, false),
-        ("fan_out_batch = 64".into(), 64, 0, false),
-        ("fan_out_batch = 16 (the default)".into(), 16, 0, false),
-        ("fan_out_batch = 1 (a statement per shard, pipelined)".into(), 1, 0, false),
-        ("fan_out_batch = 16, statement_cache = 1024 (prepared)".into(), 16, 1024, false),
-        ("fan_out_batch = 64, statement_cache = 1024 (prepared)".into(), 64, 1024, false),
-        ("fan_out_batch = 64, statement_cache = 1024, generic_plans".into(), 64, 1024, true),
+    // (name, fan_out_batch, statement_cache, fan_out_prepared, generic_plans)
+    let variants: Vec<(String, usize, usize, bool, bool)> = vec![
+        ("one statement per host, unnamed (before issue 18)".into(), usize::from(shards), 0, false, false),
+        ("fan_out_batch = 64, unnamed".into(), 64, 0, false, false),
+        ("fan_out_batch = 16, unnamed (fan_out_prepared = false)".into(), 16, 0, false, false),
+        ("fan_out_batch = 1 (a statement per shard, pipelined), unnamed".into(), 1, 0, false, false),
+        ("fan_out_batch = 16, fan-outs kept (the default)".into(), 16, 0, true, false),
+        ("fan_out_batch = 64, fan-outs kept".into(), 64, 0, true, false),
+        ("fan_out_batch = 64, fan-outs kept, generic_plans".into(), 64, 0, true, true),
+        ("fan_out_batch = 16, statement_cache = 1024, fan-outs kept".into(), 16, 1024, true, false),
     ];
     let mut repos: Vec<Repo<Photo>> = Vec::new();
-    for (_, batch, cache, generic) in &variants {
+    for (_, batch, cache, fan_out, generic) in &variants {
         let o = ClusterOptions {
             fan_out_batch: *batch,
             statement_cache: *cache,
+            fan_out_prepared: *fan_out,
             generic_plans: *generic,
             pool_size: 2,
             ..ClusterOptions::default()

@@ -27,8 +27,11 @@ async fn main() -> Result<(), BoxError> {
     let text = std::fs::read_to_string(path)?;
     let base = path.parent().unwrap_or(Path::new("."));
     let config = shardline_router::Config::from_toml(&text, config, base, &|v| std::env::var(v).ok())?;
-    let cluster =
-        Cluster::connect(&config, ClusterOptions { pool_size: 4, ..ClusterOptions::default() }).await?;
+    let cluster = Cluster::connect(
+        &config,
+        ClusterOptions { pool_size: 4, statement_cache: 1024, ..ClusterOptions::default() },
+    )
+    .await?;
     let photos = cluster.repo::<Photo>()?;
     let (mut ok, mut failed, mut misrouted) = (0, 0, 0);
     let mut errors = BTreeSet::new();

@@ -365,11 +365,12 @@ pub(crate) async fn a_statement_that_fails_when_read_again_is_missing_whole_and_
 }
 
 shardline_testkit::register!(shared: generic_plans_plan_a_kept_fan_out_once_from_its_first_run);
-/// `generic_plans` with a statement cache: a fan-out's kept statements run a generic
-/// plan from their first run on a new connection (Postgres's own counters in
-/// `pg_prepared_statements`), where by default each of their first five runs is planned
-/// for its values. Without a statement cache, or behind a transaction pooler, the option
-/// changes nothing on the connection.
+/// A fan-out's statements are kept on a direct host by default (`fan_out_prepared`), with
+/// or without a statement cache for single-shard statements, and never behind a
+/// transaction pooler. With `generic_plans` they run a generic plan from their first run
+/// on a new connection (Postgres's own counters in `pg_prepared_statements`), where by
+/// default each of their first five runs is planned for its values. When nothing is
+/// kept the option changes nothing on the connection.
 pub(crate) async fn generic_plans_plan_a_kept_fan_out_once_from_its_first_run(
     ctx: TestContext,
 ) -> TestResult {
@@ -385,19 +386,24 @@ pub(crate) async fn generic_plans_plan_a_kept_fan_out_once_from_its_first_run(
     }
     let end = SystemTime::now() + Duration::from_secs(1);
     let cases = [
-        // (statement_cache, generic_plans, transaction_pooler, plan_cache_mode, kept plans: (generic, custom))
-        (64, true, false, "force_generic_plan", Some((3, 0))),
-        (64, false, false, "auto", Some((0, 3))),
-        (0, true, false, "auto", None),
-        (64, true, true, "auto", None),
+        // (statement_cache, fan_out_prepared, generic_plans, transaction_pooler, plan_cache_mode,
+        //  kept plans: (generic, custom))
+        (64, true, true, false, "force_generic_plan", Some((3, 0))),
+        (64, true, false, false, "auto", Some((0, 3))),
+        (0, true, true, false, "force_generic_plan", Some((3, 0))),
+        (0, true, false, false, "auto", Some((0, 3))),
+        (64, false, false, false, "auto", None),
+        (0, false, true, false, "auto", None),
+        (64, true, true, true, "auto", None),
     ];
-    for (cache, generic, pooler, mode, plans) in cases {
+    for (cache, fan_out, generic, pooler, mode, plans) in cases {
         let o = ClusterOptions {
             pool_size: 1,
             fan_out_batch: 8,
             statement_cache: cache,
+            fan_out_prepared: fan_out,
             generic_plans: generic,
-            transaction_pooler: pooler,
+            transaction_pooler: pooler.then_some(true),
             listen: false,
             ..ClusterOptions::default()
         };
@@ -410,7 +416,9 @@ pub(crate) async fn generic_plans_plan_a_kept_fan_out_once_from_its_first_run(
         }
         let conn = cluster.client(&cluster.route_user(0).host).await?;
         let shown: String = conn.query_one("SHOW plan_cache_mode", &[]).await?.get(0);
-        let what = format!("statement_cache {cache}, generic_plans {generic}, transaction_pooler {pooler}");
+        let what = format!(
+            "statement_cache {cache}, fan_out_prepared {fan_out}, generic_plans {generic}, transaction_pooler {pooler}"
+        );
         assert_eq!(shown, mode, "{what}");
         let kept = conn
             .query(

@@ -177,8 +177,11 @@ async fn two_hosts_and_an_application(
 ) -> Result<(Fixture, Cluster), BoxError> {
     let f = Fixture::new(ctx, 2, 8).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
-    let cluster =
-        Cluster::connect_with(&app_config(&f, ctx, None)?, ClusterOptions::default(), credentials).await?;
+    // Its hosts are direct or behind a session pool (the readdress test puts pg2 behind a
+    // session-mode PgBouncer), and it says so: a pool it would otherwise find out and
+    // treat as a transaction-mode one, refusing the sqlx path.
+    let o = ClusterOptions { transaction_pooler: Some(false), ..ClusterOptions::default() };
+    let cluster = Cluster::connect_with(&app_config(&f, ctx, None)?, o, credentials).await?;
     Ok((f, cluster))
 }
 

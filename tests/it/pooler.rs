@@ -183,9 +183,12 @@ async fn load(
 
 shardline_testkit::register!(shared: behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_shard);
 /// The issue's deployment: PgBouncer 1.18 (Debian's) in transaction mode in front of the
-/// host, two application processes. With `transaction_pooler`, and also without it (the
-/// request path keeps no named statement either way), every operation succeeds and every
-/// row is in its own shard.
+/// host, two application processes, each with a statement cache asked for. With
+/// `transaction_pooler = true`, and with the key left out (the pooler is found out on the
+/// first connection: its cancel key is not the server process's), every operation
+/// succeeds, every row is in its own shard, and no statement is kept. (Before pools
+/// found poolers out, the key left out meant "direct": the statements were kept under
+/// names every process uses, and met another process's.)
 pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_shard(
     ctx: TestContext,
 ) -> TestResult {
@@ -197,7 +200,8 @@ pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_
     let through = through(&f, &ctx, &bouncer)?;
     let c = f.client(&ctx, 0).await?;
     for pooler in [true, false] {
-        let text = format!("transaction_pooler = {pooler}\n{through}");
+        // Declared, or left for each connection to show.
+        let text = if pooler { format!("transaction_pooler = true\n{through}") } else { through.clone() };
         // Two processes, as in the issue: the driver names statements s0, s1, ... per
         // process, so only two processes can meet the same name on one server connection.
         let file = f.path().with_file_name(format!("through-{pooler}.toml"));
@@ -216,7 +220,7 @@ pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_
         assert_eq!(
             foreign,
             0,
-            "transaction_pooler = {pooler}, two processes: rows in another shard:\n{}\n{}",
+            "declared {pooler}, two processes: rows in another shard:\n{}\n{}",
             said(&a),
             said(&b)
         );
@@ -225,14 +229,14 @@ pub(crate) async fn behind_pgbouncer_in_transaction_mode_every_row_lands_in_its_
         }
         // Two handles in this process, with transactions and the caller's own SQL.
         let config = f.config_from(&text)?;
-        let o = ClusterOptions { pool_size: 8, ..ClusterOptions::default() };
+        let o = ClusterOptions { pool_size: 8, statement_cache: 1024, ..ClusterOptions::default() };
         let (ok, failed, errors) = load(&config, &o, shards, 40).await?;
-        assert_eq!(
-            foreign_rows(&c, shards).await?,
-            0,
-            "transaction_pooler = {pooler}: a row in another shard"
-        );
-        assert_eq!((ok, failed), (320, 0), "transaction_pooler = {pooler}: {errors:?}");
+        let seen = Cluster::connect(&config, o.clone()).await?;
+        let pg1 = seen.route_user(0).host;
+        drop(seen.client(&pg1).await?);
+        assert!(seen.behind_pooler(&pg1), "transaction_pooler = {pooler}: the pooler is known");
+        assert_eq!(foreign_rows(&c, shards).await?, 0, "declared {pooler}: a row in another shard");
+        assert_eq!((ok, failed), (320, 0), "declared {pooler}: {errors:?}");
     }
     // The server connections the pooler holds keep no statement of shardline's: asked
     // on each (a simple query, itself unnamed, lands on one of them).
@@ -313,7 +317,7 @@ pub(crate) async fn behind_a_transaction_pooler_a_schema_type_is_refused_clearly
     let bouncer = Pgbouncer::start(&ctx.hosts()[0], PoolMode::Transaction, 2).await?;
     let text = format!("transaction_pooler = true\n{}", through(&f, &ctx, &bouncer)?);
     let cluster = Cluster::connect(&f.config_from(&text)?, ClusterOptions::default()).await?;
-    assert!(cluster.options().transaction_pooler, "the config's key sets the option");
+    assert_eq!(cluster.options().transaction_pooler, Some(true), "the config's key sets the option");
     let feelings = cluster.repo::<Feeling>()?;
     let new = NewFeeling { user_id: 3, mood: Mood("happy".into()) };
     for err in [
@@ -499,5 +503,58 @@ pub(crate) async fn at_2000_shards_a_connection_holds_no_statement_of_shardline(
         (weight - base) / named.max(1)
     );
     drop(kept);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: behind_an_undeclared_pooler_the_sqlx_path_refuses);
+/// The sqlx path keeps named statements, which a transaction-mode pooler hands to other
+/// clients. With the config saying nothing, a host behind PgBouncer is found out before
+/// sqlx connects to it: a unit of work and `pool()` refuse with `Error::Pooler`, and the
+/// unit's insert is not applied. A session-mode pool looks the same (its cancel keys
+/// are its own too); declared with `transaction_pooler = false`, the unit runs there.
+pub(crate) async fn behind_an_undeclared_pooler_the_sqlx_path_refuses(ctx: TestContext) -> TestResult {
+    let shards = 4;
+    let f = Fixture::new(&ctx, 1, shards).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let c = f.client(&ctx, 0).await?;
+    let count = || async {
+        let n: i64 = c.query_one("SELECT count(*) FROM shard_0001.photos", &[]).await?.get(0);
+        Ok::<_, BoxError>(n)
+    };
+    let insert = |cluster: &Cluster| {
+        let db = cluster.sqlx();
+        async move {
+            db.transaction(crate::shard(1), |conn| {
+                Box::pin(async move {
+                    ::sqlx::query("INSERT INTO photos (user_id, url, caption) VALUES (1, 'u', '')")
+                        .execute(&mut **conn)
+                        .await
+                })
+            })
+            .await
+            .map(drop)
+        }
+    };
+    for mode in [PoolMode::Transaction, PoolMode::Session] {
+        let bouncer = Pgbouncer::start(&ctx.hosts()[0], mode, 2).await?;
+        let through = through(&f, &ctx, &bouncer)?;
+        let cluster = Cluster::connect(&f.config_from(&through)?, ClusterOptions::default()).await?;
+        let pg1 = cluster.route(crate::shard(1))?.host;
+        let err = insert(&cluster).await.expect_err("a unit of work behind an undeclared pooler");
+        assert!(matches!(err, Error::Pooler { .. }), "{mode:?}: {err}");
+        assert!(err.to_string().contains("transaction_pooler = false"), "{mode:?}: says what to set: {err}");
+        assert!(cluster.behind_pooler(&pg1), "{mode:?}: found out");
+        let err = cluster.sqlx().pool(&pg1).await.expect_err("pool() behind an undeclared pooler");
+        assert!(matches!(err, Error::Pooler { .. }), "{mode:?}: {err}");
+        assert_eq!(count().await?, 0, "{mode:?}: the refused unit applied nothing");
+        if mode == PoolMode::Session {
+            // Declared a session pool: the sqlx path runs through it.
+            let declared = format!("transaction_pooler = false\n{through}");
+            let cluster = Cluster::connect(&f.config_from(&declared)?, ClusterOptions::default()).await?;
+            insert(&cluster).await?;
+            assert!(!cluster.behind_pooler(&pg1), "declared false");
+            assert_eq!(count().await?, 1, "the unit ran through the session pool");
+        }
+    }
     Ok(())
 }

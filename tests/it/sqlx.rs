@@ -194,7 +194,7 @@ pub(crate) async fn what_work_on_pool_leaves_on_a_session_never_reaches_routed_w
     assert_eq!(err.sqlstate(), Some("42P01"), "{err}");
     let pooled = Cluster::connect(
         &f.config()?,
-        ClusterOptions { transaction_pooler: true, ..ClusterOptions::default() },
+        ClusterOptions { transaction_pooler: Some(true), ..ClusterOptions::default() },
     )
     .await?;
     let err = pooled.sqlx().pool(&a.host).await.expect_err("pool() behind a transaction pooler");
@@ -519,7 +519,7 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     // Behind a transaction-mode pooler the sqlx path refuses, naming why.
     let pooled = Cluster::connect(
         &f.config()?,
-        ClusterOptions { transaction_pooler: true, ..ClusterOptions::default() },
+        ClusterOptions { transaction_pooler: Some(true), ..ClusterOptions::default() },
     )
     .await?;
     let err = pooled

@@ -75,32 +75,51 @@ pub struct ClusterOptions {
     /// `map_check` plus one catalog round trip, and logs a warning when it finds one.
     /// Zero turns the check off.
     pub map_check: Duration,
-    /// The hosts' URLs reach Postgres through a transaction-mode pooler (PgBouncer's
-    /// `pool_mode = transaction`) (default false; also set by the config's
-    /// `transaction_pooler`). Then shardline keeps no prepared statement across
-    /// transactions: a table with a column whose type lives in the shard's schema (an
-    /// enum) is refused with [`Error::Pooler`], and a statement that finds a prepared
-    /// statement missing or taken is reported as a pooler's doing. Every statement of
-    /// the request path is unnamed either way; see `docs/operations.md`, "Behind
-    /// PgBouncer".
-    pub transaction_pooler: bool,
-    /// Statements kept prepared per connection, at most (default 0: every statement of
-    /// the request path is unnamed, and none outlives it). Only for hosts reached
-    /// directly or through a session-mode pool: a kept statement behind a
-    /// transaction-mode pooler can be run by another client (another shard's
-    /// statement of the same name) or be missing, so this is ignored when
-    /// `transaction_pooler` is set. A kept statement saves the server parsing and
-    /// planning each call (a get by ID: 1.58–1.80× the latency of a prepared
-    /// statement without it, 1.10× with it, observed in `docs/benchmarks.md`); it is one per
-    /// statement shape and shard, about 12 KB each on the server, so past this many the
-    /// connection's cache is emptied and starts again: at most
-    /// `pool_size × statement_cache` per host and process. A fan-out then keeps its
-    /// statement of each batch of shards ([`ClusterOptions::fan_out_batch`]) too, and
-    /// the server reuses a generic plan for it instead of planning every shard's branch
-    /// on each call (6–9× less server CPU per fan-out, observed in
-    /// `docs/benchmarks.md`, "Fan-out at 2000 shards").
+    /// Whether the hosts' URLs reach Postgres through a transaction-mode pooler
+    /// (PgBouncer's `pool_mode = transaction`). `Some(true)`: they do; `Some(false)`:
+    /// they reach it directly or through a session-mode pool; `None` (the default, and
+    /// what the config's `transaction_pooler` key left out gives): each host is found
+    /// out on each new connection, before anything runs on it: a connection whose
+    /// server process is not the one its start-up named (`pg_backend_pid()` against
+    /// the cancel key) is behind a pooler, and the host is then treated as behind a
+    /// transaction-mode one for the handle's life ([`Cluster::behind_pooler`]; a
+    /// warning says so once). The config's key, when given, wins over `None`, and
+    /// `true` over `false`.
+    ///
+    /// Behind a transaction pooler shardline keeps no prepared statement across
+    /// transactions ([`ClusterOptions::statement_cache`] is ignored): a table with a
+    /// column whose type lives in the shard's schema (an enum) is refused with
+    /// [`Error::Pooler`], as is the sqlx path, and a statement that finds a prepared
+    /// statement missing or taken is reported as a pooler's doing. Say `Some(false)`
+    /// for a session-mode pool, which cannot be told apart from a transaction-mode
+    /// one. See `docs/operations.md`, "Behind PgBouncer".
+    pub transaction_pooler: Option<bool>,
+    /// Statements of one shard (a get, an insert, a page...) kept prepared per
+    /// connection, at most (default 0: each is unnamed, and none outlives it). Only for
+    /// hosts reached directly or through a session-mode pool: a kept statement behind a
+    /// transaction-mode pooler can be run by another client (another shard's statement
+    /// of the same name) or be missing, so none is kept on a host
+    /// [`Cluster::behind_pooler`]. A kept statement saves the server parsing and
+    /// planning each call (a get by ID: 1.58–1.80× the latency of a prepared statement
+    /// without it, 1.10× with it, observed in `docs/benchmarks.md`), and costs a round
+    /// trip more the first time a connection sends it; it is one per statement shape
+    /// and shard, about 12 KB each on the server, so past this many (with
+    /// [`ClusterOptions::fan_out_prepared`], past 256 if this is less) the connection's
+    /// cache is emptied and starts again: at most `pool_size × statement_cache` per
+    /// host and process.
     pub statement_cache: usize,
-    /// With [`ClusterOptions::statement_cache`]: each connection of the repository's
+    /// Each fan-out's statements (one per batch of a host's shards,
+    /// [`ClusterOptions::fan_out_batch`], one `UNION ALL` branch per shard) kept
+    /// prepared on their connection (default true), on hosts reached directly: the
+    /// server then reuses a generic plan instead of parsing and planning every shard's
+    /// branch on each call. At 2000 shards over 4 hosts a time window took 17 ms
+    /// (p50) kept against 70 ms unnamed, and 4.6 against 28.9 ms of server CPU per
+    /// host (observed, `docs/benchmarks.md`, "Fan-out at 2000 shards"). They count
+    /// toward [`ClusterOptions::statement_cache`]'s bound, which is 256 at least with
+    /// this on. Never behind a transaction pooler ([`Cluster::behind_pooler`]).
+    pub fan_out_prepared: bool,
+    /// With [`ClusterOptions::statement_cache`] or [`ClusterOptions::fan_out_prepared`]:
+    /// each connection of the repository's
     /// pools runs with `plan_cache_mode = force_generic_plan` (default false), so a kept
     /// statement is planned once per connection instead of on each of its first five
     /// runs. A fan-out's statement of a batch of shards costs a plan of every branch on
@@ -112,7 +131,7 @@ pub struct ClusterOptions {
     /// made once for every value gives up what a plan made for the value can do: an index
     /// for one very common value of a skewed column (a page of one user with most rows),
     /// a prefix `LIKE $1`, partitions pruned at planning. Not set on `Cluster::sqlx`'s
-    /// pools; ignored without a statement cache or behind a transaction pooler. A
+    /// pools; ignored when nothing is kept, or behind a transaction pooler. A
     /// `RESET ALL` or `DISCARD ALL` run on a connection takes it away for that
     /// connection's life.
     pub generic_plans: bool,
@@ -145,8 +164,9 @@ impl Default for ClusterOptions {
             fan_out_batch: 16,
             listen: true,
             map_check: Duration::from_secs(5),
-            transaction_pooler: false,
+            transaction_pooler: None,
             statement_cache: 0,
+            fan_out_prepared: true,
             generic_plans: false,
             move_wait: Duration::from_secs(20),
             connection_max_lifetime: Some(Duration::from_secs(30 * 60)),
@@ -224,6 +244,8 @@ struct HostPool {
     /// The URL it connects with (a password in it, maybe).
     url: shardline_router::config::DbUrl,
     pool: Pool,
+    /// What its connections showed: through a pooler or not ([`crate::pooler`]).
+    pooler: Arc<crate::pooler::Seen>,
     /// The host's sqlx pool ([`crate::sqlx`]), made on first use.
     #[cfg(feature = "sqlx")]
     sqlx: Arc<std::sync::OnceLock<::sqlx::PgPool>>,
@@ -271,7 +293,8 @@ impl Cluster {
         mut options: ClusterOptions,
         credentials: Arc<dyn Credentials>,
     ) -> Result<Cluster> {
-        options.transaction_pooler |= config.transaction_pooler;
+        // None < Some(false) < Some(true): a pooler said anywhere wins.
+        options.transaction_pooler = options.transaction_pooler.max(config.transaction_pooler);
         let (catalog, info) = Catalog::open(config).await?;
         let map = catalog.map().await?;
         let hosts = catalog.hosts().await?;
@@ -377,6 +400,32 @@ impl Cluster {
     /// The prefix of the shard schemas.
     pub fn prefix(&self) -> &SchemaPrefix {
         &self.inner.prefix
+    }
+
+    /// Whether `host` is treated as behind a transaction-mode pooler: as
+    /// [`ClusterOptions::transaction_pooler`] says, or, when it says nothing, once a
+    /// connection to the host came through a pooler. False for a host the handle has no
+    /// pool for, or none of whose connections has been made yet.
+    pub fn behind_pooler(&self, host: &HostName) -> bool {
+        self.inner
+            .options
+            .transaction_pooler
+            .unwrap_or_else(|| self.host_pool(host).ok().and_then(|p| p.pooler.get()).unwrap_or(false))
+    }
+
+    /// Whether `host` is behind a transaction-mode pooler ([`Cluster::behind_pooler`]),
+    /// making a connection to it first when none has been made yet, so that the answer
+    /// is known.
+    #[cfg(feature = "sqlx")]
+    pub(crate) async fn behind_pooler_known(&self, host: &HostName) -> Result<bool> {
+        if let Some(declared) = self.inner.options.transaction_pooler {
+            return Ok(declared);
+        }
+        if let Some(seen) = self.host_pool(host)?.pooler.get() {
+            return Ok(seen);
+        }
+        drop(self.client(host).await?);
+        Ok(self.behind_pooler(host))
     }
 
     /// The options the handle was made with (`transaction_pooler` set when the config
@@ -889,28 +938,62 @@ pub(crate) fn give_up(to: Option<CancelTo>, object: Object) {
 }
 
 /// A pool for `name` at `url`, sized and timed as `options` say (connections open on
-/// first use).
+/// first use). Unless `options` say whether the host is behind a transaction pooler,
+/// each new connection is checked for one before it is handed out, into `pooler`.
 fn make_pool(
     name: &HostName,
     url: &shardline_router::config::DbUrl,
     options: &ClusterOptions,
+    pooler: Arc<crate::pooler::Seen>,
 ) -> Result<Pool> {
     let target = format!("host {name}");
     let (mut pg, tls) = catalog::pg_config_tls(url, &target)?;
     pg.connect_timeout(options.connect_timeout);
     let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
-    let generic = options.generic_plans && options.statement_cache > 0 && !options.transaction_pooler;
+    let generic = options.generic_plans && (options.statement_cache > 0 || options.fan_out_prepared);
+    let declared = options.transaction_pooler;
     let connect_timeout = options.connect_timeout;
+    let host = name.clone();
     Pool::builder(manager)
         // A `SET` on each new connection rather than a start-up option: a session-mode
         // pooler refuses start-up options it does not know.
         .post_create(deadpool_postgres::Hook::async_fn(move |client, _| {
+            let (pooler, host) = (Arc::clone(&pooler), host.clone());
             Box::pin(async move {
                 // Within the connect timeout: a host that took the connection and then
                 // stalls must not hold the caller past it (the pool's create timeout
                 // does not cover this hook).
-                if generic {
+                let behind = match declared {
+                    Some(declared) => declared,
+                    None => {
+                        let found = crate::pooler::behind_pooler(client);
+                        let found = match tokio::time::timeout(connect_timeout, found).await {
+                            Ok(Ok(found)) => found,
+                            Ok(Err(e)) => {
+                                return Err(deadpool_postgres::HookError::message(format!(
+                                    "check for a pooler: {e}"
+                                )));
+                            }
+                            Err(_) => {
+                                return Err(deadpool_postgres::HookError::message(format!(
+                                    "check for a pooler: no answer within {connect_timeout:?}"
+                                )));
+                            }
+                        };
+                        if pooler.record(found) {
+                            tracing::warn!(
+                                host = %host,
+                                "the host's connections come through a pooler (the server process is not \
+                                 the one the session's start named): treated as a transaction-mode pooler, \
+                                 no statement is kept across transactions; set transaction_pooler = true \
+                                 to say so, or false for a session-mode pool"
+                            );
+                        }
+                        found
+                    }
+                };
+                if generic && !behind {
                     let set = client.batch_execute("SET plan_cache_mode = force_generic_plan");
                     match tokio::time::timeout(connect_timeout, set).await {
                         Ok(Ok(())) => {}
@@ -1066,8 +1149,10 @@ fn new_host_pool(
     address: Option<shardline_router::config::DbUrl>,
     url: shardline_router::config::DbUrl,
 ) -> Result<HostPool> {
+    let pooler = Arc::default();
     Ok(HostPool {
-        pool: make_pool(name, &url, &inner.options)?,
+        pool: make_pool(name, &url, &inner.options, Arc::clone(&pooler))?,
+        pooler,
         seen: None,
         address,
         url,

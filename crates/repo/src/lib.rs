@@ -50,6 +50,7 @@ pub mod cluster;
 pub mod credentials;
 pub mod entity;
 pub mod ids;
+mod pooler;
 pub mod repository;
 pub mod shard;
 #[cfg(feature = "sqlx")]

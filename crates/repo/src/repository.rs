@@ -615,7 +615,7 @@ impl<E: Entity> Repo<E> {
         if let Some(types) = table.of(&kinds, &[]) {
             return Ok(types);
         }
-        if self.cluster.options().transaction_pooler {
+        if self.cluster.behind_pooler(&route.host) {
             let column = table.first_foreign(N::COLUMNS.iter().copied()).unwrap_or("?");
             return Err(statement::schema_type_refused(&route.host, E::TABLE, column));
         }
@@ -1156,15 +1156,15 @@ impl<E: Entity> Repo<E> {
                         .and_then(|p| p.shards.first())
                         .ok_or(Error::Empty { what: "fan-out (no schema)" })?;
                     let select = self.across_select(&client, host_ref, &prefix.schema(*first)).await?;
-                    // With a statement cache (direct connections only), each batch's
-                    // statement is kept prepared on the connection: after its first
-                    // runs the server reuses a generic plan instead of planning every
-                    // shard's branch again.
-                    let options = self.cluster.options();
-                    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
-                    if keep > 0 && client.statement_cache.size() + pieces_ref.len() > keep {
-                        client.statement_cache.clear();
+                    // On a direct host each batch's statement is kept prepared on the
+                    // connection (`fan_out_prepared`): after its first runs the server
+                    // reuses a generic plan instead of planning every shard's branch
+                    // again.
+                    let kept = statement::Kept::on(&self.cluster, host_ref);
+                    if kept.fan_out {
+                        kept.make_room(&client, pieces_ref.len());
                     }
+                    let keep = kept.fan_out;
                     let (client, select) = (&client, &select);
                     let statements = pieces_ref.iter().map(|piece| async move {
                         let schemas: Vec<SchemaName> =
@@ -1177,7 +1177,7 @@ impl<E: Entity> Repo<E> {
                         };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
                         let (lo, hi, n) = (piece.lo, piece.hi, piece.n);
-                        let rows = if keep > 0 {
+                        let rows = if keep {
                             let statement = client
                                 .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
                                 .await

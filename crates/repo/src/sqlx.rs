@@ -436,7 +436,7 @@ impl Sqlx {
     /// [`Error::Pooler`] behind a transaction-mode pooler (`transaction_pooler`), as
     /// for routed work.
     pub async fn pool(&self, host: &HostName) -> Result<PgPool> {
-        self.refuse_pooler(host)?;
+        self.refuse_pooler(host).await?;
         self.cluster.sqlx_pool(host, false)
     }
 
@@ -447,16 +447,19 @@ impl Sqlx {
         self.cluster.sqlx_pool(host, true).map_or(0, |p| p.num_idle())
     }
 
-    /// Behind a transaction-mode pooler, the sqlx path refuses ([`Error::Pooler`]).
-    fn refuse_pooler(&self, host: &HostName) -> Result<()> {
-        if !self.cluster.options().transaction_pooler {
+    /// Behind a transaction-mode pooler, declared or found out on a connection of the
+    /// repository's (one is made first when none has been), the sqlx path refuses
+    /// ([`Error::Pooler`]).
+    async fn refuse_pooler(&self, host: &HostName) -> Result<()> {
+        if !self.cluster.behind_pooler_known(host).await? {
             return Ok(());
         }
         Err(Error::Pooler {
             host: host.clone(),
             reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
                      prepared statements on each connection, which such a pooler hands to other clients; \
-                     use the repository API, or reach the hosts directly or through a session pool"
+                     use the repository API, or reach the hosts directly or through a session pool (say \
+                     transaction_pooler = false for a session pool)"
                 .into(),
         })
     }
@@ -547,8 +550,7 @@ impl Sqlx {
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         let options = self.cluster.options();
-        let host = self.cluster.route(shard)?.host;
-        self.refuse_pooler(&host)?;
+        self.cluster.route(shard)?;
         let timeout = options.host_timeout;
         // Each run borrows `work` in turn; the lock is never contended.
         let work = &tokio::sync::Mutex::new(work);
@@ -556,6 +558,8 @@ impl Sqlx {
             .with_move_retry(|map, _| async move {
                 let route = map.route(shard, self.cluster.prefix());
                 let host = route.host.clone();
+                // On each run: a move may have placed the shard on another host.
+                self.refuse_pooler(&host).await.map_err(|e| Failed::of(e, [shard]))?;
                 let pool = self.cluster.sqlx_pool(&host, true).map_err(|e| Failed::of(e, [shard]))?;
                 let mut work = work.lock().await;
                 let mut moved = false;

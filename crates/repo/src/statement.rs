@@ -14,7 +14,9 @@
 //!
 //! The price is that the server parses and plans each call. On direct connections,
 //! [`crate::ClusterOptions::statement_cache`] keeps up to that many statements
-//! prepared per connection instead (bounded: emptied when full).
+//! prepared per connection instead (bounded: emptied when full), and a fan-out's
+//! statements, which plan a branch per shard, are kept by default
+//! ([`crate::ClusterOptions::fan_out_prepared`]). [`Kept`] says which, per host.
 //!
 //! The parameter types come from the table's column types, read once per table with
 //! one catalog query ([`TableTypes`]); types built into Postgres are the same in every
@@ -221,6 +223,42 @@ pub(crate) fn check_rows(
     Ok(())
 }
 
+/// The fewest statements a connection keeps before its cache is emptied, when it keeps
+/// fan-outs' statements: a fan-out of 2000 shards over 4 hosts in batches of 16 has
+/// 32 statements on each host, one per batch.
+const FAN_OUT_KEPT_AT_LEAST: usize = 256;
+
+/// What a connection to one host keeps prepared: nothing behind a transaction pooler.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Kept {
+    /// Statements of one shard: kept when above 0.
+    pub(crate) point: bool,
+    /// A fan-out's statements.
+    pub(crate) fan_out: bool,
+    /// Past this many kept on a connection, its cache is emptied.
+    pub(crate) bound: usize,
+}
+
+impl Kept {
+    /// What a connection to `host` keeps, as the options and the host's pooler say.
+    pub(crate) fn on(cluster: &crate::Cluster, host: &HostName) -> Kept {
+        let o = cluster.options();
+        if cluster.behind_pooler(host) {
+            return Kept { point: false, fan_out: false, bound: 0 };
+        }
+        let bound =
+            if o.fan_out_prepared { o.statement_cache.max(FAN_OUT_KEPT_AT_LEAST) } else { o.statement_cache };
+        Kept { point: o.statement_cache > 0, fan_out: o.fan_out_prepared, bound }
+    }
+
+    /// Empties `client`'s cache when `more` statements would take it past the bound.
+    pub(crate) fn make_room(&self, client: &deadpool_postgres::Object, more: usize) {
+        if client.statement_cache.size() + more > self.bound.max(1) {
+            client.statement_cache.clear();
+        }
+    }
+}
+
 /// Runs `sql` (made for `route`'s schema) with `params` on `client`: unnamed, with the
 /// types of `kinds`, when the table's types allow it and no statement cache is asked
 /// for ([`crate::ClusterOptions::statement_cache`]); otherwise prepared and kept on the
@@ -241,14 +279,14 @@ pub(crate) async fn run(
 ) -> Result<Vec<Row>> {
     let (host, shard) = (&route.host, Some(route.shard));
     let types = cluster.types().covering(client, host, shard, &route.schema, table, kinds, returned).await?;
-    let options = cluster.options();
-    let keep = if options.transaction_pooler { 0 } else { options.statement_cache };
+    let pooled = cluster.behind_pooler(host);
+    let kept = Kept::on(cluster, host);
     match types.of(kinds, returned) {
-        Some(t) if keep == 0 => client
+        Some(t) if !kept.point => client
             .query_typed(sql, &typed(params, &t))
             .await
             .map_err(|e| crate::statement_error(host, shard, what, e, &t, params)),
-        None if options.transaction_pooler => {
+        None if pooled => {
             let names = kinds.iter().filter_map(|k| match k {
                 Param::Column(c) => Some(*c),
                 Param::Int8 => None,
@@ -258,10 +296,8 @@ pub(crate) async fn run(
         }
         _ => {
             // Kept per connection (a type of the schema needs it, or the cache is on),
-            // at most `statement_cache` of them (one at least): past it, start again.
-            if client.statement_cache.size() >= keep.max(1) {
-                client.statement_cache.clear();
-            }
+            // within the bound (one at least): past it, start again.
+            kept.make_room(client, 1);
             let statement = client
                 .prepare_cached(sql)
                 .await
@@ -295,7 +331,8 @@ pub(crate) fn schema_type_refused(host: &HostName, table: &str, column: &str) ->
             "column {table}.{column} has a type of the shard's schema (an enum, say): behind a \
              transaction-mode pooler shardline sends only unnamed statements with built-in types \
              (the driver looks such types up with a statement it keeps); use a built-in type \
-             (text with a CHECK constraint), or connect directly or through a session-mode pool"
+             (text with a CHECK constraint), or connect directly or through a session-mode pool (say transaction_pooler = false for a \
+             session pool)"
         ),
     }
 }

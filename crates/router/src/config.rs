@@ -5,8 +5,9 @@
 //! schema_prefix  = "shard_"        # schemas shard_0000 .. shard_1999
 //! migrations     = "migrations"    # .sql files applied to every shard schema, in file-name order
 //! app_roles      = ["app"]         # default []; roles granted the request path's privileges
-//! transaction_pooler = false       # default false; true when hosts' URLs go through a
-//!                                  # transaction-mode pooler (PgBouncer pool_mode = transaction)
+//! transaction_pooler = true        # when hosts' URLs go through a transaction-mode pooler
+//!                                  # (PgBouncer pool_mode = transaction); false: direct or a
+//!                                  # session pool; left out: found out on each connection
 //!
 //! [id]
 //! epoch_ms = 1314220021721         # default: Instagram's
@@ -69,10 +70,12 @@ pub struct Config {
     /// session-mode pool: through a transaction-mode pooler `LISTEN` succeeds but no
     /// notification ever arrives.
     pub listen_url: Option<DbUrl>,
-    /// The hosts' URLs reach Postgres through a transaction-mode pooler (PgBouncer's
-    /// `pool_mode = transaction`) (default false). See `docs/operations.md`, "Behind
+    /// Whether the hosts' URLs reach Postgres through a transaction-mode pooler
+    /// (PgBouncer's `pool_mode = transaction`): `Some(true)` they do, `Some(false)` they
+    /// reach it directly or through a session-mode pool, `None` (the key left out) each
+    /// host is found out when connected to. See `docs/operations.md`, "Behind
     /// PgBouncer".
-    pub transaction_pooler: bool,
+    pub transaction_pooler: Option<bool>,
     /// The physical hosts this config names, in the order `init` first places shards
     /// on them (default none). An application may list none and learn every host's
     /// address from the catalog (see [`Credentials`]); a host it lists is reached at
@@ -680,7 +683,7 @@ impl Config {
             app_roles,
             catalog,
             listen_url,
-            transaction_pooler: raw.transaction_pooler.unwrap_or(false),
+            transaction_pooler: raw.transaction_pooler,
             hosts,
             credentials,
         })
@@ -863,7 +866,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.schema_prefix.as_str(), "shard_");
         assert_eq!(c.layout, Layout::INSTAGRAM);
         assert!(c.app_roles.is_empty());
-        assert!(!c.transaction_pooler);
+        assert_eq!(c.transaction_pooler, None);
         assert_eq!(c.listen_url, None);
     }
 
@@ -874,7 +877,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
              listen_url = \"postgres://u:pw@catalog/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n",
         )
         .unwrap();
-        assert!(c.transaction_pooler);
+        assert_eq!(c.transaction_pooler, Some(true));
         assert_eq!(c.listen_url.as_ref().map(DbUrl::expose), Some("postgres://u:pw@catalog/db"));
         assert_eq!(c.listen_url.map(|u| u.to_string()).as_deref(), Some("postgres://u:***@catalog/db"));
         for (text, message) in [
