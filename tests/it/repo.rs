@@ -541,6 +541,34 @@ pub(crate) async fn a_kept_statement_is_prepared_again_once_its_table_changed(
     for _ in 0..3 {
         assert_eq!(photos.get(p.id).await?, Some(p.clone()), "after the first call ({first:?})");
     }
+    // A fan-out's kept statements (kept by default) meet the same change: no call
+    // misses a shard for it, the first included (the piece is read again unnamed).
+    let made = p.id.parts(cluster.layout()).unix_ms;
+    let (start, end) = (made - 1000, made + 1000);
+    let window = |a: i64, b: i64| {
+        let at = |ms: i64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.unsigned_abs());
+        photos.created_between(at(a), at(b), 10)
+    };
+    let w = window(start, end).await?;
+    assert!(w.is_complete() && w.rows.len() == 1, "{:?}", w.missing);
+    // Every shard of the host at once (a migration): the statement's result type
+    // changes with them (one shard's alone would leave the union's type as it was).
+    f.client(&ctx, h)
+        .await?
+        .batch_execute(
+            "DO $$ DECLARE s name; BEGIN
+                 FOR s IN SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                           WHERE c.relname = 'photos' AND n.nspname LIKE 'shard\\_%' LOOP
+                     EXECUTE format('ALTER TABLE %I.photos ALTER COLUMN caption TYPE varchar(3000)', s);
+                 END LOOP;
+             END $$",
+        )
+        .await?;
+    for call in 0..3 {
+        let w = window(start, end).await?;
+        assert!(w.is_complete(), "call {call} after the change: missing {:?}", w.missing);
+        assert_eq!(w.rows.len(), 1, "call {call}");
+    }
     Ok(())
 }
 

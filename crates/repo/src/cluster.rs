@@ -82,8 +82,8 @@ pub struct ClusterOptions {
     /// out on each new connection, before anything runs on it: a connection whose
     /// server process is not the one its start-up named (`pg_backend_pid()` against
     /// the cancel key) is behind a pooler, and the host is then treated as behind a
-    /// transaction-mode one for the handle's life ([`Cluster::behind_pooler`]; a
-    /// warning says so once). The config's key, when given, wins over `None`, and
+    /// transaction-mode one for the life of its pool (a readdressed host gets a new
+    /// pool, found out anew) ([`Cluster::behind_pooler`]; a warning says so once). The config's key, when given, wins over `None`, and
     /// `true` over `false`.
     ///
     /// Behind a transaction pooler shardline keeps no prepared statement across
@@ -375,16 +375,46 @@ impl Cluster {
     }
 
     /// The sqlx pool of `host`, made on first use: the routed work's, or (`routed`
-    /// false) the one [`crate::Sqlx::pool`] hands out.
+    /// false) the one [`crate::Sqlx::pool`] hands out. Refused ([`Error::Pooler`]) behind
+    /// a transaction pooler, declared or found out: when the config says nothing and
+    /// no connection of the host's pool has been made yet, one is made first (and
+    /// closed), from the same pool whose sqlx pool is handed out.
     #[cfg(feature = "sqlx")]
-    pub(crate) fn sqlx_pool(&self, host: &HostName, routed: bool) -> Result<::sqlx::PgPool> {
+    pub(crate) async fn sqlx_pool(&self, host: &HostName, routed: bool) -> Result<::sqlx::PgPool> {
         let p = self.host_pool(host)?;
+        let behind = match self.inner.options.transaction_pooler {
+            Some(pooler) => pooler,
+            None => match p.pooler.get() {
+                Some(seen) => seen,
+                None => {
+                    // Taken out of the pool and closed: an application that uses only
+                    // the sqlx path keeps no idle connection of the repository's.
+                    drop(Object::take(get_from(&p.pool, host).await?));
+                    p.pooler.get().unwrap_or(true)
+                }
+            },
+        };
+        if behind {
+            return Err(crate::sqlx::refused(host));
+        }
+        self.sqlx_pool_of(&p, host, routed)
+    }
+
+    /// `p`'s sqlx pool, made when first asked for.
+    #[cfg(feature = "sqlx")]
+    fn sqlx_pool_of(&self, p: &HostPool, host: &HostName, routed: bool) -> Result<::sqlx::PgPool> {
         let slot = if routed { &p.sqlx } else { &p.sqlx_unrouted };
         if let Some(pool) = slot.get() {
             return Ok(pool.clone());
         }
         let pool = crate::sqlx::host_pool(host, &p.url, &self.inner.options)?;
         Ok(slot.get_or_init(|| pool).clone())
+    }
+
+    /// The routed sqlx pool of `host`, if it has been made.
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx_pool_made(&self, host: &HostName) -> Option<::sqlx::PgPool> {
+        self.inner.pools.read().ok().and_then(|p| p.get(host).and_then(|p| p.sqlx.get().cloned()))
     }
 
     /// The map as this handle knows it now.
@@ -404,28 +434,36 @@ impl Cluster {
 
     /// Whether `host` is treated as behind a transaction-mode pooler: as
     /// [`ClusterOptions::transaction_pooler`] says, or, when it says nothing, once a
-    /// connection to the host came through a pooler. False for a host the handle has no
-    /// pool for, or none of whose connections has been made yet.
+    /// connection of the host's pool came through a pooler (a host readdressed gets a
+    /// new pool, found out anew). False for a host the handle has no pool for, or none
+    /// of whose connections has been made yet.
     pub fn behind_pooler(&self, host: &HostName) -> bool {
-        self.inner
-            .options
-            .transaction_pooler
-            .unwrap_or_else(|| self.host_pool(host).ok().and_then(|p| p.pooler.get()).unwrap_or(false))
+        self.inner.options.transaction_pooler.unwrap_or_else(|| {
+            self.inner
+                .pools
+                .read()
+                .ok()
+                .and_then(|p| p.get(host).and_then(|p| p.pooler.get()))
+                .unwrap_or(false)
+        })
     }
 
-    /// Whether `host` is behind a transaction-mode pooler ([`Cluster::behind_pooler`]),
-    /// making a connection to it first when none has been made yet, so that the answer
-    /// is known.
-    #[cfg(feature = "sqlx")]
-    pub(crate) async fn behind_pooler_known(&self, host: &HostName) -> Result<bool> {
-        if let Some(declared) = self.inner.options.transaction_pooler {
-            return Ok(declared);
+    /// Whether `client`, a connection of `host`'s pool, may keep statements across
+    /// transactions: the options say the hosts are reached directly (or through a
+    /// session pool), or they say nothing and the connection's own pool, still the
+    /// host's, has found its connections direct. A connection of a pool the host no
+    /// longer has (readdressed while the work ran) keeps nothing.
+    pub(crate) fn may_keep(&self, host: &HostName, client: &Object) -> bool {
+        match self.inner.options.transaction_pooler {
+            Some(pooler) => !pooler,
+            None => {
+                let Some(own) = Object::pool(client) else { return false };
+                let Ok(pools) = self.inner.pools.read() else { return false };
+                pools.get(host).is_some_and(|p| {
+                    std::ptr::eq(p.pool.manager(), own.manager()) && p.pooler.get() == Some(false)
+                })
+            }
         }
-        if let Some(seen) = self.host_pool(host)?.pooler.get() {
-            return Ok(seen);
-        }
-        drop(self.client(host).await?);
-        Ok(self.behind_pooler(host))
     }
 
     /// The options the handle was made with (`transaction_pooler` set when the config
@@ -496,25 +534,30 @@ impl Cluster {
     ///
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
-        let pool = self.host_pool(host)?.pool;
-        pool.get().await.map_err(|e| {
-            let message = e.to_string();
-            let pool_error = |timed_out| Error::Pool { host: host.clone(), message, timed_out };
-            match e {
-                deadpool_postgres::PoolError::Backend(source) => {
-                    match catalog::connect_error(&format!("host {host}"), source) {
-                        tls @ Error::Tls { .. } => tls,
-                        // The server refused the session (a password, a database that
-                        // does not exist): say so, and let `is_retryable` tell.
-                        connect @ Error::Connect { .. } if connect.sqlstate().is_some() => connect,
-                        _ => pool_error(false),
-                    }
-                }
-                deadpool_postgres::PoolError::Timeout(_) => pool_error(true),
-                _ => pool_error(false),
-            }
-        })
+        get_from(&self.host_pool(host)?.pool, host).await
     }
+}
+
+/// A connection from `pool`, `host`'s, with its failure said as [`Cluster::client`]
+/// says it.
+async fn get_from(pool: &Pool, host: &HostName) -> Result<Object> {
+    pool.get().await.map_err(|e| {
+        let message = e.to_string();
+        let pool_error = |timed_out| Error::Pool { host: host.clone(), message, timed_out };
+        match e {
+            deadpool_postgres::PoolError::Backend(source) => {
+                match catalog::connect_error(&format!("host {host}"), source) {
+                    tls @ Error::Tls { .. } => tls,
+                    // The server refused the session (a password, a database that
+                    // does not exist): say so, and let `is_retryable` tell.
+                    connect @ Error::Connect { .. } if connect.sqlstate().is_some() => connect,
+                    _ => pool_error(false),
+                }
+            }
+            deadpool_postgres::PoolError::Timeout(_) => pool_error(true),
+            _ => pool_error(false),
+        }
+    })
 }
 
 /// A failed attempt of [`Cluster::with_move_retry`]: the error, and the shards to wait
@@ -986,8 +1029,9 @@ fn make_pool(
                                 host = %host,
                                 "the host's connections come through a pooler (the server process is not \
                                  the one the session's start named): treated as a transaction-mode pooler, \
-                                 no statement is kept across transactions; set transaction_pooler = true \
-                                 to say so, or false for a session-mode pool"
+                                 no statement is kept across transactions, a column of a type of the shard's \
+                                 schema and the sqlx path are refused; set transaction_pooler = true to say \
+                                 so, or false for a session-mode pool"
                             );
                         }
                         found

@@ -7,9 +7,11 @@
 //! pooler hands its clients a key of its own (PgBouncer, Odyssey, PgCat and PgDog make
 //! one up: the client's cancel must reach the pooler, which forwards it to whichever
 //! server connection the client holds then), so the two differ. A connection whose
-//! numbers differ is taken to be behind a transaction-mode pooler: nothing is kept on
-//! it across transactions. A session-mode pool is taken for one too (it cannot be told
-//! apart), which costs only speed; say `transaction_pooler = false` for it.
+//! numbers differ is taken to be behind a transaction-mode pooler, and so is every
+//! connection of its host's pool: nothing is kept across transactions, a table with a
+//! column of a type of the shard's schema is refused, and so is the sqlx path. A
+//! session-mode pool is taken for one too (it cannot be told apart): say
+//! `transaction_pooler = false` for it, or lose those.
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};

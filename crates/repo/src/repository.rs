@@ -615,11 +615,12 @@ impl<E: Entity> Repo<E> {
         if let Some(types) = table.of(&kinds, &[]) {
             return Ok(types);
         }
-        if self.cluster.behind_pooler(&route.host) {
+        if !self.cluster.may_keep(&route.host, client) {
             let column = table.first_foreign(N::COLUMNS.iter().copied()).unwrap_or("?");
             return Err(statement::schema_type_refused(&route.host, E::TABLE, column));
         }
         let sql = self.sql.insert(&route.schema, N::COLUMNS, 1);
+        statement::Kept::on(&self.cluster, &route.host, client, 0).make_room(client);
         let statement = client
             .prepare_cached(&sql)
             .await
@@ -1160,9 +1161,9 @@ impl<E: Entity> Repo<E> {
                     // connection (`fan_out_prepared`): after its first runs the server
                     // reuses a generic plan instead of planning every shard's branch
                     // again.
-                    let kept = statement::Kept::on(&self.cluster, host_ref);
+                    let kept = statement::Kept::on(&self.cluster, host_ref, &client, pieces_ref.len());
                     if kept.fan_out {
-                        kept.make_room(&client, pieces_ref.len());
+                        kept.make_room(&client);
                     }
                     let keep = kept.fan_out;
                     let (client, select) = (&client, &select);
@@ -1177,20 +1178,25 @@ impl<E: Entity> Repo<E> {
                         };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
                         let (lo, hi, n) = (piece.lo, piece.hi, piece.n);
+                        let typed: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 3] =
+                            [(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)];
+                        let unnamed = || client.query_typed(&sql, &typed);
                         let rows = if keep {
                             let statement = client
                                 .prepare_typed_cached(&sql, &[Type::INT8, Type::INT8, Type::INT8])
                                 .await
                                 .map_err(failed)?;
-                            client.query(&statement, &[&lo, &hi, &n]).await.map_err(|e| {
-                                statement::forget_if_stale(client, &e);
-                                failed(e)
-                            })?
+                            match client.query(&statement, &[&lo, &hi, &n]).await {
+                                Ok(rows) => rows,
+                                // A table changed since the statement was kept (0A000): it did
+                                // not run; the cache is emptied and the piece read unnamed.
+                                Err(e) if statement::forget_if_stale(client, &e) => {
+                                    unnamed().await.map_err(failed)?
+                                }
+                                Err(e) => return Err(failed(e)),
+                            }
                         } else {
-                            client
-                                .query_typed(&sql, &[(&lo, Type::INT8), (&hi, Type::INT8), (&n, Type::INT8)])
-                                .await
-                                .map_err(failed)?
+                            unnamed().await.map_err(failed)?
                         };
                         if counting {
                             let count: Option<i64> =

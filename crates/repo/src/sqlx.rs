@@ -305,6 +305,19 @@ async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
     .unwrap_or(false)
 }
 
+/// The sqlx path's refusal behind a transaction-mode pooler (declared, or found out:
+/// [`Cluster::behind_pooler`]).
+pub(crate) fn refused(host: &HostName) -> Error {
+    Error::Pooler {
+        host: host.clone(),
+        reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
+                 prepared statements on each connection, which such a pooler hands to other clients; \
+                 use the repository API, or reach the hosts directly or through a session pool (say \
+                 transaction_pooler = false for a session pool)"
+            .into(),
+    }
+}
+
 /// sqlx on a [`Cluster`]: routed units of work on one shard, and the same work on
 /// every shard. Cheap to clone; made by [`Cluster::sqlx`].
 #[derive(Debug, Clone)]
@@ -436,32 +449,14 @@ impl Sqlx {
     /// [`Error::Pooler`] behind a transaction-mode pooler (`transaction_pooler`), as
     /// for routed work.
     pub async fn pool(&self, host: &HostName) -> Result<PgPool> {
-        self.refuse_pooler(host).await?;
-        self.cluster.sqlx_pool(host, false)
+        self.cluster.sqlx_pool(host, false).await
     }
 
     /// How many connections to `host` sit idle in the pool routed work runs on (0 before
     /// its first use, or for a host the handle does not know): for diagnostics and
     /// metrics.
     pub fn idle_connections(&self, host: &HostName) -> usize {
-        self.cluster.sqlx_pool(host, true).map_or(0, |p| p.num_idle())
-    }
-
-    /// Behind a transaction-mode pooler, declared or found out on a connection of the
-    /// repository's (one is made first when none has been), the sqlx path refuses
-    /// ([`Error::Pooler`]).
-    async fn refuse_pooler(&self, host: &HostName) -> Result<()> {
-        if !self.cluster.behind_pooler_known(host).await? {
-            return Ok(());
-        }
-        Err(Error::Pooler {
-            host: host.clone(),
-            reason: "the sqlx path cannot run behind a transaction-mode pooler: sqlx 0.9.0 keeps named \
-                     prepared statements on each connection, which such a pooler hands to other clients; \
-                     use the repository API, or reach the hosts directly or through a session pool (say \
-                     transaction_pooler = false for a session pool)"
-                .into(),
-        })
+        self.cluster.sqlx_pool_made(host).map_or(0, |p| p.num_idle())
     }
 
     /// Runs `work` in one transaction in `shard`, on the shard's host, with the
@@ -558,9 +553,21 @@ impl Sqlx {
             .with_move_retry(|map, _| async move {
                 let route = map.route(shard, self.cluster.prefix());
                 let host = route.host.clone();
-                // On each run: a move may have placed the shard on another host.
-                self.refuse_pooler(&host).await.map_err(|e| Failed::of(e, [shard]))?;
-                let pool = self.cluster.sqlx_pool(&host, true).map_err(|e| Failed::of(e, [shard]))?;
+                // Refused behind a transaction pooler (found out once per host pool,
+                // within the unit's time).
+                let pool = match tokio::time::timeout(timeout, self.cluster.sqlx_pool(&host, true)).await {
+                    Ok(pool) => pool.map_err(|e| Failed::of(e, [shard]))?,
+                    Err(_) => {
+                        return Err(Failed::of(
+                            Error::Pool {
+                                host: host.clone(),
+                                message: format!("no connection could be had within {timeout:?}"),
+                                timed_out: true,
+                            },
+                            [shard],
+                        ));
+                    }
+                };
                 let mut work = work.lock().await;
                 let mut moved = false;
                 let deadline = tokio::time::Instant::now() + timeout;

@@ -231,7 +231,10 @@ const FAN_OUT_KEPT_AT_LEAST: usize = 256;
 /// What a connection to one host keeps prepared: nothing behind a transaction pooler.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Kept {
-    /// Statements of one shard: kept when above 0.
+    /// The connection may keep statements (not behind a transaction pooler, as far as
+    /// its pool knows): a type of the schema's can be looked up.
+    pub(crate) direct: bool,
+    /// Statements of one shard.
     pub(crate) point: bool,
     /// A fan-out's statements.
     pub(crate) fan_out: bool,
@@ -240,20 +243,33 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
-    /// What a connection to `host` keeps, as the options and the host's pooler say.
-    pub(crate) fn on(cluster: &crate::Cluster, host: &HostName) -> Kept {
+    /// What `client`, a connection of `host`'s pool, keeps, as the options and the
+    /// pool's pooler say ([`crate::Cluster::may_keep`]). `pieces`: how many statements
+    /// the fan-out about to run sends on it (0 for a statement of one shard).
+    pub(crate) fn on(
+        cluster: &crate::Cluster,
+        host: &HostName,
+        client: &deadpool_postgres::Object,
+        pieces: usize,
+    ) -> Kept {
         let o = cluster.options();
-        if cluster.behind_pooler(host) {
-            return Kept { point: false, fan_out: false, bound: 0 };
+        if !cluster.may_keep(host, client) {
+            return Kept { direct: false, point: false, fan_out: false, bound: 0 };
         }
-        let bound =
-            if o.fan_out_prepared { o.statement_cache.max(FAN_OUT_KEPT_AT_LEAST) } else { o.statement_cache };
-        Kept { point: o.statement_cache > 0, fan_out: o.fan_out_prepared, bound }
+        // Room for a few shapes of fan-out (a window, a count, a listing) over the
+        // host's batches, so that they do not empty each other's.
+        let bound = if o.fan_out_prepared {
+            o.statement_cache.max(FAN_OUT_KEPT_AT_LEAST).max(pieces.saturating_mul(4))
+        } else {
+            o.statement_cache
+        };
+        Kept { direct: true, point: o.statement_cache > 0, fan_out: o.fan_out_prepared, bound }
     }
 
-    /// Empties `client`'s cache when `more` statements would take it past the bound.
-    pub(crate) fn make_room(&self, client: &deadpool_postgres::Object, more: usize) {
-        if client.statement_cache.size() + more > self.bound.max(1) {
+    /// Empties `client`'s cache when it is full (the bound, one at least), before more
+    /// statements are prepared on it: at most the bound plus those.
+    pub(crate) fn make_room(&self, client: &deadpool_postgres::Object) {
+        if client.statement_cache.size() >= self.bound.max(1) {
             client.statement_cache.clear();
         }
     }
@@ -279,14 +295,13 @@ pub(crate) async fn run(
 ) -> Result<Vec<Row>> {
     let (host, shard) = (&route.host, Some(route.shard));
     let types = cluster.types().covering(client, host, shard, &route.schema, table, kinds, returned).await?;
-    let pooled = cluster.behind_pooler(host);
-    let kept = Kept::on(cluster, host);
+    let kept = Kept::on(cluster, host, client, 0);
     match types.of(kinds, returned) {
         Some(t) if !kept.point => client
             .query_typed(sql, &typed(params, &t))
             .await
             .map_err(|e| crate::statement_error(host, shard, what, e, &t, params)),
-        None if pooled => {
+        None if !kept.direct => {
             let names = kinds.iter().filter_map(|k| match k {
                 Param::Column(c) => Some(*c),
                 Param::Int8 => None,
@@ -297,7 +312,7 @@ pub(crate) async fn run(
         _ => {
             // Kept per connection (a type of the schema needs it, or the cache is on),
             // within the bound (one at least): past it, start again.
-            kept.make_room(client, 1);
+            kept.make_room(client);
             let statement = client
                 .prepare_cached(sql)
                 .await
@@ -314,12 +329,14 @@ pub(crate) async fn run(
 /// was prepared (a migration altered a column's type: 0A000, "cached plan must not
 /// change result type"), empties the connection's statement cache, so the next call
 /// prepares it again instead of failing the same way until the connection is recycled.
-/// The failed statement did not run.
-pub(crate) fn forget_if_stale(client: &deadpool_postgres::Object, e: &tokio_postgres::Error) {
-    if e.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED) {
+/// The failed statement did not run. Returns whether it failed that way.
+pub(crate) fn forget_if_stale(client: &deadpool_postgres::Object, e: &tokio_postgres::Error) -> bool {
+    let stale = e.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED);
+    if stale {
         tracing::debug!(error = %e, "a kept statement's table changed; preparing it again next time");
         client.statement_cache.clear();
     }
+    stale
 }
 
 /// The error for a table whose column has a type of the shard's schema, behind a
