@@ -67,6 +67,19 @@ pub enum Error {
         max: i64,
     },
 
+    /// Sequence values given to [`crate::generator::ReservedBlocks::push`] that are not
+    /// all above those given before: a range given twice, or out of order, would hand
+    /// out its values again.
+    #[error("reserved values {first}..={last} are not above those reserved before (up to {held})")]
+    ReservedOutOfOrder {
+        /// The first value of the range given.
+        first: i64,
+        /// The last value of the range given.
+        last: i64,
+        /// The largest value reserved before.
+        held: i64,
+    },
+
     /// A generator would hand out an ID further ahead of its clock than it may (more
     /// IDs were asked for than the layout holds per millisecond, for too long).
     #[error("minting now would run {ahead_ms} ms ahead of the clock (at most {max_ahead_ms} ms allowed)")]

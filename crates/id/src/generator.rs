@@ -191,13 +191,15 @@ impl<C: Clock> LocalGenerator<C> {
 /// that the database's own `next_id()` draws from, as ranges; this holds them and turns
 /// them into IDs locally, so IDs minted in the application and in the database come
 /// from one source and cannot collide. Pure bookkeeping: the I/O that refills it lives
-/// in `shardline-repo`.
-#[derive(Debug, Clone)]
+/// in `shardline-repo`. Not `Clone`: two copies would hand out the same values.
+#[derive(Debug)]
 pub struct ReservedBlocks {
     layout: Layout,
     shard: u32,
-    /// Inclusive ranges, in the order they were reserved.
+    /// Inclusive ranges, in the order they were reserved, each above the one before.
     ranges: std::collections::VecDeque<(i64, i64)>,
+    /// The largest value ever pushed: a range must come above it.
+    held: Option<i64>,
 }
 
 impl ReservedBlocks {
@@ -210,14 +212,17 @@ impl ReservedBlocks {
         if shard > layout.max_shard() {
             return Err(Error::ShardOutOfRange { shard, max: layout.max_shard() });
         }
-        Ok(ReservedBlocks { layout, shard, ranges: Default::default() })
+        Ok(ReservedBlocks { layout, shard, ranges: Default::default(), held: None })
     }
 
     /// Adds the values `first..=last` reserved from the shard's sequence.
     ///
     /// # Errors
     ///
-    /// When the range is empty, or outside the layout's sequence values.
+    /// When the range is empty, or outside the layout's sequence values;
+    /// [`Error::ReservedOutOfOrder`] unless it is above every value pushed before (the
+    /// sequence hands its values out in increasing order, so a range at or below one
+    /// already held is a range given twice).
     pub fn push(&mut self, first: i64, last: i64) -> Result<()> {
         for v in [first, last] {
             if v < 0 || v > self.layout.max_sequence_value() {
@@ -230,13 +235,19 @@ impl ReservedBlocks {
         if first > last {
             return Err(Error::SequenceValueOutOfRange { value: first, max: last });
         }
+        if let Some(held) = self.held
+            && first <= held
+        {
+            return Err(Error::ReservedOutOfOrder { first, last, held });
+        }
+        self.held = Some(last);
         self.ranges.push_back((first, last));
         Ok(())
     }
 
     /// How many values are left.
     pub fn remaining(&self) -> u64 {
-        self.ranges.iter().map(|&(a, b)| (b - a).unsigned_abs() + 1).sum()
+        self.ranges.iter().fold(0u64, |n, &(a, b)| n.saturating_add((b - a).unsigned_abs().saturating_add(1)))
     }
 
     /// The next ID, or `None` when every reserved value is used.
@@ -259,8 +270,8 @@ impl ReservedBlocks {
     /// or when nothing is reserved).
     pub fn ahead_of(&self, now_ms: i64) -> i64 {
         self.ranges.front().map_or(0, |&(v, _)| {
-            let unix_ms = self.layout.epoch_ms() + (v >> self.layout.sequence_bits());
-            (unix_ms - now_ms).max(0)
+            let unix_ms = self.layout.epoch_ms().saturating_add(v >> self.layout.sequence_bits());
+            unix_ms.saturating_sub(now_ms).max(0)
         })
     }
 }

@@ -213,8 +213,9 @@ impl Layout {
     }
 
     /// The smallest ID any shard can mint at `unix_ms`: with [`Layout::max_id_at`],
-    /// `min_id_at(t0) ..= max_id_at(t1)` is the ID range of rows created in `[t0, t1]`,
-    /// answerable from the primary-key index alone.
+    /// `min_id_at(t0) ..= max_id_at(t1)` is the ID range of rows whose IDs are dated in
+    /// `[t0, t1]`, answerable from the primary-key index alone (an ID's date is its
+    /// creation time within the bounds `docs/ids.md` gives, not to the millisecond).
     ///
     /// # Errors
     ///

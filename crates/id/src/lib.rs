@@ -66,8 +66,9 @@ pub use layout::{INSTAGRAM_EPOCH_MS, IdParts, Layout};
 /// non-negative Postgres `bigint`.
 ///
 /// The field widths and epoch live in a [`Layout`]; the methods without a layout
-/// argument use [`Layout::INSTAGRAM`]. IDs order by creation time across shards (to
-/// the millisecond) and exactly within one shard.
+/// argument use [`Layout::INSTAGRAM`]. IDs order by the time they are dated with across
+/// shards (to the millisecond), and in the order they were minted within one shard; that
+/// date is the creation time within the bounds `docs/ids.md` gives.
 ///
 /// Text forms: decimal ([`std::fmt::Display`], [`std::str::FromStr`]) and a 13-character, URL-safe,
 /// order-preserving Crockford base32 form ([`Id::to_compact`], [`Id::from_compact`]).

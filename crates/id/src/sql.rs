@@ -408,12 +408,13 @@ impl ShardSql {
         })
     }
 
-    /// How far (ms, at least 0) the sequence may lag the transaction's start time before
+    /// How far (ms, 0 to a day) the sequence may lag the transaction's start time before
     /// `next_id()` catches it up. Smaller keeps ID times closer to the truth and catches
-    /// up more often.
+    /// up more often. A value outside that range is taken as its nearest end (the
+    /// lease adds it to a time in `bigint`, where a larger one would overflow).
     #[must_use]
     pub fn max_lag_ms(mut self, ms: i64) -> Self {
-        self.max_lag_ms = ms.max(0);
+        self.max_lag_ms = ms.clamp(0, 86_400_000);
         self
     }
 

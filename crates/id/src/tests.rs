@@ -221,6 +221,17 @@ fn reserved_blocks_hand_out_every_value_once() {
     blocks.push(base + 10 * 1024, base + 10 * 1024).unwrap();
     assert_eq!(blocks.ahead_of(T), 10);
     assert_eq!(blocks.ahead_of(T + 20), 0);
+    // A range given again, or one below what was given, would hand out its values a
+    // second time: refused, and nothing changes.
+    for (first, last) in [(base + 1020, base + 1030), (base + 5001, base + 6000), (base + 2000, base + 2001)]
+    {
+        assert!(
+            matches!(blocks.push(first, last), Err(Error::ReservedOutOfOrder { .. })),
+            "{first}..={last} was taken again"
+        );
+    }
+    assert_eq!(blocks.remaining(), 1);
+    assert_eq!(blocks.ahead_of(i64::MIN), i64::MAX, "no overflow for a clock far behind");
 }
 
 #[test]
@@ -333,4 +344,16 @@ proptest! {
         prop_assert!(id.as_i64() >= 0);
         prop_assert_eq!(l.decode(id), IdParts { unix_ms: ms, shard: l.max_shard(), sequence: l.max_sequence() });
     }
+}
+
+#[test]
+fn a_lag_the_lease_could_not_add_is_taken_as_a_day() {
+    // The lag is the catch-up's argument just before the layout's last tick.
+    let at = |lag: i64| format!("({lag})::bigint, ({})::bigint)", L.last_unix_ms() - L.epoch_ms());
+    let sql = ShardSql::new(L, "shard_0001", 1).unwrap().max_lag_ms(i64::MAX).install();
+    assert!(sql.contains(&at(86_400_000)), "the lag is clamped to a day");
+    let sql = ShardSql::new(L, "shard_0001", 1).unwrap().max_lag_ms(-5).install();
+    assert!(sql.contains(&at(0)), "and never below 0");
+    let sql = ShardSql::new(L, "shard_0001", 1).unwrap().install();
+    assert!(sql.contains(&at(100)), "the default");
 }

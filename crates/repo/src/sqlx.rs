@@ -894,7 +894,6 @@ mod tests {
         for url in [
             "postgres://app:secret@db/app?sslmode=require&sslrootcert=/ca.pem",
             "postgres://app:secret@db/app?sslmode=verify-ca&sslrootcert=/ca.pem",
-            "postgres://app:secret@db/app?sslmode=require&sslrootcert=system",
         ] {
             let err = options(url).map(drop).unwrap_err();
             let text = err.to_string();

@@ -312,7 +312,7 @@ impl fmt::Display for DbUrl {
 /// `password=` key of a key/value connection string, by `***`.
 pub fn redact(url: &str) -> String {
     if url_form(url).is_some() {
-        return redact_query(&mask_userinfo(url));
+        return redact_params(&mask_userinfo(url));
     }
     // Parsed as libpq does, so that a quoted password with spaces is hidden whole; a
     // URL inside (a mistyped scheme, a value) loses its password too. What cannot be
@@ -321,7 +321,7 @@ pub fn redact(url: &str) -> String {
     pairs
         .into_iter()
         .map(|(k, v)| {
-            if is_password_key(&k) {
+            if is_secret_key(&k) {
                 format!("{}=***", mask_userinfo(&k))
             } else {
                 format!("{}={}", mask_userinfo(&k), quote_value(&mask_userinfo(&v)))
@@ -385,17 +385,34 @@ fn is_password_key(k: &str) -> bool {
     percent_decode(k).eq_ignore_ascii_case("password")
 }
 
-fn redact_query(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
-    let query = query
-        .split('&')
-        .map(|kv| match kv.split_once('=') {
-            Some((k, _)) if is_password_key(k) => format!("{k}=***"),
-            _ => kv.to_owned(),
-        })
-        .collect::<Vec<_>>()
-        .join("&");
-    format!("{base}?{query}")
+/// Whether a connection string's key names a secret to hide when it is shown: the
+/// password, or libpq's passphrase of the client key (`sslpassword`), decoded as
+/// [`is_password_key`] decodes.
+fn is_secret_key(k: &str) -> bool {
+    is_password_key(k) || percent_decode(k).eq_ignore_ascii_case("sslpassword")
+}
+
+/// A URL with the value of every parameter that names a secret as `***`. Every `?` and
+/// `&` in the text starts a parameter, not only those after the query's first `?`:
+/// [`mask_userinfo`] may have hidden that `?` inside a masked password (a URL whose
+/// query holds an `@`), and a parser may read the query from another `?` than this does.
+fn redact_params(url: &str) -> String {
+    let mut out = String::with_capacity(url.len());
+    for (i, token) in url.split_inclusive(['?', '&']).enumerate() {
+        let (segment, delimiter) = match token.strip_suffix(['?', '&']) {
+            Some(segment) => (segment, &token[segment.len()..]),
+            None => (token, ""),
+        };
+        match segment.split_once('=') {
+            Some((k, _)) if i > 0 && is_secret_key(k) => {
+                out.push_str(k);
+                out.push_str("=***");
+                out.push_str(delimiter);
+            }
+            _ => out.push_str(token),
+        }
+    }
+    out
 }
 
 #[derive(Deserialize)]
@@ -582,9 +599,39 @@ impl Config {
         let epoch = raw.id.and_then(|id| id.epoch_ms);
         let layout = match epoch {
             None => Layout::INSTAGRAM,
-            Some(e) => Layout::INSTAGRAM
-                .with_epoch(*e.get_ref())
-                .map_err(|err| src.err(e.span().start, "id.epoch_ms", err.to_string()))?,
+            Some(e) => {
+                let at = e.span().start;
+                let layout = Layout::INSTAGRAM
+                    .with_epoch(*e.get_ref())
+                    .map_err(|err| src.err(at, "id.epoch_ms", err.to_string()))?;
+                // Minting refuses a clock before the epoch in Rust, but the database's
+                // minter would hand out IDs dated at the epoch: refuse it here.
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+                if layout.epoch_ms() > now {
+                    return Err(src.err(
+                        at,
+                        "id.epoch_ms",
+                        format!(
+                            "{} is after now ({now} ms since 1970): every ID would carry a time from \
+                             the future (the epoch is in milliseconds, not microseconds)",
+                            layout.epoch_ms()
+                        ),
+                    ));
+                }
+                if layout.last_unix_ms() < now {
+                    return Err(src.err(
+                        at,
+                        "id.epoch_ms",
+                        format!(
+                            "the layout's IDs ran out at {} ms since 1970, before now: no ID can be minted",
+                            layout.last_unix_ms()
+                        ),
+                    ));
+                }
+                layout
+            }
         };
         let listen_url;
         let catalog = match raw.catalog {
@@ -1005,6 +1052,11 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
                 "shardline.toml:2: id.epoch_ms: invalid ID layout: the epoch cannot be before 1970",
             ),
             ("[id]\nepoch = 5\n", "shardline.toml:2: toml: unknown field `epoch`"),
+            (
+                "[id]\nepoch_ms = 1700000000000000\n",
+                "shardline.toml:2: id.epoch_ms: 1700000000000000 is after now",
+            ),
+            ("[id]\nepoch_ms = 0\n", "shardline.toml:2: id.epoch_ms: the layout's IDs ran out at"),
         ] {
             let err = load(&format!("{id}{tail}")).unwrap_err().to_string();
             assert!(err.contains(message), "{id:?}: {err}");
@@ -1141,5 +1193,21 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         );
         assert_eq!(redact("mysql://u:p@h/db"), "***");
         assert_eq!(redact("host=h password=a\\ b user=u"), "host=h password=*** user=u");
+        // An `@` in the query (an Azure-style user name, an application name): the
+        // masking of the user's part reaches into the query, and a password key after
+        // it is still hidden; so is one in a masked part, and libpq's key passphrase.
+        for url in [
+            "postgres://app@pg1:5432/app?application_name=api@web1&password=hunter2",
+            "postgres://pg1/app?user=app@server:x&password=hunter2",
+            "postgres://u:x?password=hunter2@h/db",
+            "postgres://u:hunter2@h/db?options=a@b",
+            "postgres://u@h/db?sslpassword=hunter2&sslmode=require",
+            "host=h sslpassword=hunter2",
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains("hunter2"), "{url} shown as {shown}");
+            let db = DbUrl::new(url.to_owned());
+            assert!(!format!("{db:?}").contains("hunter2") && !db.to_string().contains("hunter2"), "{url}");
+        }
     }
 }

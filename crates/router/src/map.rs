@@ -117,6 +117,11 @@ impl ShardMap {
     }
 
     /// The host holding `shard`.
+    ///
+    /// # Panics
+    ///
+    /// When `shard` is not below the map's [`ShardMap::count`], as a slice index would:
+    /// check it first ([`ShardCount::within`]) when it comes from outside.
     pub fn host_of(&self, shard: LogicalShard) -> &HostName {
         &self.hosts[self.owner[usize::from(shard.get())]]
     }
@@ -142,6 +147,10 @@ impl ShardMap {
     }
 
     /// Where `shard` lives.
+    ///
+    /// # Panics
+    ///
+    /// As [`ShardMap::host_of`].
     pub fn route(&self, shard: LogicalShard, prefix: &SchemaPrefix) -> Route {
         Route { shard, schema: prefix.schema(shard), host: self.host_of(shard).clone() }
     }

@@ -79,7 +79,8 @@ pub enum RootCert {
 }
 
 /// What a URL asks of TLS, and the URL without the keys the driver does not take.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Its `Debug` shows the URL without its password.
+#[derive(Clone, PartialEq, Eq)]
 pub struct TlsParams {
     /// The mode (default [`SslMode::Prefer`]).
     pub mode: SslMode,
@@ -88,6 +89,16 @@ pub struct TlsParams {
     /// The URL with `sslmode` and `sslrootcert` removed, for the driver. Holds the
     /// password if the URL did: never log it.
     pub driver_url: String,
+}
+
+impl std::fmt::Debug for TlsParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsParams")
+            .field("mode", &self.mode)
+            .field("root_cert", &self.root_cert)
+            .field("driver_url", &crate::config::redact(&self.driver_url))
+            .finish()
+    }
 }
 
 impl TlsParams {
@@ -148,6 +159,19 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
                 }
             }
             _ => kept.push((k, v)),
+        }
+    }
+    // As libpq (16): the system's store trusts any certificate a public CA signed, for
+    // any name, so it goes with checking the name, and is verify-full by default.
+    if root == Some(RootCert::System) {
+        match mode {
+            None | Some(SslMode::VerifyFull) => mode = Some(SslMode::VerifyFull),
+            Some(other) => {
+                return Err(format!(
+                    "sslrootcert=system needs sslmode=verify-full, not {other} (as libpq: the system's \
+                     store trusts a certificate any public CA signed, for any name)"
+                ));
+            }
         }
     }
     let mode = mode.unwrap_or_default();
@@ -292,6 +316,13 @@ mod tests {
     }
 
     #[test]
+    fn the_driver_url_is_shown_without_its_password() {
+        let p = parse("postgres://app:hunter2@h/db?sslmode=require&password=hunter3").unwrap();
+        let shown = format!("{p:?}");
+        assert!(!shown.contains("hunter2") && !shown.contains("hunter3"), "{shown}");
+    }
+
+    #[test]
     fn tls_keys_are_taken_out_of_urls() {
         let p = parse("postgres://app@h/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem&x=1").unwrap();
         assert_eq!(p.mode, SslMode::VerifyFull);
@@ -300,9 +331,15 @@ mod tests {
         let p = parse("postgres://app@h/db?sslmode=require").unwrap();
         assert_eq!((p.mode, p.driver_url.as_str()), (SslMode::Require, "postgres://app@h/db"));
         assert!(!p.verifies_chain());
-        let p = parse("postgres://h/db?sslmode=require&sslrootcert=system").unwrap();
-        assert_eq!(p.root_cert, Some(RootCert::System));
+        // The system's store goes with verify-full, as in libpq: by default, and any
+        // weaker mode refused (any public certificate, for any name, would pass).
+        let p = parse("postgres://h/db?sslrootcert=system").unwrap();
+        assert_eq!((p.mode, p.root_cert.clone()), (SslMode::VerifyFull, Some(RootCert::System)));
         assert!(p.verifies_chain());
+        for weak in ["require", "verify-ca", "prefer", "disable"] {
+            let err = parse(&format!("postgres://h/db?sslmode={weak}&sslrootcert=system")).unwrap_err();
+            assert!(err.contains("sslrootcert=system needs sslmode=verify-full"), "{weak}: {err}");
+        }
     }
 
     #[test]
