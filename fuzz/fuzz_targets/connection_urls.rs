@@ -1,6 +1,7 @@
 //! Connection URLs and key/value strings: the TLS keys are read out or refused, never a
 //! panic; what is left for the driver parses again to itself, without TLS keys; the
-//! redacted form never holds the password, and neither does what `split_password`
+//! redacted form never holds the password (in the user's part or the query), and
+//! neither does what `split_password`
 //! leaves for the catalog; a password put back comes off again as it went in.
 #![no_main]
 
@@ -30,6 +31,15 @@ fuzz_target!(|text: &str| {
         if parse(&kv).is_ok() && !text.replace('\\', "").contains(secret) {
             let (bare, _) = DbUrl::new(kv.clone()).split_password();
             assert!(!bare.expose().contains(secret), "{kv}");
+        }
+    }
+    // Nor does one in a URL's query, holding a `?` or an `@` as a value may (the drivers
+    // end a value at `&` only), whatever comes before it.
+    for secret in ["Zq8sEcReT", "Zq8?s@EcR:eT"] {
+        let in_query = format!("postgres://{text}&password={secret}");
+        if !text.contains("Zq8") && !text.contains("EcR") {
+            assert!(!redact(&in_query).contains("Zq8"), "{in_query}");
+            assert!(!redact(&in_query).contains("EcR"), "{in_query}");
         }
     }
     // Any password put on a connection string the config accepts comes off again, whole.

@@ -103,10 +103,11 @@ pub struct ClusterOptions {
     /// planning each call (a get by ID: 1.58–1.80× the latency of a prepared statement
     /// without it, 1.10× with it, observed in `docs/benchmarks.md`), and costs a round
     /// trip more the first time a connection sends it; it is one per statement shape
-    /// and shard, about 12 KB each on the server, so past this many (with
-    /// [`ClusterOptions::fan_out_prepared`], past 256 if this is less) the connection's
-    /// cache is emptied and starts again: at most `pool_size × statement_cache` per
-    /// host and process.
+    /// and shard, about 12 KB each on the server, so past this many, fan-outs' statements
+    /// included, the connection's cache is emptied and starts again: at most
+    /// `pool_size × statement_cache` per host and process. Set it to four per batch of
+    /// the shards at least (500 at 2000 shards in batches of 16), or fan-outs of a few
+    /// shapes empty each other's.
     pub statement_cache: usize,
     /// Each fan-out's statements (one per batch of a host's shards,
     /// [`ClusterOptions::fan_out_batch`], one `UNION ALL` branch per shard) kept
@@ -115,8 +116,11 @@ pub struct ClusterOptions {
     /// branch on each call. At 2000 shards over 4 hosts a time window took 17 ms
     /// (p50) kept against 70 ms unnamed, and 4.6 against 28.9 ms of server CPU per
     /// host (observed, `docs/benchmarks.md`, "Fan-out at 2000 shards"). They count
-    /// toward [`ClusterOptions::statement_cache`]'s bound, which is 256 at least with
-    /// this on. Never behind a transaction pooler ([`Cluster::behind_pooler`]).
+    /// toward [`ClusterOptions::statement_cache`]'s bound; without one, a connection
+    /// keeps at most 256 or four per batch of all the cluster's shards (500 at 2000
+    /// shards in batches of 16), whichever is more: room for a few shapes of fan-out
+    /// on a host that held every shard. Never behind a transaction pooler
+    /// ([`Cluster::behind_pooler`]).
     pub fan_out_prepared: bool,
     /// With [`ClusterOptions::statement_cache`] or [`ClusterOptions::fan_out_prepared`]:
     /// each connection of the repository's
@@ -452,16 +456,20 @@ impl Cluster {
     /// transactions: the options say the hosts are reached directly (or through a
     /// session pool), or they say nothing and the connection's own pool, still the
     /// host's, has found its connections direct. A connection of a pool the host no
-    /// longer has (readdressed while the work ran) keeps nothing.
-    pub(crate) fn may_keep(&self, host: &HostName, client: &Object) -> bool {
+    /// longer has (readdressed while the work ran) is [`MayKeep::Retired`].
+    pub(crate) fn may_keep(&self, host: &HostName, client: &Object) -> MayKeep {
+        let yes = |direct: bool| if direct { MayKeep::Yes } else { MayKeep::No };
         match self.inner.options.transaction_pooler {
-            Some(pooler) => !pooler,
+            Some(pooler) => yes(!pooler),
             None => {
-                let Some(own) = Object::pool(client) else { return false };
-                let Ok(pools) = self.inner.pools.read() else { return false };
-                pools.get(host).is_some_and(|p| {
-                    std::ptr::eq(p.pool.manager(), own.manager()) && p.pooler.get() == Some(false)
-                })
+                let Ok(pools) = self.inner.pools.read() else { return MayKeep::Retired };
+                let own = Object::pool(client);
+                match pools.get(host) {
+                    Some(p) if own.is_some_and(|own| std::ptr::eq(p.pool.manager(), own.manager())) => {
+                        yes(p.pooler.get() == Some(false))
+                    }
+                    _ => MayKeep::Retired,
+                }
             }
         }
     }
@@ -535,6 +543,34 @@ impl Cluster {
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
         get_from(&self.host_pool(host)?.pool, host).await
+    }
+}
+
+/// Whether a connection may keep statements across transactions ([`Cluster::may_keep`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MayKeep {
+    /// Its host is reached directly, as the options say or its pool found.
+    Yes,
+    /// Its host is behind a transaction pooler, declared or found out.
+    No,
+    /// Its pool is no longer its host's (the host was readdressed while the work ran):
+    /// nothing is kept, and what needs a kept statement is tried again on a new
+    /// connection.
+    Retired,
+}
+
+impl MayKeep {
+    /// The error for what needs a kept statement on such a connection: retryable for a
+    /// retired pool (nothing was sent), else the pooler's refusal `refused`.
+    pub(crate) fn refusal(self, host: &HostName, refused: impl FnOnce() -> Error) -> Error {
+        match self {
+            MayKeep::Retired => Error::Pool {
+                host: host.clone(),
+                message: "the host was readdressed while the statement waited; nothing was sent".into(),
+                timed_out: false,
+            },
+            MayKeep::Yes | MayKeep::No => refused(),
+        }
     }
 }
 

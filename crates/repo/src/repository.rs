@@ -615,12 +615,14 @@ impl<E: Entity> Repo<E> {
         if let Some(types) = table.of(&kinds, &[]) {
             return Ok(types);
         }
-        if !self.cluster.may_keep(&route.host, client) {
+        let kept = statement::Kept::on(&self.cluster, &route.host, client);
+        if kept.may != crate::cluster::MayKeep::Yes {
             let column = table.first_foreign(N::COLUMNS.iter().copied()).unwrap_or("?");
-            return Err(statement::schema_type_refused(&route.host, E::TABLE, column));
+            let refused = || statement::schema_type_refused(&route.host, E::TABLE, column);
+            return Err(kept.may.refusal(&route.host, refused));
         }
         let sql = self.sql.insert(&route.schema, N::COLUMNS, 1);
-        statement::Kept::on(&self.cluster, &route.host, client, 0).make_room(client);
+        kept.make_room(client);
         let statement = client
             .prepare_cached(&sql)
             .await
@@ -1161,7 +1163,7 @@ impl<E: Entity> Repo<E> {
                     // connection (`fan_out_prepared`): after its first runs the server
                     // reuses a generic plan instead of planning every shard's branch
                     // again.
-                    let kept = statement::Kept::on(&self.cluster, host_ref, &client, pieces_ref.len());
+                    let kept = statement::Kept::on(&self.cluster, host_ref, &client);
                     if kept.fan_out {
                         kept.make_room(&client);
                     }

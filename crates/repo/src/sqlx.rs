@@ -74,7 +74,7 @@ use shardline_router::{HostName, LogicalShard, Route, SchemaName};
 
 use crate::cluster::{Cluster, ClusterOptions, Failed};
 use crate::shard::ShardResult;
-use crate::{Error, Result, within};
+use crate::{Error, Result};
 
 /// Statements sqlx keeps prepared per connection, at least. sqlx 0.9.0 cannot run a
 /// bound query unnamed: with its statement cache off, every such query is prepared
@@ -555,7 +555,10 @@ impl Sqlx {
                 let host = route.host.clone();
                 // Refused behind a transaction pooler (found out once per host pool,
                 // within the unit's time).
-                let pool = match tokio::time::timeout(timeout, self.cluster.sqlx_pool(&host, true)).await {
+                // The unit's time counts from here, the pooler's check included.
+                let deadline = tokio::time::Instant::now() + timeout;
+                let pool = match tokio::time::timeout_at(deadline, self.cluster.sqlx_pool(&host, true)).await
+                {
                     Ok(pool) => pool.map_err(|e| Failed::of(e, [shard]))?,
                     Err(_) => {
                         return Err(Failed::of(
@@ -570,7 +573,6 @@ impl Sqlx {
                 };
                 let mut work = work.lock().await;
                 let mut moved = false;
-                let deadline = tokio::time::Instant::now() + timeout;
                 let session = std::sync::Mutex::new(None);
                 let run = async {
                     let done = match mode {
@@ -585,7 +587,9 @@ impl Sqlx {
                     }
                     done
                 };
-                let done = within(&host, timeout, run).await;
+                let done = tokio::time::timeout_at(deadline, run)
+                    .await
+                    .unwrap_or_else(|_| Err(Error::Timeout { host: host.clone(), after: timeout }));
                 // Given up at its deadline (the run dropped, its connection closed): its
                 // session may still be waiting on a lock.
                 if let Some(s) = session.lock().ok().and_then(|mut s| s.take()) {

@@ -224,16 +224,16 @@ pub(crate) fn check_rows(
 }
 
 /// The fewest statements a connection keeps before its cache is emptied, when it keeps
-/// fan-outs' statements: a fan-out of 2000 shards over 4 hosts in batches of 16 has
-/// 32 statements on each host, one per batch.
+/// fan-outs' statements and no statement cache is asked for (more with many shards:
+/// four per batch of all the shards).
 const FAN_OUT_KEPT_AT_LEAST: usize = 256;
 
 /// What a connection to one host keeps prepared: nothing behind a transaction pooler.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Kept {
-    /// The connection may keep statements (not behind a transaction pooler, as far as
-    /// its pool knows): a type of the schema's can be looked up.
-    pub(crate) direct: bool,
+    /// Whether the connection may keep statements (not behind a transaction pooler, as
+    /// far as its pool knows): a type of the schema's can be looked up when it may.
+    pub(crate) may: crate::cluster::MayKeep,
     /// Statements of one shard.
     pub(crate) point: bool,
     /// A fan-out's statements.
@@ -244,26 +244,23 @@ pub(crate) struct Kept {
 
 impl Kept {
     /// What `client`, a connection of `host`'s pool, keeps, as the options and the
-    /// pool's pooler say ([`crate::Cluster::may_keep`]). `pieces`: how many statements
-    /// the fan-out about to run sends on it (0 for a statement of one shard).
-    pub(crate) fn on(
-        cluster: &crate::Cluster,
-        host: &HostName,
-        client: &deadpool_postgres::Object,
-        pieces: usize,
-    ) -> Kept {
+    /// pool's pooler say ([`crate::Cluster::may_keep`]).
+    pub(crate) fn on(cluster: &crate::Cluster, host: &HostName, client: &deadpool_postgres::Object) -> Kept {
         let o = cluster.options();
-        if !cluster.may_keep(host, client) {
-            return Kept { direct: false, point: false, fan_out: false, bound: 0 };
+        let may = cluster.may_keep(host, client);
+        if may != crate::cluster::MayKeep::Yes {
+            return Kept { may, point: false, fan_out: false, bound: 0 };
         }
-        // Room for a few shapes of fan-out (a window, a count, a listing) over the
-        // host's batches, so that they do not empty each other's.
-        let bound = if o.fan_out_prepared {
-            o.statement_cache.max(FAN_OUT_KEPT_AT_LEAST).max(pieces.saturating_mul(4))
-        } else {
+        // The statement cache asked for bounds everything kept. Without one, fan-outs
+        // get room for a few shapes (a window, a count, a listing) over the batches of
+        // a host that held every shard, so that they do not empty each other's.
+        let bound = if o.statement_cache > 0 || !o.fan_out_prepared {
             o.statement_cache
+        } else {
+            let batches = usize::from(cluster.map().count().get()).div_ceil(o.fan_out_batch.max(1));
+            FAN_OUT_KEPT_AT_LEAST.max(batches.saturating_mul(4))
         };
-        Kept { direct: true, point: o.statement_cache > 0, fan_out: o.fan_out_prepared, bound }
+        Kept { may, point: o.statement_cache > 0, fan_out: o.fan_out_prepared, bound }
     }
 
     /// Empties `client`'s cache when it is full (the bound, one at least), before more
@@ -295,19 +292,19 @@ pub(crate) async fn run(
 ) -> Result<Vec<Row>> {
     let (host, shard) = (&route.host, Some(route.shard));
     let types = cluster.types().covering(client, host, shard, &route.schema, table, kinds, returned).await?;
-    let kept = Kept::on(cluster, host, client, 0);
+    let kept = Kept::on(cluster, host, client);
     match types.of(kinds, returned) {
         Some(t) if !kept.point => client
             .query_typed(sql, &typed(params, &t))
             .await
             .map_err(|e| crate::statement_error(host, shard, what, e, &t, params)),
-        None if !kept.direct => {
+        None if kept.may != crate::cluster::MayKeep::Yes => {
             let names = kinds.iter().filter_map(|k| match k {
                 Param::Column(c) => Some(*c),
                 Param::Int8 => None,
             });
             let column = types.first_foreign(names.chain(returned.iter().copied())).unwrap_or("?");
-            Err(schema_type_refused(host, table, column))
+            Err(kept.may.refusal(host, || schema_type_refused(host, table, column)))
         }
         _ => {
             // Kept per connection (a type of the schema needs it, or the cache is on),
