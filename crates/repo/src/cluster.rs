@@ -1047,19 +1047,7 @@ fn make_pool(
                     Some(declared) => declared,
                     None => {
                         let found = crate::pooler::behind_pooler(client);
-                        let found = match tokio::time::timeout(connect_timeout, found).await {
-                            Ok(Ok(found)) => found,
-                            Ok(Err(e)) => {
-                                return Err(deadpool_postgres::HookError::message(format!(
-                                    "check for a pooler: {e}"
-                                )));
-                            }
-                            Err(_) => {
-                                return Err(deadpool_postgres::HookError::message(format!(
-                                    "check for a pooler: no answer within {connect_timeout:?}"
-                                )));
-                            }
-                        };
+                        let found = hook_step("check for a pooler", connect_timeout, found).await?;
                         if pooler.record(found) {
                             tracing::warn!(
                                 host = %host,
@@ -1075,19 +1063,7 @@ fn make_pool(
                 };
                 if generic && !behind {
                     let set = client.batch_execute("SET plan_cache_mode = force_generic_plan");
-                    match tokio::time::timeout(connect_timeout, set).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => {
-                            return Err(deadpool_postgres::HookError::message(format!(
-                                "set plan_cache_mode: {e}"
-                            )));
-                        }
-                        Err(_) => {
-                            return Err(deadpool_postgres::HookError::message(format!(
-                                "set plan_cache_mode: no answer within {connect_timeout:?}"
-                            )));
-                        }
-                    }
+                    hook_step("set plan_cache_mode", connect_timeout, set).await?;
                 }
                 Ok(())
             })
@@ -1109,6 +1085,20 @@ fn make_pool(
         .create_timeout(Some(options.connect_timeout))
         .build()
         .map_err(|e| Error::Pool { host: name.clone(), message: e.to_string(), timed_out: false })
+}
+
+/// One step of a new connection's set-up, within `timeout`; its failure, or its
+/// silence, fails the connection, saying `what`.
+async fn hook_step<T, E: std::fmt::Display>(
+    what: &str,
+    timeout: Duration,
+    step: impl std::future::Future<Output = std::result::Result<T, E>>,
+) -> std::result::Result<T, deadpool_postgres::HookError> {
+    match tokio::time::timeout(timeout, step).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(e)) => Err(deadpool_postgres::HookError::message(format!("{what}: {e}"))),
+        Err(_) => Err(deadpool_postgres::HookError::message(format!("{what}: no answer within {timeout:?}"))),
+    }
 }
 
 /// Brings the pools in line with the catalog's `hosts` and `map`: a pool for each host
