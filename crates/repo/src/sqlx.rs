@@ -290,19 +290,32 @@ async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Resul
 }
 
 /// Whether `schema` is gone from the host `conn` is on (the shard moved, or is fenced
-/// for a move), or is a revert's copy there that is not the shard's yet (its tables
-/// guarded by [`crate::REVERT_GUARD`]); `false` when that cannot be told.
+/// for a move), or is a copy there that is not the shard's yet (its tables guarded by
+/// [`crate::REVERT_GUARD`], and the guard refuses writes); `false` when that cannot be
+/// told. Guards a move left for `gc` on the shard's new copy let writes through (their
+/// move decided to flip): they do not count. Whether a guard refuses is asked of the
+/// guard itself, with a statement that changes nothing (`DELETE ... WHERE false` fires
+/// it, as it would fire for any write); a probe that fails for another reason (no
+/// `DELETE` right) counts the guard as refusing, as before such guards were told apart.
 async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
-    ::sqlx::query_scalar::<_, bool>(
-        "SELECT to_regnamespace($1) IS NULL
-             OR EXISTS (SELECT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
-                         WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2)",
+    let guarded: std::result::Result<(bool, Option<String>), _> = ::sqlx::query_as(
+        "SELECT to_regnamespace($1) IS NULL,
+                (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t
+                   JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2 LIMIT 1)",
     )
     .bind(schema.as_str())
     .bind(crate::REVERT_GUARD)
-    .fetch_one(conn)
-    .await
-    .unwrap_or(false)
+    .fetch_one(&mut *conn)
+    .await;
+    match guarded {
+        Ok((true, _)) => true,
+        Ok((false, None)) | Err(_) => false,
+        Ok((false, Some(table))) => {
+            let probe = ::sqlx::AssertSqlSafe(format!("DELETE FROM {table} WHERE false"));
+            ::sqlx::raw_sql(probe).execute(&mut *conn).await.is_err()
+        }
+    }
 }
 
 /// The sqlx path's refusal behind a transaction-mode pooler (declared, or found out:
