@@ -295,9 +295,12 @@ async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Resul
 /// told. Guards a move left for `gc` on the shard's new copy let writes through (their
 /// move decided to flip): they do not count. Whether a guard refuses is asked of the
 /// guard itself, with a statement that changes nothing (`DELETE ... WHERE false` fires
-/// it, as it would fire for any write); a probe that fails for another reason (no
-/// `DELETE` right) counts the guard as refusing, as before such guards were told apart.
-async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
+/// it, as it would fire for any write), in a transaction rolled back after it; a probe
+/// that fails for another reason (no `DELETE` right, a lock held past 2 s) counts the
+/// guard as refusing, as before such guards were told apart.
+/// The second value says whether the connection is as it was (false when the probe's
+/// `ROLLBACK` failed: close it rather than hand it out again).
+async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> (bool, bool) {
     let guarded: std::result::Result<(bool, Option<String>), _> = ::sqlx::query_as(
         "SELECT to_regnamespace($1) IS NULL,
                 (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t
@@ -309,11 +312,18 @@ async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
     .fetch_one(&mut *conn)
     .await;
     match guarded {
-        Ok((true, _)) => true,
-        Ok((false, None)) | Err(_) => false,
+        Ok((true, _)) => (true, true),
+        Ok((false, None)) | Err(_) => (false, true),
         Ok((false, Some(table))) => {
-            let probe = ::sqlx::AssertSqlSafe(format!("DELETE FROM {table} WHERE false"));
-            ::sqlx::raw_sql(probe).execute(&mut *conn).await.is_err()
+            // In a transaction rolled back whatever happens, so that what the table's
+            // other statement triggers do on a DELETE is undone; a lock held on the
+            // table (a fence taking it) is waited for a little only.
+            let probe = ::sqlx::AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL lock_timeout = '2s'; DELETE FROM {table} WHERE false"
+            ));
+            let refused = ::sqlx::raw_sql(probe).execute(&mut *conn).await.is_err();
+            let rolled_back = ::sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.is_ok();
+            (refused || !rolled_back, rolled_back)
         }
     }
 }
@@ -735,10 +745,11 @@ impl Sqlx {
         // shard's schema is gone from here (fenced or moved)? Then it runs again where
         // the shard is. A table missing from a schema that is there is the caller's.
         // Asked on the same connection (a full pool cannot delay the answer).
+        let mut clean = rolled_back;
         if rolled_back && (matches!(error, Error::RolledBack { .. }) || error.is_moved()) {
-            *moved = schema_gone(conn.conn(), &schema).await;
+            (*moved, clean) = schema_gone(conn.conn(), &schema).await;
         }
-        if rolled_back {
+        if clean {
             conn.release();
         }
         Err(error)
@@ -793,10 +804,11 @@ impl Sqlx {
                 // A statement that says a table or its schema is missing is asked about
                 // on the same connection: gone from here, the shard moved (or is
                 // fenced), and the work runs again where it is.
-                if sound && !open && error.is_moved() {
-                    *moved = schema_gone(conn.conn(), &schema).await;
+                let mut clean = sound && !open;
+                if clean && error.is_moved() {
+                    (*moved, clean) = schema_gone(conn.conn(), &schema).await;
                 }
-                if sound && !open {
+                if clean {
                     conn.release();
                 }
                 Err(error)
