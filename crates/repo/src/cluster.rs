@@ -566,7 +566,8 @@ impl MayKeep {
         match self {
             MayKeep::Retired => Error::Pool {
                 host: host.clone(),
-                message: "the host was readdressed while the statement waited; nothing was sent".into(),
+                message: "the host was readdressed while the statement waited; the statement was not sent"
+                    .into(),
                 timed_out: false,
             },
             MayKeep::Yes | MayKeep::No => refused(),

@@ -1167,7 +1167,10 @@ impl<E: Entity> Repo<E> {
                     if kept.fan_out {
                         kept.make_room(&client);
                     }
-                    let keep = kept.fan_out;
+                    // Not when the cache could not hold this fan-out's statements (a
+                    // `statement_cache` set below them): it would prepare them all again
+                    // on every call.
+                    let keep = kept.fan_out && pieces_ref.len() <= kept.bound;
                     let (client, select) = (&client, &select);
                     let statements = pieces_ref.iter().map(|piece| async move {
                         let schemas: Vec<SchemaName> =

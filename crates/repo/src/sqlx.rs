@@ -295,9 +295,11 @@ async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Resul
 /// told. Guards a move left for `gc` on the shard's new copy let writes through (their
 /// move decided to flip): they do not count. Whether a guard refuses is asked of the
 /// guard itself, with a statement that changes nothing (`DELETE ... WHERE false` fires
-/// it, as it would fire for any write), in a transaction rolled back after it; a probe
-/// that fails for another reason (no `DELETE` right, a lock held past 2 s) counts the
-/// guard as refusing, as before such guards were told apart.
+/// it, as it would fire for any write), in a transaction rolled back after it, on a
+/// table the session may delete from and without rules if there is one; a probe that
+/// fails for another reason (no `DELETE` right, a trigger of the application's that
+/// refuses deletes, a lock held past 2 s) counts the guard as refusing, as before such
+/// guards were told apart: the work then waits for a move.
 /// The second value says whether the connection is as it was (false when the probe's
 /// `ROLLBACK` failed: close it rather than hand it out again).
 async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> (bool, bool) {
@@ -305,7 +307,9 @@ async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> (bool, boo
         "SELECT to_regnamespace($1) IS NULL,
                 (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t
                    JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2 LIMIT 1)",
+                  WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2
+                  ORDER BY has_table_privilege(c.oid, 'DELETE') DESC, c.relhasrules, c.relkind <> 'r'
+                  LIMIT 1)",
     )
     .bind(schema.as_str())
     .bind(crate::REVERT_GUARD)

@@ -389,7 +389,9 @@ fn is_password_key(k: &str) -> bool {
 /// password, or libpq's passphrase of the client key (`sslpassword`), decoded as
 /// [`is_password_key`] decodes.
 fn is_secret_key(k: &str) -> bool {
-    is_password_key(k) || percent_decode(k).eq_ignore_ascii_case("sslpassword")
+    // As a URL parser that drops tabs and line breaks reads it (sqlx's does).
+    let k: String = percent_decode(k).chars().filter(|c| !matches!(c, '\t' | '\r' | '\n')).collect();
+    is_password_key(&k) || k.eq_ignore_ascii_case("sslpassword")
 }
 
 /// A URL with its secrets as `***`: the user's password (as [`mask_userinfo`] finds it,
@@ -1222,6 +1224,7 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             "postgres://h:5432/db?password=hun@ter2",
             "postgres://u:pw@h/db?password=hun@ter2&sslmode=require",
             "postgres://h/db?sslpassword=hunter2?x&password=hunter2@y",
+            "postgres://h/db?pass\tword=hunter2",
         ] {
             let shown = redact(url);
             assert!(!shown.contains("hunter2"), "{url} shown as {shown}");
