@@ -703,3 +703,89 @@ pub(crate) async fn a_non_superuser_with_a_mixed_case_name_installs_beside_a_tem
         .await?;
     Ok(())
 }
+
+/// Functions and operators a role may make in `public` (every role could, before
+/// PostgreSQL 15), each raising an error when called: the minter's calls must reach
+/// `pg_catalog`'s. Every binary operator the minter could use, for each pair of the
+/// number and text types (an overload matching better than `pg_catalog`'s would win
+/// on a path where `pg_catalog` comes first; one matching as well wins on a path that
+/// names `public` before it), and the functions it calls, with the argument types a
+/// quoted name would resolve to.
+const TRAPS: &str = r#"
+DO $traps$
+DECLARE
+    o text;
+    l text;
+    r text;
+    n integer := 0;
+BEGIN
+    FOREACH o IN ARRAY ARRAY['+', '-', '*', '/', '<<', '>>', '|', '&', '||', '<', '<=', '>', '>=', '=', '<>'] LOOP
+        FOREACH l IN ARRAY ARRAY['smallint', 'integer', 'bigint', 'double precision', 'numeric', 'text'] LOOP
+            FOREACH r IN ARRAY ARRAY['smallint', 'integer', 'bigint', 'double precision', 'numeric', 'text'] LOOP
+                n := n + 1;
+                EXECUTE format('CREATE FUNCTION public.trap_%s(%s, %s) RETURNS %s LANGUAGE plpgsql AS $f$BEGIN RAISE EXCEPTION ''trap: public.%s(%s, %s) was called''; END$f$',
+                    n, l, r, CASE WHEN o IN ('<', '<=', '>', '>=', '=', '<>') THEN 'boolean' ELSE l END, o, l, r);
+                EXECUTE format('CREATE OPERATOR public.%s (FUNCTION = public.trap_%s, LEFTARG = %s, RIGHTARG = %s)', o, n, l, r);
+            END LOOP;
+        END LOOP;
+    END LOOP;
+END
+$traps$;
+CREATE FUNCTION public.trap_fn(what text) RETURNS bigint LANGUAGE plpgsql AS $f$BEGIN RAISE EXCEPTION 'trap: public.% was called', what; END$f$;
+CREATE FUNCTION public.nextval(text) RETURNS bigint LANGUAGE sql AS $f$SELECT public.trap_fn('nextval(text)')$f$;
+CREATE FUNCTION public.nextval(regclass) RETURNS bigint LANGUAGE sql AS $f$SELECT public.trap_fn('nextval(regclass)')$f$;
+CREATE FUNCTION public.currval(text) RETURNS bigint LANGUAGE sql AS $f$SELECT public.trap_fn('currval(text)')$f$;
+CREATE FUNCTION public.currval(regclass) RETURNS bigint LANGUAGE sql AS $f$SELECT public.trap_fn('currval(regclass)')$f$;
+CREATE FUNCTION public.date_part(text, timestamptz) RETURNS double precision LANGUAGE sql AS $f$SELECT public.trap_fn('date_part')::double precision$f$;
+CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE sql AS $f$SELECT to_timestamp(public.trap_fn('now'))$f$;
+CREATE FUNCTION public.current_setting(text, boolean) RETURNS text LANGUAGE sql AS $f$SELECT public.trap_fn('current_setting')::text$f$;
+CREATE FUNCTION public.generate_series(integer, integer) RETURNS SETOF integer LANGUAGE sql AS $f$SELECT public.trap_fn('generate_series')::integer$f$;
+CREATE FUNCTION public.trap_agg(bigint, bigint) RETURNS bigint LANGUAGE sql AS $f$SELECT public.trap_fn('min or max')$f$;
+CREATE AGGREGATE public.min(bigint) (SFUNC = public.trap_agg, STYPE = bigint);
+CREATE AGGREGATE public.max(bigint) (SFUNC = public.trap_agg, STYPE = bigint);
+"#;
+
+shardline_testkit::register!(shared: a_function_or_operator_made_in_public_never_takes_the_minters_calls);
+pub(crate) async fn a_function_or_operator_made_in_public_never_takes_the_minters_calls(
+    ctx: TestContext,
+) -> TestResult {
+    let (db, client) = shard_db(&ctx, 1, &minter()).await?;
+    client.batch_execute(TRAPS).await?;
+    // The traps work: a plain call on the default path takes `public.nextval(text)`.
+    let err = client.query_one(&format!("SELECT nextval('{}')", minter().sequence()), &[]).await.unwrap_err();
+    assert!(format!("{err:?}").contains("trap: public.nextval(text)"), "{err:?}");
+    for path in ["\"$user\", public", "public, pg_catalog"] {
+        let c = ctx.hosts()[1].connect(&db).await?;
+        c.batch_execute(&format!("SET search_path = {path}")).await?;
+        // The first insert of a session takes the slow path (no lease yet), the next ones
+        // the fast path; then a block, and a decoding.
+        for n in 0..3i64 {
+            c.execute(&format!("INSERT INTO {SCHEMA}.photos (n) VALUES ($1)"), &[&n])
+                .await
+                .map_err(|e| format!("insert on search_path {path}: {e:?}"))?;
+        }
+        let block = c
+            .query_one(&format!("SELECT first_value, last_value FROM {SCHEMA}.reserve_ids(10)"), &[])
+            .await
+            .map_err(|e| format!("reserve_ids on search_path {path}: {e:?}"))?;
+        assert_eq!(block.get::<_, i64>(1) - block.get::<_, i64>(0), 9);
+        let shards = c
+            .query(&format!("SELECT ({SCHEMA}.id_parts(id)).shard FROM {SCHEMA}.photos"), &[])
+            .await
+            .map_err(|e| format!("id_parts on search_path {path}: {e:?}"))?;
+        assert!(shards.iter().all(|r| r.get::<_, i32>(0) == 5));
+    }
+    let check = ctx.hosts()[1].connect(&db).await?;
+    check.batch_execute("SET search_path = pg_catalog").await?;
+    let made = ids(&check, &format!("SELECT id FROM {SCHEMA}.photos ORDER BY n, id")).await?;
+    assert_eq!(made.len(), 6);
+    let distinct: HashSet<Id> = made.iter().copied().collect();
+    assert_eq!(distinct.len(), 6);
+    let now = i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis())?;
+    for id in &made {
+        let parts = L.decode(*id);
+        assert_eq!(parts.shard, SHARD, "{id:?}");
+        assert!((now - parts.unix_ms).abs() < 60_000, "{id:?} at {now}");
+    }
+    Ok(())
+}

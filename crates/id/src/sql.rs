@@ -474,12 +474,28 @@ impl ShardSql {
         let compose = |v: &str| {
             format!("((({v} >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint | ({v} & {max_seq}))")
         };
-        let now_ticks = format!("((date_part('epoch', now()) * 1000)::bigint + ({offset}) - {epoch})");
+        // `next_id()` and `id_parts()` run under their caller's `search_path`: every
+        // function and operator they call is named in `pg_catalog`, so one of the same
+        // name in a schema on that path (`public.nextval(text)` wins over
+        // `pg_catalog.nextval(regclass)` for a quoted name) is never called instead.
+        // (A `SET search_path` on the function would cost every insert a GUC change.)
+        let op = |o: &str| format!("OPERATOR(pg_catalog.{o})");
+        let (shr, shl, or, and) = (op(">>"), op("<<"), op("|"), op("&"));
+        let (plus, minus, times, le, cat) = (op("+"), op("-"), op("*"), op("<="), op("||"));
+        let now_ticks = format!(
+            "((pg_catalog.date_part('epoch', pg_catalog.now()) {times} 1000)::bigint {plus} ({offset}) {minus} {epoch})"
+        );
+        let seq_arg = format!("'{seq}'::pg_catalog.regclass");
         // nextval first, then currval for the same value: Postgres evaluates an
         // operator's arguments left to right.
         let fast = format!(
-            "((((nextval('{seq}') >> {seq_bits}) << {ts_shift}) | {shard_part}::bigint) | (currval('{seq}') & {max_seq}))"
+            "((((pg_catalog.nextval({seq_arg}) {shr} {seq_bits}) {shl} {ts_shift}) {or} {shard_part}::bigint) {or} (pg_catalog.currval({seq_arg}) {and} {max_seq}))"
         );
+        // The lease, or -1 without one: unset is NULL, and a setting whose transaction
+        // rolled back is '' ('0' put before it reads as 0, never a lease; NULLIF would
+        // look `=` up on the path).
+        let lease =
+            format!("coalesce(('0' {cat} pg_catalog.current_setting('{lease_guc}', true))::bigint, -1)");
         let slow_compose = compose("v");
         format!(
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
@@ -508,7 +524,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $fn$
 BEGIN
-    RETURN CASE WHEN {now_ticks} <= coalesce(nullif(current_setting('{lease_guc}', true), '')::bigint, -1)
+    RETURN CASE WHEN {now_ticks} {le} {lease}
         THEN {fast}
         ELSE {s}.shardline_catch_up()
     END;
@@ -517,11 +533,11 @@ $fn$;
 
 CREATE OR REPLACE FUNCTION {s}.id_parts(id bigint, OUT unix_ms bigint, OUT shard integer, OUT sequence integer)
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
-SELECT (id >> {ts_shift}) + {epoch}, ((id >> {shard_shift}) & {max_shard})::integer, (id & {max_seq})::integer
+SELECT (id {shr} {ts_shift}) {plus} {epoch}, ((id {shr} {shard_shift}) {and} {max_shard})::integer, (id {and} {max_seq})::integer
 $fn$;
 
 CREATE OR REPLACE FUNCTION {s}.reserve_ids(n integer) RETURNS TABLE (first_value bigint, last_value bigint)
-LANGUAGE plpgsql VOLATILE AS $fn$
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $fn$
 BEGIN
     IF n IS NULL OR n < 1 OR n > {max_reserve} THEN
         RAISE EXCEPTION 'reserve_ids: n must be between 1 and {max_reserve}, not %', n
