@@ -165,7 +165,7 @@ async fn main() -> Result<(), BoxError> {
     )
     .await;
     let (log_many, log_one) = time_batches().await;
-    moves::abort(&config, moving).await?;
+    moves::abort(&config, moving, &MoveOptions::default()).await?;
     println!("the change log's cost to writers (shard {shard}, same process, same connections):");
     println!(
         "  20 x insert_many(1000): {:.0} ms without, {:.0} ms with the triggers: {:.2}x",

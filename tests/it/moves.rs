@@ -71,6 +71,30 @@ pub(crate) async fn a_journal_row_naming_no_possible_shard_is_an_error_naming_th
     assert_eq!(err.to_string(), format!("move {id}: logical shard 9000 is out of range 0..8192"));
     let said = cli(&f, &["moves"]).await.unwrap_err();
     assert!(said.contains(&format!("move {id}: logical shard 9000 is out of range 0..8192")), "{said}");
+    // A name the mover would put into SQL (its publication's, say) that is not one it
+    // makes: refused where the journal is read, before `gc` or a resume runs anything.
+    let catalog = f.client(&ctx, 0).await?;
+    catalog.execute("DELETE FROM shardline.moves WHERE id = $1", &[&id]).await?;
+    let id: i64 = catalog
+        .query_one(
+            r#"INSERT INTO shardline.moves (shard, source, target, step, state, detail)
+               VALUES (1, 'pg1', 'pg2', 'started', 'failed',
+                       '{"name": "x; DROP SCHEMA shardline CASCADE; --"}') RETURNING id"#,
+            &[],
+        )
+        .await?
+        .get(0);
+    let err = moves::list(&config).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "move {id}: its detail's name \"x; DROP SCHEMA shardline CASCADE; --\" is not a name shardline makes: it may hold only lowercase ASCII letters, digits and underscores"
+        )
+    );
+    let said = cli(&f, &["gc", "--grace", "0s"]).await.unwrap_err();
+    assert!(said.contains(&format!("move {id}: its detail's name")), "{said}");
+    let left: i64 = catalog.query_one("SELECT count(*) FROM shardline.moves", &[]).await?.get(0);
+    assert_eq!(left, 1);
     Ok(())
 }
 
@@ -501,7 +525,7 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
                 let said = cli(&f, &["move", "--abort", "0"]).await?;
                 assert!(said.starts_with("move ") && said.contains(&format!("stays on {on}")), "{said}");
             } else {
-                let undone = moves::abort(&config, crate::shard(0)).await?;
+                let undone = moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
                 assert_eq!(undone.unfenced, step.pauses_writes(), "{step}");
             }
             assert_eq!(counts(&f, &ctx, host_index(on), "shard_0000").await?, Some(expected), "{step}");
@@ -514,7 +538,7 @@ pub(crate) async fn a_move_stopped_after_any_step_is_resumed_or_undone(ctx: Test
             let err = moves::run(&config, crate::shard(0), &crate::host(other), &stopping).await.unwrap_err();
             assert!(matches!(err, OpsError::Interrupted { .. }), "{err}");
         } else {
-            let err = moves::abort(&config, crate::shard(0)).await.unwrap_err();
+            let err = moves::abort(&config, crate::shard(0), &MoveOptions::default()).await.unwrap_err();
             assert!(matches!(err, OpsError::Flipped { .. }), "{err}");
         }
         // Finish it.
@@ -670,10 +694,10 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     //    is back, abort unfences it.
     moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::Fenced)).await.unwrap_err();
     pg3.kill().await?;
-    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
+    let err = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{err}");
     pg3.start().await?;
-    let undone = moves::abort(&config, crate::shard(2)).await?;
+    let undone = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?;
     assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{undone}");
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([40, 40, 40]));
     assert_eq!(counts(&f, &ctx, 1, "shard_0002").await?, None);
@@ -685,7 +709,7 @@ pub(crate) async fn hosts_dying_mid_move_leave_one_writable_copy_and_nothing_orp
     //    leaves the target's part, named, to gc.
     moves::run(&config, crate::shard(2), &crate::host("pg2"), &stop_after(Step::Synced)).await.unwrap_err();
     pg2.kill().await?;
-    let undone = moves::abort(&config, crate::shard(2)).await?;
+    let undone = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?;
     assert!(undone.unfenced && !undone.cleanup_pending.is_empty(), "{undone}");
     fresh.repo::<Photo>()?.insert(&photo(2, 51)).await?;
     assert_eq!(counts(&f, &ctx, 2, "shard_0002").await?, Some([42, 40, 40]));
@@ -898,7 +922,7 @@ pub(crate) async fn a_mover_killed_anywhere_leaves_a_move_to_resume_or_undo(ctx:
             // leaves a move that can only be finished: abort refuses, naming the resume.
             let undo = i % 2 == 1 && last.step < Step::Flipped;
             let undone = if undo {
-                match moves::abort(&config, crate::shard(0)).await {
+                match moves::abort(&config, crate::shard(0), &MoveOptions::default()).await {
                     Ok(_) => true,
                     Err(OpsError::FlipDecided { shard, .. }) => {
                         assert_eq!(shard, crate::shard(0), "kill {i}");
@@ -1036,7 +1060,7 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
             let abort = step < Step::Flipped && (i + usize::from(victim_is_source)) % 2 == 0;
             let recover = || async {
                 if abort {
-                    moves::abort(&config, crate::shard(2)).await.map(|_| ())
+                    moves::abort(&config, crate::shard(2), &MoveOptions::default()).await.map(|_| ())
                 } else {
                     moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.map(|_| ())
                 }
@@ -1116,7 +1140,7 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
     assert!(matches!(err, OpsError::Undoing { shard, .. } if shard == 2), "{err}");
     assert!(err.to_string().contains("shardline move --abort 2"), "{err}");
-    assert!(moves::abort(&config, crate::shard(2)).await?.unfenced);
+    assert!(moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?.unfenced);
     assert_eq!(counts(&f, &ctx, host_index(on), "shard_0002").await?, Some(expected));
     eprintln!(
         "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down, \
@@ -1296,7 +1320,7 @@ async fn pause_cases(
                 // Odd cases are undone when still possible, the others resumed; an undo
                 // begun (and cut short by the hung host) is finished.
                 if m.detail.undoing || (i % 2 == 1 && m.step < Step::Flipped) {
-                    moves::abort(&config, crate::shard(3))
+                    moves::abort(&config, crate::shard(3), &MoveOptions::default())
                         .await
                         .map_err(|e| format!("{case}: abort: {e}"))?;
                 } else {
@@ -1596,7 +1620,7 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
         .await?
         .get(0);
     assert_eq!(max, last, "fenced: capped at its last value");
-    assert!(moves::abort(&config, crate::shard(0)).await?.unfenced);
+    assert!(moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?.unfenced);
     let max: i64 = pg2
         .query_one("SELECT max_value FROM pg_sequences WHERE schemaname = 'shard_0000' AND sequencename = 'shardline_id_seq'", &[])
         .await?
@@ -1872,7 +1896,7 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     let err = mover.await?.unwrap_err();
     assert!(err.to_string().contains("pg2"), "{case}: the move fails naming the source: {err}");
     assert_eq!(latest_state(&config).await?, State::Running, "{case}");
-    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
+    let err = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg2"), "{case}: abort needs the source: {err}");
     assert_eq!(latest_state(&config).await?, State::Running, "{case}");
     pg2.start().await?;
@@ -1905,7 +1929,7 @@ pub(crate) async fn a_host_killed_inside_a_step_leaves_one_writable_copy(ctx: Te
     let err = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await.unwrap_err();
     assert!(err.to_string().contains("pg3"), "{case}: resume needs the source: {err}");
     pg3.start().await?;
-    let undone = moves::abort(&config, crate::shard(2)).await?;
+    let undone = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?;
     assert!(undone.unfenced && undone.cleanup_pending.is_empty(), "{case}: {undone}");
     one_writable_copy(&f, &ctx, case, "pg3", &mut expected).await?;
 
@@ -2177,7 +2201,7 @@ pub(crate) async fn a_flip_decided_on_the_source_is_completed_by_a_router_never_
         source.query_one("SELECT outcome FROM shardline.resolve_fence('shard_0002')", &[]).await?.get(0);
     assert_eq!(outcome, "flip");
     assert!(!live(&f, &ctx, 1, "shard_0002").await?, "the source stays fenced");
-    let err = moves::abort(&config, crate::shard(2)).await.unwrap_err();
+    let err = moves::abort(&config, crate::shard(2), &MoveOptions::default()).await.unwrap_err();
     assert!(matches!(err, OpsError::FlipDecided { id: i, shard } if i == id && shard == 2), "{err}");
 
     let (first, took) = timed_insert(&cluster, 100).await?;
@@ -2398,7 +2422,7 @@ pub(crate) async fn a_move_whose_copy_keeps_its_guards_leaves_the_shard_writable
     assert!(matches!(err, OpsError::Interrupted { step: Step::Prepared, .. }), "{err}");
     let row = pg2.query_one(left, &[]).await?;
     assert_eq!(row.get::<_, i64>(0), 0, "the next move dropped its source's stale guards");
-    moves::abort(&config, crate::shard(0)).await?;
+    moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
     // The copy's ID sequence capped as the carry leaves it, as when the decision never
     // reached the copy (its host down from the decision through the clean-up): `gc`
     // lifts it where the map places the shard. (Before, nothing did: every insert
@@ -2927,12 +2951,12 @@ pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy
         // fence's lease).
         let fenced = step >= Step::Fenced;
         if fenced {
-            moves::abort(&config, crate::shard(0)).await?;
+            moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
         }
         let written = stale.repo::<Photo>()?.insert(&photo(0, 7000)).await?;
         assert_eq!(stale.route_user(0).host.as_str(), other, "{step}: the write went where the shard is");
         if !fenced {
-            moves::abort(&config, crate::shard(0)).await?;
+            moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
         }
         let again = Cluster::connect(&config, ClusterOptions::default()).await?;
         assert_eq!(again.repo::<Photo>()?.get(written.id).await?.map(|p| p.id), Some(written.id), "{step}");
@@ -3470,7 +3494,11 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
             })
             .await?;
         let abort_config = config.clone();
-        let work = async move { moves::abort(&abort_config, crate::shard(2)).await };
+        // A hung source is given up on after the abort's own `hung_after` (5 s here, 15 s
+        // by default).
+        let mut abort_options = MoveOptions::default();
+        abort_options.hung_after = Duration::from_secs(5);
+        let work = async move { moves::abort(&abort_config, crate::shard(2), &abort_options).await };
         let app = format!("shardline move {id}");
         let (aborted, took) = freeze_while_it_waits(&f, kit, h, &app, work).await?;
         blocker.batch_execute("ROLLBACK").await?;
@@ -3485,9 +3513,15 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
         } else {
             let e = aborted.err().ok_or("the abort with the source hung succeeded")?;
             assert!(e.to_string().contains("pg2"), "the error names the source: {e}");
+            assert!(
+                took < Duration::from_secs(14),
+                "the abort kept its hung_after (5 s; 15 s by default): {took:?}"
+            );
             let m = moves::list(&config).await?.into_iter().max_by_key(|m| m.id).ok_or("no move")?;
             assert_eq!(m.state, State::Running, "the move stays as it was");
-            moves::abort(&config, crate::shard(2)).await.map_err(|e| format!("abort once thawed: {e}"))?;
+            moves::abort(&config, crate::shard(2), &MoveOptions::default())
+                .await
+                .map_err(|e| format!("abort once thawed: {e}"))?;
         }
         let m = moves::list(&config).await?.into_iter().max_by_key(|m| m.id).ok_or("no move")?;
         assert_eq!(m.state, State::RolledBack);
@@ -3964,5 +3998,111 @@ pub(crate) async fn the_copys_snapshot_waits_out_a_long_writer_in_short_tries(
     // Short tries: the first gave up well before the move's 2 s lock_timeout would have.
     assert!(tries < Duration::from_millis(1500), "the first try waited {tries:?}");
     eprintln!("      the copy's locks waited {} ms across tries for a long writer", tries.as_millis());
+    Ok(())
+}
+
+shardline_testkit::register!(shared: gc_journals_a_dropped_copy_on_its_own_move_only);
+/// `gc` records in the journal which move's old copy it dropped, by the move: with a
+/// schema prefix long enough that old copies are named `shardline_moved_<id>`, dropping
+/// move 11's copy once marked move 1's as dropped too (its name begins with move 1's),
+/// and move 1, still in its grace period, could no longer be reverted.
+pub(crate) async fn gc_journals_a_dropped_copy_on_its_own_move_only(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let prefix = format!("s{}_", "x".repeat(51));
+    let text = f.config_text()?.replacen(
+        "logical_shards = 4",
+        &format!("logical_shards = 4\nschema_prefix = \"{prefix}\""),
+        1,
+    );
+    std::fs::write(f.path(), text)?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let catalog = f.client(&ctx, 0).await?;
+    let ids = "pg_get_serial_sequence('shardline.moves', 'id')";
+    // Move 11 ends first, move 1 two seconds later: as when move 1 started first and took
+    // longer (ids are taken when a move starts).
+    catalog.query_one(&format!("SELECT setval({ids}, 10)"), &[]).await?;
+    let eleven = cli(&f, &["move", "1", "--to", "pg2", "--json"]).await?;
+    assert!(eleven.contains("\"id\": 11") || eleven.contains("\"id\":11"), "{eleven}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    catalog.query_one(&format!("SELECT setval({ids}, 1, false)"), &[]).await?;
+    let one = cli(&f, &["move", "0", "--to", "pg2", "--revertible", "--json"]).await?;
+    assert!(one.contains("\"id\": 1,") || one.contains("\"id\":1,"), "{one}");
+    let said = cli(&f, &["gc", "--grace", "1s"]).await?;
+    assert!(said.contains("dropped pg1: schema shardline_moved_11 (move 11)"), "{said}");
+    assert!(said.contains("kept pg1: schema shardline_moved_1 (grace period)"), "{said}");
+    let journal = moves::list(&config).await?;
+    let record = |id: i64| journal.iter().find(|m| m.id == id).ok_or(format!("move {id} in the journal"));
+    assert!(record(11)?.detail.source_dropped);
+    assert!(!record(1)?.detail.source_dropped, "move 1's old copy is still there");
+    // Move 1 can be reverted: its old copy is there, in its grace period.
+    let reverted = cli(&f, &["move", "0", "--revert"]).await?;
+    assert!(reverted.contains("pg2 -> pg1"), "{reverted}");
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    // A run that leaves work for the next (a host unreachable) prints its report and
+    // fails, so a script can tell it from a run that cleaned up.
+    let text = f.config_text()?;
+    f.write_config(
+        &ctx,
+        |i, u| if i == 1 { "postgres://postgres@127.0.0.1:9/nowhere".into() } else { u },
+        4,
+    )?;
+    let with_prefix = f.config_text()?.replacen(
+        "logical_shards = 4",
+        &format!("logical_shards = 4\nschema_prefix = \"{prefix}\""),
+        1,
+    );
+    std::fs::write(f.path(), with_prefix)?;
+    let (said, result) = cli_full(&f, &["gc", "--grace", "0s"]).await;
+    assert!(said.contains("unreachable pg2"), "{said}");
+    let err = result.unwrap_err();
+    assert!(
+        err.contains("gc left work for the next run: 1 host(s) unreachable, 0 thing(s) not done"),
+        "{err}"
+    );
+    std::fs::write(f.path(), text)?;
+    cli(&f, &["gc", "--grace", "0s"]).await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: resuming_every_move_tries_each_whatever_became_of_the_one_before);
+/// `move --resume` with no shard tries every running move: one that cannot be finished
+/// (here, one an interrupted abort left undoing, which only `--abort` finishes) is named
+/// with why, and the moves after it are finished all the same.
+pub(crate) async fn resuming_every_move_tries_each_whatever_became_of_the_one_before(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let stop = MoveOptions::default().stopping_after(Step::Prepared);
+    for (shard, to) in [(0, "pg2"), (1, "pg3")] {
+        let stopped = moves::run(&config, crate::shard(shard), &crate::host(to), &stop).await;
+        assert!(matches!(stopped, Err(OpsError::Interrupted { .. })), "{stopped:?}");
+    }
+    let running = moves::list(&config).await?;
+    let (first, second) = (running[0].id, running[1].id);
+    assert!(first < second);
+    f.client(&ctx, 0)
+        .await?
+        .execute(
+            "UPDATE shardline.moves SET detail = jsonb_set(detail, '{undoing}', 'true') WHERE id = $1",
+            &[&first],
+        )
+        .await?;
+    let err = cli(&f, &["move", "--resume"]).await.unwrap_err();
+    assert!(err.contains("1 of 2 running move(s) could not be resumed"), "{err}");
+    assert!(
+        err.contains(&format!("move {first} (shard 0): move {first} of shard 0 was being undone")),
+        "{err}"
+    );
+    assert!(err.contains(&format!("finished: move {second}")), "{err}");
+    let after = moves::list(&config).await?;
+    let state = |id: i64| after.iter().find(|m| m.id == id).map(|m| m.state);
+    assert_eq!((state(first), state(second)), (Some(State::Running), Some(State::Done)));
+    // The first is finished the way its error says.
+    cli(&f, &["move", "0", "--abort"]).await?;
+    assert_eq!(moves::list(&config).await?.iter().filter(|m| m.state == State::Running).count(), 0);
     Ok(())
 }

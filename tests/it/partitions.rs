@@ -239,7 +239,7 @@ pub(crate) async fn a_catalog_cut_off_inside_the_fence_holds_the_shard_no_longer
     // What the undo could not journal with the catalog cut off, `--abort` finishes.
     let journal = moves::list(&config).await?;
     if journal.iter().any(|m| m.state == State::Running) {
-        moves::abort(&config, crate::shard(0)).await?;
+        moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
     }
     let journal = moves::list(&config).await?;
     assert!(journal.iter().all(|m| m.state == State::RolledBack), "{journal:?}");
@@ -568,7 +568,7 @@ pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and
         let last = moves::list(&config).await?.into_iter().max_by_key(|m| m.id).ok_or("no move journaled")?;
         if last.state == State::Running {
             let t = Instant::now();
-            moves::abort(&config, crate::shard(0)).await?;
+            moves::abort(&config, crate::shard(0), &MoveOptions::default()).await?;
             assert!(t.elapsed() < Duration::from_secs(30), "the abort took {:?}", t.elapsed());
         }
         link.heal();

@@ -1,11 +1,13 @@
-//! `shardline id`: decode, encode and explain IDs without a database.
+//! `shardline id`: decode, encode and explain IDs without a database (the layout is the
+//! config's when its file exists).
 
 use std::io::Write;
+use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use shardline_id::{INSTAGRAM_EPOCH_MS, Id, Layout};
+use shardline_id::{Id, Layout};
 
 use crate::UsageError;
 
@@ -22,9 +24,10 @@ pub struct IdOpt {
 pub enum IdCommand {
     /// Split IDs into creation time, logical shard and sequence.
     Decode {
-        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's, 2011-08-24T21:07:01.721Z).
-        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
-        epoch_ms: i64,
+        /// The layout's epoch, in ms since the Unix epoch (default: the config's `id.epoch_ms`
+        /// when the config file exists, else Instagram's, 2011-08-24T21:07:01.721Z).
+        #[arg(long, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: Option<i64>,
         /// One JSON object per line: {"id":"<decimal>","unix_ms":..,"shard":..,"sequence":..}.
         #[arg(long)]
         json: bool,
@@ -43,9 +46,10 @@ pub enum IdCommand {
         /// Sequence number within the millisecond, 0 to 1023.
         #[arg(long, value_name = "N")]
         sequence: u32,
-        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
-        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
-        epoch_ms: i64,
+        /// The layout's epoch, in ms since the Unix epoch (default: the config's
+        /// `id.epoch_ms` when the config file exists, else Instagram's).
+        #[arg(long, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: Option<i64>,
     },
     /// Print the SQL that installs the ID minter (sequence, next_id(), id_parts(),
     /// reserve_ids()) in one shard schema, and the catch-up every schema of the database
@@ -57,15 +61,17 @@ pub enum IdCommand {
         /// The logical shard the schema holds, 0 to 8191.
         #[arg(long, value_name = "SHARD")]
         shard: u32,
-        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
-        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
-        epoch_ms: i64,
+        /// The layout's epoch, in ms since the Unix epoch (default: the config's
+        /// `id.epoch_ms` when the config file exists, else Instagram's).
+        #[arg(long, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: Option<i64>,
     },
     /// Show the layout: field widths, capacity, and when IDs turn negative or run out.
     Layout {
-        /// The layout's epoch, in ms since the Unix epoch (default: Instagram's).
-        #[arg(long, default_value_t = INSTAGRAM_EPOCH_MS, value_name = "MS", allow_negative_numbers = true)]
-        epoch_ms: i64,
+        /// The layout's epoch, in ms since the Unix epoch (default: the config's
+        /// `id.epoch_ms` when the config file exists, else Instagram's).
+        #[arg(long, value_name = "MS", allow_negative_numbers = true)]
+        epoch_ms: Option<i64>,
     },
 }
 
@@ -78,10 +84,18 @@ struct Decoded {
     sequence: u32,
 }
 
-fn layout(epoch_ms: i64) -> Result<Layout, UsageError> {
-    Layout::INSTAGRAM
-        .with_epoch(epoch_ms)
-        .map_err(|e| UsageError(format!("invalid value {epoch_ms} for --epoch-ms: {e}")))
+/// The layout: `--epoch-ms` when given; else the config's, when the config file exists
+/// (a cluster with an epoch of its own decodes with it); else Instagram's.
+fn layout(epoch_ms: Option<i64>, config: &Path) -> Result<Layout, UsageError> {
+    match epoch_ms {
+        Some(ms) => Layout::INSTAGRAM
+            .with_epoch(ms)
+            .map_err(|e| UsageError(format!("invalid value {ms} for --epoch-ms: {e}"))),
+        None if config.exists() => crate::cluster::load_config(config).map(|c| c.layout).map_err(|e| {
+            UsageError(format!("{e} (the ID layout is read from the config; --epoch-ms gives it instead)"))
+        }),
+        None => Ok(Layout::INSTAGRAM),
+    }
 }
 
 /// `unix_ms` as an RFC 3339 time in UTC, or as `N ms` where there is none (before 1970,
@@ -101,10 +115,10 @@ pub(crate) fn utc(unix_ms: i64) -> String {
 /// # Errors
 ///
 /// [`UsageError`] naming the field and its allowed range; I/O errors writing `out`.
-pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+pub fn run(opt: IdOpt, config: &Path, out: &mut dyn Write) -> anyhow::Result<()> {
     match opt.command {
         IdCommand::Decode { epoch_ms, json, ids } => {
-            let layout = layout(epoch_ms)?;
+            let layout = layout(epoch_ms, config)?;
             let parsed = ids
                 .iter()
                 .map(|s| {
@@ -128,7 +142,7 @@ pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
             }
         }
         IdCommand::Encode { unix_ms, shard, sequence, epoch_ms } => {
-            let layout = layout(epoch_ms)?;
+            let layout = layout(epoch_ms, config)?;
             if shard > layout.max_shard() {
                 return Err(UsageError(format!(
                     "invalid value {shard} for --shard: allowed 0 to {}",
@@ -155,7 +169,7 @@ pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
             writeln!(out, "{id}")?;
         }
         IdCommand::Sql { schema, shard, epoch_ms } => {
-            let layout = layout(epoch_ms)?;
+            let layout = layout(epoch_ms, config)?;
             let sql = shardline_id::sql::ShardSql::new(layout, &schema, shard).map_err(|e| match e {
                 shardline_id::Error::ShardOutOfRange { max, .. } => {
                     UsageError(format!("invalid value {shard} for --shard: allowed 0 to {max}"))
@@ -165,7 +179,7 @@ pub fn run(opt: IdOpt, out: &mut dyn Write) -> anyhow::Result<()> {
             write!(out, "{}", sql.install())?;
         }
         IdCommand::Layout { epoch_ms } => {
-            let l = layout(epoch_ms)?;
+            let l = layout(epoch_ms, config)?;
             let w = |out: &mut dyn Write, k: &str, v: String| writeln!(out, "{k:<24}{v}");
             w(
                 out,

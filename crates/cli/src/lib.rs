@@ -108,10 +108,10 @@ pub struct UsageError(pub String);
 ///
 /// [`UsageError`] for bad input; anything else for failures.
 pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    let Opt { config, command } = opt;
-    let config = || cluster::load_config(&config);
+    let Opt { config: config_path, command } = opt;
+    let config = || cluster::load_config(&config_path);
     match command {
-        Command::Id(o) => id::run(o, out),
+        Command::Id(o) => id::run(o, &config_path, out),
         #[cfg(feature = "demo")]
         Command::Demo(o) => demo::demo(&o, out),
         #[cfg(not(feature = "demo"))]

@@ -30,8 +30,8 @@ pub struct MoveOpt {
     #[arg(long)]
     pub resume: bool,
     /// Undo the shard's interrupted move (before its flip): the shard stays, writable,
-    /// on its source.
-    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy"])]
+    /// on its source. Of the other options, only `--hung-after` and `--json` apply.
+    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy", "max_lag", "lease", "stop_after"])]
     pub abort: bool,
     /// Keep the move revertible after its flip (`--revert`, until `gc` drops the old
     /// copy): a replication slot on the target keeps its WAL meanwhile.
@@ -134,11 +134,24 @@ pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     }
 }
 
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    let grace = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    if grace > shardline_ops::moves::MAX_GRACE {
+        return Err(format!("{s:?} is longer than the longest grace period, 100 years"));
+    }
+    Ok(grace)
+}
+
 fn parse_step(s: &str) -> Result<Step, String> {
-    Step::parse(s).ok_or_else(|| {
-        let all: Vec<&str> = Step::ALL.iter().map(|s| s.as_str()).collect();
-        format!("unknown step {s:?}; the steps are {}", all.join(", "))
-    })
+    // A move stops after `cleaned` by itself: not a step to stop after.
+    let stops = || Step::ALL.iter().filter(|s| **s != Step::Cleaned);
+    match Step::parse(s) {
+        Some(step) if step != Step::Cleaned => Ok(step),
+        _ => {
+            let all: Vec<&str> = stops().map(|s| s.as_str()).collect();
+            Err(format!("{s:?} is not a step a move can stop after; the steps are {}", all.join(", ")))
+        }
+    }
 }
 
 /// Options of `moves`.
@@ -183,7 +196,7 @@ pub struct RebalanceOpt {
 pub struct GcOpt {
     /// Keep a moved shard's old schema on its source this long after the move, so it
     /// can be inspected or copied back by hand.
-    #[arg(long, default_value = "24h", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "24h", value_name = "DURATION", value_parser = parse_grace)]
     pub grace: Duration,
     /// Print one JSON object.
     #[arg(long)]
@@ -284,7 +297,7 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     } else {
         let shard = need_shard()?;
         bar.finish_and_clear();
-        print_report(out, opt.json, &rt.block_on(shardline_ops::moves::abort(config, shard))?)?;
+        print_report(out, opt.json, &rt.block_on(shardline_ops::moves::abort(config, shard, &options))?)?;
     }
     Ok(())
 }
@@ -415,13 +428,22 @@ pub(crate) fn moves_failed(
 ///
 /// # Errors
 ///
-/// The catalog unreachable, or a statement failing.
+/// The catalog unreachable, or a statement failing; after the report is printed, work
+/// left for the next run (a host unreachable, or something that could not be done), so
+/// a script can tell a run that cleaned up from one that did not.
 pub fn gc(config: &Config, opt: &GcOpt, out: &mut dyn Write) -> anyhow::Result<()> {
     let report = runtime()?.block_on(shardline_ops::moves::gc(config, opt.grace))?;
     if opt.json {
         writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {
         writeln!(out, "{report}")?;
+    }
+    out.flush()?;
+    let (unreachable, left) = (report.unreachable.len(), report.left.len());
+    if unreachable + left > 0 {
+        anyhow::bail!(
+            "gc left work for the next run: {unreachable} host(s) unreachable, {left} thing(s) not done"
+        );
     }
     Ok(())
 }
@@ -431,7 +453,45 @@ mod tests {
     use clap::Parser;
     use shardline_ops::moves::{DEFAULT_MAX_RATE, MoveOptions};
 
-    use super::{CopyArgs, parse_lease, parse_max_lag, parse_rate};
+    use super::{CopyArgs, GcOpt, MoveOpt, parse_lease, parse_max_lag, parse_rate};
+
+    #[derive(Debug, Parser)]
+    struct Move {
+        #[command(flatten)]
+        opt: MoveOpt,
+    }
+
+    #[derive(Debug, Parser)]
+    struct Gc {
+        #[command(flatten)]
+        opt: GcOpt,
+    }
+
+    #[test]
+    fn options_an_abort_would_not_read_are_refused() {
+        let parse = |args: &[&str]| Move::try_parse_from(std::iter::once("move").chain(args.iter().copied()));
+        for extra in [["--lease", "5s"], ["--max-lag", "1s"], ["--stop-after", "fenced"], ["--max-rate", "5"]]
+        {
+            let args = [&["0", "--abort"][..], &extra[..]].concat();
+            let err = parse(&args).unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {err}");
+        }
+        let abort = parse(&["0", "--abort", "--hung-after", "60s", "--json"]).unwrap();
+        assert_eq!(abort.opt.hung_after, std::time::Duration::from_secs(60));
+        // `cleaned` is where a move ends: no step to stop after.
+        let err = parse(&["0", "--to", "pg2", "--stop-after", "cleaned"]).unwrap_err();
+        assert!(err.to_string().contains("not a step a move can stop after"), "{err}");
+        assert!(parse(&["0", "--to", "pg2", "--stop-after", "flipped"]).is_ok());
+    }
+
+    #[test]
+    fn a_grace_period_out_of_range_is_refused_when_parsed() {
+        let parse = |args: &[&str]| Gc::try_parse_from(std::iter::once("gc").chain(args.iter().copied()));
+        let err = parse(&["--grace", "7000y"]).unwrap_err();
+        assert!(err.to_string().contains("longer than the longest grace period"), "{err}");
+        assert_eq!(parse(&["--grace", "0s"]).unwrap().opt.grace, std::time::Duration::ZERO);
+        assert_eq!(parse(&[]).unwrap().opt.grace, std::time::Duration::from_secs(86_400));
+    }
 
     #[derive(Debug, Parser)]
     struct Copy {

@@ -96,3 +96,43 @@ fn an_epoch_near_the_year_10000_prints_its_times_without_a_panic() {
         assert!(stdout(&o).contains(" ms"), "{args:?}: {}", stdout(&o));
     }
 }
+
+#[test]
+fn the_configs_epoch_is_the_default_and_the_flag_overrides_it() {
+    let dir = std::env::temp_dir().join(format!("shardline-cli-id-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("migrations")).unwrap();
+    let path = dir.join("shardline.toml");
+    std::fs::write(
+        &path,
+        "logical_shards = 16\n[id]\nepoch_ms = 1293840000000\n[catalog]\nurl = \"postgres://app@127.0.0.1:9/c\"\n\
+         [[hosts]]\nname = \"pg1\"\nurl = \"postgres://app@127.0.0.1:9/app\"\n",
+    )
+    .unwrap();
+    let with = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_shardline")).arg("--config").arg(&path).args(args).output().unwrap()
+    };
+    // The config's epoch, as `another_epoch_changes_the_time_only` gives it by flag.
+    let o = with(&["id", "decode", "--json", "11637205501278089"]);
+    assert_eq!(
+        stdout(&o),
+        "{\"id\":\"11637205501278089\",\"unix_ms\":1295227263000,\"shard\":1341,\"sequence\":905}\n"
+    );
+    assert!(stdout(&with(&["id", "layout"])).contains("epoch                   1293840000000 ms"));
+    let o = with(&["id", "decode", "--epoch-ms", "1314220021721", "--json", "0"]);
+    assert_eq!(stdout(&o), "{\"id\":\"0\",\"unix_ms\":1314220021721,\"shard\":0,\"sequence\":0}\n");
+    // A config file that cannot be read is named, with the way around it.
+    std::fs::write(&path, "logical_shards = 0\n").unwrap();
+    let o = with(&["id", "decode", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--epoch-ms gives it instead"), "{o:?}");
+    assert!(o.stdout.is_empty());
+    // No config file: Instagram's epoch.
+    let o = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .arg("--config")
+        .arg(dir.join("missing.toml"))
+        .args(["id", "decode", "--json", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&o), "{\"id\":\"0\",\"unix_ms\":1314220021721,\"shard\":0,\"sequence\":0}\n");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -438,7 +438,7 @@ impl ShardSql {
 
     /// The sequence, schema-qualified and quoted.
     pub fn sequence(&self) -> String {
-        format!("\"{}\".shardline_id_seq", self.schema)
+        format!("{}.shardline_id_seq", self.quoted_schema())
     }
 
     /// The shard's catch-up state, schema-qualified and quoted: a sequence set with

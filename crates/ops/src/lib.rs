@@ -250,6 +250,29 @@ pub enum Error {
         /// How long it waited.
         after: std::time::Duration,
     },
+    /// `move --resume` of every running move: some could not be finished (each was
+    /// tried).
+    #[error(
+        "{} of {} running move(s) could not be resumed:\n{}{}",
+        failed.len(),
+        failed.len() + finished.len(),
+        msg::bullets(failed),
+        msg::finished(finished)
+    )]
+    ResumeIncomplete {
+        /// Each move not finished, and why.
+        failed: Vec<String>,
+        /// The moves this run finished.
+        finished: Vec<i64>,
+    },
+    /// An option's value is out of its range; nothing was done.
+    #[error("{option}: {message}")]
+    InvalidOption {
+        /// The option.
+        option: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
     /// The journal disagrees with what is on the hosts, or cannot be read.
     #[error("move {id}: {message}")]
     Journal {
@@ -366,6 +389,14 @@ mod msg {
 
     pub(super) fn bullets<T: Display>(items: &[T]) -> String {
         items.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
+    }
+
+    pub(super) fn finished(ids: &[i64]) -> String {
+        if ids.is_empty() {
+            String::new()
+        } else {
+            format!("\nfinished: {}", ids.iter().map(|i| format!("move {i}")).collect::<Vec<_>>().join(", "))
+        }
     }
 
     pub(super) fn of_shard(shard: &Option<LogicalShard>) -> String {

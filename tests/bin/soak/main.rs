@@ -658,7 +658,7 @@ async fn finish_moves(run: &Run, rng: &mut Rng, when: &str) {
         let Some(m) = running.first() else { return };
         let undo = rng.below(2) == 0 && m.step < Step::Flipped;
         let result = if undo {
-            moves::abort(&run.config, m.shard).await.map(|_| "undone")
+            moves::abort(&run.config, m.shard, &MoveOptions::default()).await.map(|_| "undone")
         } else {
             moves::resume(&run.config, Some(m.shard), &MoveOptions::default()).await.map(|_| "resumed")
         };

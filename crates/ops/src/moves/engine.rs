@@ -1399,7 +1399,9 @@ async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
 /// # Errors
 ///
 /// [`Error::NoMove`] when there is none; [`Error::MoveBusy`] when another process works
-/// on it; a step's failure, as [`run`].
+/// on it; a step's failure, as [`run`]. Of every running move (no shard given), each is
+/// tried, whatever became of the ones before it: [`Error::ResumeIncomplete`] names
+/// those not finished and why, and those finished.
 pub async fn resume(
     config: &Config,
     shard: Option<LogicalShard>,
@@ -1411,22 +1413,40 @@ pub async fn resume(
     if records.is_empty() {
         return Err(Error::NoMove { shard });
     }
-    let mut out = Vec::new();
+    let several = records.len() > 1;
+    let (mut out, mut failed) = (Vec::new(), Vec::new());
     for record in records {
-        let (catalog, _) = Catalog::open(config).await?;
-        lock_move(&catalog, record.id).await?;
-        // Read again under the lock: another process may have moved it on.
-        let record = journal::by_id(&catalog, record.id).await?;
-        if record.state != State::Running {
-            continue;
+        let (id, shard) = (record.id, record.shard);
+        let one = async {
+            let (catalog, _) = Catalog::open(config).await?;
+            lock_move(&catalog, id).await?;
+            // Read again under the lock: another process may have moved it on.
+            let record = journal::by_id(&catalog, id).await?;
+            if record.state != State::Running {
+                return Ok(None);
+            }
+            if record.detail.undoing {
+                return Err(Error::Undoing { id, shard: record.shard });
+            }
+            let mover = Mover::load(config, options, catalog, info.layout, record).await?;
+            drive(mover).await.map(Some)
+        };
+        match one.await {
+            Ok(Some(report)) => out.push(report),
+            Ok(None) => {}
+            Err(e) if !several => return Err(e),
+            Err(e) => {
+                let why = shardline_repo::error_chain(&e);
+                tracing::warn!(id, %shard, error = %why, "a running move could not be resumed; trying the next");
+                failed.push(format!("move {id} (shard {shard}): {why}"));
+            }
         }
-        if record.detail.undoing {
-            return Err(Error::Undoing { id: record.id, shard: record.shard });
-        }
-        let mover = Mover::load(config, options, catalog, info.layout, record).await?;
-        out.push(drive(mover).await?);
     }
-    Ok(out)
+    if failed.is_empty() {
+        Ok(out)
+    } else {
+        Err(Error::ResumeIncomplete { failed, finished: out.iter().map(|r| r.id).collect() })
+    }
 }
 
 /// `shardline move --abort SHARD`: undoes the shard's running move. Refused once the
@@ -1435,10 +1455,11 @@ pub async fn resume(
 /// # Errors
 ///
 /// [`Error::NoMove`]; [`Error::Flipped`]; [`Error::MoveBusy`]; the source unreachable,
-/// or answering no probe for [`MoveOptions::hung_after`]'s default (the move stays
+/// or answering no probe for `options`' [`MoveOptions::hung_after`] (the only option an
+/// abort reads; the move stays
 /// journaled; abort again when it is back). A target that is down or hung is left to
 /// `gc` (named in [`AbortReport::cleanup_pending`]).
-pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> {
+pub async fn abort(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<AbortReport> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let record = journal::running(&catalog, Some(shard))
@@ -1451,7 +1472,7 @@ pub async fn abort(config: &Config, shard: LogicalShard) -> Result<AbortReport> 
     if record.state != State::Running {
         return Err(Error::NoMove { shard: Some(shard) });
     }
-    let options = MoveOptions::default();
+    let options = MoveOptions { hung_after: options.hung_after, ..MoveOptions::default() };
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
     // Bounded as a move's undo is: a source that stops answering fails the abort, naming
     // it, and the move stays as it was (a hung target's part is left to `gc` by the undo).

@@ -37,6 +37,19 @@ pub struct GcReport {
     /// What could not be done on a host that answered, and why, as `host: what`
     /// (tried again by the next run).
     pub left: Vec<String>,
+    /// The moves whose source's old schema this run dropped, and those whose
+    /// rolled-back copy on the target it dropped: what the journal records.
+    #[serde(skip)]
+    dropped_moves: std::collections::BTreeSet<(i64, Side)>,
+}
+
+/// Which of a move's copies `gc` dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Side {
+    /// The source's old schema, after a done move's grace period.
+    Source,
+    /// The target's copy of a rolled-back move.
+    Target,
 }
 
 impl std::fmt::Display for GcReport {
@@ -48,11 +61,15 @@ impl std::fmt::Display for GcReport {
         );
         lines.extend(self.left.iter().map(|l| format!("left {l}: tried again by the next run")));
         if self.dropped.is_empty() {
-            lines.insert(0, "nothing to drop".to_owned());
+            lines.insert(0, if lines.is_empty() { "nothing to drop" } else { "nothing dropped" }.to_owned());
         }
         f.write_str(&lines.join("\n"))
     }
 }
+
+/// The longest grace period (a longer one would take the time it reaches back to out of
+/// Postgres's range).
+pub const MAX_GRACE: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 /// How long a host may go without answering `gc`'s probes before its part of the run is
 /// given up (as for a move's steps: [`super::MoveOptions::hung_after`]'s default).
@@ -70,6 +87,12 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 /// host, or one that stops answering (hung, cut off) for 15 s, is reported,
 /// not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
+    if grace > MAX_GRACE {
+        return Err(crate::Error::InvalidOption {
+            option: "grace",
+            message: format!("{grace:?} is longer than the longest grace period, 100 years"),
+        });
+    }
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     // Held to the end of the run: every move not in the journal read below starts
@@ -95,9 +118,12 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             )),
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(id = m.id, error = %shardline_repo::error_chain(&e), "cannot finish undoing a move whose lease ran out");
+                let why = shardline_repo::error_chain(&e);
+                tracing::warn!(id = m.id, error = %why, "cannot finish undoing a move whose lease ran out");
                 if matches!(e, crate::Error::Timeout { .. }) {
-                    report.unreachable.push(format!("{} ({})", m.source, shardline_repo::error_chain(&e)));
+                    report.unreachable.push(format!("{} ({why})", m.source));
+                } else {
+                    report.left.push(format!("{}: undoing move {} ({why})", m.source, m.id));
                 }
             }
         }
@@ -163,17 +189,11 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             }
         }
     }
-    // Journal what is gone, so `moves` shows it.
+    // Journal what is gone, so `moves` shows it: by the move each drop was for (its
+    // name is not enough: `shard_0000_moved_1` begins `shard_0000_moved_12`).
     for m in &moves {
-        let dropped_source = report
-            .dropped
-            .iter()
-            .any(|d| d.starts_with(&format!("{}: schema {}", m.source, m.detail.moved_schema)));
-        let dropped_target = m.detail.target_schema_left
-            && report
-                .dropped
-                .iter()
-                .any(|d| d.starts_with(&format!("{}: schema {} ", m.target, m.detail.schema)));
+        let dropped_source = report.dropped_moves.contains(&(m.id, Side::Source));
+        let dropped_target = report.dropped_moves.contains(&(m.id, Side::Target));
         if dropped_source || dropped_target {
             journal::record_dropped(&catalog, m.id, dropped_source, dropped_target).await?;
         }
@@ -380,6 +400,7 @@ async fn gc_host(
         .await
         .map_err(fail("drop an old schema"))?;
         report.dropped.push(format!("{host}: schema {moved} (move {})", m.id));
+        report.dropped_moves.insert((m.id, Side::Source));
     }
     // The target's copy of a rolled-back move, left because the target was down.
     for m in moves
@@ -401,6 +422,7 @@ async fn gc_host(
         .await
         .map_err(fail("drop a rolled-back copy"))?;
         report.dropped.push(format!("{host}: schema {schema} (copy of rolled-back move {})", m.id));
+        report.dropped_moves.insert((m.id, Side::Target));
     }
     Ok(())
 }

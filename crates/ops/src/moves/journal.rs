@@ -466,6 +466,33 @@ const SELECT: &str = "SELECT id, shard, source, target, step, state, detail::tex
         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
    FROM shardline.moves";
 
+impl Detail {
+    /// Every name of the detail the mover puts into SQL (schemas, the publication's,
+    /// subscription's and slots' names) is a plain identifier, or empty where not made
+    /// yet: a journal row written by other hands is refused before any of it reaches a
+    /// statement (each is quoted there as well).
+    fn check_names(&self) -> std::result::Result<(), String> {
+        let names = [
+            ("schema", &self.schema),
+            ("name", &self.name),
+            ("moved_schema", &self.moved_schema),
+            ("revert.name", self.revert.as_ref().map_or(&self.name, |r| &r.name)),
+            ("reverts.old_schema", self.reverts.as_ref().map_or(&self.schema, |r| &r.old_schema)),
+        ];
+        for (field, name) in names {
+            if name.is_empty() {
+                continue;
+            }
+            if let Some(problem) = shardline_id::sql::plain_identifier_problem(name) {
+                return Err(format!(
+                    "its detail's {field} {name:?} is not a name shardline makes: it {problem}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The one decoding of a row of `shardline.moves`: its integers and names become a
 /// [`LogicalShard`] and [`HostName`]s here, or [`Error::Journal`] says which is bad.
 fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
@@ -479,6 +506,8 @@ fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
     let step: String = row.get(4);
     let state: String = row.get(5);
     let detail: String = row.get(6);
+    let detail: Detail = serde_json::from_str(&detail).map_err(|e| bad(format!("unreadable detail: {e}")))?;
+    detail.check_names().map_err(bad)?;
     Ok(MoveRecord {
         id,
         shard: LogicalShard::bounded(i64::from(shard)).map_err(|e| bad(e.to_string()))?,
@@ -486,7 +515,7 @@ fn record(row: &tokio_postgres::Row) -> Result<MoveRecord> {
         target: host(3)?,
         step: Step::parse(&step).ok_or_else(|| bad(format!("unknown step {step:?}")))?,
         state: State::parse(&state).ok_or_else(|| bad(format!("unknown state {state:?}")))?,
-        detail: serde_json::from_str(&detail).map_err(|e| bad(format!("unreadable detail: {e}")))?,
+        detail,
         error: row.get(7),
         started_at: row.get(8),
         updated_at: row.get(9),

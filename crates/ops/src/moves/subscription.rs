@@ -41,7 +41,11 @@ pub(crate) async fn create_subscription(
     conninfo: &str,
     rest: &str,
 ) -> Result<(), (Option<String>, String)> {
-    let sql = format!("CREATE SUBSCRIPTION {name} CONNECTION {} {rest}", quote_literal(conninfo));
+    let sql = format!(
+        "CREATE SUBSCRIPTION {} CONNECTION {} {rest}",
+        shardline_id::ident::quote(name),
+        quote_literal(conninfo)
+    );
     // Not batch_execute, simple_query, query or execute: see the module's docs.
     match peer_bounded(c, c.query_typed(&sql, &[])).await {
         Ok(_) => Ok(()),

@@ -105,9 +105,10 @@ impl Mover<'_> {
                        -- Called, at 1 at least (MAXVALUE must exceed MINVALUE, 0): the next
                        -- nextval fails.
                        SELECT greatest(last_value, 1) INTO last FROM {seq};
-                       PERFORM setval('{seq}', last, true);
-                       EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', '{seq}', last);
-                     END $cap$"
+                       PERFORM setval({seq_literal}, last, true);
+                       EXECUTE format('ALTER SEQUENCE %s MAXVALUE %s', {seq_literal}, last);
+                     END $cap$",
+                    seq_literal = quote_literal(&seq)
                 ))
                 .await
                 .map_err(on(&target, "cap the copy's ID sequence"))?;
@@ -142,7 +143,8 @@ impl Mover<'_> {
         }
         if !published {
             src.batch_execute(&format!(
-                "CREATE PUBLICATION {name} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {id})",
+                "CREATE PUBLICATION {} FOR TABLES IN SCHEMA {}, TABLE shardline.move_marks WHERE (move_id = {id})",
+                quote_ident(&name),
                 schema.quoted()
             ))
             .await
@@ -264,7 +266,9 @@ impl Mover<'_> {
         let dst = self.dst().await?;
         if oid.is_none() {
             let rest = format!(
-                "PUBLICATION {name} WITH (enabled = false, create_slot = false, slot_name = '{name}', copy_data = {copy})"
+                "PUBLICATION {} WITH (enabled = false, create_slot = false, slot_name = {}, copy_data = {copy})",
+                quote_ident(&name),
+                quote_literal(&name)
             );
             // The peer URL may hold a password: through the one helper that keeps
             // it out of the driver's logs and out of the error.
@@ -404,7 +408,7 @@ impl Mover<'_> {
         if let (Some(o), Some(lsn)) = (oid, start_at) {
             self.start_origin(o, &lsn).await?;
         }
-        let enable = format!("ALTER SUBSCRIPTION {name} ENABLE");
+        let enable = format!("ALTER SUBSCRIPTION {} ENABLE", quote_ident(&name));
         self.dst().await?.batch_execute(&enable).await.map_err(on(&target, "enable the subscription"))?;
         let mut checked = Instant::now();
         // A table first seen stranded, and its table-sync worker's pid then.

@@ -361,7 +361,8 @@ pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -
     }
     // Dropping it drops its slot on the source, connecting there: bounded, since the
     // source may be hung or cut off (then the slot is the source's cleanup, below).
-    let drop = format!("DROP SUBSCRIPTION {name}");
+    let quoted = quote_ident(name);
+    let drop = format!("DROP SUBSCRIPTION {quoted}");
     if crate::moves::subscription::peer_bounded(c, c.batch_execute(&drop)).await.is_ok() {
         return Ok(());
     }
@@ -369,12 +370,12 @@ pub(crate) async fn drop_subscription(c: &Client, host: &HostName, name: &str) -
     // still connects to drop the table-sync slots of a copy under way, and gives up
     // quietly only when that connection fails (a hung or cut-off source would hold it).
     c.batch_execute(&format!(
-        "ALTER SUBSCRIPTION {name} DISABLE; ALTER SUBSCRIPTION {name} SET (slot_name = NONE);
-         ALTER SUBSCRIPTION {name} CONNECTION 'host=/nonexistent/shardline-detached'"
+        "ALTER SUBSCRIPTION {quoted} DISABLE; ALTER SUBSCRIPTION {quoted} SET (slot_name = NONE);
+         ALTER SUBSCRIPTION {quoted} CONNECTION 'host=/nonexistent/shardline-detached'"
     ))
     .await
     .map_err(on(host, "detach the subscription"))?;
-    crate::moves::subscription::peer_bounded(c, c.batch_execute(&format!("DROP SUBSCRIPTION {name}")))
+    crate::moves::subscription::peer_bounded(c, c.batch_execute(&drop))
         .await
         .map_err(on(host, "drop the subscription"))
 }
@@ -389,7 +390,7 @@ pub(crate) async fn drop_source_side(
     detail: &Detail,
     id: i64,
 ) -> Result<()> {
-    c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {name}"))
+    c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", quote_ident(name)))
         .await
         .map_err(on(host, "drop the publication"))?;
     drop_slots(c, host, name, detail).await?;
