@@ -113,9 +113,9 @@ pub struct ClusterOptions {
     /// [`ClusterOptions::fan_out_batch`], one `UNION ALL` branch per shard) kept
     /// prepared on their connection (default true), on hosts reached directly: the
     /// server then reuses a generic plan instead of parsing and planning every shard's
-    /// branch on each call. At 2000 shards over 4 hosts a time window took 17 ms
-    /// (p50) kept against 70 ms unnamed, and 4.6 against 28.9 ms of server CPU per
-    /// host (observed, `docs/benchmarks.md`, "Fan-out at 2000 shards"). They count
+    /// branch on each call. At 2000 shards over 4 hosts a time window took 15.7 ms
+    /// (p50) kept against 61.0 ms unnamed, and 5.1 against 28.2 ms of server CPU per
+    /// host (observed, `docs/benchmarks.md`, "Fan-outs kept by default"). They count
     /// toward [`ClusterOptions::statement_cache`]'s bound; without one, a connection
     /// keeps at most 256 or four per batch of all the cluster's shards (500 at 2000
     /// shards in batches of 16), whichever is more: room for a few shapes of fan-out
