@@ -348,11 +348,26 @@ fn quote_value(v: &str) -> String {
     format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
+/// Where a URL's hosts and ports are (after the user's part, before the path or the
+/// query), as byte offsets of `s`; `None` for a string that is not a URL.
+fn url_host_part(s: &str) -> Option<std::ops::Range<usize>> {
+    let (_, rest) = url_form(s)?;
+    let from = s.len() - rest.len();
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let start = rest[..end].rfind('@').map_or(0, |at| at + 1);
+    Some(from + start..from + end)
+}
+
 /// Percent-encodes everything but RFC 3986's unreserved characters.
 fn percent_encode(s: &str) -> String {
+    percent_encode_but(s, b"")
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters and `keep`.
+fn percent_encode_but(s: &str, keep: &[u8]) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') || keep.contains(&b) {
             out.push(char::from(b));
         } else {
             out.push_str(&format!("%{b:02X}"));
@@ -507,7 +522,7 @@ impl Source<'_> {
         }
     }
 
-    /// `url` or `url_env` (exactly one), with `${VAR}` expanded.
+    /// `url` or `url_env` (exactly one), with `${VAR}` expanded (see [`Self::expand`]).
     fn url(
         &self,
         at: usize,
@@ -542,6 +557,10 @@ impl Source<'_> {
         .map_err(|e| if let Error::Config { .. } = e { e } else { self.err(at, key, e.to_string()) })
     }
 
+    /// `text` with each `${VAR}` replaced by the variable's value, encoded for where it
+    /// lands: percent-encoded in a URL (`postgres://app:${PW}@pg1/app` takes any
+    /// password as it is), and in a key/value string quoted, or escaped when the text
+    /// already quotes it (`password='${PW}'`).
     fn expand(&self, at: usize, key: &str, text: &str) -> Result<String> {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
@@ -563,7 +582,23 @@ impl Source<'_> {
                 };
                 self.err(at, key, said)
             })?;
-            out.push_str(&value);
+            // As a value of the string it lands in, so whatever the variable holds is
+            // read back whole, and only as the part it was put in (a password holding
+            // `@` or `/` never moves the host): percent-encoded in a URL; in a key/value
+            // string, escaped inside quotes written around it, else quoted when it must be.
+            if let Some(host_part) = url_host_part(text) {
+                let offset = text.len() - rest.len() + start;
+                if host_part.contains(&offset) {
+                    // `[::1]`, `pg1:5432` and a list of hosts keep their meaning.
+                    out.push_str(&percent_encode_but(&value, b"[]:,"));
+                } else {
+                    out.push_str(&percent_encode(&value));
+                }
+            } else if out.ends_with('\'') {
+                out.push_str(&value.replace('\\', "\\\\").replace('\'', "\\'"));
+            } else {
+                out.push_str(&quote_value(&value));
+            }
             rest = &after[end + 1..];
         }
         out.push_str(rest);
@@ -900,6 +935,40 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.hosts[1].peer_url.expose(), "postgres://app@10.0.0.2:5432/app");
         let debug = format!("{c:?}");
         assert!(!debug.contains("s3cret") && !debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn a_variables_value_stays_the_part_it_was_put_in() {
+        // A password holding what a URL or a key/value string gives meaning to: before,
+        // put in as it was, its `@` made `evil.com` the host.
+        let pw = "p@evil.com:5432/x?a=b&password=z #%'\\";
+        let env = |var: &str| match var {
+            "PW" => Some(pw.to_owned()),
+            "HOST" => Some("[::1]:5433".to_owned()),
+            "SOCKET" => Some("/var/run/postgresql".to_owned()),
+            _ => None,
+        };
+        let text = "[catalog]\nurl = \"postgres://app:${PW}@pg1:5432/app?sslmode=disable\"\n\
+                    [[hosts]]\nname = \"a\"\nurl = \"postgres://app@${HOST}/db?password=${PW}\"\n\
+                    [[hosts]]\nname = \"b\"\nurl = \"host=pg2 user=app password=${PW}\"\n\
+                    [[hosts]]\nname = \"c\"\nurl = \"host=pg3 user=app password='${PW}'\"\n\
+                    [[hosts]]\nname = \"d\"\nurl = \"postgres://app:${PW}@${SOCKET}/db\"\n";
+        let c = Config::from_toml(text, "shardline.toml", Path::new("/etc/shardline"), &env).unwrap();
+        let (bare, password) = c.catalog.split_password();
+        assert_eq!(password.as_deref(), Some(pw));
+        assert_eq!(bare.expose(), "postgres://app@pg1:5432/app?sslmode=disable");
+        let (bare, password) = c.hosts[0].url.split_password();
+        assert_eq!(password.as_deref(), Some(pw));
+        assert_eq!(bare.expose(), "postgres://app@[::1]:5433/db", "a host and port stay as given");
+        for host in &c.hosts[1..3] {
+            let (bare, password) = host.url.split_password();
+            assert_eq!(password.as_deref(), Some(pw), "{}", host.name);
+            assert_eq!(bare.expose().split(' ').next(), Some(if host.name.as_str() == "b" { "host=pg2" } else { "host=pg3" }));
+        }
+        assert_eq!(c.hosts[3].url.split_password().0.expose(), "postgres://app@%2Fvar%2Frun%2Fpostgresql/db");
+        for h in &c.hosts {
+            assert!(!h.url.to_string().contains("evil"), "{}", h.url);
+        }
     }
 
     #[test]
