@@ -749,7 +749,9 @@ shardline_testkit::register!(shared: a_function_or_operator_made_in_public_never
 pub(crate) async fn a_function_or_operator_made_in_public_never_takes_the_minters_calls(
     ctx: TestContext,
 ) -> TestResult {
-    let (db, client) = shard_db(&ctx, 1, &minter()).await?;
+    // A lease of a day: the inserts after a session's first take the fast path however
+    // slow the machine.
+    let (db, client) = shard_db(&ctx, 1, &minter().max_lag_ms(86_400_000)).await?;
     client.batch_execute(TRAPS).await?;
     // The traps work: a plain call on the default path takes `public.nextval(text)`.
     let err = client.query_one(&format!("SELECT nextval('{}')", minter().sequence()), &[]).await.unwrap_err();
@@ -758,12 +760,21 @@ pub(crate) async fn a_function_or_operator_made_in_public_never_takes_the_minter
         let c = ctx.hosts()[1].connect(&db).await?;
         c.batch_execute(&format!("SET search_path = {path}")).await?;
         // The first insert of a session takes the slow path (no lease yet), the next ones
-        // the fast path; then a block, and a decoding.
+        // the fast path (the lease is the session's); then a block, and a decoding.
         for n in 0..3i64 {
             c.execute(&format!("INSERT INTO {SCHEMA}.photos (n) VALUES ($1)"), &[&n])
                 .await
                 .map_err(|e| format!("insert on search_path {path}: {e:?}"))?;
         }
+        let lease: Option<String> = c
+            .query_one(&format!("SELECT pg_catalog.current_setting('shardline.lease_{SCHEMA}', true)"), &[])
+            .await?
+            .get(0);
+        assert!(lease.is_some_and(|l| !l.is_empty()), "the session holds a lease: the fast path ran");
+        // And `next_id()` itself, on the hostile path, inside a block of its own.
+        c.query_one(&format!("SELECT {SCHEMA}.next_id()"), &[])
+            .await
+            .map_err(|e| format!("next_id() on search_path {path}: {e:?}"))?;
         let block = c
             .query_one(&format!("SELECT first_value, last_value FROM {SCHEMA}.reserve_ids(10)"), &[])
             .await

@@ -4019,16 +4019,16 @@ pub(crate) async fn gc_journals_a_dropped_copy_on_its_own_move_only(ctx: TestCon
     shardline_ops::init(&config, &options(1), &quiet).await?;
     let catalog = f.client(&ctx, 0).await?;
     let ids = "pg_get_serial_sequence('shardline.moves', 'id')";
-    // Move 11 ends first, move 1 two seconds later: as when move 1 started first and took
-    // longer (ids are taken when a move starts).
+    // Move 11 ends first, move 1 four seconds later: as when move 1 started first and
+    // took longer (ids are taken when a move starts).
     catalog.query_one(&format!("SELECT setval({ids}, 10)"), &[]).await?;
     let eleven = cli(&f, &["move", "1", "--to", "pg2", "--json"]).await?;
     assert!(eleven.contains("\"id\": 11") || eleven.contains("\"id\":11"), "{eleven}");
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     catalog.query_one(&format!("SELECT setval({ids}, 1, false)"), &[]).await?;
     let one = cli(&f, &["move", "0", "--to", "pg2", "--revertible", "--json"]).await?;
     assert!(one.contains("\"id\": 1,") || one.contains("\"id\":1,"), "{one}");
-    let said = cli(&f, &["gc", "--grace", "1s"]).await?;
+    let said = cli(&f, &["gc", "--grace", "3s"]).await?;
     assert!(said.contains("dropped pg1: schema shardline_moved_11 (move 11)"), "{said}");
     assert!(said.contains("kept pg1: schema shardline_moved_1 (grace period)"), "{said}");
     let journal = moves::list(&config).await?;

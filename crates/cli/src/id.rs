@@ -84,18 +84,31 @@ struct Decoded {
     sequence: u32,
 }
 
-/// The layout: `--epoch-ms` when given; else the config's, when the config file exists
-/// (a cluster with an epoch of its own decodes with it); else Instagram's.
-fn layout(epoch_ms: Option<i64>, config: &Path) -> Result<Layout, UsageError> {
-    match epoch_ms {
-        Some(ms) => Layout::INSTAGRAM
+/// The layout: `--epoch-ms` when given; else the config's `[id]` table (the rest of the
+/// file is not read: no variable it names need be set) from the file `--config` or
+/// `SHARDLINE_CONFIG` names, which must exist, or from `shardline.toml` when it exists;
+/// else Instagram's.
+fn layout(epoch_ms: Option<i64>, config: Option<&Path>) -> Result<Layout, UsageError> {
+    if let Some(ms) = epoch_ms {
+        return Layout::INSTAGRAM
             .with_epoch(ms)
-            .map_err(|e| UsageError(format!("invalid value {ms} for --epoch-ms: {e}"))),
-        None if config.exists() => crate::cluster::load_config(config).map(|c| c.layout).map_err(|e| {
-            UsageError(format!("{e} (the ID layout is read from the config; --epoch-ms gives it instead)"))
-        }),
-        None => Ok(Layout::INSTAGRAM),
+            .map_err(|e| UsageError(format!("invalid value {ms} for --epoch-ms: {e}")));
     }
+    let default = Path::new(crate::DEFAULT_CONFIG);
+    let path = match config {
+        Some(path) => path,
+        None if default.exists() => default,
+        None => return Ok(Layout::INSTAGRAM),
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        UsageError(format!(
+            "cannot read the config file {}: {e} (the ID layout is read from it; --epoch-ms gives it instead)",
+            path.display()
+        ))
+    })?;
+    shardline_router::Config::layout_from_toml(&text, &path.display().to_string()).map_err(|e| {
+        UsageError(format!("{e} (the ID layout is read from the config; --epoch-ms gives it instead)"))
+    })
 }
 
 /// `unix_ms` as an RFC 3339 time in UTC, or as `N ms` where there is none (before 1970,
@@ -115,7 +128,7 @@ pub(crate) fn utc(unix_ms: i64) -> String {
 /// # Errors
 ///
 /// [`UsageError`] naming the field and its allowed range; I/O errors writing `out`.
-pub fn run(opt: IdOpt, config: &Path, out: &mut dyn Write) -> anyhow::Result<()> {
+pub fn run(opt: IdOpt, config: Option<&Path>, out: &mut dyn Write) -> anyhow::Result<()> {
     match opt.command {
         IdCommand::Decode { epoch_ms, json, ids } => {
             let layout = layout(epoch_ms, config)?;

@@ -39,15 +39,9 @@ pub mod moves;
 #[derive(Debug, Parser)]
 #[command(name = "shardline", version, about, long_about = None)]
 pub struct Opt {
-    /// The cluster's config file (TOML).
-    #[arg(
-        long,
-        global = true,
-        env = "SHARDLINE_CONFIG",
-        default_value = "shardline.toml",
-        value_name = "FILE"
-    )]
-    pub config: PathBuf,
+    /// The cluster's config file (TOML) [default: shardline.toml].
+    #[arg(long, global = true, env = "SHARDLINE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -102,16 +96,20 @@ pub enum Command {
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+/// The config file read when `--config` and `SHARDLINE_CONFIG` name none.
+pub const DEFAULT_CONFIG: &str = "shardline.toml";
+
 /// Runs the command line described by `opt`, writing results to `out`.
 ///
 /// # Errors
 ///
 /// [`UsageError`] for bad input; anything else for failures.
 pub fn run(opt: Opt, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    let Opt { config: config_path, command } = opt;
+    let Opt { config: given, command } = opt;
+    let config_path = given.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
     let config = || cluster::load_config(&config_path);
     match command {
-        Command::Id(o) => id::run(o, &config_path, out),
+        Command::Id(o) => id::run(o, given.as_deref(), out),
         #[cfg(feature = "demo")]
         Command::Demo(o) => demo::demo(&o, out),
         #[cfg(not(feature = "demo"))]

@@ -286,13 +286,22 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     } else if opt.resume {
         let result = rt.block_on(shardline_ops::moves::resume(config, shard, &options));
         bar.finish_and_clear();
-        let reports = result?;
+        // What was finished is printed also when another move could not be.
+        let (reports, failed) = match result {
+            Ok(reports) => (reports, None),
+            Err(shardline_ops::Error::ResumeIncomplete { failed, finished }) => (finished, Some(failed)),
+            Err(e) => return Err(e.into()),
+        };
         if opt.json {
             writeln!(out, "{}", serde_json::to_string(&reports)?)?;
         } else {
-            for r in reports {
+            for r in &reports {
                 writeln!(out, "{r}")?;
             }
+        }
+        out.flush()?;
+        if let Some(failed) = failed {
+            return Err(shardline_ops::Error::ResumeIncomplete { failed, finished: reports }.into());
         }
     } else {
         let shard = need_shard()?;

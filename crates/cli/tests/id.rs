@@ -3,8 +3,15 @@
 
 use std::process::{Command, Output};
 
+/// The CLI with no config file: neither named nor in the directory it runs in, so the
+/// layout is Instagram's.
 fn shardline(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_shardline")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .args(args)
+        .env_remove("SHARDLINE_CONFIG")
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap()
 }
 
 fn stdout(o: &Output) -> String {
@@ -120,19 +127,48 @@ fn the_configs_epoch_is_the_default_and_the_flag_overrides_it() {
     assert!(stdout(&with(&["id", "layout"])).contains("epoch                   1293840000000 ms"));
     let o = with(&["id", "decode", "--epoch-ms", "1314220021721", "--json", "0"]);
     assert_eq!(stdout(&o), "{\"id\":\"0\",\"unix_ms\":1314220021721,\"shard\":0,\"sequence\":0}\n");
-    // A config file that cannot be read is named, with the way around it.
-    std::fs::write(&path, "logical_shards = 0\n").unwrap();
-    let o = with(&["id", "decode", "0"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--epoch-ms gives it instead"), "{o:?}");
-    assert!(o.stdout.is_empty());
-    // No config file: Instagram's epoch.
+    // An `[id]` table that is wrong is named, with the way around it; so is text that
+    // is not TOML.
+    for bad in ["[id]\nepoch_ms = -5\n", "logical_shards = = 4\n"] {
+        std::fs::write(&path, bad).unwrap();
+        let o = with(&["id", "decode", "0"]);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("shardline.toml:") && err.contains("--epoch-ms gives it instead"), "{err}");
+        assert!(o.stdout.is_empty());
+    }
+    // Only the `[id]` table is read: a URL naming a variable that is not set is no
+    // matter for decoding.
+    std::fs::write(
+        &path,
+        "[id]\nepoch_ms = 1293840000000\n[catalog]\nurl_env = \"SHARDLINE_TEST_UNSET_URL\"\n",
+    )
+    .unwrap();
+    let o = with(&["id", "decode", "--json", "11637205501278089"]);
+    assert!(stdout(&o).contains("\"unix_ms\":1295227263000"), "{o:?}");
+    // A config file named and missing is an error, not Instagram's epoch in silence.
     let o = Command::new(env!("CARGO_BIN_EXE_shardline"))
         .arg("--config")
         .arg(dir.join("missing.toml"))
         .args(["id", "decode", "--json", "0"])
         .output()
         .unwrap();
-    assert_eq!(stdout(&o), "{\"id\":\"0\",\"unix_ms\":1314220021721,\"shard\":0,\"sequence\":0}\n");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot read the config file"), "{o:?}");
+    // The same through SHARDLINE_CONFIG; and a `shardline.toml` in the directory is read
+    // when nothing names a file.
+    let o = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .env("SHARDLINE_CONFIG", dir.join("missing.toml"))
+        .args(["id", "decode", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let o = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .env_remove("SHARDLINE_CONFIG")
+        .current_dir(&dir)
+        .args(["id", "decode", "--json", "11637205501278089"])
+        .output()
+        .unwrap();
+    assert!(stdout(&o).contains("\"unix_ms\":1295227263000"), "{o:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

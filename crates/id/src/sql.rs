@@ -492,8 +492,8 @@ impl ShardSql {
             "((((pg_catalog.nextval({seq_arg}) {shr} {seq_bits}) {shl} {ts_shift}) {or} {shard_part}::bigint) {or} (pg_catalog.currval({seq_arg}) {and} {max_seq}))"
         );
         // The lease, or -1 without one: unset is NULL, and a setting whose transaction
-        // rolled back is '' ('0' put before it reads as 0, never a lease; NULLIF would
-        // look `=` up on the path).
+        // rolled back is '' ('0' put before it reads as 0: a lease that ended at the
+        // epoch, so in effect none; NULLIF would look `=` up on the path).
         let lease =
             format!("coalesce(('0' {cat} pg_catalog.current_setting('{lease_guc}', true))::bigint, -1)");
         let slow_compose = compose("v");

@@ -262,8 +262,8 @@ pub enum Error {
     ResumeIncomplete {
         /// Each move not finished, and why.
         failed: Vec<String>,
-        /// The moves this run finished.
-        finished: Vec<i64>,
+        /// The reports of the moves this run finished.
+        finished: Vec<moves::MoveReport>,
     },
     /// An option's value is out of its range; nothing was done.
     #[error("{option}: {message}")]
@@ -391,11 +391,12 @@ mod msg {
         items.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
     }
 
-    pub(super) fn finished(ids: &[i64]) -> String {
-        if ids.is_empty() {
+    pub(super) fn finished(reports: &[crate::moves::MoveReport]) -> String {
+        if reports.is_empty() {
             String::new()
         } else {
-            format!("\nfinished: {}", ids.iter().map(|i| format!("move {i}")).collect::<Vec<_>>().join(", "))
+            let ids: Vec<String> = reports.iter().map(|r| format!("move {}", r.id)).collect();
+            format!("\nfinished: {}", ids.join(", "))
         }
     }
 

@@ -522,6 +522,39 @@ impl Source<'_> {
         }
     }
 
+    /// The ID layout of the `[id]` table: Instagram's widths with its epoch, which
+    /// may not be after now.
+    fn layout(&self, id: Option<RawId>) -> Result<Layout> {
+        let src = self;
+        let epoch = id.and_then(|id| id.epoch_ms);
+        Ok(match epoch {
+            None => Layout::INSTAGRAM,
+            Some(e) => {
+                let at = e.span().start;
+                let layout = Layout::INSTAGRAM
+                    .with_epoch(*e.get_ref())
+                    .map_err(|err| src.err(at, "id.epoch_ms", err.to_string()))?;
+                // Minting refuses a clock before the epoch in Rust, but the database's
+                // minter would hand out IDs dated at the epoch: refuse it here.
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+                if layout.epoch_ms() > now {
+                    return Err(src.err(
+                        at,
+                        "id.epoch_ms",
+                        format!(
+                            "{} is after now ({now} ms since 1970): every ID would carry a time from \
+                             the future (the epoch is in milliseconds, not microseconds)",
+                            layout.epoch_ms()
+                        ),
+                    ));
+                }
+                layout
+            }
+        })
+    }
+
     /// `url` or `url_env` (exactly one), with `${VAR}` expanded (see [`Self::expand`]).
     fn url(
         &self,
@@ -610,6 +643,27 @@ impl Source<'_> {
 }
 
 impl Config {
+    /// The ID layout a config's TOML `text` gives (its `[id]` table), read without the
+    /// rest of the file (its URLs and the variables they name): what decoding an ID
+    /// needs, and nothing more. `file` names it in errors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the file, line and key: text that is not TOML, an
+    /// `[id]` table with an unknown key, an epoch out of range or after now.
+    pub fn layout_from_toml(text: &str, file: &str) -> Result<Layout> {
+        #[derive(Deserialize)]
+        struct OnlyId {
+            id: Option<RawId>,
+        }
+        let src = Source { file, text, env: &|_| None };
+        let raw: OnlyId = toml::from_str(text).map_err(|e| {
+            let offset = e.span().map_or(0, |s| s.start);
+            src.err(offset, "toml", without_values(e.message().trim()))
+        })?;
+        src.layout(raw.id)
+    }
+
     /// Reads a configuration from TOML `text`. `file` names it in errors; relative
     /// paths in it are relative to `base_dir`; `env` looks up environment variables.
     ///
@@ -657,33 +711,7 @@ impl Config {
             }
             app_roles.push(role);
         }
-        let epoch = raw.id.and_then(|id| id.epoch_ms);
-        let layout = match epoch {
-            None => Layout::INSTAGRAM,
-            Some(e) => {
-                let at = e.span().start;
-                let layout = Layout::INSTAGRAM
-                    .with_epoch(*e.get_ref())
-                    .map_err(|err| src.err(at, "id.epoch_ms", err.to_string()))?;
-                // Minting refuses a clock before the epoch in Rust, but the database's
-                // minter would hand out IDs dated at the epoch: refuse it here.
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-                if layout.epoch_ms() > now {
-                    return Err(src.err(
-                        at,
-                        "id.epoch_ms",
-                        format!(
-                            "{} is after now ({now} ms since 1970): every ID would carry a time from \
-                             the future (the epoch is in milliseconds, not microseconds)",
-                            layout.epoch_ms()
-                        ),
-                    ));
-                }
-                layout
-            }
-        };
+        let layout = src.layout(raw.id)?;
         let listen_url;
         let catalog = match raw.catalog {
             None => {
@@ -963,7 +991,10 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         for host in &c.hosts[1..3] {
             let (bare, password) = host.url.split_password();
             assert_eq!(password.as_deref(), Some(pw), "{}", host.name);
-            assert_eq!(bare.expose().split(' ').next(), Some(if host.name.as_str() == "b" { "host=pg2" } else { "host=pg3" }));
+            assert_eq!(
+                bare.expose().split(' ').next(),
+                Some(if host.name.as_str() == "b" { "host=pg2" } else { "host=pg3" })
+            );
         }
         assert_eq!(c.hosts[3].url.split_password().0.expose(), "postgres://app@%2Fvar%2Frun%2Fpostgresql/db");
         for h in &c.hosts {

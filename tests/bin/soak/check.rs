@@ -85,6 +85,8 @@ pub(crate) struct Observed {
     pub(crate) moves_left: Vec<String>,
     /// Reads of acknowledged rows that answered wrong during the run.
     pub(crate) bad_reads: Vec<String>,
+    /// Acknowledged photos the load's own handle could not read back after recovery.
+    pub(crate) unreadable: Vec<String>,
 }
 
 /// Every violation of the soak's promises; empty when none.
@@ -210,6 +212,9 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
         out.push(format!("a move still running after recovery: {s}"));
     }
     out.extend(seen.bad_reads.iter().cloned());
+    for s in &seen.unreadable {
+        out.push(format!("not readable at the end: {s}"));
+    }
     out
 }
 

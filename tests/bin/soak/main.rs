@@ -92,6 +92,8 @@ struct Run {
     /// The move under way and its step, for faults that wait for a step.
     current: Mutex<Option<(usize, usize, Step)>>,
     kill_mover: tokio::sync::Notify,
+    /// Faults that could not be made or healed.
+    strike_failures: Mutex<Vec<String>>,
     /// Whether the mover is inside a move or a rebalance now.
     moving: AtomicBool,
     stopping: AtomicBool,
@@ -258,6 +260,7 @@ async fn soak_on(
         read_errors: AtomicU64::new(0),
         current: Mutex::new(None),
         kill_mover: tokio::sync::Notify::new(),
+        strike_failures: Mutex::new(Vec::new()),
         moving: AtomicBool::new(false),
         stopping: AtomicBool::new(false),
         faults: Mutex::new(BTreeMap::new()),
@@ -286,9 +289,14 @@ async fn soak_on(
     // The mover finishes the move it is in (it starts no other), or is killed after 2
     // minutes, its move then resumed below.
     let abort = mover.abort_handle();
-    if tokio::time::timeout(Duration::from_secs(120), mover).await.is_err() {
-        abort.abort();
-        run.note("the mover did not finish its move in 120 s; killed".into());
+    match tokio::time::timeout(Duration::from_secs(120), mover).await {
+        Err(_) => {
+            abort.abort();
+            run.note("the mover did not finish its move in 120 s; killed".into());
+        }
+        // A panic is a failure of the run, not a kill to recover from.
+        Ok(Err(e)) => return Err(format!("the mover ended abnormally: {e}").into()),
+        Ok(Ok(())) => {}
     }
     let (ops, acked) = {
         let h = lock(&run.history);
@@ -304,6 +312,12 @@ async fn soak_on(
     let violations = check::check(&history, &observed);
     report(&run, &history, &violations)?;
     run.kit.shutdown().await?;
+    let failed = lock(&run.strike_failures).clone();
+    if !failed.is_empty() {
+        return Err(
+            format!("{} fault(s) could not be made or healed: {}", failed.len(), failed.join("; ")).into()
+        );
+    }
     Ok(violations)
 }
 
@@ -764,9 +778,14 @@ async fn nemesis(run: &Run) {
             _ => format!("{} ({}){at}{side}", fault.name(), run.kit.hosts()[host].name()),
         };
         run.note(format!("fault: {what}, for {} ms", held.as_millis()));
-        Run::count(&run.faults, fault.name());
-        if let Err(e) = strike(run, fault, host, held).await {
-            run.note(format!("fault: {what} could not be made or healed: {e}"));
+        // Counted once made and healed; one that could not be fails the run (after its
+        // report): a soak that struck nothing proves nothing.
+        match strike(run, fault, host, held).await {
+            Ok(()) => Run::count(&run.faults, fault.name()),
+            Err(e) => {
+                run.note(format!("fault: {what} could not be made or healed: {e}"));
+                lock(&run.strike_failures).push(format!("{what}: {e}"));
+            }
         }
     }
     heal_all(run).await;
@@ -901,8 +920,9 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             }
         }
     }
-    // Every shard takes a write.
-    let photos = cluster.repo::<Photo>()?;
+    // Every shard takes a write, through the handle the load used all along (its map
+    // kept up to date across every move, by notification or by the retry path).
+    let photos = run.cluster.repo::<Photo>()?;
     let mut user = 1_i64;
     for shard in map.count().shards() {
         while cluster.route_user(user).shard != shard {
@@ -948,6 +968,37 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             for r in rows {
                 seen.live.push(photo_row(&cluster, &name, &schema, u32::from(s.get()), &r));
             }
+        }
+    }
+    // And that handle reads every acknowledged photo back, each as written: a read
+    // that fails now, with every host healed, is a violation too.
+    let acked: Vec<(Id, String)> = lock(&run.history)
+        .iter()
+        .filter(|w| w.table == Table::Photos)
+        .filter_map(|w| match w.outcome {
+            Outcome::Acked(id) => Some((Id::from_i64(id).ok()?, w.content.clone())),
+            Outcome::Failed { .. } => None,
+        })
+        .collect();
+    for chunk in acked.chunks(500) {
+        let ids: Vec<Id> = chunk.iter().map(|(id, _)| *id).collect();
+        match photos.get_many(&ids).await {
+            Ok(many) => {
+                for ((id, content), found) in chunk.iter().zip(&many.rows) {
+                    let got = found.as_ref().map(|p| format!("{}|{}|{}", p.user_id, p.url, p.caption));
+                    if got.as_deref() != Some(content.as_str()) {
+                        seen.unreadable.push(format!(
+                            "photo {}: the load's handle read {got:?}, written {content:?}",
+                            id.as_i64()
+                        ));
+                    }
+                }
+            }
+            Err(e) => seen.unreadable.push(format!(
+                "{} acknowledged photos: the load's handle failed to read them: {}",
+                chunk.len(),
+                shardline_repo::error_chain(&e)
+            )),
         }
     }
     seen.bad_reads = lock(&run.bad_reads).clone();

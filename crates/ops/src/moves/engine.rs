@@ -1400,8 +1400,9 @@ async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
 ///
 /// [`Error::NoMove`] when there is none; [`Error::MoveBusy`] when another process works
 /// on it; a step's failure, as [`run`]. Of every running move (no shard given), each is
-/// tried, whatever became of the ones before it: [`Error::ResumeIncomplete`] names
-/// those not finished and why, and those finished.
+/// tried, whatever became of the ones before it (one another process works on is left
+/// to it): [`Error::ResumeIncomplete`] names those not finished and why, and holds the
+/// reports of those finished.
 pub async fn resume(
     config: &Config,
     shard: Option<LogicalShard>,
@@ -1435,6 +1436,10 @@ pub async fn resume(
             Ok(Some(report)) => out.push(report),
             Ok(None) => {}
             Err(e) if !several => return Err(e),
+            // Another process drives it: not this run's to finish, nor a failure.
+            Err(Error::MoveBusy { id }) => {
+                tracing::warn!(id, %shard, "another shardline process is working on this move; left to it");
+            }
             Err(e) => {
                 let why = shardline_repo::error_chain(&e);
                 tracing::warn!(id, %shard, error = %why, "a running move could not be resumed; trying the next");
@@ -1442,11 +1447,7 @@ pub async fn resume(
             }
         }
     }
-    if failed.is_empty() {
-        Ok(out)
-    } else {
-        Err(Error::ResumeIncomplete { failed, finished: out.iter().map(|r| r.id).collect() })
-    }
+    if failed.is_empty() { Ok(out) } else { Err(Error::ResumeIncomplete { failed, finished: out }) }
 }
 
 /// `shardline move --abort SHARD`: undoes the shard's running move. Refused once the

@@ -67,8 +67,8 @@ impl std::fmt::Display for GcReport {
     }
 }
 
-/// The longest grace period (a longer one would take the time it reaches back to out of
-/// Postgres's range).
+/// The longest grace period, 100 years: far beyond any use, and refused before the run
+/// starts rather than met as a catalog error after it has done part of its work.
 pub const MAX_GRACE: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 /// How long a host may go without answering `gc`'s probes before its part of the run is
@@ -83,7 +83,8 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 ///
 /// # Errors
 ///
-/// The catalog unreachable; a statement failing on a reachable host. An unreachable
+/// [`crate::Error::InvalidOption`] for a grace period over [`MAX_GRACE`], before
+/// anything; the catalog unreachable; a statement failing on a reachable host. An unreachable
 /// host, or one that stops answering (hung, cut off) for 15 s, is reported,
 /// not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
