@@ -4106,3 +4106,32 @@ pub(crate) async fn resuming_every_move_tries_each_whatever_became_of_the_one_be
     assert_eq!(moves::list(&config).await?.iter().filter(|m| m.state == State::Running).count(), 0);
     Ok(())
 }
+
+shardline_testkit::register!(own: gc_gives_up_a_catalog_that_hangs_under_it);
+/// `gc` whose catalog hangs (frozen while `gc`'s session waits there for another run's
+/// lock, which a test session holds) fails once the catalog has answered no probe for
+/// 15 s, naming it, instead of waiting for as long as it is hung; thawed, `gc` runs.
+pub(crate) async fn gc_gives_up_a_catalog_that_hangs_under_it(_ctx: TestContext) -> TestResult {
+    on_own_kit(2, &[], |kit| Box::pin(gc_beside_a_hung_catalog(kit))).await
+}
+
+async fn gc_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(kit, "catalog_hung", 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let blocker = f.client(kit, 0).await?;
+    let key = shardline_repo::catalog::GC_LOCK_KEY;
+    blocker.execute("SELECT pg_advisory_lock($1)", &[&key]).await?;
+    let gc_config = config.clone();
+    let work = async move { moves::gc(&gc_config, Duration::ZERO).await };
+    // The catalog is pg1's server: its sessions are named `shardline`.
+    let (ended, took) = freeze_while_it_waits(&f, kit, 0, "shardline", work).await?;
+    eprintln!("      gc with the catalog hung returned {took:?} after the freeze: {ended:?}");
+    let err = ended.err().ok_or("gc returned a report while the catalog was frozen")?;
+    assert!(matches!(err, OpsError::CatalogHung { .. }), "{err}");
+    assert!(err.to_string().contains("the catalog answered no probe"), "{err}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    blocker.execute("SELECT pg_advisory_unlock($1)", &[&key]).await?;
+    moves::gc(&config, Duration::ZERO).await?;
+    Ok(())
+}

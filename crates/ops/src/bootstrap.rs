@@ -324,7 +324,12 @@ pub async fn init(
     options: &Options,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Report> {
-    run(config, options, progress, true).await
+    crate::moves::unless_catalog_hung(
+        config,
+        crate::moves::CATALOG_HUNG_AFTER,
+        run(config, options, progress, true),
+    )
+    .await
 }
 
 /// `shardline migrate`: applies pending migrations to every shard schema (and installs
@@ -336,13 +341,20 @@ pub async fn init(
 ///
 /// # Errors
 ///
-/// As [`init`], and [`shardline_repo::Error::NotInitialised`] before the first `init`.
+/// As [`init`], and [`shardline_repo::Error::NotInitialised`] before the first `init`;
+/// both give up with [`Error::CatalogHung`] once the catalog has answered no probe for
+/// 15 s (hung or cut off).
 pub async fn migrate(
     config: &Config,
     options: &Options,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<Report> {
-    run(config, options, progress, false).await
+    crate::moves::unless_catalog_hung(
+        config,
+        crate::moves::CATALOG_HUNG_AFTER,
+        run(config, options, progress, false),
+    )
+    .await
 }
 
 async fn run(

@@ -265,6 +265,15 @@ pub enum Error {
         /// The reports of the moves this run finished.
         finished: Vec<moves::MoveReport>,
     },
+    /// The catalog answered no liveness probe for this long (hung, or cut off): the
+    /// operation was given up where it was, and is run again once the catalog is back.
+    #[error(
+        "the catalog answered no probe for {after:?} (it is hung or cut off); run this again once it answers"
+    )]
+    CatalogHung {
+        /// How long it went unanswered.
+        after: std::time::Duration,
+    },
     /// An option's value is out of its range; nothing was done.
     #[error("{option}: {message}")]
     InvalidOption {

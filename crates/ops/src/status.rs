@@ -66,8 +66,13 @@ pub struct TableStatus {
 ///
 /// # Errors
 ///
-/// When the catalog cannot be read, or the config contradicts it.
+/// When the catalog cannot be read, or the config contradicts it; [`Error::CatalogHung`]
+/// once it has answered no probe for `timeout` (2 s at least).
 pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
+    crate::moves::unless_catalog_hung(config, timeout, status_within(config, timeout)).await
+}
+
+async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let map = catalog.map().await?;

@@ -715,30 +715,74 @@ const PROBE_LIMIT: Duration = Duration::from_secs(5);
 /// probe for `hung_after`: a `SELECT 1` on a connection of the watchdog's own (so a
 /// long statement of the move's does not count), every [`PROBE_EVERY`].
 pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Duration) -> Error {
+    let i = unanswered(hosts.len(), |i| host_client(config, &hosts[i]), hung_after).await;
+    let host = &hosts[i];
+    tracing::warn!(host = %host, ?hung_after, "a host answers no probe; giving up the work on it");
+    Error::Timeout {
+        host: host.clone(),
+        what: "an answer to a liveness probe (the host is hung or cut off)".into(),
+        after: hung_after.max(PROBE_EVERY * 2),
+    }
+}
+
+/// How long the catalog may answer no probe before `init`, `migrate` and `gc` give up
+/// (as a host's [`MoveOptions::hung_after`] by default).
+pub(crate) const CATALOG_HUNG_AFTER: Duration = Duration::from_secs(15);
+
+/// `work`, unless the catalog answers no probe for `hung_after` first (as [`watchdog`]
+/// probes hosts): then [`Error::CatalogHung`], and `work` is dropped where it was. For
+/// the operations whose catalog session would otherwise wait on a hung catalog for as
+/// long as it lasts (`gc`, `init`, `migrate`, `status`); the catalog's own waits that
+/// are meant to last (another `gc`'s lock) go on while it answers.
+pub(crate) async fn unless_catalog_hung<T>(
+    config: &Config,
+    hung_after: Duration,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let work = Box::pin(work);
+    let dog = Box::pin(async {
+        unanswered(1, |_| async { Ok(connect(&config.catalog, "catalog").await?) }, hung_after).await;
+        tracing::warn!(?hung_after, "the catalog answers no probe; giving up");
+        Error::CatalogHung { after: hung_after.max(PROBE_EVERY * 2) }
+    });
+    tokio::select! {
+        biased;
+        r = work => r,
+        hung = dog => Err(hung),
+    }
+}
+
+/// Probes `n` servers (`connect(i)` opens a connection to the i-th) every
+/// [`PROBE_EVERY`] with a `SELECT 1` on a connection of its own, and resolves with the
+/// first one that has answered none for `hung_after` (two probes at least).
+async fn unanswered<F, Fut>(n: usize, connect: F, hung_after: Duration) -> usize
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<Client>>,
+{
     // Two probes at least: one missed probe is not a hang.
     let hung_after = hung_after.max(PROBE_EVERY * 2);
-    let mut answered = vec![Instant::now(); hosts.len()];
-    let mut clients: Vec<Option<Client>> = hosts.iter().map(|_| None).collect();
+    let mut answered = vec![Instant::now(); n];
+    let mut clients: Vec<Option<Client>> = (0..n).map(|_| None).collect();
     loop {
         tokio::time::sleep(PROBE_EVERY).await;
-        for (i, host) in hosts.iter().enumerate() {
-            let slot = &mut clients[i];
+        for (i, slot) in clients.iter_mut().enumerate() {
             let probe = async {
                 if slot.as_ref().is_none_or(Client::is_closed) {
-                    *slot = Some(host_client(config, host).await?);
+                    *slot = Some(connect(i).await?);
                 }
                 match slot.as_ref() {
                     Some(c) => match c.simple_query("SELECT 1").await {
-                        Ok(_) => Ok(()),
+                        Ok(_) => Ok(true),
                         // The server answered, with an error: it is not hung.
-                        Err(e) if e.as_db_error().is_some() => Ok(()),
-                        Err(e) => Err(on(host, "answer a probe")(e)),
+                        Err(e) if e.as_db_error().is_some() => Ok(true),
+                        Err(_) => Ok(false),
                     },
-                    None => Ok(()),
+                    None => Ok(true),
                 }
             };
             match tokio::time::timeout(PROBE_LIMIT, probe).await {
-                Ok(Ok(())) => answered[i] = Instant::now(),
+                Ok(Ok(true)) => answered[i] = Instant::now(),
                 // A server that refused the connection with an error answered too.
                 Ok(Err(Error::Repo(shardline_repo::Error::Connect { source, .. })))
                     if source.as_db_error().is_some() =>
@@ -750,12 +794,7 @@ pub(super) async fn watchdog(config: &Config, hosts: &[HostName], hung_after: Du
                 _ => *slot = None,
             }
             if answered[i].elapsed() >= hung_after {
-                tracing::warn!(host = %host, ?hung_after, "a host answers no probe; giving up the work on it");
-                return Error::Timeout {
-                    host: host.clone(),
-                    what: "an answer to a liveness probe (the host is hung or cut off)".into(),
-                    after: hung_after,
-                };
+                return i;
             }
         }
     }

@@ -84,7 +84,8 @@ const GC_HUNG_AFTER: Duration = Duration::from_secs(15);
 /// # Errors
 ///
 /// [`crate::Error::InvalidOption`] for a grace period over [`MAX_GRACE`], before
-/// anything; the catalog unreachable; a statement failing on a reachable host. An unreachable
+/// anything; the catalog unreachable, or answering no probe for 15 s
+/// ([`crate::Error::CatalogHung`]); a statement failing on a reachable host. An unreachable
 /// host, or one that stops answering (hung, cut off) for 15 s, is reported,
 /// not an error.
 pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
@@ -94,6 +95,11 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
             message: format!("{grace:?} is longer than the longest grace period, 100 years"),
         });
     }
+    super::engine::unless_catalog_hung(config, GC_HUNG_AFTER, gc_within(config, grace)).await
+}
+
+/// [`gc`], its grace period checked, while the catalog answers.
+async fn gc_within(config: &Config, grace: Duration) -> Result<GcReport> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, info) = Catalog::open(config).await?;
     // Held to the end of the run: every move not in the journal read below starts
