@@ -259,11 +259,14 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
 
     let said = cli(&f, &["rebalance", "--apply", "--max-moves", "8"]).await?;
     assert!(said.contains("-> pg3"), "{said}");
+    // The plan evens out the shards' bytes, which the load makes uneven: as many moves
+    // as it found (one, or more).
+    let onto_pg3 = said.lines().filter(|l| l.contains("-> pg3")).count();
     load.progress(50).await?;
     // Within a few map checks (5 s each) of the moves' flips, whose notifications come
     // first; on two cores shared with the rest of the suite, 30 s at most.
     let (started, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(30));
-    while cluster.map().shards_of(&crate::host("pg3")).count() < 2 {
+    while cluster.map().shards_of(&crate::host("pg3")).count() < onto_pg3 {
         if Instant::now() > deadline {
             let catalog = f.client(&ctx, 0).await?;
             let row = catalog

@@ -348,14 +348,57 @@ fn quote_value(v: &str) -> String {
     format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
-/// Where a URL's hosts and ports are (after the user's part, before the path or the
-/// query), as byte offsets of `s`; `None` for a string that is not a URL.
-fn url_host_part(s: &str) -> Option<std::ops::Range<usize>> {
-    let (_, rest) = url_form(s)?;
-    let from = s.len() - rest.len();
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let start = rest[..end].rfind('@').map_or(0, |at| at + 1);
-    Some(from + start..from + end)
+/// `value`, put at byte `offset` of the template `text` (where its `${` was), as
+/// [`Source::expand`] puts it: as it is, unless it would not read back as that one
+/// value there.
+fn fitted(text: &str, offset: usize, value: &str) -> String {
+    let before = &text[..offset];
+    if let Some((_, rest)) = url_form(text) {
+        let from = text.len() - rest.len();
+        let authority_end = from + rest.find(['/', '?']).unwrap_or(rest.len());
+        // Where the template's own (literal) characters put the variable.
+        let user_part = offset < authority_end && text[offset..authority_end].contains('@');
+        let query_value = before.rfind('?').is_some_and(|q| {
+            let param = &before[q + 1..];
+            let param = param.rsplit('&').next().unwrap_or(param);
+            param.contains('=')
+        });
+        let breaks = |extra: &[char]| {
+            value
+                .chars()
+                .any(|c| matches!(c, '@' | '/' | '?' | '#') || c.is_whitespace() || extra.contains(&c))
+        };
+        if user_part && breaks(&[]) {
+            // The user's name is what comes before the first `:`: one put with the
+            // password (`${CREDS}`) keeps it.
+            let in_password = text[from..offset].contains(':');
+            return percent_encode_but(value, if in_password { b"" } else { b":" });
+        }
+        if query_value && breaks(&['&']) {
+            return percent_encode(value);
+        }
+        return value.to_owned();
+    }
+    // Key/value: where the template's quotes and `=` put the variable.
+    let (mut quoted, mut escaped) = (false, false);
+    for c in before.chars() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' if quoted => escaped = true,
+            '\'' => quoted = !quoted,
+            _ => {}
+        }
+    }
+    if quoted {
+        return value.replace('\\', "\\\\").replace('\'', "\\'");
+    }
+    if before.trim_end().ends_with('=') {
+        return quote_value(value);
+    }
+    value.to_owned()
 }
 
 /// Percent-encodes everything but RFC 3986's unreserved characters.
@@ -590,10 +633,14 @@ impl Source<'_> {
         .map_err(|e| if let Error::Config { .. } = e { e } else { self.err(at, key, e.to_string()) })
     }
 
-    /// `text` with each `${VAR}` replaced by the variable's value, encoded for where it
-    /// lands: percent-encoded in a URL (`postgres://app:${PW}@pg1/app` takes any
-    /// password as it is), and in a key/value string quoted, or escaped when the text
-    /// already quotes it (`password='${PW}'`).
+    /// `text` with each `${VAR}` replaced by the variable's value, as it is wherever that
+    /// reads the same (so a value encoded by hand, `p%40ss`, still works), and encoded
+    /// only where it would not: a value holding `@`, `/`, `?`, `#`, `&` or a space, put
+    /// in a URL's user part or a parameter's value, is percent-encoded (before, a
+    /// password holding `@` moved the host); a key/value string's value holding a space,
+    /// a quote or a backslash is quoted, or escaped when the text quotes it already. A
+    /// variable put anywhere else (the whole string, the host, the path, a run of
+    /// parameters) is URL or key/value syntax of its own, and goes in as it is.
     fn expand(&self, at: usize, key: &str, text: &str) -> Result<String> {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
@@ -615,23 +662,8 @@ impl Source<'_> {
                 };
                 self.err(at, key, said)
             })?;
-            // As a value of the string it lands in, so whatever the variable holds is
-            // read back whole, and only as the part it was put in (a password holding
-            // `@` or `/` never moves the host): percent-encoded in a URL; in a key/value
-            // string, escaped inside quotes written around it, else quoted when it must be.
-            if let Some(host_part) = url_host_part(text) {
-                let offset = text.len() - rest.len() + start;
-                if host_part.contains(&offset) {
-                    // `[::1]`, `pg1:5432` and a list of hosts keep their meaning.
-                    out.push_str(&percent_encode_but(&value, b"[]:,"));
-                } else {
-                    out.push_str(&percent_encode(&value));
-                }
-            } else if out.ends_with('\'') {
-                out.push_str(&value.replace('\\', "\\\\").replace('\'', "\\'"));
-            } else {
-                out.push_str(&quote_value(&value));
-            }
+            let offset = text.len() - rest.len() + start;
+            out.push_str(&fitted(text, offset, &value));
             rest = &after[end + 1..];
         }
         out.push_str(rest);
@@ -970,36 +1002,64 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         // A password holding what a URL or a key/value string gives meaning to: before,
         // put in as it was, its `@` made `evil.com` the host.
         let pw = "p@evil.com:5432/x?a=b&password=z #%'\\";
-        let env = |var: &str| match var {
-            "PW" => Some(pw.to_owned()),
-            "HOST" => Some("[::1]:5433".to_owned()),
-            "SOCKET" => Some("/var/run/postgresql".to_owned()),
-            _ => None,
+        let env = |var: &str| {
+            Some(
+                match var {
+                    "PW" => pw,
+                    "HOST" => "[::1]:5433",
+                    "ENCODED" => "p%40ss",
+                    "CREDS" => "app:s3cret",
+                    "DSN" => "host=pg5 port=5433 dbname=app",
+                    "EXTRA" => "sslmode=disable application_name=x",
+                    "PARAMS" => "sslmode=disable&application_name=x",
+                    "HOSTDB" => "pg8:5432/app",
+                    _ => return None,
+                }
+                .to_owned(),
+            )
         };
-        let text = "[catalog]\nurl = \"postgres://app:${PW}@pg1:5432/app?sslmode=disable\"\n\
-                    [[hosts]]\nname = \"a\"\nurl = \"postgres://app@${HOST}/db?password=${PW}\"\n\
-                    [[hosts]]\nname = \"b\"\nurl = \"host=pg2 user=app password=${PW}\"\n\
-                    [[hosts]]\nname = \"c\"\nurl = \"host=pg3 user=app password='${PW}'\"\n\
-                    [[hosts]]\nname = \"d\"\nurl = \"postgres://app:${PW}@${SOCKET}/db\"\n";
+        let urls = [
+            // A value that would change the URL: encoded, in the user part and in a
+            // parameter's value; the host as given.
+            (
+                "a",
+                "postgres://app:${PW}@pg1:5432/app?sslmode=disable",
+                "postgres://app@pg1:5432/app?sslmode=disable",
+                Some(pw),
+            ),
+            ("b", "postgres://app@${HOST}/db?password=${PW}", "postgres://app@[::1]:5433/db", Some(pw)),
+            // Key/value: quoted after `=`, escaped inside quotes the text has.
+            ("c", "host=pg2 user=app password=${PW}", "host=pg2 user=app", Some(pw)),
+            ("d", "host=pg3 user=app password='${PW}'", "host=pg3 user=app", Some(pw)),
+            // What worked as it was still does: a value encoded by hand, a user and
+            // password together, a whole string, a run of pairs or parameters, a host
+            // and path together.
+            ("e", "postgres://app:${ENCODED}@pg4/app", "postgres://app@pg4/app", Some("p@ss")),
+            ("f", "postgres://${CREDS}@pg4/app", "postgres://app@pg4/app", Some("s3cret")),
+            ("g", "${DSN}", "host=pg5 port=5433 dbname=app", None),
+            ("h", "host=pg6 ${EXTRA}", "host=pg6 sslmode=disable application_name=x", None),
+            (
+                "i",
+                "postgres://app@pg7/app?${PARAMS}",
+                "postgres://app@pg7/app?sslmode=disable&application_name=x",
+                None,
+            ),
+            ("j", "postgres://app@${HOSTDB}", "postgres://app@pg8:5432/app", None),
+        ];
+        let mut text = "[catalog]\nurl = \"postgres://c/db\"\n".to_owned();
+        for (name, url, _, _) in &urls {
+            text.push_str(&format!("[[hosts]]\nname = \"{name}\"\nurl = \"{url}\"\n"));
+        }
+        let c = Config::from_toml(&text, "shardline.toml", Path::new("/etc/shardline"), &env).unwrap();
+        for (host, (name, _, bare, password)) in c.hosts.iter().zip(&urls) {
+            let (got, got_password) = host.url.split_password();
+            assert_eq!((got.expose(), got_password.as_deref()), (*bare, *password), "{name}");
+            assert!(!host.url.to_string().contains("evil"), "{name}: {}", host.url);
+        }
+        // Inside quotes after other text: escaped, not quoted again.
+        let text = "[catalog]\nurl = \"host=c user=app password='x${PW}'\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n";
         let c = Config::from_toml(text, "shardline.toml", Path::new("/etc/shardline"), &env).unwrap();
-        let (bare, password) = c.catalog.split_password();
-        assert_eq!(password.as_deref(), Some(pw));
-        assert_eq!(bare.expose(), "postgres://app@pg1:5432/app?sslmode=disable");
-        let (bare, password) = c.hosts[0].url.split_password();
-        assert_eq!(password.as_deref(), Some(pw));
-        assert_eq!(bare.expose(), "postgres://app@[::1]:5433/db", "a host and port stay as given");
-        for host in &c.hosts[1..3] {
-            let (bare, password) = host.url.split_password();
-            assert_eq!(password.as_deref(), Some(pw), "{}", host.name);
-            assert_eq!(
-                bare.expose().split(' ').next(),
-                Some(if host.name.as_str() == "b" { "host=pg2" } else { "host=pg3" })
-            );
-        }
-        assert_eq!(c.hosts[3].url.split_password().0.expose(), "postgres://app@%2Fvar%2Frun%2Fpostgresql/db");
-        for h in &c.hosts {
-            assert!(!h.url.to_string().contains("evil"), "{}", h.url);
-        }
+        assert_eq!(c.catalog.split_password().1, Some(format!("x{pw}")));
     }
 
     #[test]

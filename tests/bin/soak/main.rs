@@ -289,13 +289,18 @@ async fn soak_on(
     // The mover finishes the move it is in (it starts no other), or is killed after 2
     // minutes, its move then resumed below.
     let abort = mover.abort_handle();
+    // A panic fails the run (after recovery, the check and the report): it is not a kill
+    // to recover from.
+    let mut mover_failed = None;
     match tokio::time::timeout(Duration::from_secs(120), mover).await {
         Err(_) => {
             abort.abort();
             run.note("the mover did not finish its move in 120 s; killed".into());
         }
-        // A panic is a failure of the run, not a kill to recover from.
-        Ok(Err(e)) => return Err(format!("the mover ended abnormally: {e}").into()),
+        Ok(Err(e)) => {
+            run.note(format!("the mover ended abnormally: {e}"));
+            mover_failed = Some(format!("the mover ended abnormally: {e}"));
+        }
         Ok(Ok(())) => {}
     }
     let (ops, acked) = {
@@ -312,6 +317,9 @@ async fn soak_on(
     let violations = check::check(&history, &observed);
     report(&run, &history, &violations)?;
     run.kit.shutdown().await?;
+    if let Some(why) = mover_failed {
+        return Err(why.into());
+    }
     let failed = lock(&run.strike_failures).clone();
     if !failed.is_empty() {
         return Err(
@@ -982,7 +990,18 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
         .collect();
     for chunk in acked.chunks(500) {
         let ids: Vec<Id> = chunk.iter().map(|(id, _)| *id).collect();
-        match photos.get_many(&ids).await {
+        // A failure the retry path cannot take is tried again a few times (the handle's
+        // map check or LISTEN may still be catching up after a cut): one that stays is
+        // the violation.
+        let mut read = photos.get_many(&ids).await;
+        for _ in 0..3 {
+            if read.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            read = photos.get_many(&ids).await;
+        }
+        match read {
             Ok(many) => {
                 for ((id, content), found) in chunk.iter().zip(&many.rows) {
                     let got = found.as_ref().map(|p| format!("{}|{}|{}", p.user_id, p.url, p.caption));

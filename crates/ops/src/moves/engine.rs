@@ -767,31 +767,31 @@ where
     loop {
         tokio::time::sleep(PROBE_EVERY).await;
         for (i, slot) in clients.iter_mut().enumerate() {
-            let probe = async {
-                if slot.as_ref().is_none_or(Client::is_closed) {
-                    *slot = Some(connect(i).await?);
+            // A new connection within `hung_after` (time for each of a URL's hosts in
+            // turn, a standby named first among them), then the probe within
+            // PROBE_LIMIT.
+            if slot.as_ref().is_none_or(Client::is_closed) {
+                *slot = match tokio::time::timeout(hung_after.max(PROBE_LIMIT), connect(i)).await {
+                    Err(_) => None,
+                    Ok(Ok(c)) => Some(c),
+                    // A server that refused the connection with an error answered.
+                    Ok(Err(Error::Repo(shardline_repo::Error::Connect { source, .. })))
+                        if source.as_db_error().is_some() =>
+                    {
+                        answered[i] = Instant::now();
+                        None
+                    }
+                    Ok(Err(_)) => None,
+                };
+            }
+            if let Some(c) = slot.as_ref() {
+                match tokio::time::timeout(PROBE_LIMIT, c.simple_query("SELECT 1")).await {
+                    Ok(Ok(_)) => answered[i] = Instant::now(),
+                    // The server answered, with an error: it is not hung.
+                    Ok(Err(e)) if e.as_db_error().is_some() => answered[i] = Instant::now(),
+                    // A new connection next time: this one may be the stuck one.
+                    _ => *slot = None,
                 }
-                match slot.as_ref() {
-                    Some(c) => match c.simple_query("SELECT 1").await {
-                        Ok(_) => Ok(true),
-                        // The server answered, with an error: it is not hung.
-                        Err(e) if e.as_db_error().is_some() => Ok(true),
-                        Err(_) => Ok(false),
-                    },
-                    None => Ok(true),
-                }
-            };
-            match tokio::time::timeout(PROBE_LIMIT, probe).await {
-                Ok(Ok(true)) => answered[i] = Instant::now(),
-                // A server that refused the connection with an error answered too.
-                Ok(Err(Error::Repo(shardline_repo::Error::Connect { source, .. })))
-                    if source.as_db_error().is_some() =>
-                {
-                    answered[i] = Instant::now();
-                    *slot = None;
-                }
-                // A new connection next time: this one may be the stuck one.
-                _ => *slot = None,
             }
             if answered[i].elapsed() >= hung_after {
                 return i;
@@ -1018,7 +1018,8 @@ impl<'a> Mover<'a> {
     /// After the watchdog gave up a step: the step's statements may still be running,
     /// or have left a transaction open, on the move's connections. They are dropped
     /// (the next use reconnects, and `mover_client` ends the old sessions on the host,
-    /// rolling their work back), and the catalog's connection is opened anew.
+    /// rolling their work back), and the catalog's connection is opened anew unless it
+    /// answers.
     /// The result of work run [`unless_hung`]: its own, or the watchdog's error once
     /// the move's connections were forgotten ([`Mover::forget_connections`]).
     pub(super) async fn settle<T>(&mut self, r: std::result::Result<Result<T>, Error>) -> Result<T> {
@@ -1034,6 +1035,12 @@ impl<'a> Mover<'a> {
     async fn forget_connections(&mut self) {
         self.src = None;
         self.dst = None;
+        // The catalog's session holds the move's lock, so a new one could not take it
+        // while it lives: it is kept while it answers (a step given up on a hung host
+        // left nothing running on it), and replaced only when it does not.
+        if journal::answers(&self.catalog, Duration::from_secs(2)).await {
+            return;
+        }
         match Catalog::open(self.config).await {
             Ok((catalog, _)) if lock_move(&catalog, self.id).await.is_ok() => self.catalog = catalog,
             _ => tracing::warn!(id = self.id, "could not reopen the catalog after a hung step"),
@@ -1439,9 +1446,9 @@ async fn install_resolve(c: &Client, host: &HostName) -> Result<()> {
 ///
 /// [`Error::NoMove`] when there is none; [`Error::MoveBusy`] when another process works
 /// on it; a step's failure, as [`run`]. Of every running move (no shard given), each is
-/// tried, whatever became of the ones before it (one another process works on is left
-/// to it): [`Error::ResumeIncomplete`] names those not finished and why, and holds the
-/// reports of those finished.
+/// tried, whatever became of the ones before it: [`Error::ResumeIncomplete`] names those
+/// not finished and why (one another process works on among them, so a loop that
+/// resumes until it succeeds waits for it), and holds the reports of those finished.
 pub async fn resume(
     config: &Config,
     shard: Option<LogicalShard>,
@@ -1475,10 +1482,6 @@ pub async fn resume(
             Ok(Some(report)) => out.push(report),
             Ok(None) => {}
             Err(e) if !several => return Err(e),
-            // Another process drives it: not this run's to finish, nor a failure.
-            Err(Error::MoveBusy { id }) => {
-                tracing::warn!(id, %shard, "another shardline process is working on this move; left to it");
-            }
             Err(e) => {
                 let why = shardline_repo::error_chain(&e);
                 tracing::warn!(id, %shard, error = %why, "a running move could not be resumed; trying the next");

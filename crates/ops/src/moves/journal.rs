@@ -78,6 +78,12 @@ fn client(catalog: &Catalog) -> &Client {
     catalog.lend()
 }
 
+/// Whether the catalog's session answers a `SELECT 1` within `within` (nothing of a
+/// given-up step still running on it ahead of the probe).
+pub(crate) async fn answers(catalog: &Catalog, within: std::time::Duration) -> bool {
+    matches!(tokio::time::timeout(within, client(catalog).simple_query("SELECT 1")).await, Ok(Ok(_)))
+}
+
 /// The steps of a move, in order. The journal holds the last step **done**.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
