@@ -67,14 +67,10 @@ pub struct TableStatus {
 /// # Errors
 ///
 /// When the catalog cannot be read, or the config contradicts it; [`Error::CatalogHung`]
-/// once it has answered no probe for 15 s.
+/// once it has answered no probe for `timeout` (2 s at least), as a host that does not
+/// answer within it is unreachable.
 pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
-    crate::moves::unless_catalog_hung(
-        config,
-        crate::moves::CATALOG_HUNG_AFTER,
-        status_within(config, timeout),
-    )
-    .await
+    crate::moves::unless_catalog_hung(config, timeout, status_within(config, timeout)).await
 }
 
 async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {

@@ -363,18 +363,13 @@ fn fitted(text: &str, offset: usize, value: &str) -> String {
             let param = param.rsplit('&').next().unwrap_or(param);
             param.contains('=')
         });
-        let breaks = |extra: &[char]| {
-            value
-                .chars()
-                .any(|c| matches!(c, '@' | '/' | '?' | '#') || c.is_whitespace() || extra.contains(&c))
-        };
-        if user_part && breaks(&[]) {
+        if user_part {
             // The user's name is what comes before the first `:`: one put with the
             // password (`${CREDS}`) keeps it.
             let in_password = text[from..offset].contains(':');
             return percent_encode_but(value, if in_password { b"" } else { b":" });
         }
-        if query_value && breaks(&['&']) {
+        if query_value {
             return percent_encode(value);
         }
         return value.to_owned();
@@ -633,14 +628,13 @@ impl Source<'_> {
         .map_err(|e| if let Error::Config { .. } = e { e } else { self.err(at, key, e.to_string()) })
     }
 
-    /// `text` with each `${VAR}` replaced by the variable's value, as it is wherever that
-    /// reads the same (so a value encoded by hand, `p%40ss`, still works), and encoded
-    /// only where it would not: a value holding `@`, `/`, `?`, `#`, `&` or a space, put
-    /// in a URL's user part or a parameter's value, is percent-encoded (before, a
-    /// password holding `@` moved the host); a key/value string's value holding a space,
-    /// a quote or a backslash is quoted, or escaped when the text quotes it already. A
-    /// variable put anywhere else (the whole string, the host, the path, a run of
-    /// parameters) is URL or key/value syntax of its own, and goes in as it is.
+    /// `text` with each `${VAR}` replaced by the variable's value. A value is what it
+    /// holds, not encoded: put in a URL's user part or a parameter's value it is
+    /// percent-encoded (before, a password holding `@` moved the host, and one holding
+    /// `%41` read as another); after a key/value string's `=` it is quoted when it
+    /// must be, and escaped inside quotes the string has. A variable put anywhere else
+    /// (the whole string, the host, the path, a run of parameters) is URL or key/value
+    /// syntax of its own, and goes in as it is.
     fn expand(&self, at: usize, key: &str, text: &str) -> Result<String> {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
@@ -1031,10 +1025,10 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             // Key/value: quoted after `=`, escaped inside quotes the text has.
             ("c", "host=pg2 user=app password=${PW}", "host=pg2 user=app", Some(pw)),
             ("d", "host=pg3 user=app password='${PW}'", "host=pg3 user=app", Some(pw)),
-            // What worked as it was still does: a value encoded by hand, a user and
-            // password together, a whole string, a run of pairs or parameters, a host
-            // and path together.
-            ("e", "postgres://app:${ENCODED}@pg4/app", "postgres://app@pg4/app", Some("p@ss")),
+            // A value is what it holds: `%40` is three characters of a password. A user
+            // and password together, a whole string, a run of pairs or parameters, a
+            // host and path together go in as written.
+            ("e", "postgres://app:${ENCODED}@pg4/app", "postgres://app@pg4/app", Some("p%40ss")),
             ("f", "postgres://${CREDS}@pg4/app", "postgres://app@pg4/app", Some("s3cret")),
             ("g", "${DSN}", "host=pg5 port=5433 dbname=app", None),
             ("h", "host=pg6 ${EXTRA}", "host=pg6 sslmode=disable application_name=x", None),

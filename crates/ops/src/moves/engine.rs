@@ -767,11 +767,12 @@ where
     loop {
         tokio::time::sleep(PROBE_EVERY).await;
         for (i, slot) in clients.iter_mut().enumerate() {
-            // A new connection within `hung_after` (time for each of a URL's hosts in
-            // turn, a standby named first among them), then the probe within
-            // PROBE_LIMIT.
+            // A new connection within what is left of `hung_after` since the last answer
+            // (so a hang is told within it, whatever the URL's hosts' timeouts add up
+            // to), then the probe within PROBE_LIMIT.
             if slot.as_ref().is_none_or(Client::is_closed) {
-                *slot = match tokio::time::timeout(hung_after.max(PROBE_LIMIT), connect(i)).await {
+                let left = hung_after.saturating_sub(answered[i].elapsed()).max(PROBE_EVERY);
+                *slot = match tokio::time::timeout(left, connect(i)).await {
                     Err(_) => None,
                     Ok(Ok(c)) => Some(c),
                     // A server that refused the connection with an error answered.
