@@ -190,7 +190,22 @@ impl HostControl for DockerHost {
     async fn pause(&self) -> Result<()> {
         let guard = self.container.lock().await;
         let c = guard.as_ref().ok_or_else(|| self.gone("pause"))?;
-        c.pause().await.map_err(self.docker_err("pausing the container"))
+        // The cgroup freezer gives up ("unable to freeze") when a process does not stop
+        // in time, e.g. one in uninterruptible I/O; runc then thaws the container again.
+        // So a failed freeze is tried again, at once, a few times: the host is frozen
+        // as close to the moment asked for as the kernel allows, or the error stands.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match c.pause().await {
+                Ok(()) => return Ok(()),
+                Err(e) if tries < PAUSE_TRIES && chain(&e).contains("unable to freeze") => {
+                    tracing::warn!(host = %self.name, tries, "the cgroup freezer gave up; pausing again");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(self.docker_err("pausing the container")(e)),
+            }
+        }
     }
 
     async fn resume(&self) -> Result<()> {
@@ -214,6 +229,21 @@ impl HostControl for DockerHost {
 }
 
 /// Runs the docker command line; returns stdout and stderr, joined.
+/// How many times [`HostControl::pause`] asks the cgroup freezer before it gives up.
+const PAUSE_TRIES: u32 = 5;
+
+/// An error's message with its sources', to match on what Docker said.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 async fn docker_cli(args: &[&str]) -> Result<String> {
     let out = tokio::process::Command::new("docker")
         .args(args)
