@@ -573,6 +573,112 @@ pub(crate) async fn a_sqlx_migrations_directory_migrates_in_sqlx_order(ctx: Test
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_migrations_trigger_writes_into_its_own_shard_whoever_fires_it);
+/// A migration's trigger function that names its table unqualified, as migrations are
+/// written, writes into its own shard's table: fired by the repository (qualified
+/// statements on the pool's default `search_path`, `"$user", public`, where `public`
+/// has a table of that name) and by a session whose `search_path` names another shard.
+/// A function that sets its own path keeps it, and `next_id()` runs on its caller's.
+/// Before: the repository's inserts wrote their audit rows into `public.audit`.
+pub(crate) async fn a_migrations_trigger_writes_into_its_own_shard_whoever_fires_it(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    f.migration(
+        "0005_audit.sql",
+        "CREATE TABLE audit (photo_id bigint NOT NULL);
+         CREATE FUNCTION audit_photo() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO audit (photo_id) VALUES (NEW.id);
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER photos_audit AFTER INSERT ON photos FOR EACH ROW EXECUTE FUNCTION audit_photo();
+         CREATE FUNCTION own_path() RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog AS $$
+         BEGIN RETURN current_setting('search_path'); END $$;",
+    )?;
+    for h in 0..2 {
+        f.client(&ctx, h)
+            .await?
+            .batch_execute("CREATE TABLE public.audit (photo_id bigint NOT NULL)")
+            .await?;
+    }
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster =
+        shardline_repo::Cluster::connect(&f.config()?, shardline_repo::ClusterOptions::default()).await?;
+    let photos = cluster.repo::<shardline_example_photos::Photo>()?;
+    let mut made = Vec::new();
+    for user in 0..8_i64 {
+        let new = shardline_example_photos::NewPhoto {
+            user_id: user,
+            url: format!("u{user}"),
+            caption: String::new(),
+        };
+        made.push((cluster.route_user(user), i64::from(photos.insert(&new).await?.id)));
+    }
+    // A session on another shard's path inserts into shard 0's table by its full name.
+    let zero = cluster.route(crate::shard(0))?;
+    let other = cluster.route(crate::shard(2))?;
+    let host = usize::from(zero.host.as_str() != "pg1");
+    let c = f.client(&ctx, host).await?;
+    c.batch_execute(&format!("SET search_path = {}, public", other.schema.quoted())).await?;
+    let id: i64 = c
+        .query_one(
+            &format!(
+                "INSERT INTO {}.photos (user_id, url) VALUES (0, 'by hand') RETURNING id",
+                zero.schema.quoted()
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    made.push((zero.clone(), id));
+    for (route, id) in &made {
+        let h = usize::from(route.host.as_str() != "pg1");
+        let c = f.client(&ctx, h).await?;
+        let n: i64 = c
+            .query_one(
+                &format!("SELECT count(*) FROM {}.audit WHERE photo_id = $1", route.schema.quoted()),
+                &[id],
+            )
+            .await?
+            .get(0);
+        assert_eq!(n, 1, "photo {id}'s audit row is in its shard's table, {}", route.schema);
+    }
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let strays: i64 = c.query_one("SELECT count(*) FROM public.audit", &[]).await?.get(0);
+        assert_eq!(strays, 0, "no audit row went into public's table on pg{}", h + 1);
+        let settings: Vec<(String, Option<Vec<String>>)> = c
+            .query(
+                "SELECT p.proname::text, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                  WHERE n.nspname LIKE 'shard\\_%' AND p.proname IN ('audit_photo', 'own_path', 'next_id')",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        assert_eq!(settings.len(), 6, "two shards on pg{}, three functions each: {settings:?}", h + 1);
+        for (name, config) in settings {
+            match name.as_str() {
+                "audit_photo" => {
+                    let config = config.unwrap_or_default();
+                    assert!(
+                        config.iter().any(|s| {
+                            let s = s.replace('"', "");
+                            s.starts_with("search_path=shard_") && s.ends_with(", public, pg_temp")
+                        }),
+                        "{config:?}"
+                    );
+                }
+                "own_path" => assert_eq!(config, Some(vec!["search_path=pg_catalog".to_owned()])),
+                _ => assert_eq!(config, None, "next_id() runs on its caller's search_path"),
+            }
+        }
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: locate_agrees_with_where_rows_are);
 pub(crate) async fn locate_agrees_with_where_rows_are(ctx: TestContext) -> TestResult {
     let f = Fixture::new(&ctx, 3, 30).await?;

@@ -113,6 +113,12 @@ pub const CATCH_UP_LOCK_TIMEOUT_MS: i64 = 200;
 /// it was descheduled.
 pub const CATCH_UP_WAIT_TIMEOUT_MS: i64 = 1000;
 
+/// The minter's functions in a shard's schema that run under their caller's
+/// `search_path` by design: `next_id()` is on every insert's path, where a `SET` clause
+/// would cost a settings change per call, and every name it calls is qualified. Every
+/// other PL/pgSQL function it installs sets its own.
+pub const ON_CALLERS_PATH: &[&str] = &["next_id"];
+
 /// The high 32 bits of the advisory lock key that serializes catch-ups of one shard (the
 /// low 32 bits are the sequence's OID): `SHLN` in ASCII.
 pub const ADVISORY_LOCK_CLASS: i64 = 0x5348_4c4e;

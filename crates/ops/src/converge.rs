@@ -252,6 +252,43 @@ async fn shared_minter(client: &Client, host: &HostName, what: &str) -> Result<(
     })
 }
 
+/// Gives every PL/pgSQL function and procedure in the shard's schema (quoted `q`) that
+/// sets no `search_path` of its own the one its migration ran with: `q, public`, then
+/// `pg_temp`. Postgres resolves the names in such a body when it runs, under the
+/// caller's path: a trigger that names a table unqualified would otherwise write into
+/// `public`'s table of that name when the repository (whose statements are qualified,
+/// on the pool's default path) fires it, or into another shard's when a session's path
+/// names that one. `pg_temp` last: a temporary table does not take a shard table's
+/// place. A function that sets its own path keeps it; the minter's `next_id()` runs on
+/// its caller's ([`shardline_id::sql::ON_CALLERS_PATH`]).
+fn pin_functions(schema: &SchemaName) -> String {
+    let callers: Vec<String> = shardline_id::sql::ON_CALLERS_PATH.iter().map(|n| literal(n)).collect();
+    format!(
+        r#"DO $pin$
+DECLARE
+    f record;
+BEGIN
+    FOR f IN
+        SELECT n.nspname, p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) AS args
+          FROM pg_catalog.pg_proc AS p
+          JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
+          JOIN pg_catalog.pg_language AS l ON l.oid = p.prolang
+         WHERE n.nspname = {name} AND l.lanname = 'plpgsql'
+           AND p.proname <> ALL (ARRAY[{callers}]::pg_catalog.name[])
+           AND NOT EXISTS (SELECT FROM pg_catalog.unnest(p.proconfig) AS c(setting)
+                            WHERE c.setting LIKE 'search\_path=%')
+    LOOP
+        EXECUTE pg_catalog.format('ALTER ROUTINE %I.%I(%s) SET search_path = %s',
+                                  f.nspname, f.proname, f.args, {path});
+    END LOOP;
+END
+$pin$"#,
+        name = literal(schema.as_str()),
+        callers = callers.join(", "),
+        path = literal(&format!("{}, public, pg_temp", schema.quoted())),
+    )
+}
+
 /// Applies one shard's work in one transaction, pipelined.
 pub(crate) async fn apply_shard(
     client: &Client,
@@ -285,6 +322,12 @@ pub(crate) async fn apply_shard(
             batch.push((Origin::File { migration: m, statement: i }, s.sql.clone()));
         }
         ledger.push((migration.name.clone(), migration.checksum.clone()));
+    }
+    if !w.migrations.is_empty() {
+        batch.push((
+            Origin::Ours("pin the search_path of the shard's PL/pgSQL functions"),
+            pin_functions(&w.schema),
+        ));
     }
     if let Some(grants) = &w.grants {
         batch.push((Origin::Ours("grant the app_roles their privileges"), grants.clone()));
