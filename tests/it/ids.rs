@@ -395,7 +395,13 @@ pub(crate) async fn the_application_generator_shares_the_sequence_and_keeps_near
     // Blocks of 20,000 values hold about 20 ms of IDs; at most 5 ms ahead of the clock
     // may be handed out, so the generator must wait (asynchronously) inside each block.
     let generator = Arc::new(
-        ShardIdGenerator::new(L, SCHEMA, crate::shard(u16::try_from(SHARD)?))?.block(20_000).max_ahead_ms(5),
+        ShardIdGenerator::new(
+            L,
+            &shardline_router::SchemaPrefix::new("shard_")?,
+            crate::shard(u16::try_from(SHARD)?),
+        )?
+        .block(20_000)
+        .max_ahead_ms(5),
     );
     let other = ctx.hosts()[1].connect(&db).await?;
     let inserting = tokio::spawn(async move {

@@ -271,14 +271,14 @@ pub(crate) async fn behind_pgbouncer_the_application_minter_reserves_from_its_ow
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let bouncer = Pgbouncer::start(&ctx.hosts()[0], PoolMode::Transaction, 2).await?;
     let layout = f.config()?.layout;
+    let prefix = shardline_router::SchemaPrefix::new("shard_")?;
     let mut tasks = Vec::new();
     for i in 0..8 {
         let shard: u16 = if i % 2 == 0 { 3 } else { 5 };
         let (c, task) = tokio_postgres::connect(&bouncer.url(f.db()), tokio_postgres::NoTls).await?;
         tokio::spawn(task);
-        let generator = ShardIdGenerator::new(layout, &format!("shard_{shard:04}"), crate::shard(shard))?
-            .block(1)
-            .max_ahead_ms(1000);
+        let generator =
+            ShardIdGenerator::new(layout, &prefix, crate::shard(shard))?.block(1).max_ahead_ms(1000);
         tasks.push(tokio::spawn(async move {
             let mut ids = Vec::new();
             for _ in 0..150 {

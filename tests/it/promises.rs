@@ -156,6 +156,56 @@ pub(crate) async fn a_partly_applied_batch_names_the_hosts_that_committed(ctx: T
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_batch_failing_on_two_hosts_names_every_row_whose_outcome_is_unknown);
+/// A batch over three hosts: pg1's part commits while pg2's and pg3's wait on locks the
+/// test holds until the host timeout gives them up (outcome unknown). The error names
+/// pg1's rows as committed and every row of pg2 and pg3 as unknown, so a caller who
+/// inserts again only the rows in neither list inserts nothing twice. Before: only the
+/// reported host's part was said to be unknown; the other's read as not applied.
+pub(crate) async fn a_batch_failing_on_two_hosts_names_every_row_whose_outcome_is_unknown(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let o = ClusterOptions { host_timeout: Duration::from_secs(1), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let batch: Vec<NewPhoto> = (0..12_i64).zip(0_usize..).map(|(i, n)| photo(i % 6, n)).collect();
+    let host_of = |i: usize| cluster.route_user(batch[i].user_id).host;
+    // Lock every shard table of pg2 and pg3 that the batch writes into.
+    let mut holders = Vec::new();
+    for h in 1..3 {
+        let c = f.client(&ctx, h).await?;
+        let mut schemas: Vec<String> = (0..batch.len())
+            .filter(|&i| host_of(i).as_str() == format!("pg{}", h + 1))
+            .map(|i| cluster.route_user(batch[i].user_id).schema.quoted())
+            .collect();
+        schemas.sort();
+        schemas.dedup();
+        assert!(!schemas.is_empty(), "the batch writes into pg{}", h + 1);
+        let tables: Vec<String> = schemas.iter().map(|s| format!("{s}.photos")).collect();
+        c.batch_execute(&format!("BEGIN; LOCK TABLE {} IN EXCLUSIVE MODE", tables.join(", "))).await?;
+        holders.push(c);
+    }
+    let err = photos.insert_many(&batch).await.unwrap_err();
+    for c in &holders {
+        c.batch_execute("ROLLBACK").await?;
+    }
+    let (on_pg1, elsewhere): (Vec<usize>, Vec<usize>) =
+        (0..batch.len()).partition(|&i| host_of(i).as_str() == "pg1");
+    match &err {
+        Error::InsertMany { committed, committed_rows, unknown_rows, source, .. } => {
+            assert_eq!(committed, &["pg1"], "{err}");
+            assert_eq!(committed_rows, &on_pg1, "{err}");
+            assert_eq!(unknown_rows, &elsewhere, "every row of pg2 and pg3: {err}");
+            assert!(source.outcome_unknown(), "{source}");
+        }
+        other => panic!("expected InsertMany, got {other:?}"),
+    }
+    assert!(err.to_string().contains(&format!("{} rows' outcome is unknown", elsewhere.len())), "{err}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_transaction_with_a_handled_failure_reports_its_rollback);
 /// The closure of a transaction handles a failed statement (a unique violation) and
 /// returns `Ok`: Postgres aborted the transaction, so the call must say it rolled back.
@@ -794,9 +844,16 @@ pub(crate) async fn what_a_review_found_in_the_request_path_holds(ctx: TestConte
             vec![&self.0, &"https://cdn/lopsided", &"extra"]
         }
     }
+    // Also in a shard transaction (before, the extra value was dropped there and the
+    // row stored).
+    let in_tx = cluster
+        .transaction(cluster.route_user(0).shard, |tx| Box::pin(async move { tx.insert(&Lopsided(0)).await }))
+        .await
+        .unwrap_err();
     for err in [
         photos.insert(&Lopsided(0)).await.unwrap_err(),
         photos.insert_many(&[Lopsided(0), Lopsided(1)]).await.unwrap_err(),
+        in_tx,
     ] {
         assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
         assert!(err.to_string().contains("3 values for 2 columns"), "{err}");

@@ -1048,6 +1048,46 @@ pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_
         "    writes (acknowledged, unknown and there, unknown and absent, not applied): \
          pg2 killed {killed:?}, pg2 hung {paused:?}"
     );
+
+    // A shard transaction on the hung host, on a pooled connection made before the
+    // hang, with no load beside it: given up once, within the timeout. Before, a `BEGIN`
+    // that timed out was followed by a `ROLLBACK` on the same connection, which waited
+    // out the timeout again; so were the probe after a closure's own error (here the
+    // closure hangs the host, then fails) and the rollback after it.
+    let shard = cluster.route_user(users[2]).shard;
+    for hung_in_closure in [false, true] {
+        assert_eq!(photos.get(on2.id).await?.as_ref(), Some(&on2), "pg2 answers before the pause");
+        if !hung_in_closure {
+            pg2.pause().await?;
+        }
+        let t = Instant::now();
+        let result: Result<(), shardline_repo::Error> = cluster
+            .transaction(shard, |_tx| {
+                Box::pin(async move {
+                    let what = match pg2.pause().await {
+                        Ok(()) => "the closure's own error after pg2 hung".to_owned(),
+                        Err(e) => format!("pausing pg2: {e}"),
+                    };
+                    Err(shardline_repo::Error::Invalid { what })
+                })
+            })
+            .await;
+        let took = t.elapsed();
+        if pg2.state() == shardline_testkit::HostState::Paused {
+            pg2.resume().await?;
+        }
+        let e = result.err().ok_or("a transaction on a hung host succeeded")?;
+        let expected =
+            if hung_in_closure { e.to_string().contains("after pg2 hung") } else { e.is_timeout() };
+        assert!(expected && e.to_string().contains("pg2"), "{e}");
+        eprintln!(
+            "      a transaction on hung pg2 (hung in the closure: {hung_in_closure}) returned in {took:?}: {e}"
+        );
+        assert!(
+            took < timeout + Duration::from_millis(700),
+            "the transaction waited {took:?} (hung in the closure: {hung_in_closure})"
+        );
+    }
     Ok(())
 }
 

@@ -74,6 +74,38 @@ pub(crate) async fn only_where_routed(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_catalog_that_changes_its_shard_count_is_refused_and_the_map_kept);
+/// The number of logical shards is fixed for the life of a cluster, and checked against
+/// the config when a handle is made. A catalog edited by hand to another count (and its
+/// map cut to match) is refused on reload too: the handle keeps its map, so user 3 still
+/// routes to shard 3, and its reads and writes go on. Before: the reload took the
+/// 2-shard map, and user 3 routed to shard 1.
+pub(crate) async fn a_catalog_that_changes_its_shard_count_is_refused_and_the_map_kept(
+    ctx: TestContext,
+) -> TestResult {
+    let (f, cluster) = cluster(&ctx, 2, 4, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let before = photos.insert(&photo(3, 0)).await?;
+    f.client(&ctx, 0)
+        .await?
+        .batch_execute(
+            "BEGIN; UPDATE shardline.cluster SET logical_shards = 2;
+             DELETE FROM shardline.shards WHERE shard >= 2; COMMIT",
+        )
+        .await?;
+    let err = cluster.refresh().await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Mismatch { key: "logical_shards", catalog, config } if catalog == "2" && config == "4"),
+        "{err}"
+    );
+    assert_eq!(cluster.route_user(3).shard, crate::shard(3));
+    assert_eq!(cluster.map().count().get(), 4);
+    let after = photos.insert(&photo(3, 1)).await?;
+    assert_eq!(cluster.layout().decode(after.id).shard, 3, "user 3's new photo is in shard 3");
+    assert_eq!(photos.get(before.id).await?, Some(before));
+    Ok(())
+}
+
 shardline_testkit::register!(shared: reads_and_writes_land_on_the_shard_the_map_gives);
 pub(crate) async fn reads_and_writes_land_on_the_shard_the_map_gives(ctx: TestContext) -> TestResult {
     let (f, cluster) = cluster(&ctx, 3, 12, ClusterOptions::default()).await?;

@@ -89,10 +89,14 @@ fn struct_attrs(input: &DeriveInput) -> syn::Result<StructAttrs> {
     for attr in input.attrs.iter().filter(|a| a.path().is_ident("shardline")) {
         attr.parse_nested_meta(|meta| {
             if meta.path.is_ident("table") {
-                out.table = Some(meta.value()?.parse()?);
+                if out.table.replace(meta.value()?.parse()?).is_some() {
+                    return Err(meta.error("`table` is given twice"));
+                }
                 Ok(())
             } else if meta.path.is_ident("entity") {
-                out.entity = Some(meta.value()?.parse()?);
+                if out.entity.replace(meta.value()?.parse()?).is_some() {
+                    return Err(meta.error("`entity` is given twice"));
+                }
                 Ok(())
             } else {
                 Err(meta.error("unknown shardline attribute; expected `table = \"...\"` or `entity = Type`"))
@@ -123,16 +127,23 @@ fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
         };
         for attr in f.attrs.iter().filter(|a| a.path().is_ident("shardline")) {
             attr.parse_nested_meta(|meta| {
+                let flag = |set: &mut bool, name: &str| {
+                    if std::mem::replace(set, true) {
+                        Err(meta.error(format!("`{name}` is given twice")))
+                    } else {
+                        Ok(())
+                    }
+                };
                 if meta.path.is_ident("user") {
-                    field.user = true;
-                    Ok(())
+                    flag(&mut field.user, "user")
                 } else if meta.path.is_ident("parent") {
-                    field.parent = true;
-                    Ok(())
+                    flag(&mut field.parent, "parent")
                 } else if meta.path.is_ident("id") {
-                    field.id = true;
-                    Ok(())
+                    flag(&mut field.id, "id")
                 } else if meta.path.is_ident("column") {
+                    if field.renamed {
+                        return Err(meta.error("`column` is given twice"));
+                    }
                     let name: LitStr = meta.value()?.parse()?;
                     field.column = name.value();
                     field.column_span = name.span();
@@ -143,10 +154,31 @@ fn fields(input: &DeriveInput) -> syn::Result<Vec<Field>> {
                 }
             })?;
         }
+        if field.user
+            && let syn::Type::Path(t) = &f.ty
+            && t.qself.is_none()
+            && let Some(small) = t.path.get_ident().filter(|i| SMALL_INTEGERS.iter().any(|s| *i == s))
+        {
+            // `Into<i64>` takes them, but the repository reads and binds a user key as
+            // `bigint`: a batch insert and a user's page would fail at run time.
+            return Err(syn::Error::new(
+                small.span(),
+                format!("a user key is a bigint column read as i64, not {small}: make the field i64"),
+            ));
+        }
+        if let Some(first) = out.iter().find(|o: &&Field| o.column == field.column) {
+            return Err(syn::Error::new(
+                field.column_span,
+                format!("column `{}` is already the column of field `{}`", field.column, first.ident),
+            ));
+        }
         out.push(field);
     }
     Ok(out)
 }
+
+/// Integer types that convert into `i64` but are not a `bigint` column's.
+const SMALL_INTEGERS: &[&str] = &["i8", "i16", "i32", "u8", "u16", "u32"];
 
 /// A compile error unless `table` is a plain SQL identifier.
 fn check_table(table: &LitStr) -> syn::Result<()> {

@@ -301,6 +301,7 @@ impl Cluster {
         options.transaction_pooler = options.transaction_pooler.max(config.transaction_pooler);
         let (catalog, info) = Catalog::open(config).await?;
         let map = catalog.map().await?;
+        same_count(&map, config.logical_shards)?;
         let hosts = catalog.hosts().await?;
         let inner = Arc::new(Inner {
             layout: info.layout,
@@ -434,6 +435,18 @@ impl Cluster {
     /// The prefix of the shard schemas.
     pub fn prefix(&self) -> &SchemaPrefix {
         &self.inner.prefix
+    }
+
+    /// A generator that mints IDs of `shard` in the application, from blocks reserved
+    /// from the shard's own sequence ([`crate::ids::ShardIdGenerator`]): the cluster's
+    /// layout, and the shard's schema by the cluster's prefix.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Router`] when the cluster has no such shard.
+    pub fn id_generator(&self, shard: LogicalShard) -> Result<crate::ids::ShardIdGenerator> {
+        self.route(shard)?;
+        crate::ids::ShardIdGenerator::new(self.layout(), self.prefix(), shard)
     }
 
     /// Whether `host` is treated as behind a transaction-mode pooler: as
@@ -817,8 +830,13 @@ impl Cluster {
                     continue;
                 }
             };
-            let (outcome, id, token): (String, Option<i64>, Option<String>) =
-                (row.get(0), row.get(1), row.get(2));
+            let decoded: std::result::Result<(String, Option<i64>, Option<String>), _> =
+                (|| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))();
+            let Ok((outcome, id, token)) = decoded.inspect_err(|e| {
+                tracing::warn!(shard = shard.get(), host = %from, error = %e, "the host's resolve_fence answered what this version cannot read");
+            }) else {
+                continue;
+            };
             match outcome.as_str() {
                 "undone" => {
                     tracing::warn!(shard = shard.get(), host = %from, move_id = ?id, "the move's fence outlived its lease; the shard is writable on its source again");
@@ -1293,6 +1311,12 @@ async fn refresh(inner: &Inner) -> Result<i64> {
             on_catalog(inner, &mut slot, read).await?
         }
     };
+    // Fixed for the life of the cluster: a map of another count would route users by
+    // another modulus (and index past its end for a shard of the old one). Kept out.
+    if let Err(e) = same_count(&map, inner.config.logical_shards) {
+        tracing::error!(error = %e, "the catalog's map changed its number of logical shards; keeping the map held");
+        return Err(e);
+    }
     // The catalog stays locked until the map is swapped: two reloads at once never
     // leave the pools of an older read beside a newer map.
     let version = map.version();
@@ -1310,6 +1334,19 @@ async fn refresh(inner: &Inner) -> Result<i64> {
     drop(slot);
     tracing::debug!(version, "shard map loaded");
     Ok(version)
+}
+
+/// [`Error::Mismatch`] unless `map` has `count` shards, the number the config gives and
+/// the catalog was checked against when the handle was made.
+fn same_count(map: &ShardMap, count: shardline_router::ShardCount) -> Result<()> {
+    if map.count() == count {
+        return Ok(());
+    }
+    Err(Error::Mismatch {
+        key: "logical_shards",
+        catalog: map.count().get().to_string(),
+        config: count.get().to_string(),
+    })
 }
 
 /// The map version the catalog holds, read on the shared catalog connection (a new

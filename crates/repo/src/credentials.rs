@@ -90,24 +90,36 @@ async fn passfile_password(path: &Path, address: &DbUrl) -> std::result::Result<
         .await
         .map_err(|e| format!("cannot read the passfile {shown}: {e}"))?;
     let pg = crate::catalog::pg_config(address, "a host").map_err(|e| e.to_string())?;
-    let host = match pg.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        #[cfg(unix)]
-        Some(tokio_postgres::config::Host::Unix(_)) | None => "localhost".to_owned(),
-        #[cfg(not(unix))]
-        None => "localhost".to_owned(),
+    // The user the driver connects as: the URL's, else the process's (tokio-postgres
+    // does not read PGUSER); no database is the user's name.
+    let user = match pg.get_user() {
+        Some(user) => user.to_owned(),
+        None => crate::driver_user()
+            .ok_or("the URL names no user, and the process's user is unknown: name the user in the URL")?,
     };
-    let port = pg.get_ports().first().copied().unwrap_or(5432).to_string();
-    // As libpq: no user is PGUSER, else the operating system's user; no database is
-    // the user's name.
-    let user = pg
-        .get_user()
-        .map(str::to_owned)
-        .or_else(|| std::env::var("PGUSER").ok())
-        .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_default();
     let db = pg.get_dbname().map_or_else(|| user.clone(), str::to_owned);
-    Ok(passfile_lookup(&text, [&host, &port, &db, &user]))
+    // As libpq: each host is looked up by its `host`, else its `hostaddr`, else as
+    // `localhost` (a Unix socket too); a port given once is every host's.
+    let (hosts, addrs, ports) = (pg.get_hosts(), pg.get_hostaddrs(), pg.get_ports());
+    let mut passwords: Vec<Option<String>> = Vec::new();
+    for i in 0..hosts.len().max(addrs.len()).max(1) {
+        let host = match (hosts.get(i), addrs.get(i)) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), _) => h.clone(),
+            (_, Some(addr)) => addr.to_string(),
+            _ => "localhost".to_owned(),
+        };
+        let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432).to_string();
+        passwords.push(passfile_lookup(&text, [&host, &port, &db, &user]));
+    }
+    passwords.dedup();
+    match passwords.as_slice() {
+        [one] => Ok(one.clone()),
+        _ => Err(format!(
+            "the URL names several hosts, and the passfile {shown} gives them different passwords (or some \
+             none): the driver sends one password to whichever it reaches; give each host its own URL"
+        )
+        .into()),
+    }
 }
 
 /// The password of the first passfile line matching `wanted` (host, port, database,
@@ -297,5 +309,69 @@ mod tests {
         assert_eq!(passfile_lookup("h:1:d:u:pw:extra\n", ["h", "1", "d", "u"]).as_deref(), Some("pw"));
         assert_eq!(passfile_lookup("\\*:1:d:u:star\n", ["h", "1", "d", "u"]), None);
         assert_eq!(passfile_lookup("\\*:1:d:u:star\n", ["*", "1", "d", "u"]).as_deref(), Some("star"));
+    }
+
+    /// The passfile is read for the user, host and hosts the driver connects to: the
+    /// process's user when the URL names none (never `PGUSER`, which the driver does not
+    /// read), a `hostaddr` when no host is named, and one password for a URL naming
+    /// several hosts only when the file gives each the same. Before: `PGUSER`'s line
+    /// (another role's password, sent in a login as the process's user), `localhost`'s
+    /// line for a `hostaddr`, and the first host's password sent to every host.
+    #[test]
+    fn a_passfile_is_read_for_whom_and_where_the_driver_connects() {
+        let Some(me) = crate::driver_user() else { return };
+        let dir = std::env::temp_dir().join(format!("shardline-passfile-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("pgpass");
+        let text = format!(
+            "*:*:*:not_{me}_but_pguser:SUPER\n\
+             10.0.0.7:*:*:*:by-addr\n\
+             localhost:*:*:*:by-localhost\n\
+             pga:*:*:*:a\n\
+             pgb:*:*:*:b\n\
+             *:*:*:{me}:mine\n"
+        );
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let read = |url: &str| {
+            rt.block_on(passfile_password(&path, &DbUrl::new(url.into()))).map_err(|e| e.to_string())
+        };
+        assert_eq!(read("postgres://pg1/app"), Ok(Some("mine".to_owned())));
+        assert_eq!(read("postgres://u@/app?hostaddr=10.0.0.7"), Ok(Some("by-addr".to_owned())));
+        assert_eq!(read("postgres://u@pga,pga/app"), Ok(Some("a".to_owned())));
+        let err = read("postgres://u@pga,pgb/app").unwrap_err();
+        assert!(err.contains("several hosts") && !err.contains("SUPER"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The test above, run again in a process whose `PGUSER` names the user of the
+    /// passfile's first line: the process's user's line is still the one read.
+    #[test]
+    fn pguser_does_not_choose_the_passfiles_line() {
+        let Some(me) = crate::driver_user() else { return };
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+        let out = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "credentials::tests::a_passfile_is_read_for_whom_and_where_the_driver_connects",
+            ])
+            .env("PGUSER", format!("not_{me}_but_pguser"))
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && said.contains("1 passed"),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -173,6 +173,23 @@ pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
     Ok(())
 }
 
+/// A row whose `values()` do not match its `COLUMNS` one to one is refused before
+/// anything is sent (in a batch, the values would shift into other rows' columns).
+pub(crate) fn check_values<N: NewRow>(row: &N) -> Result<()> {
+    let n = row.values().len();
+    if n == N::COLUMNS.len() {
+        Ok(())
+    } else {
+        Err(Error::Invalid {
+            what: format!(
+                "{}: values() gives {n} values for {} columns",
+                std::any::type_name::<N>(),
+                N::COLUMNS.len()
+            ),
+        })
+    }
+}
+
 /// Checks the columns an update sets: declared by `E`, not `id`, not the column that
 /// places the row in its shard ([`Entity::USER_COLUMN`], [`Entity::PARENT_COLUMN`]),
 /// plain identifiers.

@@ -3,11 +3,10 @@
 use std::time::Duration;
 
 use shardline_id::generator::{Clock, ReservedBlocks, SystemClock};
-use shardline_id::sql::check_identifier;
 use shardline_id::{Id, Layout};
 use tokio::sync::Mutex;
 
-use shardline_router::LogicalShard;
+use shardline_router::{LogicalShard, SchemaPrefix};
 
 use crate::{Error, Result};
 
@@ -37,13 +36,16 @@ pub struct ShardIdGenerator<C = SystemClock> {
 }
 
 impl ShardIdGenerator<SystemClock> {
-    /// A generator for `shard`, whose minter is installed in `schema`.
+    /// A generator for `shard` of a cluster whose shard schemas are named by `prefix`
+    /// (the shard's schema, where its minter is installed, is `prefix.schema(shard)`:
+    /// the values reserved there are stamped with `shard`, so the two cannot differ).
+    /// [`crate::Cluster::id_generator`] gives one with the cluster's layout and prefix.
     ///
     /// # Errors
     ///
-    /// When the schema is not a plain identifier or the shard does not fit the layout.
-    pub fn new(layout: Layout, schema: &str, shard: LogicalShard) -> Result<Self> {
-        ShardIdGenerator::with_clock(layout, schema, shard, SystemClock)
+    /// When the shard does not fit the layout.
+    pub fn new(layout: Layout, prefix: &SchemaPrefix, shard: LogicalShard) -> Result<Self> {
+        ShardIdGenerator::with_clock(layout, prefix, shard, SystemClock)
     }
 }
 
@@ -53,11 +55,13 @@ impl<C: Clock> ShardIdGenerator<C> {
     /// # Errors
     ///
     /// As [`ShardIdGenerator::new`].
-    pub fn with_clock(layout: Layout, schema: &str, shard: LogicalShard, clock: C) -> Result<Self> {
-        check_identifier(schema)?;
+    pub fn with_clock(layout: Layout, prefix: &SchemaPrefix, shard: LogicalShard, clock: C) -> Result<Self> {
         Ok(ShardIdGenerator {
             shard,
-            reserve_sql: format!("SELECT first_value, last_value FROM \"{schema}\".reserve_ids($1)"),
+            reserve_sql: format!(
+                "SELECT first_value, last_value FROM {}.reserve_ids($1)",
+                prefix.schema(shard).quoted()
+            ),
             block: DEFAULT_BLOCK,
             max_ahead_ms: DEFAULT_MAX_AHEAD_MS,
             clock,

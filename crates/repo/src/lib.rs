@@ -84,6 +84,14 @@ pub use sqlx::Sqlx;
 /// The driver this crate runs on, re-exported so versions cannot drift.
 pub use tokio_postgres;
 
+/// The user a connection string that names none connects as, as tokio-postgres decides
+/// it: the process's (not `PGUSER`, which only libpq and sqlx read). The one place that
+/// decides it for the sqlx path and the passfile's lookup. `None` when the operating
+/// system does not say.
+pub(crate) fn driver_user() -> Option<String> {
+    whoami::username().ok()
+}
+
 /// What can go wrong talking to a shard.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -291,19 +299,28 @@ pub enum Error {
     /// names the hosts whose rows are in (each host's part is one transaction, so whole);
     /// `source` is why another host's part failed.
     #[error(
-        "insert many: the rows of {} committed, the part of {} failed",
+        "insert many: the rows of {} committed, the part of {} failed{}",
         msg::list(committed),
-        msg::host_or_any(failed)
+        msg::host_or_any(failed),
+        match unknown_rows.len() {
+            0 => String::new(),
+            n => format!("; {n} rows' outcome is unknown"),
+        }
     )]
     InsertMany {
         /// The hosts whose part of the batch committed.
         committed: Vec<HostName>,
-        /// The rows that committed, as indices into the batch given: the rest were not
-        /// applied, except where `source` says its outcome is unknown.
+        /// The rows that committed, as indices into the batch given, in order.
         committed_rows: Vec<usize>,
+        /// The rows whose outcome is unknown, as indices into the batch given, in order:
+        /// each may or may not be stored (read them back before inserting them again).
+        /// They are every row of each host's part that failed with an unknown outcome
+        /// (a timeout, a lost connection), not only the part of the host `failed` names.
+        /// The rows in neither list were not applied.
+        unknown_rows: Vec<usize>,
         /// The host whose part failed (`source` says how; when another failed part's
         /// outcome is unknown, that one is reported); `None` when the failure names no
-        /// host.
+        /// host. Other hosts' parts may have failed too: `unknown_rows` counts them.
         failed: Option<HostName>,
         /// The failure of the first host that did not commit.
         #[source]
@@ -538,9 +555,14 @@ impl Error {
             | Error::InsertMany { .. }
             | Error::TransactionEnded { .. }
             | Error::Misrouted { .. } => true,
-            Error::Unsent { .. } | Error::RolledBack { .. } | Error::Pool { .. } | Error::Pooler { .. } => {
-                false
-            }
+            // No connection, so no statement: a refusal at start-up (57P03, the server
+            // starting up; 08xxx) is not a verdict on a write.
+            Error::Unsent { .. }
+            | Error::RolledBack { .. }
+            | Error::Pool { .. }
+            | Error::Pooler { .. }
+            | Error::Connect { .. }
+            | Error::ConnectTimeout { .. } => false,
             Error::Host { sqlstate: None, .. }
             | Error::Db { sqlstate: None, .. }
             | Error::Catalog { sqlstate: None, .. } => true,

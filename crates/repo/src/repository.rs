@@ -21,27 +21,10 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::cluster::{Cluster, Failed, Run};
-use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update};
+use crate::entity::{Entity, NewRow, ShardKey, check_entity, check_new_row, check_update, check_values};
 use crate::shard::Pinned;
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error};
-
-/// A row whose `values()` do not match its `COLUMNS` one to one is refused before
-/// anything is sent (in a batch, the values would shift into other rows' columns).
-fn check_values<N: NewRow>(row: &N) -> Result<()> {
-    let n = row.values().len();
-    if n == N::COLUMNS.len() {
-        Ok(())
-    } else {
-        Err(Error::Invalid {
-            what: format!(
-                "{}: values() gives {n} values for {} columns",
-                std::any::type_name::<N>(),
-                N::COLUMNS.len()
-            ),
-        })
-    }
-}
 
 /// A host's rows of a batch: per shard, its route and the input indices.
 type Groups = Vec<(Route, Vec<usize>)>;
@@ -446,8 +429,9 @@ impl<E: Entity> Repo<E> {
     /// When no host committed, the failure (nothing was applied, unless its
     /// [`Error::outcome_unknown`] says otherwise: a part whose outcome is unknown is the
     /// one reported). When some hosts committed and another failed, [`Error::InsertMany`]
-    /// naming the hosts and the rows that committed (its `outcome_unknown()` is true:
-    /// part of the batch is in).
+    /// naming the hosts and the rows that committed, and the rows whose outcome is
+    /// unknown (of every host whose part failed so, not only the one reported); its
+    /// `outcome_unknown()` is true: part of the batch is in.
     pub async fn insert_many<N: NewRow<Entity = E>>(&self, new: &[N]) -> Result<Vec<E>> {
         check_new_row::<N>()?;
         if new.is_empty() {
@@ -458,14 +442,25 @@ impl<E: Entity> Repo<E> {
         }
         let all: Vec<usize> = (0..new.len()).collect();
         let by_host = self.group(new, &all, &self.cluster.map())?;
-        let parts = by_host.into_iter().map(|(host, groups)| self.insert_part(host, groups, new));
+        let parts = by_host.into_iter().map(|(host, groups)| {
+            let idx: Vec<usize> = groups.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+            async move { (idx, self.insert_part(host, groups, new).await) }
+        });
         let mut out: Vec<Option<E>> = (0..new.len()).map(|_| None).collect();
         let mut committed: Vec<HostName> = Vec::new();
         let mut failures = Vec::new();
-        for part in futures::future::join_all(parts).await {
+        let mut unknown_rows = Vec::new();
+        for (idx, part) in futures::future::join_all(parts).await {
             let (hosts, rows) = match part {
                 Ok(done) => done,
                 Err(PartFailed { committed: hosts, rows, error }) => {
+                    // Every row of a part whose failure leaves its outcome unknown, but
+                    // those it committed elsewhere after a move: whichever host of the
+                    // part failed so, its rows are among them.
+                    if error.outcome_unknown() {
+                        let done: std::collections::HashSet<usize> = rows.iter().map(|(i, _)| *i).collect();
+                        unknown_rows.extend(idx.into_iter().filter(|i| !done.contains(i)));
+                    }
                     failures.push(error);
                     (hosts, rows)
                 }
@@ -483,12 +478,14 @@ impl<E: Entity> Repo<E> {
         let error = failures.swap_remove(worst);
         committed.sort();
         committed.dedup();
+        unknown_rows.sort_unstable();
         Err(if committed.is_empty() {
             error
         } else {
             Error::InsertMany {
                 committed,
                 committed_rows: out.iter().enumerate().filter(|(_, r)| r.is_some()).map(|(i, _)| i).collect(),
+                unknown_rows,
                 failed: error.host_name().cloned(),
                 source: Box::new(error),
             }

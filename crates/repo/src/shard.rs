@@ -80,7 +80,7 @@ pub(crate) fn enter_schema(schema: &shardline_router::SchemaName, session: bool)
 pub(crate) fn begin_finds_schema_gone(sqlstate: Option<&str>) -> bool {
     sqlstate == Some("3F000")
 }
-use crate::entity::{Entity, NewRow, check_new_row, check_update};
+use crate::entity::{Entity, NewRow, check_new_row, check_update, check_values};
 use crate::statement::{self, Param, check_rows};
 use crate::{Error, Result, statement_error, within};
 
@@ -208,8 +208,12 @@ impl ShardTx<'_> {
     /// and the work must not run again, even when that failure looked like a moved
     /// shard. The probe is a `SAVEPOINT`: 25P01 outside a transaction block; inside one
     /// (or in an aborted one, 25P02) the `ROLLBACK` that follows undoes it.
-    async fn ended_by_closure(&self) -> bool {
-        matches!(self.probe("").await, Err(e) if e.sqlstate() == Some("25P01"))
+    /// A probe that ran out of time gives the connection up ([`ShardTx::after`]), so
+    /// the rollback after it does not wait out the timeout a second time.
+    async fn ended_by_closure(&mut self) -> bool {
+        let probed = self.probe("").await;
+        self.after(&probed);
+        matches!(probed, Err(e) if e.sqlstate() == Some("25P01"))
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
@@ -334,9 +338,11 @@ impl ShardTx<'_> {
     ///
     /// [`Error::WrongShard`] when the row's user lives in another shard (nothing is
     /// sent); [`Error::InvalidIdentifier`] for a column of `N` that is not a plain SQL
-    /// identifier (nothing is sent); [`Error::Host`]; [`Error::Timeout`].
+    /// identifier, [`Error::Invalid`] when `values()` does not give one value per
+    /// column (nothing is sent either way); [`Error::Host`]; [`Error::Timeout`].
     pub async fn insert<N: NewRow>(&mut self, new: &N) -> Result<N::Entity> {
         check_new_row::<N>()?;
+        check_values::<N>(new)?;
         self.check_shard("insert", self.cluster.route_key(new.shard_key())?.shard)?;
         let sql = self.cluster.sql::<N::Entity>()?.insert(&self.route.schema, N::COLUMNS, 1);
         let kinds: Vec<Param<'_>> = N::COLUMNS.iter().map(|c| Param::Column(c)).collect();
@@ -462,6 +468,9 @@ impl Cluster {
                 c.batch_execute(&begin).await.map_err(|e| Error::host(host, Some(shard), "begin", e))
             })
             .await;
+            // A `BEGIN` that ran out of time gives the connection up at once (the
+            // rollback below is then not sent to a host that does not answer).
+            tx.after(&begun);
             if let Err(e) = begun {
                 // The shard's schema is gone from here: it moved, or is fenced for a move.
                 let moved = begin_finds_schema_gone(e.sqlstate());

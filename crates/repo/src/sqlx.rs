@@ -159,8 +159,8 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
     // The user as tokio-postgres decides it: the URL's, else the process's.
     let user = match same.get_user() {
         Some(user) => user.to_owned(),
-        None => whoami::username()
-            .map_err(|_| bad("it names no user, and the process's user is unknown".into()))?,
+        None => crate::driver_user()
+            .ok_or_else(|| bad("it names no user, and the process's user is unknown".into()))?,
     };
     let connect = connect
         .port(same.get_ports().first().copied().unwrap_or(5432))

@@ -59,7 +59,7 @@ impl TableTypes {
         schema: &SchemaName,
         table: &str,
     ) -> Result<TableTypes> {
-        let name = format!("{}.\"{table}\"", schema.quoted());
+        let name = format!("{}.{}", schema.quoted(), shardline_id::ident::quote(table));
         let rows = client
             .query_typed(
                 "SELECT a.attname::text, a.atttypid::int8 FROM pg_catalog.pg_attribute a

@@ -143,7 +143,10 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
     let mut kept = Vec::with_capacity(pairs.len());
     for (k, v) in pairs {
         let value = if is_url { percent_decode(&v)? } else { v.clone() };
-        match k.as_str() {
+        // Compared decoded, as the driver decodes a URL's keys: `ssl%6Dode=require` is
+        // its `sslmode`, and left to it would be overridden by the mode found here.
+        let key = if is_url { percent_decode(&k)? } else { k.clone() };
+        match key.as_str() {
             "sslmode" => {
                 if mode.replace(SslMode::parse(&value)?).is_some() {
                     return Err("sslmode is given twice".into());
@@ -340,6 +343,15 @@ mod tests {
             let err = parse(&format!("postgres://h/db?sslmode={weak}&sslrootcert=system")).unwrap_err();
             assert!(err.contains("sslrootcert=system needs sslmode=verify-full"), "{weak}: {err}");
         }
+        // Keys are read decoded, as the driver reads them: an encoded `sslmode` is the
+        // mode asked for, not left to the driver and overridden by the default `prefer`.
+        let p = parse("postgres://app@h/db?ssl%6Dode=require&%73slrootcert=%2Fca.pem&x=1").unwrap();
+        assert_eq!(p.mode, SslMode::Require);
+        assert_eq!(p.root_cert, Some(RootCert::File("/ca.pem".into())));
+        assert_eq!(p.driver_url, "postgres://app@h/db?x=1");
+        assert!(p.verifies_chain(), "require with a root certificate checks the chain, as libpq");
+        let err = parse("postgres://h/db?sslmode=require&ssl%6dode=disable").unwrap_err();
+        assert!(err.contains("sslmode is given twice"), "{err}");
     }
 
     #[test]
