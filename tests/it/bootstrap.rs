@@ -594,7 +594,13 @@ pub(crate) async fn a_migrations_trigger_writes_into_its_own_shard_whoever_fires
          END $$;
          CREATE TRIGGER photos_audit AFTER INSERT ON photos FOR EACH ROW EXECUTE FUNCTION audit_photo();
          CREATE FUNCTION own_path() RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog AS $$
-         BEGIN RETURN current_setting('search_path'); END $$;",
+         BEGIN RETURN current_setting('search_path'); END $$;
+         CREATE PROCEDURE backfill() LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO audit (photo_id) VALUES (-1);
+             COMMIT;
+             INSERT INTO audit (photo_id) VALUES (-2);
+         END $$;",
     )?;
     for h in 0..2 {
         f.client(&ctx, h)
@@ -651,14 +657,14 @@ pub(crate) async fn a_migrations_trigger_writes_into_its_own_shard_whoever_fires
         let settings: Vec<(String, Option<Vec<String>>)> = c
             .query(
                 "SELECT p.proname::text, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                  WHERE n.nspname LIKE 'shard\\_%' AND p.proname IN ('audit_photo', 'own_path', 'next_id')",
+                  WHERE n.nspname LIKE 'shard\\_%' AND p.proname IN ('audit_photo', 'own_path', 'next_id', 'backfill')",
                 &[],
             )
             .await?
             .iter()
             .map(|r| (r.get(0), r.get(1)))
             .collect();
-        assert_eq!(settings.len(), 6, "two shards on pg{}, three functions each: {settings:?}", h + 1);
+        assert_eq!(settings.len(), 8, "two shards on pg{}, four routines each: {settings:?}", h + 1);
         for (name, config) in settings {
             match name.as_str() {
                 "audit_photo" => {
@@ -666,15 +672,31 @@ pub(crate) async fn a_migrations_trigger_writes_into_its_own_shard_whoever_fires
                     assert!(
                         config.iter().any(|s| {
                             let s = s.replace('"', "");
-                            s.starts_with("search_path=shard_") && s.ends_with(", public, pg_temp")
+                            s.starts_with("search_path=shard_")
+                                && s.contains(", public, ")
+                                && s.ends_with(", pg_temp")
                         }),
                         "{config:?}"
                     );
                 }
                 "own_path" => assert_eq!(config, Some(vec!["search_path=pg_catalog".to_owned()])),
-                _ => assert_eq!(config, None, "next_id() runs on its caller's search_path"),
+                _ => assert_eq!(config, None, "{name} runs on its caller's search_path"),
             }
         }
+        // A procedure is left as it is: with a setting of its own it could not COMMIT.
+        let schema: String = c
+            .query_one("SELECT min(nspname)::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%'", &[])
+            .await?
+            .get(0);
+        // Each on its own: a CALL in a multi-statement query is inside a transaction block.
+        c.batch_execute(&format!("SET search_path = {schema}")).await?;
+        c.batch_execute("CALL backfill()").await?;
+        c.batch_execute("RESET search_path").await?;
+        let filled: i64 = c
+            .query_one(&format!("SELECT count(*) FROM {schema}.audit WHERE photo_id < 0"), &[])
+            .await?
+            .get(0);
+        assert_eq!(filled, 2, "the procedure committed between its inserts, in {schema} on pg{}", h + 1);
     }
     Ok(())
 }

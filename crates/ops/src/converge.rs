@@ -252,40 +252,50 @@ async fn shared_minter(client: &Client, host: &HostName, what: &str) -> Result<(
     })
 }
 
-/// Gives every PL/pgSQL function and procedure in the shard's schema (quoted `q`) that
-/// sets no `search_path` of its own the one its migration ran with: `q, public`, then
+/// Gives every PL/pgSQL function in the shard's schema that sets no `search_path` of
+/// its own, and that the migrating role may alter, the path its migration ran with: the
+/// shard's schema and `public`, then the session's default path (the role's and the
+/// database's `search_path`, so a schema of extensions it names is kept), then
 /// `pg_temp`. Postgres resolves the names in such a body when it runs, under the
 /// caller's path: a trigger that names a table unqualified would otherwise write into
 /// `public`'s table of that name when the repository (whose statements are qualified,
 /// on the pool's default path) fires it, or into another shard's when a session's path
 /// names that one. `pg_temp` last: a temporary table does not take a shard table's
 /// place. A function that sets its own path keeps it; the minter's `next_id()` runs on
-/// its caller's ([`shardline_id::sql::ON_CALLERS_PATH`]).
+/// its caller's ([`shardline_id::sql::ON_CALLERS_PATH`]). Procedures are left as they
+/// are: one with a setting of its own cannot `COMMIT`.
 fn pin_functions(schema: &SchemaName) -> String {
     let callers: Vec<String> = shardline_id::sql::ON_CALLERS_PATH.iter().map(|n| literal(n)).collect();
     format!(
         r#"DO $pin$
 DECLARE
     f record;
+    path text := {head};
+    default_path text := (SELECT s.reset_val FROM pg_catalog.pg_settings AS s WHERE s.name = 'search_path');
 BEGIN
+    IF pg_catalog.btrim(default_path) <> '' THEN
+        path := path OPERATOR(pg_catalog.||) ', ' OPERATOR(pg_catalog.||) default_path;
+    END IF;
+    path := path OPERATOR(pg_catalog.||) ', pg_temp';
     FOR f IN
         SELECT n.nspname, p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) AS args
           FROM pg_catalog.pg_proc AS p
           JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
           JOIN pg_catalog.pg_language AS l ON l.oid = p.prolang
-         WHERE n.nspname = {name} AND l.lanname = 'plpgsql'
+         WHERE n.nspname = {name} AND l.lanname = 'plpgsql' AND p.prokind = 'f'
+           AND pg_catalog.pg_has_role(p.proowner, 'USAGE')
            AND p.proname <> ALL (ARRAY[{callers}]::pg_catalog.name[])
            AND NOT EXISTS (SELECT FROM pg_catalog.unnest(p.proconfig) AS c(setting)
                             WHERE c.setting LIKE 'search\_path=%')
     LOOP
-        EXECUTE pg_catalog.format('ALTER ROUTINE %I.%I(%s) SET search_path = %s',
-                                  f.nspname, f.proname, f.args, {path});
+        EXECUTE pg_catalog.format('ALTER FUNCTION %I.%I(%s) SET search_path = %s',
+                                  f.nspname, f.proname, f.args, path);
     END LOOP;
 END
 $pin$"#,
         name = literal(schema.as_str()),
         callers = callers.join(", "),
-        path = literal(&format!("{}, public, pg_temp", schema.quoted())),
+        head = literal(&format!("{}, public", schema.quoted())),
     )
 }
 

@@ -190,6 +190,8 @@ struct Inner {
     layout: Layout,
     prefix: SchemaPrefix,
     map: RwLock<Arc<ShardMap>>,
+    /// The last catalog map version refused for another shard count (logged once).
+    refused_version: std::sync::atomic::AtomicI64,
     /// One pool per host, as the config and the catalog say where hosts live; changed
     /// as the catalog adds, readdresses and removes hosts ([`sync_pools`]).
     pools: RwLock<HashMap<HostName, HostPool>>,
@@ -307,6 +309,7 @@ impl Cluster {
             layout: info.layout,
             prefix: info.schema_prefix,
             map: RwLock::new(Arc::new(map.clone())),
+            refused_version: std::sync::atomic::AtomicI64::new(-1),
             pools: RwLock::new(HashMap::new()),
             config: config.clone(),
             credentials,
@@ -1314,7 +1317,10 @@ async fn refresh(inner: &Inner) -> Result<i64> {
     // Fixed for the life of the cluster: a map of another count would route users by
     // another modulus (and index past its end for a shard of the old one). Kept out.
     if let Err(e) = same_count(&map, inner.config.logical_shards) {
-        tracing::error!(error = %e, "the catalog's map changed its number of logical shards; keeping the map held");
+        // Once per catalog version: a fence's wait reloads every few milliseconds.
+        if inner.refused_version.swap(map.version(), std::sync::atomic::Ordering::Relaxed) != map.version() {
+            tracing::error!(version = map.version(), error = %e, "the catalog's map changed its number of logical shards; keeping the map held");
+        }
         return Err(e);
     }
     // The catalog stays locked until the map is swapped: two reloads at once never

@@ -307,6 +307,7 @@ pub enum Error {
             n => format!("; {n} rows' outcome is unknown"),
         }
     )]
+    #[non_exhaustive]
     InsertMany {
         /// The hosts whose part of the batch committed.
         committed: Vec<HostName>,

@@ -228,7 +228,6 @@ impl HostControl for DockerHost {
     }
 }
 
-/// Runs the docker command line; returns stdout and stderr, joined.
 /// How many times [`HostControl::pause`] asks the cgroup freezer before it gives up.
 const PAUSE_TRIES: u32 = 5;
 
@@ -244,6 +243,7 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// Runs the docker command line; returns stdout and stderr, joined.
 async fn docker_cli(args: &[&str]) -> Result<String> {
     let out = tokio::process::Command::new("docker")
         .args(args)
