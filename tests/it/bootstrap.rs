@@ -359,8 +359,21 @@ pub(crate) async fn refusals_change_nothing(ctx: TestContext) -> TestResult {
     assert!(!said.contains("127.0.0.1:9"), "the error leaked the URL: {said}");
     assert_eq!(snapshot(&f, &ctx).await?, empty);
 
-    // A bad migration file: refused before anything changes.
+    // A time limit of 0 (the library's options; the CLI refuses it when parsed):
+    // refused before the catalog exists (before: the catalog made, the shards placed,
+    // then a timeout at 0 ns).
     f.write_config(&ctx, |_, u| u, 16)?;
+    for zero in [
+        Options { shard_timeout: Duration::ZERO, ..options(1) },
+        Options { lock_timeout: Duration::ZERO, ..options(1) },
+        options(0),
+    ] {
+        let err = shardline_ops::init(&f.config()?, &zero, &quiet).await.unwrap_err();
+        assert!(matches!(err, OpsError::InvalidOption { .. }), "{err:?}");
+    }
+    assert_eq!(snapshot(&f, &ctx).await?, empty);
+
+    // A bad migration file: refused before anything changes.
     f.migration("0004_bad.sql", "CREATE TABLE x (a int);\nCOMMIT;\n")?;
     let err = shardline_ops::init(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
     assert_eq!(
@@ -815,6 +828,19 @@ pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestCon
         rows = again["hosts"][0]["tables"][2]["rows"].as_i64();
     }
     assert_eq!(rows, Some(500));
+
+    // A shard's schema dropped by hand, its ledger rows left: that shard is behind, and
+    // status fails naming the host (before: counted as up to date, exit 0).
+    let pg2 = f.client(&ctx, 1).await?;
+    let schema: String = pg2
+        .query_one("SELECT min(nspname)::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%'", &[])
+        .await?
+        .get(0);
+    pg2.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await?;
+    let (json, failed) = cli_full(&f, &["status", "--json"]).await;
+    assert_eq!(failed, Err("shards behind on pg2: run `shardline migrate`".to_owned()), "{json}");
+    let json: serde_json::Value = serde_json::from_str(&json)?;
+    assert_eq!(json["hosts"][1]["shards_behind"].as_u64(), Some(1), "{json}");
 
     // pg3 becomes unreachable: status still reports, names it, and fails.
     f.write_config(

@@ -28,7 +28,7 @@ pub struct ApplyOpt {
     pub lock_timeout: Duration,
     /// How long one shard's transaction may take before the run fails naming the host
     /// and shard (a hung host ends the run instead of holding it), e.g. `30min`, `2h`.
-    #[arg(long, default_value = "30min", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30min", value_name = "DURATION", value_parser = parse_time_limit)]
     pub shard_timeout: Duration,
     /// Print the report as one JSON object.
     #[arg(long)]
@@ -62,7 +62,7 @@ pub struct LocateOpt {
 #[derive(Debug, Args)]
 pub struct StatusOpt {
     /// How long to wait for each host.
-    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_time_limit)]
     pub timeout: Duration,
     /// Print one JSON object.
     #[arg(long)]
@@ -227,6 +227,17 @@ pub(crate) fn parse_lock_timeout(s: &str) -> Result<Duration, String> {
         s,
         Duration::from_millis(1)..=Duration::from_millis(i32::MAX.unsigned_abs().into()),
         &format!("must be 1ms to {}ms (0 would turn the lock timeout off)", i32::MAX),
+    )
+}
+
+/// A time limit (`--shard-timeout`, `--timeout`, `--hung-after`): 1ms to 100 years. 0
+/// would give up at once (after `init` had made the catalog), and a limit past a
+/// century would overflow the clock's arithmetic.
+pub(crate) fn parse_time_limit(s: &str) -> Result<Duration, String> {
+    duration_within(
+        s,
+        Duration::from_millis(1)..=Duration::from_secs(100 * 365 * 24 * 3600),
+        "must be 1ms to 100 years (0 would give up at once)",
     )
 }
 

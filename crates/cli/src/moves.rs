@@ -57,7 +57,7 @@ pub struct MoveOpt {
     /// Give up the step in progress once the source or the target has answered no probe
     /// for this long (a host hung or cut off); the move then fails, or is undone while
     /// fenced, as any failure there.
-    #[arg(long, default_value = "15s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "15s", value_name = "DURATION", value_parser = crate::cluster::parse_time_limit)]
     pub hung_after: Duration,
     /// Stop after this step as if killed (a drill for `--resume` and `--abort`):
     /// started, prepared, copying, caught_up, fenced, synced, sequence_carried,
@@ -500,6 +500,19 @@ mod tests {
         assert!(err.to_string().contains("longer than the longest grace period"), "{err}");
         assert_eq!(parse(&["--grace", "0s"]).unwrap().opt.grace, std::time::Duration::ZERO);
         assert_eq!(parse(&[]).unwrap().opt.grace, std::time::Duration::from_secs(86_400));
+    }
+
+    /// A time limit of 0 gave up at once (`init` had made the catalog by then), and
+    /// one past the clock's range overflowed it: both refused when parsed.
+    #[test]
+    fn a_time_limit_of_zero_or_past_a_century_is_refused_when_parsed() {
+        use crate::cluster::parse_time_limit;
+        for bad in ["0s", "0ms", "101y", "500000000y"] {
+            let err = parse_time_limit(bad).unwrap_err();
+            assert!(err.contains("must be 1ms to 100 years"), "{bad}: {err}");
+        }
+        assert_eq!(parse_time_limit("30min"), Ok(std::time::Duration::from_secs(1800)));
+        assert!(parse_time_limit("soon").is_err());
     }
 
     #[derive(Debug, Parser)]

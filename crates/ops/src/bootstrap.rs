@@ -226,7 +226,12 @@ fn wal_warning(host: &HostName, level: &str) -> Option<String> {
 
 /// Refuses, changing nothing, when a role of `app_roles` is missing on a host or on the
 /// catalog's server.
-async fn check_roles(config: &Config, hosts: &[(HostName, Vec<Client>)], catalog: &Catalog) -> Result<()> {
+async fn check_roles(
+    config: &Config,
+    hosts: &[(HostName, Vec<Client>)],
+    catalog: &Catalog,
+    within: Duration,
+) -> Result<()> {
     let roles: Vec<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
     if roles.is_empty() {
         return Ok(());
@@ -239,13 +244,21 @@ async fn check_roles(config: &Config, hosts: &[(HostName, Vec<Client>)], catalog
     let checks = servers.map(|(at, c)| {
         let roles = &roles;
         async move {
+            let what = "look for the app_roles";
             let missing = match c {
-                Some(c) => grants::missing_roles(c, roles).await,
+                // A host that froze after it was connected fails the run in time.
+                Some(c) => match tokio::time::timeout(within, grants::missing_roles(c, roles)).await {
+                    Ok(missing) => missing,
+                    Err(_) => {
+                        let message = format!("no answer within {within:?}");
+                        return Err(Error::Host { host: at, what: what.into(), sqlstate: None, message });
+                    }
+                },
                 None => grants::catalog_missing_roles(catalog, roles).await,
             };
             let missing = missing.map_err(|e| {
                 let (sqlstate, message) = describe(&e);
-                Error::Host { host: at.clone(), what: "look for the app_roles".into(), sqlstate, message }
+                Error::Host { host: at.clone(), what: what.into(), sqlstate, message }
             })?;
             Ok::<_, Error>((at, missing))
         }
@@ -268,12 +281,17 @@ async fn grant_catalog(catalog: &Catalog, config: &Config) -> Result<()> {
 }
 
 /// `wal_level` of each host that is not `logical`, as warnings.
-async fn wal_warnings(hosts: &[(HostName, Vec<Client>)]) -> Vec<String> {
+async fn wal_warnings(hosts: &[(HostName, Vec<Client>)], within: Duration) -> Vec<String> {
     let checks = hosts.iter().filter_map(|(name, clients)| clients.first().map(|c| (name, c))).map(
         |(name, c)| async move {
-            match c.query_one("SHOW wal_level", &[]).await {
-                Ok(row) => wal_warning(name, &row.get::<_, String>(0)),
-                Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
+            // A host that does not answer is told in planning, which is bounded too.
+            match tokio::time::timeout(within, c.query_one("SHOW wal_level", &[])).await {
+                Ok(Ok(row)) => match row.try_get::<_, String>(0) {
+                    Ok(level) => wal_warning(name, &level),
+                    Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
+                },
+                Ok(Err(e)) => Some(format!("host {name}: could not read wal_level: {e}")),
+                Err(_) => Some(format!("host {name}: no answer about wal_level within {within:?}")),
             }
         },
     );
@@ -363,6 +381,16 @@ async fn run(
     progress: &(dyn Fn(Progress) + Sync),
     init: bool,
 ) -> Result<Report> {
+    // Refused before anything: 0 would give up at once, after `init` made the catalog.
+    for (option, value) in [("shard_timeout", options.shard_timeout), ("lock_timeout", options.lock_timeout)]
+    {
+        if value.is_zero() {
+            return Err(Error::InvalidOption { option, message: "must be more than 0".into() });
+        }
+    }
+    if options.jobs_per_host == 0 {
+        return Err(Error::InvalidOption { option: "jobs_per_host", message: "must be at least 1".into() });
+    }
     let config = &match crate::fleet::resolved(config).await {
         Ok(c) => c,
         // The hosts are checked first, then the catalog (below), which says it.
@@ -381,9 +409,9 @@ async fn run(
         catalog
     };
     lock(&catalog).await?;
-    check_roles(config, &hosts, &catalog).await?;
+    check_roles(config, &hosts, &catalog, options.shard_timeout).await?;
     let mut report = Report { migrations: migrations.len(), ..Report::default() };
-    for w in wal_warnings(&hosts).await {
+    for w in wal_warnings(&hosts, options.shard_timeout).await {
         tracing::info!("{w}");
         progress(Progress::Warning(w.clone()));
         report.warnings.push(w);

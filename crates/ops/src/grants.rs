@@ -250,7 +250,24 @@ pub(crate) async fn read_acl(client: &Client, host: &HostName, schema: &str) -> 
     ended.map_err(fail(&what))?;
     let mut acl = Acl::default();
     for r in rows {
-        let (kind, name, col): (String, String, Option<String>) = (r.get(0), r.get(1), r.get(2));
+        #[allow(clippy::type_complexity)]
+        let decoded: std::result::Result<
+            (String, Option<String>, Option<String>, Option<String>, String, bool, String),
+            tokio_postgres::Error,
+        > = (|| {
+            Ok((
+                r.try_get(0)?,
+                r.try_get(1)?,
+                r.try_get(2)?,
+                r.try_get(3)?,
+                r.try_get(4)?,
+                r.try_get(5)?,
+                r.try_get(6)?,
+            ))
+        })();
+        let (kind, name, col, grantee, privilege, grantable, owner) = decoded.map_err(fail(&what))?;
+        // A routine dropped while this ran has no identity (NULL): it is gone.
+        let Some(name) = name else { continue };
         let object = match (kind.as_str(), col) {
             ("schema", _) => Object::Schema,
             ("table", _) => Object::Table(name),
@@ -266,7 +283,6 @@ pub(crate) async fn read_acl(client: &Client, host: &HostName, schema: &str) -> 
                 });
             }
         };
-        let privilege: String = r.get(4);
         if !PRIVILEGES.contains(&privilege.as_str()) {
             return Err(Error::Host {
                 host: host.to_string(),
@@ -275,9 +291,8 @@ pub(crate) async fn read_acl(client: &Client, host: &HostName, schema: &str) -> 
                 message: format!("an unknown privilege {privilege:?}"),
             });
         }
-        let (grantee, owner): (Option<String>, String) = (r.get(3), r.get(6));
         if grantee.as_ref() != Some(&owner) {
-            acl.held.insert(Privilege { object, grantee, privilege }, r.get(5));
+            acl.held.insert(Privilege { object, grantee, privilege }, grantable);
         }
         acl.owners.insert(owner);
     }

@@ -153,6 +153,17 @@ pub enum Error {
         /// The shard.
         shard: LogicalShard,
     },
+    /// A planned move that [`rebalance::apply`] did not start: a move before it failed,
+    /// and the plan counted on it (each move of a rebalance plan assumes the ones before
+    /// it happened), or it was a later move of that same shard.
+    #[error(
+        "not started: the move of shard {failed} before it failed, and the plan counted on it; \
+         run `shardline rebalance` again to plan from where the shards are"
+    )]
+    NotStarted {
+        /// The shard whose move failed.
+        failed: LogicalShard,
+    },
     /// Another process is working on this move.
     #[error("another shardline process is working on move {id}; wait for it, or stop it first")]
     MoveBusy {

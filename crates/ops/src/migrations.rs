@@ -163,7 +163,8 @@ fn transaction_control(sql: &str) -> Option<String> {
     let hit = match first {
         "begin" | "commit" | "rollback" | "abort" | "savepoint" | "release" => true,
         "start" => second == "transaction",
-        "end" => second.is_empty() || second == "transaction" || second == "work",
+        // `END` starts no other statement: `END AND NO CHAIN` commits too.
+        "end" => true,
         "prepare" => second == "transaction",
         _ => false,
     };
@@ -317,7 +318,10 @@ fn split(text: &str) -> std::result::Result<Vec<Statement>, (usize, String)> {
                 let routine = words.first().is_some_and(|w| w == "create")
                     && words.iter().skip(1).take(3).any(|w| w == "function" || w == "procedure");
                 match word.as_str() {
-                    "begin" if routine => depth += 1,
+                    // Only `BEGIN ATOMIC` opens a body: `begin` may also name a parameter.
+                    "begin" if routine && code_words(&text[end..]).next().as_deref() == Some("atomic") => {
+                        depth += 1;
+                    }
                     "case" if depth > 0 => depth += 1,
                     "end" if depth > 0 => depth -= 1,
                     _ => {}
@@ -407,6 +411,10 @@ mod tests {
             ("CREATE TABLE a (x int);\n  commit;", "COMMIT"),
             ("CREATE TABLE a (x int);\n/* x */ START TRANSACTION;", "START TRANSACTION"),
             ("CREATE TABLE a (x int);\nEND;", "END"),
+            ("CREATE TABLE a (x int);\nEND AND NO CHAIN;\nCREATE TABLE b (y int);", "END AND"),
+            ("CREATE TABLE a (x int);\ncommit and chain;", "COMMIT AND"),
+            // A parameter named `begin` opens no body: the COMMIT after it is seen.
+            ("CREATE FUNCTION f(begin int) RETURNS int LANGUAGE sql AS $$ SELECT 1 $$;\nCOMMIT;", "COMMIT"),
         ] {
             let err = Migration::parse("0002_x.sql", text).unwrap_err().to_string();
             assert!(err.starts_with(&format!("0002_x.sql:2: {word} is not allowed")), "{err}");

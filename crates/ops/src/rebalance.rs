@@ -202,25 +202,33 @@ pub struct Parallel {
     pub moves: usize,
     /// Running moves that one host may take part in, as source or target (at least 1).
     pub per_host: usize,
+    /// Whether moves still start after one failed. A rebalance plan's moves each assume
+    /// the ones before them happened (a move that failed leaves its shard where the
+    /// next moves did not count on it: they could leave the hosts more uneven than they
+    /// were), so a rebalance stops starting moves (`false`); a drain's moves each only
+    /// take a shard off the drained host, so a drain goes on (`true`). A later move of
+    /// a shard whose move failed never starts.
+    pub keep_going: bool,
 }
 
 impl Parallel {
     /// `n` moves at a time between disjoint host pairs: no host takes part in two running
     /// moves, so each copy has its source's and its target's disks and cores to itself
-    /// (`rebalance --apply --parallel N`).
+    /// (`rebalance --apply --parallel N`). Stops starting moves after one fails.
     pub fn disjoint(n: usize) -> Self {
-        Parallel { moves: n.max(1), per_host: 1 }
+        Parallel { moves: n.max(1), per_host: 1, keep_going: false }
     }
 
     /// `n` moves at a time however they share hosts: a drain, whose every move leaves
-    /// the same host.
+    /// the same host. Goes on after a move fails.
     pub fn shared(n: usize) -> Self {
-        Parallel { moves: n.max(1), per_host: n.max(1) }
+        Parallel { moves: n.max(1), per_host: n.max(1), keep_going: true }
     }
 
     /// `moves` at a time, `per_host` of them at most on any one host (each at least 1).
+    /// Stops starting moves after one fails.
     pub fn new(moves: usize, per_host: usize) -> Self {
-        Parallel { moves: moves.max(1), per_host: per_host.max(1) }
+        Parallel { moves: moves.max(1), per_host: per_host.max(1), keep_going: false }
     }
 }
 
@@ -246,8 +254,10 @@ fn startable(
 /// Runs a plan's moves, at most `parallel.moves` at a time and at most
 /// `parallel.per_host` of them on any one host; a move waits for its hosts, and a later
 /// move whose hosts are free starts before it (never before an earlier move of the same
-/// shard). Each move is independent: one failing does not stop the others; each result
-/// is returned in plan order.
+/// shard). After a move fails, the moves not yet started are not started (unless
+/// `parallel.keep_going`; never a later move of the failed move's shard), and are
+/// returned as [`Error::NotStarted`]; the moves running finish. Each result is returned
+/// in plan order.
 ///
 /// # Cancel safety
 ///
@@ -259,11 +269,23 @@ pub async fn apply(
     parallel: Parallel,
     options: &MoveOptions,
 ) -> Vec<(PlannedMove, Result<MoveReport>)> {
+    run_plan(plan, parallel, |m: PlannedMove| async move {
+        crate::moves::run(config, m.shard, &m.to, options).await
+    })
+    .await
+}
+
+/// [`apply`]'s scheduling, with `run` making each move.
+async fn run_plan<T, F, Fut>(plan: &Plan, parallel: Parallel, run: F) -> Vec<(PlannedMove, Result<T>)>
+where
+    F: Fn(PlannedMove) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
     let mut pending: Vec<(usize, PlannedMove)> = plan.moves.iter().cloned().enumerate().collect();
     let mut busy: BTreeMap<HostName, usize> = BTreeMap::new();
     let mut moving: BTreeSet<LogicalShard> = BTreeSet::new();
     let mut running = futures::stream::FuturesUnordered::new();
-    let mut done: Vec<Option<(PlannedMove, Result<MoveReport>)>> = plan.moves.iter().map(|_| None).collect();
+    let mut done: Vec<Option<(PlannedMove, Result<T>)>> = plan.moves.iter().map(|_| None).collect();
     loop {
         while running.len() < parallel.moves.max(1) {
             let Some(i) = startable(&pending, &busy, &moving, parallel.per_host) else { break };
@@ -273,12 +295,24 @@ pub async fn apply(
                 *busy.entry(h.clone()).or_default() += 1;
             }
             tracing::debug!(shard = %m.shard, from = %m.from, to = %m.to, running = running.len() + 1, "move starts");
-            running.push(async move {
-                let r = crate::moves::run(config, m.shard, &m.to, options).await;
-                (index, m, r)
-            });
+            let moved = run(m.clone());
+            running.push(async move { (index, m, moved.await) });
         }
         let Some((index, m, r)) = running.next().await else { break };
+        if r.is_err() {
+            // The moves that counted on this one are not started.
+            let failed = m.shard;
+            let (skipped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut pending)
+                .into_iter()
+                .partition(|(_, p): &(usize, PlannedMove)| !parallel.keep_going || p.shard == failed);
+            pending = kept;
+            for (i, p) in skipped {
+                tracing::warn!(shard = %p.shard, failed = %failed, "move not started: a move the plan counted on failed");
+                if let Some(slot) = done.get_mut(i) {
+                    *slot = Some((p, Err(Error::NotStarted { failed })));
+                }
+            }
+        }
         moving.remove(&m.shard);
         for h in [&m.from, &m.to] {
             if let Some(n) = busy.get_mut(h) {
@@ -314,6 +348,48 @@ mod tests {
             to: h(to),
             bytes: 1,
         }
+    }
+
+    /// Runs a plan with moves that fail for the shards in `failing`; returns each
+    /// move's outcome as `ok`, `failed` or `not started`, in plan order.
+    fn outcomes(moves: Vec<PlannedMove>, parallel: Parallel, failing: &[i64]) -> Vec<(i64, &'static str)> {
+        let plan = Plan { moves, hosts: Vec::new() };
+        let run = |m: PlannedMove| {
+            let fails = failing.contains(&i64::from(m.shard.get()));
+            async move { if fails { Err(Error::Busy) } else { Ok(()) } }
+        };
+        futures::executor::block_on(run_plan(&plan, parallel, run))
+            .into_iter()
+            .map(|(m, r)| {
+                let said = match r {
+                    Ok(()) => "ok",
+                    Err(Error::NotStarted { .. }) => "not started",
+                    Err(_) => "failed",
+                };
+                (i64::from(m.shard.get()), said)
+            })
+            .collect()
+    }
+
+    /// A rebalance plan's moves each assume the ones before them happened: once one
+    /// fails, none starts after it (before: all ran, and could leave the hosts more
+    /// uneven than they were, or start a shard's second move from where it never got).
+    /// A drain goes on, but never with a later move of the failed move's shard.
+    #[test]
+    fn after_a_failed_move_the_moves_that_counted_on_it_do_not_start() {
+        let plan = || vec![mv(0, "h0", "h1"), mv(2, "h1", "h0"), mv(0, "h1", "h2"), mv(3, "h2", "h0")];
+        assert_eq!(
+            outcomes(plan(), Parallel::disjoint(1), &[0]),
+            [(0, "failed"), (2, "not started"), (0, "not started"), (3, "not started")]
+        );
+        assert_eq!(
+            outcomes(plan(), Parallel::shared(1), &[0]),
+            [(0, "failed"), (2, "ok"), (0, "not started"), (3, "ok")]
+        );
+        assert_eq!(
+            outcomes(plan(), Parallel::disjoint(1), &[]),
+            [(0, "ok"), (2, "ok"), (0, "ok"), (3, "ok")]
+        );
     }
 
     #[test]

@@ -157,10 +157,12 @@ async fn read_host(
     } else if has_ledger {
         client
             .query_one(
+                // A schema dropped while its ledger rows stayed is not up to date.
                 "SELECT count(*) FROM (
-                     SELECT schema_name FROM shardline.shard_migrations
-                     WHERE schema_name = ANY($1) AND name = ANY($2)
-                     GROUP BY schema_name HAVING count(*) = cardinality($2)) t",
+                     SELECT m.schema_name FROM shardline.shard_migrations AS m
+                     JOIN pg_namespace AS n ON n.nspname = m.schema_name
+                     WHERE m.schema_name = ANY($1) AND m.name = ANY($2)
+                     GROUP BY m.schema_name HAVING count(*) = cardinality($2)) t",
                 &[&schemas, &names],
             )
             .await
@@ -172,7 +174,9 @@ async fn read_host(
     let behind = schemas.len().saturating_sub(usize::try_from(up_to_date).unwrap_or(0));
     let tables = client
         .query(
-            "SELECT s.relname::text, sum(s.n_live_tup)::bigint, sum(pg_total_relation_size(s.relid))::bigint
+            // A table dropped since the statistics' snapshot has no size (NULL): 0.
+            "SELECT s.relname::text, coalesce(sum(s.n_live_tup), 0)::bigint,
+                    coalesce(sum(pg_total_relation_size(s.relid)), 0)::bigint
              FROM pg_stat_user_tables s WHERE s.schemaname = ANY($1)
              GROUP BY 1 ORDER BY 1",
             &[&schemas],
