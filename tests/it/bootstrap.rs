@@ -515,6 +515,42 @@ pub(crate) async fn a_migration_failing_in_one_shard_stops_and_a_rerun_continues
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_statement_the_splitter_miscounts_fails_instead_of_committing);
+/// A `BEGIN ATOMIC` body naming a column `case` (any keyword may follow `AS`) makes the
+/// splitter count a `CASE` that never ends, so the rest of the file is taken for one
+/// statement, with a `COMMIT` in it the check never sees. Sent as one statement of the
+/// extended protocol, it is refused whole (42601): nothing is applied, nothing is made
+/// in `public`, the ledger does not list the file. Before: the `COMMIT` ran, the table
+/// after it was made in `public`, and the file was recorded as applied.
+pub(crate) async fn a_statement_the_splitter_miscounts_fails_instead_of_committing(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    f.migration(
+        "0005_escape.sql",
+        "CREATE FUNCTION labelled() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1 AS case; END;\n\
+         CREATE TABLE escaped (a int);\n\
+         COMMIT;\n\
+         CREATE TABLE after_commit (a int);\n",
+    )?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err();
+    let OpsError::Migration(failed) = &err else { panic!("expected a migration failure, got {err:?}") };
+    assert_eq!(failed.sqlstate.as_deref(), Some("42601"), "{err}");
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let made: i64 = c
+            .query_one("SELECT count(*) FROM pg_class WHERE relname IN ('escaped', 'after_commit')", &[])
+            .await?
+            .get(0);
+        assert_eq!(made, 0, "nothing of the file was made on pg{}", h + 1);
+        for (schema, names) in ledger(&c).await? {
+            assert!(!names.contains(&"0005_escape.sql".to_owned()), "{schema}: {names:?}");
+        }
+    }
+    Ok(())
+}
+
 shardline_testkit::register!(shared: changed_or_misordered_files_are_refused_before_anything_changes);
 pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_changes(
     ctx: TestContext,
@@ -616,9 +652,15 @@ pub(crate) async fn a_migrations_trigger_writes_into_its_own_shard_whoever_fires
          END $$;",
     )?;
     for h in 0..2 {
+        // A hardened default path (`''`, stored as `""`, which no list takes) on the
+        // hosts: the functions get the shard's path all the same (before, the ALTER
+        // failed on it and every shard's migration rolled back).
         f.client(&ctx, h)
             .await?
-            .batch_execute("CREATE TABLE public.audit (photo_id bigint NOT NULL)")
+            .batch_execute(&format!(
+                "CREATE TABLE public.audit (photo_id bigint NOT NULL); ALTER DATABASE {} SET search_path = ''",
+                f.db()
+            ))
             .await?;
     }
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;

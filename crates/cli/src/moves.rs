@@ -348,7 +348,8 @@ pub fn moves(config: &Config, opt: &MovesOpt, out: &mut dyn Write) -> anyhow::Re
 ///
 /// # Errors
 ///
-/// The plan cannot be made; with `--apply`, when any move failed (after all ran).
+/// The plan cannot be made; with `--apply`, when a move failed (no move starts after
+/// one failed; those running finish).
 pub fn rebalance(config: &Config, opt: &RebalanceOpt, out: &mut dyn Write) -> anyhow::Result<()> {
     let rt = runtime()?;
     let plan = rt.block_on(shardline_ops::rebalance::plan(config, usize::from(opt.max_moves)))?;
@@ -426,11 +427,17 @@ pub(crate) fn print_moves(
 pub(crate) fn moves_failed(
     results: &[(PlannedMove, shardline_ops::Result<shardline_ops::moves::MoveReport>)],
 ) -> anyhow::Result<()> {
-    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
-    if failed > 0 {
-        anyhow::bail!("{failed} of {} move(s) failed", results.len());
+    let not_started =
+        results.iter().filter(|(_, r)| matches!(r, Err(shardline_ops::Error::NotStarted { .. }))).count();
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count() - not_started;
+    match (failed, not_started) {
+        (0, 0) => Ok(()),
+        (_, 0) => anyhow::bail!("{failed} of {} move(s) failed", results.len()),
+        _ => anyhow::bail!(
+            "{failed} of {} move(s) failed, and {not_started} not started after it",
+            results.len()
+        ),
     }
-    Ok(())
 }
 
 /// Runs `gc`.

@@ -281,21 +281,27 @@ async fn grant_catalog(catalog: &Catalog, config: &Config) -> Result<()> {
 }
 
 /// `wal_level` of each host that is not `logical`, as warnings.
-async fn wal_warnings(hosts: &[(HostName, Vec<Client>)], within: Duration) -> Vec<String> {
+async fn wal_warnings(hosts: &[(HostName, Vec<Client>)], within: Duration) -> Result<Vec<String>> {
     let checks = hosts.iter().filter_map(|(name, clients)| clients.first().map(|c| (name, c))).map(
         |(name, c)| async move {
-            // A host that does not answer is told in planning, which is bounded too.
+            // A host that froze after it was connected ends the run in time.
             match tokio::time::timeout(within, c.query_one("SHOW wal_level", &[])).await {
-                Ok(Ok(row)) => match row.try_get::<_, String>(0) {
+                Ok(Ok(row)) => Ok(match row.try_get::<_, String>(0) {
                     Ok(level) => wal_warning(name, &level),
                     Err(e) => Some(format!("host {name}: could not read wal_level: {e}")),
-                },
-                Ok(Err(e)) => Some(format!("host {name}: could not read wal_level: {e}")),
-                Err(_) => Some(format!("host {name}: no answer about wal_level within {within:?}")),
+                }),
+                Ok(Err(e)) => Ok(Some(format!("host {name}: could not read wal_level: {e}"))),
+                Err(_) => Err(Error::Host {
+                    host: name.to_string(),
+                    what: "read wal_level".into(),
+                    sqlstate: None,
+                    message: format!("no answer within {within:?}"),
+                }),
             }
         },
     );
-    futures::future::join_all(checks).await.into_iter().flatten().collect()
+    let said = futures::future::join_all(checks).await.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok(said.into_iter().flatten().collect())
 }
 
 /// Refuses when a host that holds shards is missing from the config.
@@ -411,7 +417,7 @@ async fn run(
     lock(&catalog).await?;
     check_roles(config, &hosts, &catalog, options.shard_timeout).await?;
     let mut report = Report { migrations: migrations.len(), ..Report::default() };
-    for w in wal_warnings(&hosts, options.shard_timeout).await {
+    for w in wal_warnings(&hosts, options.shard_timeout).await? {
         tracing::info!("{w}");
         progress(Progress::Warning(w.clone()));
         report.warnings.push(w);

@@ -270,13 +270,19 @@ fn pin_functions(schema: &SchemaName) -> String {
         r#"DO $pin$
 DECLARE
     f record;
-    path text := {head};
+    head text := {head};
     default_path text := (SELECT s.reset_val FROM pg_catalog.pg_settings AS s WHERE s.name = 'search_path');
 BEGIN
-    IF pg_catalog.btrim(default_path) <> '' THEN
-        path := path OPERATOR(pg_catalog.||) ', ' OPERATOR(pg_catalog.||) default_path;
-    END IF;
-    path := path OPERATOR(pg_catalog.||) ', pg_temp';
+    -- The path the functions get, set as the session's for `FROM CURRENT`: Postgres
+    -- checks it as it checks any search_path, and a default it cannot take in a list
+    -- (an empty name: `search_path = ''` stored as "") is left out.
+    BEGIN
+        PERFORM pg_catalog.set_config('search_path',
+            head OPERATOR(pg_catalog.||) ', ' OPERATOR(pg_catalog.||) default_path
+                 OPERATOR(pg_catalog.||) ', pg_temp', true);
+    EXCEPTION WHEN OTHERS THEN
+        PERFORM pg_catalog.set_config('search_path', head OPERATOR(pg_catalog.||) ', pg_temp', true);
+    END;
     FOR f IN
         SELECT n.nspname, p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) AS args
           FROM pg_catalog.pg_proc AS p
@@ -288,9 +294,10 @@ BEGIN
            AND NOT EXISTS (SELECT FROM pg_catalog.unnest(p.proconfig) AS c(setting)
                             WHERE c.setting LIKE 'search\_path=%')
     LOOP
-        EXECUTE pg_catalog.format('ALTER FUNCTION %I.%I(%s) SET search_path = %s',
-                                  f.nspname, f.proname, f.args, path);
+        EXECUTE pg_catalog.format('ALTER FUNCTION %I.%I(%s) SET search_path FROM CURRENT',
+                                  f.nspname, f.proname, f.args);
     END LOOP;
+    PERFORM pg_catalog.set_config('search_path', head, true);
 END
 $pin$"#,
         name = literal(schema.as_str()),
@@ -359,7 +366,16 @@ pub(crate) async fn apply_shard(
     ));
     batch.push((Origin::Ours("commit"), "COMMIT".to_owned()));
 
-    let results = futures::future::join_all(batch.iter().map(|(_, sql)| client.batch_execute(sql))).await;
+    // A file's statement goes as one statement of the extended protocol, which refuses
+    // a string holding several (42601): should the splitter ever miscount, the
+    // statement fails loudly rather than run a `COMMIT` the check could not see.
+    let results = futures::future::join_all(batch.iter().map(|(origin, sql)| async move {
+        match origin {
+            Origin::File { .. } => client.query_typed(sql, &[]).await.map(drop),
+            Origin::Ours(_) => client.batch_execute(sql).await,
+        }
+    }))
+    .await;
     let Some((at, e)) = results.iter().enumerate().find_map(|(i, r)| r.as_ref().err().map(|e| (i, e))) else {
         return Ok(());
     };

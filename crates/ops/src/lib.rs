@@ -157,7 +157,7 @@ pub enum Error {
     /// and the plan counted on it (each move of a rebalance plan assumes the ones before
     /// it happened), or it was a later move of that same shard.
     #[error(
-        "not started: the move of shard {failed} before it failed, and the plan counted on it; \
+        "not started: the move of shard {failed} failed, and the plan's later moves counted on it; \
          run `shardline rebalance` again to plan from where the shards are"
     )]
     NotStarted {

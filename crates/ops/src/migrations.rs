@@ -51,15 +51,19 @@ impl Migration {
             message,
         })?;
         for s in &statements {
+            let refused =
+                |message: String| Error::MigrationSyntax { file: name.to_owned(), line: s.line, message };
             if let Some(word) = transaction_control(&s.sql) {
-                return Err(Error::MigrationSyntax {
-                    file: name.to_owned(),
-                    line: s.line,
-                    message: format!(
-                        "{word} is not allowed: shardline runs each shard's pending migrations in one \
-                         transaction of its own"
-                    ),
-                });
+                return Err(refused(format!(
+                    "{word} is not allowed: shardline runs each shard's pending migrations in one \
+                     transaction of its own"
+                )));
+            }
+            if let Some(words) = session_control(&s.sql) {
+                return Err(refused(format!(
+                    "{words} is not allowed: shardline runs each shard's migrations with that shard's \
+                     schema first on search_path, as the role it connects as"
+                )));
             }
         }
         Ok(Migration { name: name.to_owned(), checksum: checksum(text.as_bytes()), statements })
@@ -168,6 +172,23 @@ fn transaction_control(sql: &str) -> Option<String> {
         "prepare" => second == "transaction",
         _ => false,
     };
+    hit.then(|| words.join(" ").to_uppercase())
+}
+
+/// The words of a statement that changes the shard's `search_path` or the role the
+/// migration runs as (a file's objects would be made elsewhere, or owned by another
+/// role), if it is one: `SET [LOCAL | SESSION] search_path | ROLE | SESSION
+/// AUTHORIZATION`, `RESET search_path | ROLE | SESSION AUTHORIZATION | ALL`.
+fn session_control(sql: &str) -> Option<String> {
+    let words: Vec<String> = code_words(sql).take(3).collect();
+    let w = |i: usize| words.get(i).map_or("", String::as_str);
+    let setting = match (w(0), w(1)) {
+        ("set", "local" | "session") if w(2) != "authorization" && w(2) != "characteristics" => w(2),
+        ("set" | "reset", other) => other,
+        _ => return None,
+    };
+    let hit = matches!(setting, "search_path" | "role" | "session" | "authorization")
+        || (w(0) == "reset" && setting == "all");
     hit.then(|| words.join(" ").to_uppercase())
 }
 
@@ -419,6 +440,24 @@ mod tests {
             let err = Migration::parse("0002_x.sql", text).unwrap_err().to_string();
             assert!(err.starts_with(&format!("0002_x.sql:2: {word} is not allowed")), "{err}");
         }
+        for (text, words) in [
+            ("SET search_path TO public;", "SET SEARCH_PATH TO"),
+            ("set local search_path = x;", "SET LOCAL SEARCH_PATH"),
+            ("RESET ALL;", "RESET ALL"),
+            ("reset search_path;", "RESET SEARCH_PATH"),
+            ("SET ROLE app;", "SET ROLE APP"),
+            ("SET SESSION AUTHORIZATION app;", "SET SESSION AUTHORIZATION"),
+        ] {
+            let err =
+                Migration::parse("0003_x.sql", &format!("CREATE TABLE a (x int);\n{text}")).unwrap_err();
+            assert!(err.to_string().starts_with(&format!("0003_x.sql:2: {words} is not allowed")), "{err}");
+        }
+        // Other settings are the file's own business.
+        Migration::parse(
+            "ok.sql",
+            "SET LOCAL lock_timeout = '1s'; SET statement_timeout = 0; RESET work_mem;",
+        )
+        .unwrap();
         // A DO block's BEGIN is inside its dollar quote, and fine.
         Migration::parse("ok.sql", "DO $$ BEGIN PERFORM 1; END $$;").unwrap();
     }

@@ -621,12 +621,19 @@ async fn rebalance_once(run: &Run, rng: &mut Rng) {
     match applied {
         Some(results) => {
             let ok = results.iter().filter(|(_, r)| r.is_ok()).count();
+            let not_started = results
+                .iter()
+                .filter(|(_, r)| matches!(r, Err(shardline_ops::Error::NotStarted { .. })))
+                .count();
             Run::count(&run.moves, "rebalances");
             for _ in 0..ok {
                 Run::count(&run.moves, "done");
             }
-            for _ in ok..results.len() {
+            for _ in ok + not_started..results.len() {
                 Run::count(&run.moves, "failed");
+            }
+            for _ in 0..not_started {
+                Run::count(&run.moves, "not started after a failed one");
             }
             run.note(format!("rebalance: {ok} of {} moves done", results.len()));
         }
