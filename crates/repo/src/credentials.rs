@@ -358,20 +358,10 @@ mod tests {
     #[test]
     fn pguser_does_not_choose_the_passfiles_line() {
         let Some(me) = crate::driver_user() else { return };
-        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-        let out = std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "credentials::tests::a_passfile_is_read_for_whom_and_where_the_driver_connects",
-            ])
-            .env("PGUSER", format!("not_{me}_but_pguser"))
-            .output()
-            .unwrap_or_else(|e| panic!("{e}"));
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && said.contains("1 passed"),
-            "{said}{}",
-            String::from_utf8_lossy(&out.stderr)
+        let pguser = format!("not_{me}_but_pguser");
+        crate::rerun_with_env(
+            "credentials::tests::a_passfile_is_read_for_whom_and_where_the_driver_connects",
+            &[("PGUSER", &pguser)],
         );
     }
 }

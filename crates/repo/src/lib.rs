@@ -92,6 +92,25 @@ pub(crate) fn driver_user() -> Option<String> {
     whoami::username().ok()
 }
 
+/// Runs this test binary's test `test` again, alone, in a process whose environment
+/// also holds `env`; panics unless it passed. For tests of what the environment must
+/// not change (a test cannot set a variable in its own process: others read it).
+#[cfg(test)]
+pub(crate) fn rerun_with_env(test: &str, env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new(exe)
+        .args(["--exact", test])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("1 passed"),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// What can go wrong talking to a shard.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -889,21 +889,15 @@ mod tests {
     /// the environment's port and database were taken).
     #[test]
     fn the_environment_does_not_say_where_or_who() {
-        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-        let out = std::process::Command::new(exe)
-            .args(["--exact", "sqlx::tests::the_url_alone_says_where_and_who"])
-            .env("PGPORT", "1")
-            .env("PGDATABASE", "elsewhere")
-            .env("PGAPPNAME", "someone")
-            .env("PGHOST", "elsewhere")
-            .env("PGUSER", "someone")
-            .output()
-            .unwrap_or_else(|e| panic!("{e}"));
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && said.contains("1 passed"),
-            "{said}{}",
-            String::from_utf8_lossy(&out.stderr)
+        crate::rerun_with_env(
+            "sqlx::tests::the_url_alone_says_where_and_who",
+            &[
+                ("PGPORT", "1"),
+                ("PGDATABASE", "elsewhere"),
+                ("PGAPPNAME", "someone"),
+                ("PGHOST", "elsewhere"),
+                ("PGUSER", "someone"),
+            ],
         );
     }
 

@@ -199,7 +199,9 @@ impl HostControl for DockerHost {
             tries += 1;
             match c.pause().await {
                 Ok(()) => return Ok(()),
-                Err(e) if tries < PAUSE_TRIES && chain(&e).contains("unable to freeze") => {
+                Err(e)
+                    if tries < PAUSE_TRIES && crate::host::error_chain(&e).contains("unable to freeze") =>
+                {
                     tracing::warn!(host = %self.name, tries, "the cgroup freezer gave up; pausing again");
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
@@ -230,18 +232,6 @@ impl HostControl for DockerHost {
 
 /// How many times [`HostControl::pause`] asks the cgroup freezer before it gives up.
 const PAUSE_TRIES: u32 = 5;
-
-/// An error's message with its sources', to match on what Docker said.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
 
 /// Runs the docker command line; returns stdout and stderr, joined.
 async fn docker_cli(args: &[&str]) -> Result<String> {
