@@ -548,6 +548,29 @@ pub(crate) async fn a_statement_the_splitter_miscounts_fails_instead_of_committi
             assert!(!names.contains(&"0005_escape.sql".to_owned()), "{schema}: {names:?}");
         }
     }
+
+    // A statement the driver refuses before sending it (a NUL in its text): the server's
+    // transaction is not aborted by it, so the `COMMIT` waits for every answer and is
+    // not sent. Before, it went with the rest: the statements around the refused one
+    // committed, and the ledger listed the file as applied.
+    std::fs::remove_file(f.dir.join("migrations/0005_escape.sql"))?;
+    f.migration(
+        "0005_nul.sql",
+        "CREATE TABLE nul_before (a int);\nSELECT 1 /* \u{0} */;\nCREATE TABLE nul_after (a int);\n",
+    )?;
+    let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err();
+    assert!(matches!(&err, OpsError::Migration(failed) if failed.index == 2), "{err:?}");
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let made: i64 = c
+            .query_one("SELECT count(*) FROM pg_class WHERE relname IN ('nul_before', 'nul_after')", &[])
+            .await?
+            .get(0);
+        assert_eq!(made, 0, "nothing of the file was committed on pg{}", h + 1);
+        for (schema, names) in ledger(&c).await? {
+            assert!(!names.contains(&"0005_nul.sql".to_owned()), "{schema}: {names:?}");
+        }
+    }
     Ok(())
 }
 

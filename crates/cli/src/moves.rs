@@ -434,7 +434,7 @@ pub(crate) fn moves_failed(
         (0, 0) => Ok(()),
         (_, 0) => anyhow::bail!("{failed} of {} move(s) failed", results.len()),
         _ => anyhow::bail!(
-            "{failed} of {} move(s) failed, and {not_started} not started after it",
+            "{failed} of {} move(s) failed, and {not_started} not started after a failure",
             results.len()
         ),
     }

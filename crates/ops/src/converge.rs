@@ -364,21 +364,33 @@ pub(crate) async fn apply_shard(
             values.join(", ")
         ),
     ));
-    batch.push((Origin::Ours("commit"), "COMMIT".to_owned()));
-
     // A file's statement goes as one statement of the extended protocol, which refuses
     // a string holding several (42601): should the splitter ever miscount, the
-    // statement fails loudly rather than run a `COMMIT` the check could not see.
+    // statement fails loudly rather than run a `COMMIT` the check could not see. Its
+    // rows (if any) are not read: no type is looked up, nothing waits on them.
     let results = futures::future::join_all(batch.iter().map(|(origin, sql)| async move {
         match origin {
-            Origin::File { .. } => client.query_typed(sql, &[]).await.map(drop),
+            Origin::File { .. } => client.execute_typed(sql, &[]).await.map(drop),
             Origin::Ours(_) => client.batch_execute(sql).await,
         }
     }))
     .await;
+    // `COMMIT` only once every piece answered: a piece the driver refused before it was
+    // sent (a NUL in a statement, say) leaves the server's transaction whole, and a
+    // `COMMIT` sent with the rest would have committed everything around it.
     let Some((at, e)) = results.iter().enumerate().find_map(|(i, r)| r.as_ref().err().map(|e| (i, e))) else {
-        return Ok(());
+        return client.batch_execute("COMMIT").await.map_err(|e| {
+            let (sqlstate, message) = describe(&e);
+            Error::Host {
+                host: host.to_string(),
+                what: format!("shard {shard} ({}): commit", w.schema),
+                sqlstate,
+                message,
+            }
+        });
     };
+    // Best effort: a connection the failure broke rolls back as it closes.
+    let _ = client.batch_execute("ROLLBACK").await;
     let (sqlstate, message) = describe(e);
     Err(match &batch[at].0 {
         Origin::Ours(what) => Error::Host {

@@ -180,15 +180,27 @@ fn transaction_control(sql: &str) -> Option<String> {
 /// role), if it is one: `SET [LOCAL | SESSION] search_path | ROLE | SESSION
 /// AUTHORIZATION`, `RESET search_path | ROLE | SESSION AUTHORIZATION | ALL`.
 fn session_control(sql: &str) -> Option<String> {
-    let words: Vec<String> = code_words(sql).take(3).collect();
+    // A quoted name is the same setting: `SET "search_path"`.
+    let unquoted = sql.replace('"', " ");
+    let words: Vec<String> = code_words(&unquoted).take(3).collect();
     let w = |i: usize| words.get(i).map_or("", String::as_str);
-    let setting = match (w(0), w(1)) {
-        ("set", "local" | "session") if w(2) != "authorization" && w(2) != "characteristics" => w(2),
-        ("set" | "reset", other) => other,
+    // pg_dump's preamble sets the path this way: `SELECT pg_catalog.set_config(
+    // 'search_path', '', false)`.
+    if w(0) == "select" {
+        let lower = sql.to_ascii_lowercase();
+        return (lower.contains("set_config") && lower.contains("search_path"))
+            .then(|| "SELECT set_config('search_path', ...)".to_owned());
+    }
+    let setting = match (w(0), w(1), w(2)) {
+        ("set", "session", "authorization") => "authorization",
+        ("set", "session", "characteristics") => return None,
+        ("set", "local" | "session", third) => third,
+        ("set" | "reset", second, _) => second,
         _ => return None,
     };
-    let hit = matches!(setting, "search_path" | "role" | "session" | "authorization")
-        || (w(0) == "reset" && setting == "all");
+    // `SET SCHEMA 'x'` is Postgres's other name for `SET search_path`.
+    let hit = matches!(setting, "search_path" | "schema" | "role" | "authorization")
+        || (w(0) == "reset" && matches!(setting, "all" | "session"));
     hit.then(|| words.join(" ").to_uppercase())
 }
 
@@ -447,6 +459,12 @@ mod tests {
             ("reset search_path;", "RESET SEARCH_PATH"),
             ("SET ROLE app;", "SET ROLE APP"),
             ("SET SESSION AUTHORIZATION app;", "SET SESSION AUTHORIZATION"),
+            ("SET LOCAL SCHEMA 'x';", "SET LOCAL SCHEMA"),
+            ("SET \"search_path\" TO x;", "SET SEARCH_PATH TO"),
+            (
+                "SELECT pg_catalog.set_config('search_path', '', false);",
+                "SELECT set_config('search_path', ...)",
+            ),
         ] {
             let err =
                 Migration::parse("0003_x.sql", &format!("CREATE TABLE a (x int);\n{text}")).unwrap_err();
@@ -455,7 +473,9 @@ mod tests {
         // Other settings are the file's own business.
         Migration::parse(
             "ok.sql",
-            "SET LOCAL lock_timeout = '1s'; SET statement_timeout = 0; RESET work_mem;",
+            "SET LOCAL lock_timeout = '1s'; SET statement_timeout = 0; RESET work_mem;\n\
+             SET CONSTRAINTS ALL DEFERRED; SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE;\n\
+             SELECT set_config('application_name', 'm', true); CREATE TABLE role (session int);",
         )
         .unwrap();
         // A DO block's BEGIN is inside its dollar quote, and fine.
