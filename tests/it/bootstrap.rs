@@ -586,9 +586,28 @@ pub(crate) async fn changed_or_misordered_files_are_refused_before_anything_chan
     let photos = f.dir.join("migrations/0001_photos.sql");
     let original = std::fs::read_to_string(&photos)?;
     std::fs::write(&photos, original.replace("caption text", "caption varchar(80)"))?;
+    // A role newly listed in app_roles in the same run: the refusal grants it nothing,
+    // on the catalog or on any host.
+    let role = format!("refused_{}", std::process::id());
+    crate::reliability::create_role(&f, &ctx, 2, &role).await?;
+    let text = f.config_text()?;
+    std::fs::write(f.path(), format!("app_roles = [\"{role}\"]\n{text}"))?;
     let err = shardline_ops::migrate(&f.config()?, &options(1), &quiet).await.unwrap_err().to_string();
     assert!(err.starts_with("migration 0001_photos.sql: the file changed after it was applied to shard_0000 (shard 0) on pg1 (checksum "), "{err}");
     assert_eq!(snapshot(&f, &ctx).await?, done);
+    for h in 0..2 {
+        let c = f.client(&ctx, h).await?;
+        let granted: bool = c
+            .query_one(
+                "SELECT has_schema_privilege($1, 'shardline', 'USAGE')
+                     OR coalesce(has_table_privilege($1, to_regclass('shardline.shards'), 'SELECT'), false)",
+                &[&role],
+            )
+            .await?
+            .get(0);
+        assert!(!granted, "pg{}: the refused run granted {role}", h + 1);
+    }
+    std::fs::write(f.path(), text)?;
     std::fs::write(&photos, original)?;
 
     f.migration("0000_early.sql", "CREATE TABLE early (a int);")?;

@@ -1092,7 +1092,7 @@ pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_
 }
 
 /// Creates `role` (if missing) on the servers of hosts `0..hosts`: roles are per server.
-async fn create_role(f: &Fixture, ctx: &TestContext, hosts: usize, role: &str) -> TestResult {
+pub(crate) async fn create_role(f: &Fixture, ctx: &TestContext, hosts: usize, role: &str) -> TestResult {
     for h in 0..hosts {
         let c = f.client(ctx, h).await?;
         let exists: bool =

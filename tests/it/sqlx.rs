@@ -300,6 +300,45 @@ pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx:
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     eprintln!("observed: its later statement stopped waiting {:?} after its deadline", gave_up.elapsed());
+    // A single statement that waited 2 s for the host's one connection, then for the
+    // lock: given up at its deadline, it stops waiting then too (its connection closed,
+    // which the server checks for while it waits). Before, it waited out the session's
+    // statement timeout, counted from when it was sent: 2 s past its deadline.
+    let holder = db.on_user(0, |conn| {
+        Box::pin(async move { ::sqlx::raw_sql("SELECT pg_sleep(2)").execute(&mut **conn).await.map(drop) })
+    });
+    let single = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let id = photo.id;
+        // No search_path outside a transaction: the table named in its schema.
+        let update = format!("UPDATE {}.photos SET caption = 'single' WHERE id = $1", route.schema.quoted());
+        let update = update.as_str();
+        let r = db
+            .statement_on_id(id, |conn| {
+                Box::pin(async move {
+                    ::sqlx::query(::sqlx::AssertSqlSafe(update))
+                        .bind(id)
+                        .execute(&mut **conn)
+                        .await
+                        .map(drop)
+                })
+            })
+            .await;
+        (r, Instant::now())
+    };
+    let (held, (single, gave_up)) = tokio::join!(holder, single);
+    held?;
+    let err = single.expect_err("a single statement waiting on a row lock held to the end");
+    assert!(err.is_timeout(), "{err}");
+    while admin.query_one(waiting, &[]).await?.get::<_, i64>(0) > 0 {
+        assert!(
+            gave_up.elapsed() < Duration::from_millis(1500),
+            "the given-up single statement still waits on the lock {:?} after its deadline",
+            gave_up.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("observed: the single statement stopped waiting {:?} after its deadline", gave_up.elapsed());
     locker.batch_execute("ROLLBACK").await?;
     Ok(())
 }

@@ -433,7 +433,6 @@ async fn run(
         return Err(Error::MoveRunning { shard: m.shard });
     }
     let info = catalog.cluster().await?.ok_or(shardline_repo::Error::NotInitialised)?;
-    grant_catalog(&catalog, config).await?;
     let inputs = Inputs {
         map: &map,
         prefix: &info.schema_prefix,
@@ -465,6 +464,8 @@ async fn run(
         .await
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
+    // Granted once every host's plan passed: a changed file refused grants nothing.
+    grant_catalog(&catalog, config).await?;
     progress(Progress::Planned { shards: plans.iter().map(|p| p.work.len()).sum() });
 
     let stop = AtomicBool::new(false);

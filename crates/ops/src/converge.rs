@@ -108,13 +108,6 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
         .batch_execute(&format!("{}\n{}", crate::moves::MARKS_SQL, crate::moves::engine::RESOLVE_SQL))
         .await
         .map_err(|e| host_err(host, "install shardline.resolve_fence", &e))?;
-    let grants = crate::grants::host_grants(inputs.roles);
-    if !grants.is_empty() {
-        client
-            .batch_execute(&grants)
-            .await
-            .map_err(|e| host_err(host, "grant app_roles the host's shardline schema", &e))?;
-    }
     let existing: HashSet<String> = client
         .query("SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1)", &[&schemas])
         .await
@@ -480,6 +473,29 @@ pub(crate) async fn run_host(
         )
         .await
     };
+    // The roles' privileges on the host's `shardline` schema, once every host's plan
+    // passed (a changed file refused on any host grants nothing).
+    let host_grants = crate::grants::host_grants(inputs.roles);
+    if let Some(client) = clients.first().filter(|_| !host_grants.is_empty()) {
+        let granted = bounded(
+            client,
+            url,
+            &plan.host,
+            || "granting app_roles the host's shardline schema".into(),
+            inputs.shard_timeout,
+            async {
+                client
+                    .batch_execute(&host_grants)
+                    .await
+                    .map_err(|e| host_err(&plan.host, "grant app_roles the host's shardline schema", &e))
+            },
+        )
+        .await;
+        if let Err(e) = granted {
+            stop.store(true, Ordering::Relaxed);
+            return (Done::default(), Some(e));
+        }
+    }
     if let Some(client) = clients.first().filter(|_| !plan.shards.is_empty())
         && let Err(e) = shared(client).await
     {

@@ -106,9 +106,15 @@ pub(crate) fn host_pool(name: &HostName, url: &DbUrl, options: &ClusterOptions) 
         // work sets its shard's for its transaction.
         // And the server stops a statement at the host timeout: a statement given
         // up on holds no lock past it, nor applies long after its caller heard it
-        // timed out (a transaction sets its own, `SET LOCAL`).
+        // timed out (a transaction sets its own, `SET LOCAL`). Sooner when its
+        // connection closes (work given up at its deadline, or dropped by its
+        // caller): the server looks for a closed client every
+        // `CLIENT_CHECK_MS` while a statement runs or waits on a lock.
         .after_connect(move |conn, _| {
-            let setup = format!("SET search_path = ''; SET statement_timeout = {timeout}");
+            let setup = format!(
+                "SET search_path = ''; SET statement_timeout = {timeout}; \
+                 SET client_connection_check_interval = {CLIENT_CHECK_MS}"
+            );
             Box::pin(
                 async move { ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(conn).await.map(|_| ()) },
             )
@@ -215,6 +221,11 @@ fn lost(e: &::sqlx::Error) -> bool {
         Some(code) => code.starts_with("08") || code.starts_with("57P"),
     }
 }
+
+/// How often (ms) a server looks for its sqlx session's client gone while a statement
+/// runs (`client_connection_check_interval`): a statement whose work was given up on,
+/// and its connection closed, stops within about this long of the close.
+const CLIENT_CHECK_MS: u32 = 100;
 
 /// How near its unit of work's deadline a statement stopped by the server's statement
 /// timeout (57014) is taken for the unit timing out.
