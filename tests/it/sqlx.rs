@@ -316,11 +316,7 @@ pub(crate) async fn a_unit_of_work_given_up_holds_no_lock_past_its_deadline(ctx:
         let r = db
             .statement_on_id(id, |conn| {
                 Box::pin(async move {
-                    ::sqlx::query(::sqlx::AssertSqlSafe(update))
-                        .bind(id)
-                        .execute(&mut **conn)
-                        .await
-                        .map(drop)
+                    ::sqlx::query(::sqlx::AssertSqlSafe(update)).bind(id).execute(&mut **conn).await.map(drop)
                 })
             })
             .await;

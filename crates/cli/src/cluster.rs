@@ -204,14 +204,20 @@ struct Located<'a> {
 }
 
 /// Parses an ID in decimal or compact form; refuses a text that is both, naming two
-/// different IDs (13 digits: a compact form made of digits only).
+/// different IDs (13 digits: a compact form made of digits only), and the spelling of
+/// each that is not: a decimal ID of 13 digits is given with a leading 0 (14
+/// characters, never a compact form).
 fn parse_id(s: &str) -> Result<Id, UsageError> {
+    let decimal_text = |id: Id| {
+        let d = id.as_i64().to_string();
+        if d.len() == 13 { format!("0{d}") } else { d }
+    };
     match (s.parse::<Id>(), Id::from_compact(s)) {
         (Ok(decimal), Ok(compact)) if decimal != compact => Err(UsageError(format!(
             "invalid value {s:?} for --id: it is both the decimal ID {decimal} and the compact form of \
              {compact}; for the first give {}, for the second {}",
-            decimal.to_compact(),
-            compact.as_i64()
+            decimal_text(decimal),
+            decimal_text(compact)
         ))),
         (Ok(id), _) | (Err(_), Ok(id)) => Ok(id),
         (Err(decimal), Err(compact)) => Err(UsageError(format!(
@@ -375,6 +381,22 @@ mod tests {
         let err = parse_id("0000000000010").unwrap_err().to_string();
         assert!(err.contains("both the decimal ID 10 and the compact form of"), "{err}");
         assert_eq!(parse_id(&both.as_i64().to_string()).unwrap(), both);
+        // An ID whose decimal and compact texts are both 13 digits (2^40: shard 0,
+        // sequence 0, 1 ms into a recent epoch's 2^-23 part): each spelling is ambiguous,
+        // and the one suggested, a leading 0 before the decimal, is taken.
+        let short = Id::from_i64(1 << 40).unwrap();
+        for text in [short.as_i64().to_string(), short.to_compact()] {
+            let err = parse_id(&text).unwrap_err().to_string();
+            // The two spellings after "give".
+            let tail = err.rsplit("; for the first give ").next().unwrap_or_default();
+            let suggested: Vec<&str> = tail.split(", for the second ").collect();
+            assert_eq!(suggested.len(), 2, "{text}: {err}");
+            assert!(suggested.contains(&"01099511627776"), "{text}: {err}");
+            for s in suggested {
+                parse_id(s).unwrap_or_else(|e| panic!("{text}: suggested {s}: {e}"));
+            }
+        }
+        assert_eq!(parse_id("01099511627776").unwrap(), short);
     }
 
     #[test]

@@ -78,6 +78,9 @@ const OPS: [&str; 6] = ["post photo", "like", "comment", "get by ID", "user's pa
 struct Stats {
     latencies: [Vec<Duration>; 6],
     errors: [u64; 6],
+    /// Acknowledged photos a read by ID did not find (a lost write, or a read sent to
+    /// the wrong shard): each is also an error of `get`, and any fails the demo.
+    missing: u64,
     /// The first few errors, each with when it happened (since the workload began).
     first_errors: Vec<(Duration, String)>,
 }
@@ -398,7 +401,9 @@ async fn worker(
                 None => Ok(()),
             },
             3 if sqlx => match pick(&mut rng) {
-                Some(p) => with_sqlx::photo(&db, p.id).await.and_then(|got| found(got.as_ref(), &p)),
+                Some(p) => {
+                    with_sqlx::photo(&db, p.id).await.and_then(|got| found(got.as_ref(), &p, &mut local))
+                }
                 None => Ok(()),
             },
             4 if sqlx => with_sqlx::photos_of_user(&db, user, 20).await.map(drop),
@@ -419,7 +424,7 @@ async fn worker(
                 None => Ok(()),
             },
             3 => match pick(&mut rng) {
-                Some(p) => photos.get(p.id).await.and_then(|got| found(got.as_ref(), &p)),
+                Some(p) => photos.get(p.id).await.and_then(|got| found(got.as_ref(), &p, &mut local)),
                 None => Ok(()),
             },
             4 => photos.page_of_user(user, None, 20).await.map(drop),
@@ -447,6 +452,7 @@ async fn worker(
             s.latencies[i].append(&mut local.latencies[i]);
             s.errors[i] += local.errors[i];
         }
+        s.missing += local.missing;
         s.first_errors.append(&mut local.first_errors);
     }
 }
@@ -462,12 +468,28 @@ fn remember(recent: &Mutex<Vec<Photo>>, p: Photo, n: u64) {
 }
 
 /// A read by ID found the photo it asked for.
-fn found(got: Option<&Photo>, p: &Photo) -> Result<(), shardline_repo::Error> {
+/// Whether the read of `p` by ID found it; one that did not is counted in
+/// `stats.missing`.
+fn found(got: Option<&Photo>, p: &Photo, stats: &mut Stats) -> Result<(), shardline_repo::Error> {
     if got.map(|g| g.id) == Some(p.id) {
         Ok(())
     } else {
+        stats.missing += 1;
         Err(shardline_repo::Error::Invalid { what: format!("photo {} not found where its ID says", p.id) })
     }
+}
+
+/// The demo's verdict on what its workers saw: an acknowledged photo that a read by ID
+/// did not find fails it (other errors are shown in the summary, not judged).
+fn verdict(stats: &Stats) -> anyhow::Result<()> {
+    if stats.missing > 0 {
+        anyhow::bail!(
+            "{} acknowledged photo(s) were not found where their IDs say (a lost write, or a read sent \
+             to the wrong shard)",
+            stats.missing
+        );
+    }
+    Ok(())
 }
 
 async fn summary(
@@ -539,7 +561,11 @@ async fn summary(
                     .collect();
                 let sql =
                     format!("SELECT coalesce(sum(n), 0)::bigint FROM ({}) AS c", parts.join(" UNION ALL "));
-                n += c.query_one(&sql, &[]).await.map(|r| r.get::<_, i64>(0)).unwrap_or(0);
+                n += c
+                    .query_one(&sql, &[])
+                    .await
+                    .and_then(|r| r.try_get::<_, i64>(0))
+                    .with_context(|| format!("counting the rows on host {host}"))?;
             }
         }
         rows.insert(host.to_string(), (shards.len(), n));
@@ -570,12 +596,25 @@ async fn summary(
             route.schema, route.host, p.user_id, p.caption
         )?;
     }
-    Ok(())
+    verdict(&stats)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_acknowledged_photo_not_found_fails_the_demo() {
+        let mut stats = Stats::default();
+        stats.errors[1] = 3;
+        assert!(verdict(&stats).is_ok(), "other errors are shown, not judged");
+        let p =
+            Photo { id: Id::from_i64(7).unwrap(), user_id: 1, url: String::new(), caption: String::new() };
+        assert!(found(Some(&p), &p, &mut stats).is_ok());
+        assert!(found(None, &p, &mut stats).is_err());
+        let err = verdict(&stats).unwrap_err().to_string();
+        assert!(err.starts_with("1 acknowledged photo(s) were not found where their IDs say"), "{err}");
+    }
 
     #[test]
     fn the_built_in_migrations_are_the_directory() {

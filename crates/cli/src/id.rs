@@ -111,6 +111,24 @@ fn layout(epoch_ms: Option<i64>, config: Option<&Path>) -> Result<Layout, UsageE
     })
 }
 
+/// Refuses a `--schema` that is not `shard`'s schema under some prefix (the prefix, then
+/// the shard in 4 digits, as [`shardline_router::SchemaPrefix::schema`] makes it).
+fn check_schema_names_shard(schema: &str, shard: u32) -> Result<(), UsageError> {
+    let named = shardline_router::LogicalShard::bounded(i64::from(shard)).ok().and_then(|s| {
+        let digits = format!("{:04}", s.get());
+        let prefix = schema.strip_suffix(digits.as_str())?;
+        let prefix = shardline_router::SchemaPrefix::new(prefix).ok()?;
+        Some(prefix.schema(s).as_str() == schema)
+    });
+    if named == Some(true) {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "invalid value {schema:?} for --schema: it is not shard {shard}'s schema (a shard's schema is the \
+         cluster's schema_prefix followed by the shard's number in 4 digits: shard_{shard:04} by default)"
+    )))
+}
+
 /// `unix_ms` as an RFC 3339 time in UTC, or as `N ms` where there is none (before 1970,
 /// from the year 10000 on).
 pub(crate) fn utc(unix_ms: i64) -> String {
@@ -189,6 +207,10 @@ pub fn run(opt: IdOpt, config: Option<&Path>, out: &mut dyn Write) -> anyhow::Re
                 }
                 other => UsageError(format!("invalid value {schema:?} for --schema: {other}")),
             })?;
+            // The schema names the shard the SQL stamps into its IDs: another shard's
+            // schema would mint this shard's IDs from its sequence (duplicates of that
+            // shard's own, reads sent to the wrong one).
+            check_schema_names_shard(&schema, shard)?;
             write!(out, "{}", sql.install())?;
         }
         IdCommand::Layout { epoch_ms } => {

@@ -225,6 +225,17 @@ mod tests {
             assert!(err.downcast_ref::<UsageError>().is_some(), "{args:?}: {err}");
             assert!(err.to_string().contains("which shard?"), "{err}");
         }
+        // A shard past the largest or a host name that cannot be one: usage (exit 2).
+        for (args, says) in
+            [(&["move", "8192", "--to", "pg1"][..], "shard: "), (&["move", "5", "--to", "pg 2"], "--to: ")]
+        {
+            let path = config.display().to_string();
+            let argv = [&["shardline", "--config", path.as_str()][..], args].concat();
+            let opt = Opt::try_parse_from(&argv).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            let err = run(opt, &mut Vec::new()).unwrap_err();
+            assert!(err.downcast_ref::<UsageError>().is_some(), "{args:?}: {err}");
+            assert!(err.to_string().starts_with(says), "{err}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

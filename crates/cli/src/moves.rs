@@ -250,12 +250,16 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     opt.copy.apply(&mut options);
     options.progress = Some(f);
     // The cluster's own count is checked by the move (pre-flight, journal).
-    let shard = opt.shard.map(|s| LogicalShard::bounded(i64::from(s))).transpose()?;
+    let shard = opt
+        .shard
+        .map(|s| LogicalShard::bounded(i64::from(s)))
+        .transpose()
+        .map_err(|e| UsageError(format!("shard: {e}")))?;
     let need_shard =
         || shard.ok_or_else(|| UsageError("which shard? e.g. `shardline move 5 --to pg2`".into()));
     if let Some(to) = &opt.to {
         let shard = need_shard()?;
-        let to = &HostName::new(to)?;
+        let to = &HostName::new(to).map_err(|e| UsageError(format!("--to: {e}")))?;
         if opt.dry_run {
             let mut pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
             // What the move would refuse for its copy's rate, with the same flags.

@@ -78,6 +78,11 @@ fn bad_input_exits_2_names_the_field_and_prints_nothing() {
         (&["id", "layout", "--epoch-ms", "-5"], "--epoch-ms"),
         (&["id", "layout", "--epoch-ms", "9223372036854775000"], "--epoch-ms"),
         (&["id", "frobnicate"], "unrecognized subcommand"),
+        // Another shard's schema: shard 5's IDs minted from shard 3's sequence.
+        (&["id", "sql", "--schema", "shard_0003", "--shard", "5"], "it is not shard 5's schema"),
+        (&["id", "sql", "--schema", "photos", "--shard", "5"], "it is not shard 5's schema"),
+        (&["id", "sql", "--schema", "shard_5", "--shard", "5"], "it is not shard 5's schema"),
+        (&["id", "sql", "--schema", "shard_0005", "--shard", "8192"], "--shard: allowed 0 to 8191"),
     ];
     for (args, message) in cases {
         let o = shardline(args);
@@ -85,6 +90,15 @@ fn bad_input_exits_2_names_the_field_and_prints_nothing() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(o.stdout.is_empty(), "{args:?} printed {:?}", stdout(&o));
         assert!(err.contains(message), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn sql_installs_the_minter_in_the_shards_own_schema() {
+    for (schema, shard) in [("shard_0005", "5"), ("app_shard_1999", "1999"), ("s8191", "8191")] {
+        let o = shardline(&["id", "sql", "--schema", schema, "--shard", shard]);
+        assert_eq!(o.status.code(), Some(0), "{schema}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(stdout(&o).contains(&format!("\"{schema}\".next_id()")), "{schema}");
     }
 }
 

@@ -67,6 +67,16 @@ pub enum Error {
         max: i64,
     },
 
+    /// A range given to [`crate::generator::ReservedBlocks::push`] whose first value is
+    /// past its last.
+    #[error("reserved range {first}..={last} is empty: its first value is past its last")]
+    ReservedEmpty {
+        /// The first value of the range given.
+        first: i64,
+        /// The last value of the range given.
+        last: i64,
+    },
+
     /// Sequence values given to [`crate::generator::ReservedBlocks::push`] that are not
     /// all above those given before: a range given twice, or out of order, would hand
     /// out its values again.

@@ -219,7 +219,8 @@ impl ReservedBlocks {
     ///
     /// # Errors
     ///
-    /// When the range is empty, or outside the layout's sequence values;
+    /// [`Error::ReservedEmpty`] when `first` is past `last`;
+    /// [`Error::SequenceValueOutOfRange`] outside the layout's sequence values;
     /// [`Error::ReservedOutOfOrder`] unless it is above every value pushed before (the
     /// sequence hands its values out in increasing order, so a range at or below one
     /// already held is a range given twice).
@@ -233,7 +234,7 @@ impl ReservedBlocks {
             }
         }
         if first > last {
-            return Err(Error::SequenceValueOutOfRange { value: first, max: last });
+            return Err(Error::ReservedEmpty { first, last });
         }
         if let Some(held) = self.held
             && first <= held

@@ -216,7 +216,9 @@ fn reserved_blocks_hand_out_every_value_once() {
     assert!(ids.windows(2).all(|w| w[0] < w[1]));
     assert_eq!((ids[3].unix_ms(), ids[3].sequence()), (T, 1023));
     assert_eq!((ids[4].unix_ms(), ids[4].sequence()), (T + 1, 0));
-    assert!(blocks.push(5, 4).is_err());
+    let err = blocks.push(5, 4).unwrap_err();
+    assert!(matches!(err, Error::ReservedEmpty { first: 5, last: 4 }), "{err:?}");
+    assert!(err.to_string().contains("is empty"), "{err}");
     assert!(blocks.push(-1, 4).is_err());
     blocks.push(base + 10 * 1024, base + 10 * 1024).unwrap();
     assert_eq!(blocks.ahead_of(T), 10);

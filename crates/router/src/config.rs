@@ -340,6 +340,28 @@ pub(crate) fn url_form(s: &str) -> Option<(&str, &str)> {
         .find_map(|scheme| s.strip_prefix(scheme).map(|rest| (&scheme[..scheme.len() - 3], rest)))
 }
 
+/// Refuses a URL whose parts the drivers would tell apart differently: the repository's
+/// driver ends the user and password at the URL's first `@` wherever it is, libpq at an
+/// `@` before the first `/`, sqlx at the last `@` before the first `/`, `?` or `#`. So a
+/// `/`, `?` or `#` before the first `@` (an unencoded one in a password, or an `@` in a
+/// query with no user part), or a second `@` before the path, makes one URL name
+/// different hosts, users, passwords or TLS settings to each: `?sslmode=require` after
+/// a `?` in a password was read by shardline as a query the driver never saw. The
+/// message names the characters, never the URL (it may hold a password).
+pub(crate) fn check_url_parts(url: &str) -> std::result::Result<(), String> {
+    let Some((_, rest)) = url_form(url) else { return Ok(()) };
+    let Some(at) = rest.find('@') else { return Ok(()) };
+    let (user_part, after) = rest.split_at(at);
+    let host_part = &after[1..after.find(['/', '?']).unwrap_or(after.len())];
+    if user_part.contains(['/', '?', '#']) || host_part.contains('@') {
+        return Err("the URL's user or password holds '/', '?', '#' or '@', or its path or query holds \
+                    an '@' with no user part before it: the drivers read such a URL differently \
+                    (percent-encode them: %2F, %3F, %23, %40)"
+            .into());
+    }
+    Ok(())
+}
+
 /// A key/value connection string's value, quoted when it must be.
 fn quote_value(v: &str) -> String {
     if !v.is_empty() && !v.chars().any(|c| c.is_whitespace() || c == '\'' || c == '\\') {
@@ -823,8 +845,13 @@ impl Config {
                 .url(at, &key("url"), h.url, h.url_env)?
                 .ok_or_else(|| src.err(at, &key("url"), "missing: give url or url_env"))?;
             url.tls().map_err(|m| src.err(at, &key("url"), m))?;
-            let peer_url =
-                src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)?.unwrap_or_else(|| url.clone());
+            let peer_url = match src.url(at, &key("peer_url"), h.peer_url, h.peer_url_env)? {
+                Some(p) => {
+                    check_url_parts(p.expose()).map_err(|m| src.err(at, &key("peer_url"), m))?;
+                    p
+                }
+                None => url.clone(),
+            };
             hosts.push(HostConfig { name: host_name, url, peer_url });
         }
         Ok(Config {
@@ -1071,6 +1098,30 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
         assert_eq!(c.hosts[0].peer_url.expose(), url_form);
         assert_eq!(c.hosts[1].peer_url.expose(), key_value);
         assert_eq!(c.hosts[0].peer_url.to_string(), url_form, "no password, nothing redacted");
+    }
+
+    #[test]
+    fn a_url_the_drivers_would_split_differently_is_refused_where_it_is() {
+        // A `/` in a password: the repository's driver reads the password `ab/cd`, libpq
+        // (the subscription's `peer_url`) a host `app` and a port `ab`, and shardline
+        // found no password to hide in what it printed. Refused for every URL key,
+        // naming the key and no part of the URL.
+        for key in ["url", "peer_url"] {
+            let text = format!(
+                "[catalog]\nurl = \"postgres://c/db\"\n\
+                 [[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n{key} = \"postgres://app:ab/cd@pg1/app\"\n"
+            );
+            let text = text.replacen("url = \"postgres://a/db\"\nurl", "url", 1);
+            let err = load(&text).unwrap_err().to_string();
+            assert!(err.contains(&format!("hosts[0].{key}")) && err.contains("percent-encode"), "{err}");
+            assert!(!err.contains("ab/cd") && !err.contains("cd@"), "{err}");
+        }
+        let text = "[catalog]\nurl = \"postgres://u:p?w@c/db\"\n[[hosts]]\nname = \"a\"\nurl = \"postgres://a/db\"\n";
+        let err = load(text).unwrap_err().to_string();
+        assert!(
+            err.contains("catalog.url") && err.contains("percent-encode") && !err.contains("p?w"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -120,6 +120,8 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
     // The driver's own rule: a URL starts with its scheme; anything else is key=value
     // pairs (whose values may hold "://", as in `application_name=http://x`).
     let is_url = crate::config::url_form(url).is_some();
+    // Then the first `?` starts the query the driver reads.
+    crate::config::check_url_parts(url)?;
     let (base, pairs) = if is_url {
         match url.split_once('?') {
             Some((base, query)) => (
@@ -352,6 +354,24 @@ mod tests {
         assert!(p.verifies_chain(), "require with a root certificate checks the chain, as libpq");
         let err = parse("postgres://h/db?sslmode=require&ssl%6dode=disable").unwrap_err();
         assert!(err.contains("sslmode is given twice"), "{err}");
+        // A `?` in a password: the driver's query starts after the `@`, so the `sslmode`
+        // there was read by shardline as part of a key, and the default `prefer` put
+        // over the driver's `require`. URLs the drivers split differently are refused,
+        // naming no part of them; encoded, the same password is taken.
+        for ambiguous in [
+            "postgres://app:9x?Lq@pg1/app?sslmode=require&sslrootcert=/ca.pem",
+            "postgres://app:9x/Lq@pg1/app?sslmode=require",
+            "postgres://app:9x#Lq@pg1/app?sslmode=require",
+            "postgres://app:9x@Lq@pg1/app?sslmode=require",
+            "postgres://pg1/app?sslmode=require&application_name=api@web1",
+        ] {
+            let err = parse(ambiguous).unwrap_err();
+            assert!(err.contains("percent-encode"), "{ambiguous}: {err}");
+            assert!(!err.contains("9x") && !err.contains("Lq") && !err.contains("web1"), "{err}");
+        }
+        let p = parse("postgres://app:9x%3FLq@pg1/app?sslmode=require&application_name=api@web1").unwrap();
+        assert_eq!(p.mode, SslMode::Require);
+        assert_eq!(p.driver_url, "postgres://app:9x%3FLq@pg1/app?application_name=api@web1");
     }
 
     #[test]
