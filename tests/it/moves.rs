@@ -115,9 +115,19 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
     assert!(said.ends_with("pre-flight: ok\n"), "{said}");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0], "the reachability probe left nothing behind");
 
-    // Break five things at once.
+    // Break seven things at once.
     let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
     pg1.batch_execute("CREATE TABLE shard_0000.audit (at timestamptz, what text)").await?;
+    // A replica identity whose index was dropped (as none), and an unlogged table
+    // (left out of a publication without a word: its writes during a move lost).
+    pg1.batch_execute(
+        "CREATE TABLE shard_0000.keyed (k text NOT NULL);
+         CREATE UNIQUE INDEX keyed_k ON shard_0000.keyed (k);
+         ALTER TABLE shard_0000.keyed REPLICA IDENTITY USING INDEX keyed_k;
+         DROP INDEX shard_0000.keyed_k;
+         CREATE UNLOGGED TABLE shard_0000.scratch (id bigint PRIMARY KEY);",
+    )
+    .await?;
     pg2.batch_execute("CREATE SCHEMA shard_0000").await?;
     pg1.execute(
         "INSERT INTO shardline.moves (shard, source, target, step, state) VALUES (0, 'pg1', 'pg3', 'copy', 'running')",
@@ -133,6 +143,8 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
         vec![
             (None, "journal"),
             (Some("pg1"), "replica identity"),
+            (Some("pg1"), "replica identity"),
+            (Some("pg1"), "unlogged table"),
             (Some("pg1"), "migrations"),
             (Some("pg2"), "schema"),
         ],
@@ -143,11 +155,13 @@ pub(crate) async fn a_moves_preflight_lists_every_problem_and_changes_nothing(
         text.contains("pg1: replica identity: shard_0000.audit has no primary key or replica identity"),
         "{text}"
     );
+    assert!(text.contains("pg1: replica identity: shard_0000.keyed has no primary key"), "{text}");
+    assert!(text.contains("pg1: unlogged table: shard_0000.scratch is unlogged"), "{text}");
     assert!(text.contains("missing or changed: [0005_tags.sql]"), "{text}");
     assert!(text.contains("pg2: schema: shard_0000 is already there"), "{text}");
     let (out, err) = cli_full(&f, &["move", "0", "--to", "pg2", "--dry-run"]).await;
-    assert_eq!(err.unwrap_err(), "pre-flight found 4 problem(s); nothing was changed");
-    assert!(out.contains("pre-flight: 4 problem(s):"), "{out}");
+    assert_eq!(err.unwrap_err(), "pre-flight found 6 problem(s); nothing was changed");
+    assert!(out.contains("pre-flight: 6 problem(s):"), "{out}");
 
     // The target itself: unknown, or where the shard already is.
     let unknown = preflight(&f.config()?, crate::shard(0), &crate::host("pg9")).await?;
@@ -1704,6 +1718,112 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_tables_replica_identity_index_moves_with_it);
+/// A table whose replica identity is a unique index (`REPLICA IDENTITY USING INDEX`):
+/// the move keeps that index on the target through the copy (a secondary index
+/// dropped for the copy and rebuilt would no longer be the identity, and the table
+/// would have none), so an update on the source during the move is applied on the
+/// target, and the moved table takes updates under a publication (a revertible
+/// move's). Before: the target's apply failed on the update until the catch-up timed
+/// out.
+pub(crate) async fn a_tables_replica_identity_index_moves_with_it(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    f.migration(
+        "0005_tags.sql",
+        "CREATE TABLE tags (name text NOT NULL, n int);
+         CREATE UNIQUE INDEX tags_name ON tags (name);
+         ALTER TABLE tags REPLICA IDENTITY USING INDEX tags_name;",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
+    pg1.batch_execute("INSERT INTO shard_0000.tags VALUES ('a', 1), ('b', 1)").await?;
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().revertible().stopping_after(Step::CaughtUp),
+    )
+    .await
+    .unwrap_err();
+    // Written on the source while the move streams its changes to the target.
+    pg1.batch_execute(
+        "UPDATE shard_0000.tags SET n = 2 WHERE name = 'a'; DELETE FROM shard_0000.tags WHERE name = 'b'",
+    )
+    .await?;
+    let mut resume = MoveOptions::default().revertible();
+    resume.copy_timeout = Duration::from_secs(20);
+    let done = moves::resume(&config, Some(crate::shard(0)), &resume).await?;
+    assert_eq!(done.len(), 1);
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg2");
+    let rows: Vec<(String, Option<i32>)> = pg2
+        .query("SELECT name, n FROM shard_0000.tags ORDER BY name", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, [("a".to_owned(), Some(2))]);
+    let identity: bool = pg2
+        .query_one(
+            "SELECT i.indisreplident FROM pg_index i WHERE i.indexrelid = 'shard_0000.tags_name'::regclass",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert!(identity, "tags_name is the moved table's replica identity");
+    // Published for the revert, the moved table still takes updates and deletes.
+    pg2.batch_execute(
+        "UPDATE shard_0000.tags SET n = 3 WHERE name = 'a'; DELETE FROM shard_0000.tags WHERE name = 'a'",
+    )
+    .await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_move_its_source_decided_to_undo_before_the_journal_said_so_is_finished_undone);
+/// An undo commits `decided = 'undo'` on the source, then journals `undoing`: a mover
+/// (an `--abort`, or the undo after a failed comparison) stopped between the two left a
+/// move the journal calls resumable. Resuming it is refused (`Undoing`, as when the
+/// journal says so) instead of failing at the fence ever after, and `gc` finishes the
+/// undo: the shard whole on its source, nothing left behind, and a new move of it runs.
+pub(crate) async fn a_move_its_source_decided_to_undo_before_the_journal_said_so_is_finished_undone(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let before = counts(&f, &ctx, 0, "shard_0000").await?;
+    moves::run(
+        &config,
+        crate::shard(0),
+        &crate::host("pg2"),
+        &MoveOptions::default().stopping_after(Step::CaughtUp),
+    )
+    .await
+    .unwrap_err();
+    // What the undo's first transaction commits on the source, its journal write lost.
+    let pg1 = f.client(&ctx, 0).await?;
+    let marked =
+        pg1.execute("UPDATE shardline.move_marks SET decided = 'undo' WHERE NOT fenced", &[]).await?;
+    assert_eq!(marked, 1);
+    let err = moves::resume(&config, Some(crate::shard(0)), &MoveOptions::default()).await.unwrap_err();
+    assert!(matches!(err, OpsError::Undoing { shard, .. } if shard == 0), "{err}");
+    assert_eq!(moves::list(&config).await?[0].state, State::Running, "the refusal changed nothing");
+    let said = cli(&f, &["gc"]).await?;
+    assert!(said.contains("undo"), "{said}");
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::RolledBack, "{journal:?}");
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None, "the target's copy is dropped");
+    assert_eq!(counts(&f, &ctx, 0, "shard_0000").await?, before, "the shard whole on its source");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, before);
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_transaction_minting_then_writing_through_the_fence_does_not_stop_the_move);
 /// A transaction that minted in one statement and writes the shard in a later one holds
 /// the ID sequence while the fence, holding the tables, waits for it: a deadlock.
@@ -2091,6 +2211,56 @@ pub(crate) async fn a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease
     eprintln!("      write through {total:?} after the fence's lost reply (lease {LEASE:?})");
 
     assert_undone_on_source(&f, &ctx, &[first]).await
+}
+
+shardline_testkit::register!(exclusive: a_catalog_frozen_after_the_flip_fails_the_move_in_time_and_resume_finishes_it);
+/// The catalog (host 0) frozen as soon as a move has flipped: its clean-up's last
+/// write to the journal gets no answer. The move returns within its `hung_after`
+/// (before: it waited for as long as the catalog stayed frozen, holding the move's
+/// lock), the shard already routed to its target; thawed, `--resume` finishes it.
+pub(crate) async fn a_catalog_frozen_after_the_flip_fails_the_move_in_time_and_resume_finishes_it(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 2, 6, 2).await?;
+    let catalog = &ctx.hosts()[0];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut opts = MoveOptions::default();
+    opts.hung_after = Duration::from_secs(3);
+    opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
+        if matches!(p, moves::MoveProgress::Step { step: Step::Flipped, .. }) {
+            let _ = tx.send(());
+        }
+    }));
+    let mover = async {
+        let r = moves::run(&config, crate::shard(2), &crate::host("pg3"), &opts).await;
+        (r, Instant::now())
+    };
+    let freezer = async {
+        rx.recv().await.ok_or("the move never flipped")?;
+        catalog.pause().await?;
+        Ok::<_, BoxError>(Instant::now())
+    };
+    let ((result, ended), frozen) =
+        tokio::time::timeout(Duration::from_secs(60), async { futures::join!(mover, freezer) })
+            .await
+            .map_err(|_| "the move did not return within 60 s of its start")?;
+    let frozen = frozen?;
+    let took = ended.saturating_duration_since(frozen);
+    catalog.resume().await?;
+    let err = result.expect_err("the move's last journal write got no answer");
+    assert!(err.to_string().contains("the catalog answered nothing"), "{err}");
+    assert!(took < Duration::from_secs(15), "the move returned {took:?} after the catalog froze");
+    eprintln!("      the move returned {took:?} after the catalog froze: {err}");
+    let done = moves::resume(&config, Some(crate::shard(2)), &MoveOptions::default()).await?;
+    assert_eq!(done.len(), 1);
+    assert_eq!(moves::list(&config).await?.iter().filter(|m| m.state == State::Running).count(), 0);
+    let fresh = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(fresh.route_user(2).host.as_str(), "pg3");
+    Ok(())
 }
 
 shardline_testkit::register!(exclusive: a_fence_outliving_the_catalog_is_undone_on_its_source_when_its_lease_runs_out);

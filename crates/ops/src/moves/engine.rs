@@ -576,10 +576,14 @@ pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
     if name.len() <= 63 { name } else { format!("shardline_moved_{id}") }
 }
 
-/// The secondary indexes of a schema: those no constraint owns.
+/// The secondary indexes of a schema: those no constraint owns, and that are not a
+/// table's replica identity (dropped, the table would have none, which a rebuilt index
+/// does not give back: the target's apply of an update or delete would fail until
+/// the copy timed out, and a publication of the moved table refuse them after).
 const SECONDARY_INDEXES: &str = "SELECT c.relname::text FROM pg_index i
    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-  WHERE n.nspname = $1 AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)
+  WHERE n.nspname = $1 AND NOT i.indisreplident
+    AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)
     AND NOT EXISTS (SELECT FROM pg_inherits h WHERE h.inhrelid = i.indexrelid)";
 
 async fn host_client(config: &Config, name: &HostName) -> Result<Client> {
@@ -1159,9 +1163,12 @@ async fn start(
 ) -> Result<MoveReport> {
     // The lock first: `gc` takes a revert's lock before it drops what the revert needs.
     lock_move(&catalog, id).await?;
-    journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
-    journal::ensure_complete_flip(&catalog).await?;
-    let record = journal::by_id(&catalog, id).await?;
+    let record = catalog_bounded(id, options.hung_after, "journal the move", async {
+        journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
+        journal::ensure_complete_flip(&catalog).await?;
+        journal::by_id(&catalog, id).await
+    })
+    .await?;
     let mover = Mover::load(config, options, catalog, layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
@@ -1476,7 +1483,12 @@ pub async fn resume(
             if record.detail.undoing {
                 return Err(Error::Undoing { id, shard: record.shard });
             }
-            let mover = Mover::load(config, options, catalog, info.layout, record).await?;
+            let mut mover = Mover::load(config, options, catalog, info.layout, record).await?;
+            // The source decided `undo` before the journal said so (an abort, or an
+            // undo after a failure, stopped between the two): it can only be undone.
+            if mover.undo_decided_unfenced().await? {
+                return Err(Error::Undoing { id, shard });
+            }
             drive(mover).await.map(Some)
         };
         match one.await {

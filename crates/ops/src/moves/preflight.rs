@@ -352,7 +352,10 @@ async fn check_source(
               WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
                 AND (c.relreplident = 'n'
                      OR (c.relreplident = 'd' AND NOT EXISTS (
-                         SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)))
+                         SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+                     -- Its index dropped: as none at all.
+                     OR (c.relreplident = 'i' AND NOT EXISTS (
+                         SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)))
               ORDER BY 1",
             &[&schema.as_str()],
         )
@@ -361,6 +364,25 @@ async fn check_source(
     for r in bad {
         let table: String = r.get(0);
         checks.add(Some(host), "replica identity", format!("{schema}.{table} has no primary key or replica identity; add a primary key (or REPLICA IDENTITY FULL)"));
+    }
+    // An unlogged table writes no WAL: a publication leaves it out without a word, so
+    // the rows written to it during the move never reach the target (the comparison
+    // then fails the move, every time).
+    let unlogged = c
+        .query(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') AND c.relpersistence = 'u' ORDER BY 1",
+            &[&schema.as_str()],
+        )
+        .await
+        .map_err(fail)?;
+    for r in unlogged {
+        let table: String = r.get(0);
+        checks.add(
+            Some(host),
+            "unlogged table",
+            format!("{schema}.{table} is unlogged: logical replication cannot carry its writes; make it logged (ALTER TABLE ... SET LOGGED)"),
+        );
     }
     let foreign = c.query(super::engine::FOREIGN_CHILDREN, &[&schema.as_str()]).await.map_err(fail)?;
     for r in foreign {

@@ -8,7 +8,12 @@ impl Mover<'_> {
     /// Builds the schema on the target; publishes it on the source.
     pub(super) async fn prepare(&mut self) -> Result<()> {
         let migrations = load_dir(&self.config.migrations)?;
-        let map = self.catalog.map().await?;
+        // Every catalog call of a step is bounded: a frozen catalog fails the step (the
+        // move stays journaled where it was) instead of holding the move's lock.
+        let map = catalog_bounded(self.id, self.options.hung_after, "read the map", async {
+            Ok(self.catalog.map().await?)
+        })
+        .await?;
         let (schema, target, id, name) = (self.schema.clone(), self.target.clone(), self.id, self.name());
         let layout = self.layout;
         let shard = self.shard;
@@ -255,7 +260,8 @@ impl Mover<'_> {
             // Journaled before the subscription, which a resume then finds made: where
             // the mover's copy ended, or that there was none.
             let detail = self.detail_json()?;
-            if journal::write_detail(&self.catalog, self.id, &detail, true).await? != 1 {
+            let said = journal::write_detail(&self.catalog, self.id, &detail, true);
+            if catalog_bounded(self.id, self.options.hung_after, "journal the copy", said).await? != 1 {
                 return Err(Error::Journal {
                     id: self.id,
                     message: "it is no longer running (aborted by another shardline?)".into(),
@@ -741,7 +747,7 @@ impl Mover<'_> {
             .query(
                 "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
                    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE n.nspname = $1 ORDER BY 1",
+                  WHERE n.nspname = $1 AND pg_get_indexdef(i.indexrelid) IS NOT NULL ORDER BY 1",
                 &[&schema.as_str()],
             )
             .await

@@ -7,6 +7,19 @@ impl Mover<'_> {
     /// What the source's marker says of the fence: `None` when it is not fenced
     /// (or has no marker), `Some(decided)` when it is.
     pub(super) async fn fence_decision(&mut self) -> Result<Option<Option<String>>> {
+        Ok(self.source_marker().await?.and_then(|(fenced, decided)| fenced.then_some(decided)))
+    }
+
+    /// Whether the source decided `undo` for this move while not fenced: an undo
+    /// stopped after it unfenced (or found nothing fenced), before the journal said
+    /// `undoing`. Such a move can never be fenced again.
+    pub(super) async fn undo_decided_unfenced(&mut self) -> Result<bool> {
+        Ok(matches!(self.source_marker().await?, Some((false, Some(d))) if d == "undo"))
+    }
+
+    /// The source's marker of this move: whether it is fenced, and what it decided;
+    /// `None` when there is none.
+    pub(super) async fn source_marker(&mut self) -> Result<Option<(bool, Option<String>)>> {
         let (source, id) = (self.source.clone(), self.id);
         let src = self.src().await?;
         let has: bool = src
@@ -17,11 +30,13 @@ impl Mover<'_> {
         if !has {
             return Ok(None);
         }
-        Ok(src
-            .query_opt("SELECT decided FROM shardline.move_marks WHERE move_id = $1 AND fenced", &[&id])
+        let row = src
+            .query_opt("SELECT fenced, decided FROM shardline.move_marks WHERE move_id = $1", &[&id])
             .await
-            .map_err(on(&source, "read the fence's lease"))?
-            .map(|r| r.get(0)))
+            .map_err(on(&source, "read the fence's lease"))?;
+        let Some(row) = row else { return Ok(None) };
+        let read = (|| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?)))();
+        Ok(Some(read.map_err(on(&source, "read the fence's lease"))?))
     }
 
     /// Holds the fence's lease while the shard is fenced and nothing is decided:

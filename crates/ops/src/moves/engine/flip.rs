@@ -258,7 +258,8 @@ impl Mover<'_> {
         }
         self.detail.cleanup_pending = pending;
         let detail = self.detail_json()?;
-        journal::done(&self.catalog, self.id, &detail).await?;
+        let said = journal::done(&self.catalog, self.id, &detail);
+        catalog_bounded(self.id, self.options.hung_after, "journal the move done", said).await?;
         self.step = Step::Cleaned;
         self.report(MoveProgress::Step { id: self.id, step: Step::Cleaned });
         Ok(())

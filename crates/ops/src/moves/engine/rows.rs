@@ -431,7 +431,8 @@ impl Mover<'_> {
             .await?
             .query(
                 "SELECT c.relname::text,
-                        pg_relation_size(c.oid) / current_setting('block_size')::bigint,
+                        -- NULL for a table dropped since the scan's snapshot.
+                        coalesce(pg_relation_size(c.oid), 0) / current_setting('block_size')::bigint,
                         array(SELECT a.attname::text FROM pg_attribute a
                                WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
                                  AND a.attgenerated = '' ORDER BY a.attnum),

@@ -168,10 +168,16 @@ pub(crate) async fn finish_undone(config: &Config, record: &MoveRecord) -> Resul
     }
     let options = MoveOptions::default();
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
-    match mover.fence_decision().await {
-        Ok(Some(Some(d))) if d == "undo" => {}
+    let reason = match mover.source_marker().await {
+        Ok(Some((true, Some(d)))) if d == "undo" => {
+            "the fence's lease ran out with its mover gone; the undo was finished by gc"
+        }
+        // Decided before the journal said so (an undo stopped between the two).
+        Ok(Some((false, Some(d)))) if d == "undo" => {
+            "the source decided to undo the move, which stopped before it was journaled; the undo was finished by gc"
+        }
         _ => return Ok(false),
-    }
-    undo(&mut mover, "the fence's lease ran out with its mover gone; the undo was finished by gc").await?;
+    };
+    undo(&mut mover, reason).await?;
     Ok(true)
 }

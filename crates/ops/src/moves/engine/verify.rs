@@ -216,12 +216,15 @@ pub(super) fn row_hash(t: &str, columns: &[(String, bool)]) -> String {
 }
 
 /// The indexes of `schema` by name, each with the partitioned index it is attached to
-/// (`name < parent`): a partition's index built but not attached differs.
+/// (`name < parent`): a partition's index built but not attached differs; so does one
+/// that is its table's replica identity on one side only.
 pub(super) async fn indexes(c: &Client, host: &HostName, schema: &str) -> Result<Vec<String>> {
     let rows = c
         .query(
             "SELECT c.relname::text || coalesce(' < ' || p.relname::text, '')
+                    || CASE WHEN x.indisreplident THEN ' (replica identity)' ELSE '' END
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+               LEFT JOIN pg_index x ON x.indexrelid = c.oid
                LEFT JOIN pg_inherits h ON h.inhrelid = c.oid LEFT JOIN pg_class p ON p.oid = h.inhparent
               WHERE n.nspname = $1 AND c.relkind IN ('i', 'I') ORDER BY 1",
             &[&schema],
