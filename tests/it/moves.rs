@@ -1732,25 +1732,46 @@ pub(crate) async fn a_tables_replica_identity_index_moves_with_it(ctx: TestConte
         "0005_tags.sql",
         "CREATE TABLE tags (name text NOT NULL, n int);
          CREATE UNIQUE INDEX tags_name ON tags (name);
-         ALTER TABLE tags REPLICA IDENTITY USING INDEX tags_name;",
+         ALTER TABLE tags REPLICA IDENTITY USING INDEX tags_name;
+         -- A partition's identity, its index attached to its parent's (which the copy
+         -- would drop, and the partition's with it).
+         CREATE TABLE events (id bigint NOT NULL, k text NOT NULL, part int NOT NULL, n int,
+                              PRIMARY KEY (id, part)) PARTITION BY LIST (part);
+         CREATE TABLE events_1 PARTITION OF events FOR VALUES IN (1);
+         CREATE UNIQUE INDEX events_k ON ONLY events (k, part);
+         CREATE UNIQUE INDEX events_1_k ON events_1 (k, part);
+         ALTER INDEX events_k ATTACH PARTITION events_1_k;
+         ALTER TABLE events_1 REPLICA IDENTITY USING INDEX events_1_k;
+         -- One whose identity is set by hand on the source, below.
+         CREATE TABLE notes (k text NOT NULL, n int);
+         CREATE UNIQUE INDEX notes_k ON notes (k);",
     )?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 2).await?;
     let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
-    pg1.batch_execute("INSERT INTO shard_0000.tags VALUES ('a', 1), ('b', 1)").await?;
-    moves::run(
+    pg1.batch_execute(
+        "INSERT INTO shard_0000.tags VALUES ('a', 1), ('b', 1);
+         INSERT INTO shard_0000.events VALUES (1, 'a', 1, 1);
+         INSERT INTO shard_0000.notes VALUES ('a', 1);
+         ALTER TABLE shard_0000.notes REPLICA IDENTITY USING INDEX notes_k;",
+    )
+    .await?;
+    let stopped = moves::run(
         &config,
         crate::shard(0),
         &crate::host("pg2"),
         &MoveOptions::default().revertible().stopping_after(Step::CaughtUp),
     )
     .await
-    .unwrap_err();
+    .map(|r| format!("the move ran to its end: {r}"))
+    .expect_err("stopped after catching up");
+    assert!(matches!(stopped, OpsError::Interrupted { .. }), "{stopped}");
     // Written on the source while the move streams its changes to the target.
     pg1.batch_execute(
-        "UPDATE shard_0000.tags SET n = 2 WHERE name = 'a'; DELETE FROM shard_0000.tags WHERE name = 'b'",
+        "UPDATE shard_0000.tags SET n = 2 WHERE name = 'a'; DELETE FROM shard_0000.tags WHERE name = 'b';
+         UPDATE shard_0000.events SET n = 2; UPDATE shard_0000.notes SET n = 2;",
     )
     .await?;
     let mut resume = MoveOptions::default().revertible();
@@ -1765,14 +1786,25 @@ pub(crate) async fn a_tables_replica_identity_index_moves_with_it(ctx: TestConte
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows, [("a".to_owned(), Some(2))]);
-    let identity: bool = pg2
+    for index in ["tags_name", "events_1_k", "notes_k"] {
+        let identity: bool = pg2
+            .query_one(
+                "SELECT i.indisreplident FROM pg_index i WHERE i.indexrelid = ('shard_0000.' || $1)::regclass",
+                &[&index],
+            )
+            .await?
+            .get(0);
+        assert!(identity, "{index} is its moved table's replica identity");
+    }
+    let updated: i64 = pg2
         .query_one(
-            "SELECT i.indisreplident FROM pg_index i WHERE i.indexrelid = 'shard_0000.tags_name'::regclass",
+            "SELECT (SELECT sum(n) FROM shard_0000.events) + (SELECT sum(n) FROM shard_0000.notes)",
             &[],
         )
         .await?
-        .get(0);
-    assert!(identity, "tags_name is the moved table's replica identity");
+        .get::<_, Option<i64>>(0)
+        .unwrap_or_default();
+    assert_eq!(updated, 4, "the updates of the partition and of notes reached the target");
     // Published for the revert, the moved table still takes updates and deletes.
     pg2.batch_execute(
         "UPDATE shard_0000.tags SET n = 3 WHERE name = 'a'; DELETE FROM shard_0000.tags WHERE name = 'a'",
@@ -1813,7 +1845,7 @@ pub(crate) async fn a_move_its_source_decided_to_undo_before_the_journal_said_so
     assert!(matches!(err, OpsError::Undoing { shard, .. } if shard == 0), "{err}");
     assert_eq!(moves::list(&config).await?[0].state, State::Running, "the refusal changed nothing");
     let said = cli(&f, &["gc"]).await?;
-    assert!(said.contains("undo"), "{said}");
+    assert!(said.contains("its source had decided to undo it; the move is undone"), "{said}");
     let journal = moves::list(&config).await?;
     assert_eq!(journal[0].state, State::RolledBack, "{journal:?}");
     assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None, "the target's copy is dropped");
@@ -2214,8 +2246,8 @@ pub(crate) async fn a_fence_whose_commit_reply_was_lost_is_undone_when_its_lease
 }
 
 shardline_testkit::register!(exclusive: a_catalog_frozen_after_the_flip_fails_the_move_in_time_and_resume_finishes_it);
-/// The catalog (host 0) frozen as soon as a move has flipped: its clean-up's last
-/// write to the journal gets no answer. The move returns within its `hung_after`
+/// The catalog (host 0) frozen inside a flipped move, once its clean-up is done (a
+/// drill's hook): its last write to the journal gets no answer. The move returns within its `hung_after`
 /// (before: it waited for as long as the catalog stayed frozen, holding the move's
 /// lock), the shard already routed to its target; thawed, `--resume` finishes it.
 pub(crate) async fn a_catalog_frozen_after_the_flip_fails_the_move_in_time_and_resume_finishes_it(
@@ -2227,30 +2259,30 @@ pub(crate) async fn a_catalog_frozen_after_the_flip_fails_the_move_in_time_and_r
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 2, 6, 2).await?;
     let catalog = &ctx.hosts()[0];
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut opts = MoveOptions::default();
     opts.hung_after = Duration::from_secs(3);
-    opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
-        if matches!(p, moves::MoveProgress::Step { step: Step::Flipped, .. }) {
-            let _ = tx.send(());
-        }
+    // Frozen inside the move, once its clean-up is done: its next call is the last
+    // journal write.
+    let frozen_at = Arc::new(std::sync::OnceLock::new());
+    let (hook_ctx, hook_at) = (ctx.clone(), Arc::clone(&frozen_at));
+    opts.on_cleaned = Some(Arc::new(move || {
+        let (ctx, at) = (hook_ctx.clone(), Arc::clone(&hook_at));
+        Box::pin(async move {
+            let paused = ctx.hosts()[0].pause().await.map_err(|e| e.to_string());
+            let _ = at.set((paused, Instant::now()));
+        })
     }));
-    let mover = async {
-        let r = moves::run(&config, crate::shard(2), &crate::host("pg3"), &opts).await;
-        (r, Instant::now())
-    };
-    let freezer = async {
-        rx.recv().await.ok_or("the move never flipped")?;
-        catalog.pause().await?;
-        Ok::<_, BoxError>(Instant::now())
-    };
-    let ((result, ended), frozen) =
-        tokio::time::timeout(Duration::from_secs(60), async { futures::join!(mover, freezer) })
-            .await
-            .map_err(|_| "the move did not return within 60 s of its start")?;
-    let frozen = frozen?;
-    let took = ended.saturating_duration_since(frozen);
+    let pg3 = crate::host("pg3");
+    let run = moves::run(&config, crate::shard(2), &pg3, &opts);
+    let result = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .map_err(|_| "the move did not return within 60 s of its start");
+    let ended = Instant::now();
     catalog.resume().await?;
+    let result = result?;
+    let (paused, frozen) = frozen_at.get().cloned().ok_or("the move never finished its clean-up")?;
+    paused?;
+    let took = ended.saturating_duration_since(frozen);
     let err = result.expect_err("the move's last journal write got no answer");
     assert!(err.to_string().contains("the catalog answered nothing"), "{err}");
     assert!(took < Duration::from_secs(15), "the move returned {took:?} after the catalog froze");

@@ -111,13 +111,23 @@ pub(crate) fn host_pool(name: &HostName, url: &DbUrl, options: &ClusterOptions) 
         // caller): the server looks for a closed client every
         // `CLIENT_CHECK_MS` while a statement runs or waits on a lock.
         .after_connect(move |conn, _| {
-            let setup = format!(
-                "SET search_path = ''; SET statement_timeout = {timeout}; \
-                 SET client_connection_check_interval = {CLIENT_CHECK_MS}"
-            );
-            Box::pin(
-                async move { ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(conn).await.map(|_| ()) },
-            )
+            let setup = format!("SET search_path = ''; SET statement_timeout = {timeout}");
+            Box::pin(async move {
+                ::sqlx::raw_sql(::sqlx::AssertSqlSafe(setup)).execute(&mut *conn).await?;
+                // A server that has no such setting (before PostgreSQL 14), or cannot
+                // look for a closed client on its platform, keeps the statement
+                // timeout alone.
+                let check = format!("SET client_connection_check_interval = {CLIENT_CHECK_MS}");
+                match ::sqlx::raw_sql(::sqlx::AssertSqlSafe(check)).execute(&mut *conn).await {
+                    Err(::sqlx::Error::Database(e))
+                        if matches!(e.code().as_deref(), Some("42704" | "22023")) =>
+                    {
+                        tracing::debug!(code = ?e.code(), "the server cannot check for a closed client");
+                        Ok(())
+                    }
+                    other => other.map(drop),
+                }
+            })
         })
         .connect_lazy_with(connect))
 }

@@ -265,6 +265,9 @@ pub struct MoveOptions {
     /// and the journal's are written, before the commit. For tests that cut the catalog
     /// off there.
     pub on_flip: Option<HookFn>,
+    /// Drill: run and awaited once a flipped move's clean-up is done, before the move
+    /// is journaled done. For tests that freeze the catalog there.
+    pub on_cleaned: Option<HookFn>,
     /// The rounds before the fence stop once at most this many keys were logged since
     /// the last one began (default 256; see `docs/moves.md`).
     pub round_keys: i64,
@@ -325,6 +328,7 @@ impl Default for MoveOptions {
             verification: Verification::default(),
             on_compared: None,
             on_flip: None,
+            on_cleaned: None,
             round_keys: changes::SMALL_ROUND,
             max_rounds: changes::MAX_ROUNDS,
             on_round: None,
@@ -433,6 +437,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("verification", &self.verification)
             .field("on_compared", &self.on_compared.is_some())
             .field("on_flip", &self.on_flip.is_some())
+            .field("on_cleaned", &self.on_cleaned.is_some())
             .field("round_keys", &self.round_keys)
             .field("max_rounds", &self.max_rounds)
             .field("on_round", &self.on_round.is_some())
@@ -577,12 +582,14 @@ pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
 }
 
 /// The secondary indexes of a schema: those no constraint owns, and that are not a
-/// table's replica identity (dropped, the table would have none, which a rebuilt index
-/// does not give back: the target's apply of an update or delete would fail until
-/// the copy timed out, and a publication of the moved table refuse them after).
+/// table's replica identity, nor a partitioned index one of whose partitions' is
+/// (dropped, the table would have none, which a rebuilt index does not give back: the
+/// target's apply of an update or delete would fail until the copy timed out).
 const SECONDARY_INDEXES: &str = "SELECT c.relname::text FROM pg_index i
    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-  WHERE n.nspname = $1 AND NOT i.indisreplident
+  WHERE n.nspname = $1
+    AND NOT EXISTS (SELECT FROM pg_partition_tree(i.indexrelid) t
+                      JOIN pg_index x ON x.indexrelid = t.relid WHERE x.indisreplident)
     AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)
     AND NOT EXISTS (SELECT FROM pg_inherits h WHERE h.inhrelid = i.indexrelid)";
 
@@ -1483,11 +1490,18 @@ pub async fn resume(
             if record.detail.undoing {
                 return Err(Error::Undoing { id, shard: record.shard });
             }
+            let before_fence = record.step < Step::Fenced;
             let mut mover = Mover::load(config, options, catalog, info.layout, record).await?;
             // The source decided `undo` before the journal said so (an abort, or an
             // undo after a failure, stopped between the two): it can only be undone.
-            if mover.undo_decided_unfenced().await? {
-                return Err(Error::Undoing { id, shard });
+            // Only before the fence (an undo of a fenced shard leaves its marker
+            // fenced), and bounded as the steps are: a move past its flip finishes
+            // without its source.
+            if before_fence {
+                let (source, hung_after) = ([mover.source.clone()], options.hung_after);
+                if unless_hung(config, &source, hung_after, mover.undo_decided_unfenced()).await?? {
+                    return Err(Error::Undoing { id, shard });
+                }
             }
             drive(mover).await.map(Some)
         };

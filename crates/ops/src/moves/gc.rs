@@ -119,14 +119,11 @@ async fn gc_within(config: &Config, grace: Duration) -> Result<GcReport> {
         .await
         .and_then(|r| r);
         match finished {
-            Ok(true) => report.dropped.push(format!(
-                "{}: fence of move {} (its lease ran out; the move is undone)",
-                m.source, m.id
-            )),
-            Ok(false) => {}
+            Ok(Some(said)) => report.dropped.push(format!("{}: fence of move {} ({said})", m.source, m.id)),
+            Ok(None) => {}
             Err(e) => {
                 let why = shardline_repo::error_chain(&e);
-                tracing::warn!(id = m.id, error = %why, "cannot finish undoing a move whose lease ran out");
+                tracing::warn!(id = m.id, error = %why, "cannot finish undoing a move its source decided to undo");
                 if matches!(e, crate::Error::Timeout { .. }) {
                     report.unreachable.push(format!("{} ({why})", m.source));
                 } else {

@@ -806,14 +806,56 @@ impl Mover<'_> {
                 .await
                 .map_err(on(&target, format!("attach index {child} to {parent}")));
         }
+        if built.is_ok() {
+            built = self.carry_replica_identity().await;
+        }
         if gentle {
             // The build's own error first; then the reset's.
+            let dst = self.dst().await?;
             let reset = dst.batch_execute("RESET max_parallel_maintenance_workers").await;
             built?;
             reset.map_err(on(&target, "set up the index builds"))?;
             return Ok(());
         }
         built
+    }
+
+    /// Gives each table on the target the replica identity it has on the source, where
+    /// they differ: one set by hand on the source (not by a migration, which ran on
+    /// both) would otherwise be missing on the target, and the comparison before the
+    /// flip find the shard's indexes different.
+    async fn carry_replica_identity(&mut self) -> Result<()> {
+        const IDENTITIES: &str = "SELECT c.relname::text, c.relreplident::text,
+                    (SELECT x.relname::text FROM pg_index i JOIN pg_class x ON x.oid = i.indexrelid
+                      WHERE i.indrelid = c.oid AND i.indisreplident)
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') ORDER BY 1";
+        let (source, target, schema) = (self.source.clone(), self.target.clone(), self.schema.clone());
+        let read = |rows: Vec<tokio_postgres::Row>| -> std::result::Result<Vec<(String, String, Option<String>)>, tokio_postgres::Error> {
+            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
+        };
+        let src = self.src().await?;
+        let wanted = src.query(IDENTITIES, &[&schema.as_str()]).await.and_then(read);
+        let wanted = wanted.map_err(on(&source, "read the tables' replica identities"))?;
+        let dst = self.dst().await?;
+        let have = dst.query(IDENTITIES, &[&schema.as_str()]).await.and_then(read);
+        let have = have.map_err(on(&target, "read the tables' replica identities"))?;
+        for (table, kind, index) in wanted.iter().filter(|w| !have.contains(w)) {
+            let identity = match (kind.as_str(), index) {
+                ("i", Some(index)) => format!("USING INDEX {}", quote_ident(index)),
+                ("f", _) => "FULL".to_owned(),
+                ("n", _) => "NOTHING".to_owned(),
+                _ => "DEFAULT".to_owned(),
+            };
+            dst.batch_execute(&format!(
+                "ALTER TABLE {}.{} REPLICA IDENTITY {identity}",
+                schema.quoted(),
+                quote_ident(table)
+            ))
+            .await
+            .map_err(on(&target, format!("give {table} its replica identity")))?;
+        }
+        Ok(())
     }
 
     /// Bumps the move's marker on the source, then waits (until `deadline`) for the

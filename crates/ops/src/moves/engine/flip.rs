@@ -257,6 +257,9 @@ impl Mover<'_> {
             ));
         }
         self.detail.cleanup_pending = pending;
+        if let Some(hook) = &self.options.on_cleaned {
+            hook().await;
+        }
         let detail = self.detail_json()?;
         let said = journal::done(&self.catalog, self.id, &detail);
         catalog_bounded(self.id, self.options.hung_after, "journal the move done", said).await?;

@@ -155,29 +155,32 @@ pub(super) async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> 
 }
 
 /// For `gc`: finishes undoing running move `record` when its source decided `undo`
-/// (its fence's lease ran out, its mover gone). Returns whether it did; a move that
+/// (its fence's lease ran out, its mover gone; or an undo stopped before it was
+/// journaled). Returns what it finished (`gc`'s words for it), if it did; a move that
 /// another process holds, or whose source does not answer, is left alone.
-pub(crate) async fn finish_undone(config: &Config, record: &MoveRecord) -> Result<bool> {
+pub(crate) async fn finish_undone(config: &Config, record: &MoveRecord) -> Result<Option<&'static str>> {
     let (catalog, info) = Catalog::open(config).await?;
     if lock_move(&catalog, record.id).await.is_err() {
-        return Ok(false);
+        return Ok(None);
     }
     let record = journal::by_id(&catalog, record.id).await?;
     if record.state != State::Running {
-        return Ok(false);
+        return Ok(None);
     }
     let options = MoveOptions::default();
     let mut mover = Mover::load(config, &options, catalog, info.layout, record).await?;
-    let reason = match mover.source_marker().await {
-        Ok(Some((true, Some(d)))) if d == "undo" => {
-            "the fence's lease ran out with its mover gone; the undo was finished by gc"
-        }
+    let (reason, said) = match mover.source_marker().await {
+        Ok(Some((true, Some(d)))) if d == "undo" => (
+            "the fence's lease ran out with its mover gone; the undo was finished by gc",
+            "its fence's lease ran out; the move is undone",
+        ),
         // Decided before the journal said so (an undo stopped between the two).
-        Ok(Some((false, Some(d)))) if d == "undo" => {
-            "the source decided to undo the move, which stopped before it was journaled; the undo was finished by gc"
-        }
-        _ => return Ok(false),
+        Ok(Some((false, Some(d)))) if d == "undo" => (
+            "the source decided to undo the move, which stopped before it was journaled; the undo was finished by gc",
+            "its source had decided to undo it; the move is undone",
+        ),
+        _ => return Ok(None),
     };
     undo(&mut mover, reason).await?;
-    Ok(true)
+    Ok(Some(said))
 }
