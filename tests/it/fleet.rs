@@ -502,10 +502,61 @@ async fn a_readdressed_host_is_followed_by_the_running_application(ctx: TestCont
     Ok(())
 }
 
-/// Credentials that refuse any address asking for `application_name=locked`, and count
-/// every question.
+shardline_testkit::register!(shared: a_transaction_waiting_for_a_connection_when_its_host_is_readdressed_runs_at_the_new_address);
+/// pg2's one pooled connection is busy when pg2 is readdressed (here to the same server
+/// under another `application_name`, as to a promoted replica): a shard transaction
+/// that was waiting for a connection in the old pool runs on the new one, never at the
+/// old address once the handle took the new. Before: it ran at the old address.
+async fn a_transaction_waiting_for_a_connection_when_its_host_is_readdressed_runs_at_the_new_address(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 8).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let o = ClusterOptions { pool_size: 1, transaction_pooler: Some(false), ..ClusterOptions::default() };
+    let cluster = Cluster::connect_with(&app_config(&f, &ctx, None)?, o, Arc::new(Asked::default())).await?;
+    let shard = cluster.route_user(4).shard;
+    assert_eq!(cluster.route_user(4).host.as_str(), "pg2");
+    let holder = cluster.transaction(shard, |tx| {
+        Box::pin(async move { tx.execute("SELECT pg_sleep(3)", &[]).await.map(drop) })
+    });
+    let waiter = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster
+            .transaction(shard, |tx| {
+                Box::pin(async move {
+                    let rows = tx.query("SELECT current_setting('application_name')", &[]).await?;
+                    Ok::<String, Error>(rows.first().map(|r| r.get(0)).unwrap_or_default())
+                })
+            })
+            .await
+    };
+    let readdress = async {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let pg2 = &ctx.hosts()[1];
+        let url = format!("{}?application_name=readdressed", pg2.url(f.db()));
+        cli(&f, &["host", "readdress", "pg2", "--url", &url, "--peer-url", &pg2.peer_url(f.db())]).await?;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !cluster.hosts().iter().any(|(h, u)| h == "pg2" && u.expose().contains("readdressed")) {
+            if Instant::now() > deadline {
+                return Err::<Instant, BoxError>("the handle did not take the new address within 2 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(Instant::now())
+    };
+    let (held, seen, taken) = tokio::join!(holder, waiter, readdress);
+    held?;
+    let taken = taken?;
+    let seen = seen?;
+    assert_eq!(seen, "readdressed", "the waiting transaction ran at pg2's old address");
+    eprintln!("      the handle took the new address; the waiting transaction ran there ({taken:?})");
+    Ok(())
+}
+
+/// Credentials that refuse any address asking for `application_name=locked` until
+/// unsealed, and count every question.
 #[derive(Debug, Default)]
-struct Locked(AtomicUsize);
+struct Locked(AtomicUsize, std::sync::atomic::AtomicBool);
 
 #[async_trait::async_trait]
 impl shardline_repo::credentials::Credentials for Locked {
@@ -515,7 +566,7 @@ impl shardline_repo::credentials::Credentials for Locked {
         address: &shardline_router::config::DbUrl,
     ) -> Result<Option<String>, shardline_repo::credentials::BoxError> {
         self.0.fetch_add(1, Ordering::Relaxed);
-        if address.expose().contains("application_name=locked") {
+        if address.expose().contains("application_name=locked") && !self.1.load(Ordering::SeqCst) {
             return Err("the vault is sealed".into());
         }
         Ok(None)
@@ -571,5 +622,25 @@ async fn a_host_whose_password_cannot_be_had_fails_closed_and_the_rest_goes_on(
     let rows: i64 =
         f.client(&ctx, 1).await?.query_one("SELECT count(*) FROM shard_0004.photos", &[]).await?.get(0);
     assert_eq!(rows, 2, "the write refused while pg2 had no pool was not applied");
+
+    // Sealed once, then unsealed with no change to the map: pg2's statements get
+    // through again once the failure is old enough to ask again (5 s), without a
+    // reload from anywhere else. (Before, pg2 stayed without a pool until the map
+    // next changed.)
+    cli(&f, &["host", "readdress", "pg2", "--url", &sealed, "--peer-url", &peer]).await?;
+    hosts_become(&cluster, &["pg1"]).await?;
+    let sealed_at = Instant::now();
+    locked.1.store(true, Ordering::SeqCst);
+    loop {
+        match photos.insert(&photo(on_pg2)).await {
+            Ok(_) => break,
+            Err(e @ Error::Credentials { .. }) => {
+                assert!(sealed_at.elapsed() < Duration::from_secs(15), "pg2 still has no pool: {e}");
+            }
+            Err(e) => return Err(e.into()),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("      pg2 back {:?} after its credentials could be had again", sealed_at.elapsed());
     Ok(())
 }

@@ -74,6 +74,33 @@ pub(crate) async fn only_where_routed(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_catalog_that_does_not_answer_fails_connect_in_time);
+/// A catalog that answers its start-up but not the map's read (its table locked by
+/// another session: as hung, or cut off after the handshake) fails `Cluster::connect`
+/// within the connect and host timeouts, `CatalogTimeout`. Before: it waited as long as
+/// the lock was held.
+pub(crate) async fn a_catalog_that_does_not_answer_fails_connect_in_time(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let locker = f.client(&ctx, 0).await?;
+    locker.batch_execute("BEGIN; LOCK TABLE shardline.shards IN ACCESS EXCLUSIVE MODE").await?;
+    let options = ClusterOptions {
+        connect_timeout: Duration::from_secs(1),
+        host_timeout: Duration::from_secs(1),
+        ..ClusterOptions::default()
+    };
+    let started = Instant::now();
+    let connected =
+        tokio::time::timeout(Duration::from_secs(20), Cluster::connect(&f.config()?, options)).await;
+    let took = started.elapsed();
+    locker.batch_execute("ROLLBACK").await?;
+    let err = connected.map_err(|_| "connect waited 20 s on the locked catalog")?.err().ok_or("connected")?;
+    assert!(matches!(err, Error::CatalogTimeout { .. }), "{err}");
+    assert!(took < Duration::from_secs(4), "connect gave up after {took:?}");
+    Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_catalog_that_changes_its_shard_count_is_refused_and_the_map_kept);
 /// The number of logical shards is fixed for the life of a cluster, and checked against
 /// the config when a handle is made. A catalog edited by hand to another count (and its

@@ -203,6 +203,9 @@ struct Inner {
     /// again for [`RETRY_POOL_AFTER`], so that statements reaching such a host do not
     /// each wait for the credentials.
     failed: std::sync::Mutex<HashMap<HostName, PoolFailure>>,
+    /// When a statement for a host without a pool last started a reload to make one
+    /// ([`Cluster::host_pool`]): at most one per [`RETRY_POOL_AFTER`].
+    pool_retry: std::sync::Mutex<Option<tokio::time::Instant>>,
     catalog_url: shardline_router::config::DbUrl,
     /// Where the map listener connects: the config's `catalog.listen_url`, or the
     /// catalog's URL.
@@ -301,10 +304,18 @@ impl Cluster {
     ) -> Result<Cluster> {
         // None < Some(false) < Some(true): a pooler said anywhere wins.
         options.transaction_pooler = options.transaction_pooler.max(config.transaction_pooler);
-        let (catalog, info) = Catalog::open(config).await?;
-        let map = catalog.map().await?;
+        // The catalog's reads bounded as every later one is (a catalog locked, hung or
+        // cut off after its start-up would hold the application's start for ever).
+        let after = options.connect_timeout + options.host_timeout;
+        let read = async {
+            let (catalog, info) = Catalog::open(config).await?;
+            let map = catalog.map().await?;
+            let hosts = catalog.hosts().await?;
+            Ok::<_, Error>((catalog, info, map, hosts))
+        };
+        let (catalog, info, map, hosts) =
+            tokio::time::timeout(after, read).await.map_err(|_| Error::CatalogTimeout { after })??;
         same_count(&map, config.logical_shards)?;
-        let hosts = catalog.hosts().await?;
         let inner = Arc::new(Inner {
             layout: info.layout,
             prefix: info.schema_prefix,
@@ -314,6 +325,7 @@ impl Cluster {
             config: config.clone(),
             credentials,
             failed: std::sync::Mutex::default(),
+            pool_retry: std::sync::Mutex::default(),
             catalog_url: config.catalog.clone(),
             listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
@@ -355,13 +367,40 @@ impl Cluster {
     /// The pool of `host`, when the handle has one.
     /// The pool of `host`. Without one: [`Error::Credentials`] when its password could
     /// not be had lately (say why), else [`Error::UnknownHost`].
+    ///
+    /// A failure older than [`RETRY_POOL_AFTER`] starts a reload in the background
+    /// (which asks for the password again), so a host whose credentials failed once
+    /// is not left without a pool until the map next changes.
     fn host_pool(&self, host: &HostName) -> Result<HostPool> {
         let unknown = || Error::UnknownHost { host: host.clone() };
         let found = self.inner.pools.read().map_err(|_| unknown())?.get(host).cloned();
         found.ok_or_else(|| {
             let failure = self.inner.failed.lock().ok().and_then(|f| f.get(host).cloned());
+            if failure.as_ref().is_some_and(|f| f.at.elapsed() >= RETRY_POOL_AFTER) {
+                self.retry_pools();
+            }
             failure.map_or_else(unknown, |f| f.error(host))
         })
+    }
+
+    /// Reloads the map and the pools in the background, at most once per
+    /// [`RETRY_POOL_AFTER`]; nothing outside a runtime.
+    fn retry_pools(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let now = tokio::time::Instant::now();
+        match self.inner.pool_retry.lock() {
+            Ok(mut last) if last.is_none_or(|t| now.duration_since(t) >= RETRY_POOL_AFTER) => {
+                *last = Some(now)
+            }
+            _ => return,
+        }
+        let inner = Arc::downgrade(&self.inner);
+        runtime.spawn(async move {
+            let Some(inner) = inner.upgrade() else { return };
+            if let Err(e) = refresh(&inner).await {
+                tracing::debug!(error = %crate::error_chain(&e), "reloading the map to make a host's pool failed");
+            }
+        });
     }
 
     /// The SQL of entity `E`, made once per handle and shared by its repositories and
@@ -558,7 +597,33 @@ impl Cluster {
     ///
     /// [`Error::UnknownHost`]; [`Error::Pool`] when none can be had in time.
     pub async fn client(&self, host: &HostName) -> Result<Object> {
-        get_from(&self.host_pool(host)?.pool, host).await
+        self.client_and_cancel(host).await.map(|(client, _)| client)
+    }
+
+    /// A connection to `host` from the pool the host has once the connection is had,
+    /// and where to cancel its statements (that pool's address). A connection waited
+    /// for in a pool the host no longer has (readdressed meanwhile, to a promoted
+    /// replica say) is put back and another taken from the new pool: a statement never
+    /// goes to the old address once the handle took the new one, and a cancel goes
+    /// where its statement runs.
+    pub(crate) async fn client_and_cancel(&self, host: &HostName) -> Result<(Object, CancelTo)> {
+        loop {
+            let pool = self.host_pool(host)?;
+            let client = get_from(&pool.pool, host).await?;
+            let current =
+                self.inner.pools.read().ok().and_then(|p| {
+                    p.get(host).map(|now| std::ptr::eq(now.pool.manager(), pool.pool.manager()))
+                });
+            if current == Some(true) {
+                let cancel = CancelTo {
+                    host: host.clone(),
+                    url: pool.url,
+                    connect_timeout: self.inner.options.connect_timeout,
+                };
+                return Ok((client, cancel));
+            }
+            tracing::debug!(%host, "the host's pool changed while a connection was waited for; taking one from the new pool");
+        }
     }
 }
 
@@ -677,7 +742,7 @@ impl Cluster {
         Fut: std::future::Future<Output = Result<T>>,
     {
         let deadline = tokio::time::Instant::now() + after;
-        let client = match tokio::time::timeout_at(deadline, self.client(host)).await {
+        let (client, cancel) = match tokio::time::timeout_at(deadline, self.client_and_cancel(host)).await {
             Ok(client) => client?,
             Err(_) => {
                 return Err(Error::Pool {
@@ -688,12 +753,12 @@ impl Cluster {
             }
         };
         let abandoned = Arc::new(OnceLock::new());
-        let lent = Lent { object: Some(client), abandoned: Arc::clone(&abandoned) };
+        let lent = Lent { object: Some(client), abandoned: Arc::clone(&abandoned), cancel: cancel.clone() };
         let mut work = std::pin::pin!(tokio::time::timeout_at(deadline, work(lent)));
         // Dropped before `work` (declared after it): unless the work finished, it marks
         // the connection given up on before the `Lent` inside the work is dropped, when
         // the time ran out and when the caller dropped this future as well.
-        let mut guard = GiveUpOnDrop { cluster: self, host, abandoned: &abandoned, armed: true };
+        let mut guard = GiveUpOnDrop { cancel: Some(cancel), abandoned: &abandoned, armed: true };
         let outcome = work.as_mut().await;
         match outcome {
             Ok(result) => {
@@ -702,16 +767,6 @@ impl Cluster {
             }
             Err(_) => Err(Error::Timeout { host: host.clone(), after }),
         }
-    }
-
-    /// Where to send the cancel of a statement on `host` (none when the host has no pool
-    /// any more: its connections close, and that is all).
-    pub(crate) fn cancel_to(&self, host: &HostName) -> Option<CancelTo> {
-        self.host_pool(host).ok().map(|pool| CancelTo {
-            host: host.clone(),
-            url: pool.url,
-            connect_timeout: self.inner.options.connect_timeout,
-        })
     }
 
     /// The one retry path for a stale map. Runs `attempt` with the map as this handle
@@ -903,14 +958,16 @@ pub(crate) struct Lent {
     object: Option<Object>,
     /// Set when the work ran out of time: where to send the cancel.
     abandoned: Arc<OnceLock<Option<CancelTo>>>,
+    /// Where its statements are cancelled: its pool's address.
+    cancel: CancelTo,
 }
 
 impl Lent {
     /// The connection itself, for work that keeps it to the end of a transaction and
     /// gives it up when dropped unfinished ([`crate::shard::Pinned`]).
-    pub(crate) fn keep(mut self) -> Object {
+    pub(crate) fn keep(mut self) -> (Object, CancelTo) {
         match self.object.take() {
-            Some(object) => object,
+            Some(object) => (object, self.cancel.clone()),
             // Taken out only here (which consumes the `Lent`) and in `drop`.
             None => unreachable!("a lent connection is kept twice"),
         }
@@ -940,10 +997,10 @@ impl Drop for Lent {
     }
 }
 
-/// Marks, when dropped armed, the connection lent by [`Cluster::on_host`] as given up on.
+/// Marks, when dropped armed, the connection lent by [`Cluster::on_host`] as given up on,
+/// its cancel sent where its pool connects.
 struct GiveUpOnDrop<'a> {
-    cluster: &'a Cluster,
-    host: &'a HostName,
+    cancel: Option<CancelTo>,
     abandoned: &'a OnceLock<Option<CancelTo>>,
     armed: bool,
 }
@@ -951,7 +1008,7 @@ struct GiveUpOnDrop<'a> {
 impl Drop for GiveUpOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.abandoned.set(self.cluster.cancel_to(self.host));
+            let _ = self.abandoned.set(self.cancel.take());
         }
     }
 }

@@ -662,7 +662,8 @@ impl<E: Entity> Repo<E> {
         }
         let chunks = &chunks;
         let work = |client: crate::cluster::Lent| async move {
-            let tx = Pinned::new(client.keep(), self.cluster.cancel_to(host));
+            let (client, cancel) = client.keep();
+            let tx = Pinned::new(client, Some(cancel));
             let client = tx.client()?;
             client.batch_execute("BEGIN").await.map_err(|e| Error::host(host, None, "insert many", e))?;
             let mut out = Vec::with_capacity(new.len().min(1 << 16));

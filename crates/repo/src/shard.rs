@@ -449,11 +449,11 @@ impl Cluster {
         let work = &tokio::sync::Mutex::new(work);
         self.with_move_retry(|map, _| async move {
             let route = map.route(shard, self.prefix());
-            let object = self.client(&route.host).await.map_err(|e| {
+            let (object, cancel) = self.client_and_cancel(&route.host).await.map_err(|e| {
                 let moved = e.is_moved();
                 Failed::new(Er::from(e), moved, [shard])
             })?;
-            let client = Pinned::new(object, self.cancel_to(&route.host));
+            let client = Pinned::new(object, Some(cancel));
             let begin = format!("BEGIN; {}", enter_schema(&route.schema, false));
             let mut tx = ShardTx {
                 client: Some(client),
