@@ -1758,15 +1758,39 @@ pub(crate) async fn a_tables_replica_identity_index_moves_with_it(ctx: TestConte
          ALTER TABLE shard_0000.notes REPLICA IDENTITY USING INDEX notes_k;",
     )
     .await?;
+    // Through the copy (secondary indexes deferred), the identities stay on the target.
     let stopped = moves::run(
         &config,
         crate::shard(0),
         &crate::host("pg2"),
-        &MoveOptions::default().revertible().stopping_after(Step::CaughtUp),
+        &MoveOptions::default().revertible().stopping_after(Step::Prepared),
     )
     .await
     .map(|r| format!("the move ran to its end: {r}"))
-    .expect_err("stopped after catching up");
+    .expect_err("stopped after preparing");
+    assert!(matches!(stopped, OpsError::Interrupted { .. }), "{stopped}");
+    for index in ["tags_name", "events_1_k"] {
+        let identity: Option<bool> = pg2
+            .query_opt(
+                "SELECT i.indisreplident FROM pg_index i
+                   JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE n.nspname = 'shard_0000' AND c.relname = $1",
+                &[&index],
+            )
+            .await?
+            .map(|r| r.get(0));
+        assert_eq!(
+            identity,
+            Some(true),
+            "{index} is kept, still the identity, on the target through the copy"
+        );
+    }
+    let mut to_caught_up = MoveOptions::default().revertible().stopping_after(Step::CaughtUp);
+    to_caught_up.copy_timeout = Duration::from_secs(20);
+    let stopped = moves::resume(&config, Some(crate::shard(0)), &to_caught_up)
+        .await
+        .map(|r| format!("the move ran to its end: {r:?}"))
+        .expect_err("stopped after catching up");
     assert!(matches!(stopped, OpsError::Interrupted { .. }), "{stopped}");
     // Written on the source while the move streams its changes to the target.
     pg1.batch_execute(

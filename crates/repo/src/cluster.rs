@@ -222,6 +222,8 @@ struct Inner {
 /// Why a host has no pool, lately.
 #[derive(Debug, Clone)]
 struct PoolFailure {
+    /// The host as the catalog recorded it when it was tried.
+    host: CatalogHost,
     /// The catalog's address it was tried at.
     address: shardline_router::config::DbUrl,
     /// When.
@@ -368,9 +370,9 @@ impl Cluster {
     /// The pool of `host`. Without one: [`Error::Credentials`] when its password could
     /// not be had lately (say why), else [`Error::UnknownHost`].
     ///
-    /// A failure older than [`RETRY_POOL_AFTER`] starts a reload in the background
-    /// (which asks for the password again), so a host whose credentials failed once
-    /// is not left without a pool until the map next changes.
+    /// A failure older than [`RETRY_POOL_AFTER`] starts a new try in the background
+    /// ([`retry_failed_pools`]: the password asked for again), so a host whose
+    /// credentials failed once is not left without a pool until the map next changes.
     fn host_pool(&self, host: &HostName) -> Result<HostPool> {
         let unknown = || Error::UnknownHost { host: host.clone() };
         let found = self.inner.pools.read().map_err(|_| unknown())?.get(host).cloned();
@@ -383,7 +385,7 @@ impl Cluster {
         })
     }
 
-    /// Reloads the map and the pools in the background, at most once per
+    /// Tries again, in the background, to make the pools that failed, at most once per
     /// [`RETRY_POOL_AFTER`]; nothing outside a runtime.
     fn retry_pools(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
@@ -396,9 +398,8 @@ impl Cluster {
         }
         let inner = Arc::downgrade(&self.inner);
         runtime.spawn(async move {
-            let Some(inner) = inner.upgrade() else { return };
-            if let Err(e) = refresh(&inner).await {
-                tracing::debug!(error = %crate::error_chain(&e), "reloading the map to make a host's pool failed");
+            if let Some(inner) = inner.upgrade() {
+                retry_failed_pools(&inner).await;
             }
         });
     }
@@ -609,11 +610,17 @@ impl Cluster {
     pub(crate) async fn client_and_cancel(&self, host: &HostName) -> Result<(Object, CancelTo)> {
         loop {
             let pool = self.host_pool(host)?;
-            let client = get_from(&pool.pool, host).await?;
+            let got = get_from(&pool.pool, host).await;
             let current =
                 self.inner.pools.read().ok().and_then(|p| {
                     p.get(host).map(|now| std::ptr::eq(now.pool.manager(), pool.pool.manager()))
                 });
+            // A failure of a pool replaced meanwhile (its old address gone) is the old
+            // address's: the new pool is tried.
+            let client = match got {
+                Err(_) if current == Some(false) => continue,
+                got => got?,
+            };
             if current == Some(true) {
                 let cancel = CancelTo {
                     host: host.clone(),
@@ -1051,7 +1058,8 @@ impl Drop for UntilClean {
 /// host's connections, and the connection that sent the statement stays open: a
 /// transaction-mode pooler passes a cancel on only for a client still connected. The
 /// cancels reach only this connection's session, which no one else uses meanwhile.
-/// Without a destination (the host has no pool any more), or outside a runtime, the
+/// The cancel goes to the address of the pool the connection came from, even after its
+/// host was readdressed or removed. Without a destination, or outside a runtime, the
 /// connection is closed at once.
 pub(crate) fn give_up(to: Option<CancelTo>, object: Object) {
     let (Some(to), Ok(runtime)) = (to, tokio::runtime::Handle::try_current()) else {
@@ -1266,7 +1274,10 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
                         other => (false, crate::error_chain(other)),
                     };
                     let at = tokio::time::Instant::now();
-                    f.insert(h.name.clone(), PoolFailure { address: address.clone(), at, why, credentials });
+                    f.insert(
+                        h.name.clone(),
+                        PoolFailure { host: h.clone(), address: address.clone(), at, why, credentials },
+                    );
                 }
                 failed.push((h.name.clone(), e));
             }
@@ -1290,6 +1301,60 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
     }
     failed.retain(|(h, _)| map.shards_of(h).next().is_some());
     failed
+}
+
+/// Makes again the pools whose failure is [`RETRY_POOL_AFTER`] old, from the catalog's
+/// record of each host as it was then, asking for each password again; without the
+/// catalog's lock (a credentials service that hangs holds nobody else). A pool made is
+/// taken only while its host still has none and the same failure, at the same
+/// address, stands: a reload that has changed the host since wins.
+async fn retry_failed_pools(inner: &Inner) {
+    let due: Vec<(HostName, PoolFailure)> = inner.failed.lock().map_or_else(
+        |_| Vec::new(),
+        |f| {
+            f.iter()
+                .filter(|(_, f)| f.at.elapsed() >= RETRY_POOL_AFTER)
+                .map(|(h, f)| (h.clone(), f.clone()))
+                .collect()
+        },
+    );
+    for (name, failure) in due {
+        let asked = tokio::time::timeout(
+            inner.options.connect_timeout,
+            credentials::host_config(&inner.config, inner.credentials.as_ref(), &failure.host),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Credentials {
+                host: name.clone(),
+                message: format!("no answer within {:?}", inner.options.connect_timeout),
+            })
+        })
+        .and_then(|c| new_host_pool(inner, &name, Some(failure.address.clone()), c.url));
+        let (Ok(mut pools), Ok(mut failed)) = (inner.pools.write(), inner.failed.lock()) else { return };
+        let same = failed.get(&name).is_some_and(|f| f.address == failure.address && f.at == failure.at);
+        if !same || pools.contains_key(&name) {
+            continue;
+        }
+        match asked {
+            Ok(pool) => {
+                tracing::info!(host = %name, address = %failure.address, "the host's pool could be made this time");
+                failed.remove(&name);
+                pools.insert(name, pool);
+            }
+            Err(e) => {
+                let (credentials, why) = match &e {
+                    Error::Credentials { message, .. } => (true, message.clone()),
+                    other => (false, crate::error_chain(other)),
+                };
+                tracing::warn!(host = %name, address = %failure.address, error = %crate::error_chain(&e), "still cannot make a pool for the host");
+                failed.insert(
+                    name,
+                    PoolFailure { at: tokio::time::Instant::now(), why, credentials, ..failure },
+                );
+            }
+        }
+    }
 }
 
 fn new_host_pool(

@@ -247,6 +247,8 @@ const DEADLINE_SLACK: std::time::Duration = std::time::Duration::from_millis(50)
 struct Session {
     pid: i32,
     start: String,
+    /// The pool its connection came from (whose address the cancel goes to).
+    pool: PgPool,
 }
 
 /// Asks `pool`'s host, on a connection of its own and within `within`, to cancel what
@@ -254,9 +256,9 @@ struct Session {
 /// connection, which a session waiting on a lock does not notice, so its statement
 /// would go on holding what it holds until its own statement timeout. In the
 /// background; a cancel that cannot be made is logged at debug (no URL, no message).
-fn cancel(pool: &PgPool, session: Session, within: std::time::Duration) {
+fn cancel(session: Session, within: std::time::Duration) {
     use ::sqlx::ConnectOptions as _;
-    let options = pool.connect_options();
+    let options = session.pool.connect_options();
     tokio::spawn(async move {
         let sent = tokio::time::timeout(within, async move {
             let mut c = options.connect().await?;
@@ -641,7 +643,7 @@ impl Sqlx {
                 // Given up at its deadline (the run dropped, its connection closed): its
                 // session may still be waiting on a lock.
                 if let Some(s) = session.lock().ok().and_then(|mut s| s.take()) {
-                    cancel(&pool, s, timeout);
+                    cancel(s, timeout);
                 }
                 done.map_err(|e| Failed::new(e, moved, [shard]))
             })
@@ -669,7 +671,7 @@ impl Sqlx {
             let host = host.clone();
             move |e: ::sqlx::Error| Error::sqlx(&host, Some(shard), what, e)
         };
-        let mut conn = acquire(pool, route, "begin").await?;
+        let (mut conn, pool) = self.acquire_current(pool, route, "begin").await?;
         // One round trip: the transaction and its search_path (the schema quoted by the
         // one quoting function, `SchemaName::quoted`).
         // The server stops a statement at the unit of work's deadline too (what is left
@@ -686,7 +688,7 @@ impl Sqlx {
                 if let (Ok(pid), Ok(start), Ok(mut s)) =
                     (row.try_get::<i32, _>(1), row.try_get::<String, _>(2), session.lock())
                 {
-                    *s = Some(Session { pid, start });
+                    *s = Some(Session { pid, start, pool });
                 }
             }
             Err(e) => {
@@ -780,6 +782,32 @@ impl Sqlx {
         Err(error)
     }
 
+    /// A connection of `route`'s host from `pool`, and the pool it came from: when the
+    /// host was readdressed while it was waited for (the host's pool is another now),
+    /// it is put back and one taken from the host's new pool, so the work never runs at
+    /// the old address once the handle took the new one.
+    async fn acquire_current<'env>(
+        &'env self,
+        pool: &PgPool,
+        route: Route,
+        what: &'static str,
+    ) -> Result<(ShardConn<'env>, PgPool)> {
+        let mut pool = pool.clone();
+        loop {
+            let conn = acquire(&pool, route.clone(), what).await?;
+            match self.cluster.sqlx_pool_made(&route.host) {
+                Some(now) if std::sync::Arc::ptr_eq(&now.connect_options(), &pool.connect_options()) => {
+                    return Ok((conn, pool));
+                }
+                _ => {
+                    conn.release();
+                    tracing::debug!(host = %route.host, "the host's pool changed while a connection was waited for; taking one from the new pool");
+                    pool = self.cluster.sqlx_pool(&route.host, true).await?;
+                }
+            }
+        }
+    }
+
     /// One run of [`Sqlx::statement`] on `route`; sets `moved` when the shard's schema
     /// is gone from its host.
     async fn once<'env, T, F>(
@@ -793,7 +821,7 @@ impl Sqlx {
         F: for<'t> FnMut(&'t mut ShardConn<'env>) -> BoxFuture<'t, std::result::Result<T, ::sqlx::Error>>,
     {
         let (host, shard, schema) = (route.host.clone(), route.shard, route.schema.clone());
-        let mut conn = acquire(pool, route, "connect").await?;
+        let (mut conn, _) = self.acquire_current(pool, route, "connect").await?;
         let done = work(&mut conn).await;
         // A transaction sqlx knows of still open (a `begin()` not ended): the connection
         // is closed, which rolls it back, rather than pooled inside it.

@@ -73,6 +73,10 @@ pub(crate) struct Observed {
     pub(crate) live: Vec<Row>,
     /// Rows of any other shard schema (a copy the map does not name).
     pub(crate) stray: Vec<Row>,
+    /// Rows of the old copies moves left for `gc` (`*_moved_*` schemas), read before
+    /// `gc` drops them: each must be in its shard's live copy too (a row only there was
+    /// written through a fence that leaked).
+    pub(crate) old_copies: Vec<Row>,
     /// Shard schemas found on a host the map does not place them on: `host.schema`.
     pub(crate) stray_schemas: Vec<String>,
     /// Shards whose schema is missing from the host the map places them on.
@@ -170,6 +174,19 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
                 w.token,
                 ids(rows)
             )),
+            // Applied after all: as written, where it was written.
+            Outcome::Failed { unknown: true, .. }
+                if rows.iter().any(|r| r.table != w.table || r.content != w.content) =>
+            {
+                out.push(format!(
+                    "{} {} (outcome unknown) is stored as {:?} in {}, written {:?}",
+                    w.table.name(),
+                    w.token,
+                    rows[0].content,
+                    rows[0].table.name(),
+                    w.content
+                ));
+            }
             Outcome::Failed { .. } => {}
         }
     }
@@ -191,6 +208,18 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
             let _ = write!(at, " {}.{}.{} ({})", r.host, r.schema, r.table.name(), r.token);
         }
         out.push(format!("ID {id} appears more than once:{at}"));
+    }
+    // An old copy holds only rows its shard had when it moved: every one is live too.
+    let live_ids: std::collections::HashSet<i64> = seen.live.iter().map(|r| r.id).collect();
+    for r in seen.old_copies.iter().filter(|r| !live_ids.contains(&r.id)) {
+        out.push(format!(
+            "{} row {} ({}) of the old copy {}.{} is not in its shard's live copy: written there after the fence",
+            r.table.name(),
+            r.id,
+            r.token,
+            r.host,
+            r.schema
+        ));
     }
     // IDs of the default layout, which the soak uses.
     out.extend(time_order(history, |id| shardline_id::Id::from_i64(id).ok().map(shardline_id::Id::shard)));
@@ -313,6 +342,13 @@ mod tests {
             check(&history, &seen(vec![row("a", a), row("b", b), row("d", id(3, 3, 0))])),
             Vec::<String>::new()
         );
+        // An old copy holding rows its shard still has live is no violation.
+        let old = Observed {
+            live: vec![row("a", a), row("b", b)],
+            old_copies: vec![Row { schema: "shard_0003_moved_7".into(), ..row("a", a) }],
+            ..Observed::default()
+        };
+        assert_eq!(check(&history[..2], &old), Vec::<String>::new());
     }
 
     #[test]
@@ -380,6 +416,33 @@ mod tests {
             ),
             ("not writable", vec![], Observed { unwritable: vec!["shard 3".into()], ..Observed::default() }),
             ("still running", vec![], Observed { moves_left: vec!["move 4".into()], ..Observed::default() }),
+            (
+                "(outcome unknown) is stored as",
+                vec![write("a", 0, 5, Outcome::Failed { unknown: true, error: "timeout".into() })],
+                seen(vec![Row { content: "x".into(), ..row("a", a) }]),
+            ),
+            (
+                "written there after the fence",
+                vec![
+                    write("a", 0, 5, Outcome::Acked(a)),
+                    write("b", 6, 9, Outcome::Failed { unknown: true, error: "timeout".into() }),
+                ],
+                Observed {
+                    live: vec![row("a", a)],
+                    old_copies: vec![row("a", a), Row { schema: "shard_0003_moved_7".into(), ..row("b", b) }],
+                    ..Observed::default()
+                },
+            ),
+            (
+                "not readable at the end",
+                vec![],
+                Observed { unreadable: vec!["photo 5".into()], ..Observed::default() },
+            ),
+            (
+                "read of photo",
+                vec![],
+                Observed { bad_reads: vec!["read of photo 5 failed".into()], ..Observed::default() },
+            ),
         ];
         for (what, history, observed) in cases {
             let found = check(&history, &observed);

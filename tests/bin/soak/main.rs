@@ -281,8 +281,13 @@ async fn soak_on(
         let run = run.clone();
         tokio::spawn(async move { nemesis(&run).await })
     };
+    // The load ends at its deadline; a worker still not done 2 minutes later is stuck
+    // on a call that should have timed out: the run fails rather than hang CI.
+    let stuck_after = run.deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(120);
     for w in workers {
-        w.await?;
+        tokio::time::timeout(stuck_after, w)
+            .await
+            .map_err(|_| "a load worker did not end within 2 minutes of the load's end")??;
     }
     run.stopping.store(true, Ordering::Relaxed);
     nemesis.await?;
@@ -317,14 +322,22 @@ async fn soak_on(
     let violations = check::check(&history, &observed);
     report(&run, &history, &violations)?;
     run.kit.shutdown().await?;
+    // A run that could not do what it set out to fails whatever it found, and says
+    // what it found too.
+    let listed = || violations.iter().take(50).map(|v| format!("\n  - {v}")).collect::<String>();
     if let Some(why) = mover_failed {
-        return Err(why.into());
+        return Err(format!("{why}; {} violation(s){}", violations.len(), listed()).into());
     }
     let failed = lock(&run.strike_failures).clone();
     if !failed.is_empty() {
-        return Err(
-            format!("{} fault(s) could not be made or healed: {}", failed.len(), failed.join("; ")).into()
-        );
+        return Err(format!(
+            "{} fault(s) could not be made or healed: {}; {} violation(s){}",
+            failed.len(),
+            failed.join("; "),
+            violations.len(),
+            listed()
+        )
+        .into());
     }
     Ok(violations)
 }
@@ -453,6 +466,20 @@ async fn worker(run: &Run, w: u32) {
                         id.as_i64(),
                         run.now()
                     )),
+                    // The product's own alarm for a row from another shard, or one it
+                    // cannot read, is a violation; a host down or slow is not.
+                    Err(
+                        e @ (shardline_repo::Error::Misrouted { .. }
+                        | shardline_repo::Error::Decode { .. }
+                        | shardline_repo::Error::Router(_)),
+                    ) => {
+                        lock(&run.bad_reads).push(format!(
+                            "read of photo {} at {:?} failed: {}",
+                            id.as_i64(),
+                            run.now(),
+                            shardline_repo::error_chain(&e)
+                        ));
+                    }
                     Err(_) => {
                         run.read_errors.fetch_add(1, Ordering::Relaxed);
                     }
@@ -871,6 +898,27 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             seen.moves_left.push(format!("move {} of shard {} at {}", m.id, m.shard, m.step.as_str()));
         }
     }
+    // The old copies first: `gc` drops them, and with them the evidence of a write
+    // that got through a fence.
+    for (i, host) in run.kit.hosts().iter().enumerate() {
+        let name = host_name(i)?;
+        let client = host.connect(DB).await?;
+        let old: Vec<String> = client
+            .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%\\_moved\\_%' ORDER BY 1", &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for schema in &old {
+            let schema_shard = schema
+                .strip_prefix("shard_")
+                .and_then(|s| s.split('_').next())
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(u32::MAX);
+            seen.old_copies.extend(rows_of(&client, &run.cluster, &name, schema, schema_shard).await?);
+        }
+    }
+    run.note(format!("old copies read before gc: {} rows", seen.old_copies.len()));
     let mut gc_done = false;
     for attempt in 1..=10 {
         match moves::gc(&run.config, Duration::ZERO).await {
@@ -943,27 +991,39 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
         while cluster.route_user(user).shard != shard {
             user += 1;
         }
-        let token = format!("final {shard}");
-        let new = NewPhoto { user_id: user, url: format!("soak://{user}/final"), caption: token.clone() };
-        let start = run.now();
-        let r = photos.insert(&new).await;
-        let outcome = match r {
-            Ok(p) => Outcome::Acked(p.id.as_i64()),
-            Err(e) => {
-                seen.unwritable.push(format!("shard {shard}: {}", shardline_repo::error_chain(&e)));
-                Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() }
+        // A write that failed without being applied (a pooled connection to a host
+        // killed just before, say) is tried again, up to 3 times, each try a write of
+        // its own in the history; one whose outcome is unknown is not.
+        for attempt in 1..=3 {
+            let token = format!("final {shard} try {attempt}");
+            let new = NewPhoto { user_id: user, url: format!("soak://{user}/final"), caption: token.clone() };
+            let start = run.now();
+            let r = photos.insert(&new).await;
+            let (outcome, again) = match r {
+                Ok(p) => (Outcome::Acked(p.id.as_i64()), false),
+                Err(e) => {
+                    let unknown = e.outcome_unknown();
+                    if unknown || attempt == 3 {
+                        seen.unwritable.push(format!("shard {shard}: {}", shardline_repo::error_chain(&e)));
+                    }
+                    (Outcome::Failed { unknown, error: e.to_string() }, !unknown)
+                }
+            };
+            let content = format!("{user}|{}|{token}", new.url);
+            lock(&run.history).push(Write {
+                worker: u32::MAX,
+                table: Table::Photos,
+                token,
+                content,
+                start,
+                end: run.now(),
+                outcome,
+            });
+            if !again {
+                break;
             }
-        };
-        let content = format!("{user}|{}|{token}", new.url);
-        lock(&run.history).push(Write {
-            worker: u32::MAX,
-            table: Table::Photos,
-            token,
-            content,
-            start,
-            end: run.now(),
-            outcome,
-        });
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
     // The final rows are read back with the rest.
     for (i, host) in run.kit.hosts().iter().enumerate() {

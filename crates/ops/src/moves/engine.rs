@@ -587,7 +587,8 @@ pub(crate) fn moved_name(schema: &SchemaName, id: i64) -> String {
 /// target's apply of an update or delete would fail until the copy timed out).
 const SECONDARY_INDEXES: &str = "SELECT c.relname::text FROM pg_index i
    JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-  WHERE n.nspname = $1
+  WHERE n.nspname = $1 AND NOT i.indisreplident
+    -- (No rows for an index that is neither partitioned nor a partition's.)
     AND NOT EXISTS (SELECT FROM pg_partition_tree(i.indexrelid) t
                       JOIN pg_index x ON x.indexrelid = t.relid WHERE x.indisreplident)
     AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.indexrelid)

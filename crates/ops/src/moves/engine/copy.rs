@@ -811,9 +811,9 @@ impl Mover<'_> {
         }
         if gentle {
             // The build's own error first; then the reset's.
+            built?;
             let dst = self.dst().await?;
             let reset = dst.batch_execute("RESET max_parallel_maintenance_workers").await;
-            built?;
             reset.map_err(on(&target, "set up the index builds"))?;
             return Ok(());
         }
