@@ -19,7 +19,9 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let o = ClusterOptions {
         pool_size: 2,
-        host_timeout: Duration::from_millis(500),
+        // The hogs' 0.3 s statements stay well within it on a loaded machine (500 ms
+        // was once too little in the full suite).
+        host_timeout: Duration::from_millis(800),
         ..ClusterOptions::default()
     };
     let cluster = Cluster::connect(&f.config()?, o).await?;
@@ -32,9 +34,9 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
             let c = cluster.clone();
             tokio::spawn(async move {
                 c.transaction(shard, |tx| {
-                    // 1.5 s in all, each statement within the host timeout.
+                    // 1.8 s in all, each statement within the host timeout.
                     Box::pin(async move {
-                        for _ in 0..5 {
+                        for _ in 0..6 {
                             tx.execute("SELECT pg_sleep(0.3)", &[]).await?;
                         }
                         Ok::<_, shardline_repo::Error>(())
@@ -50,7 +52,7 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     let waited = t.elapsed();
     assert!(err.is_timeout() && err.is_retryable(), "{err}");
     assert!(err.to_string().starts_with("host pg1: no connection:"), "{err}");
-    assert!(waited < Duration::from_millis(1200), "the caller waited {waited:?}, not the storm's 1.5 s");
+    assert!(waited < Duration::from_millis(1300), "the caller waited {waited:?}, not the storm's 1.8 s");
     // Other hosts are untouched by pg1's storm.
     let other = photos.insert(&NewPhoto::numbered(2, 1)).await?;
     assert_eq!(cluster.route_id(other.id)?.host.as_str(), "pg2");

@@ -206,6 +206,10 @@ struct Inner {
     /// When a statement for a host without a pool last started a reload to make one
     /// ([`Cluster::host_pool`]): at most one per [`RETRY_POOL_AFTER`].
     pool_retry: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// Odd while [`sync_pools`] runs, bumped at its start and its end: a retry of a
+    /// failed pool ([`retry_failed_pools`]) takes its pool only when no sync ran or
+    /// began while it asked (a sync's end replaces the pools it read at its start).
+    pool_epoch: std::sync::atomic::AtomicU64,
     catalog_url: shardline_router::config::DbUrl,
     /// Where the map listener connects: the config's `catalog.listen_url`, or the
     /// catalog's URL.
@@ -328,6 +332,7 @@ impl Cluster {
             credentials,
             failed: std::sync::Mutex::default(),
             pool_retry: std::sync::Mutex::default(),
+            pool_epoch: std::sync::atomic::AtomicU64::new(0),
             catalog_url: config.catalog.clone(),
             listen_url: config.listen_url.clone().unwrap_or_else(|| config.catalog.clone()),
             catalog: Mutex::new(Some(catalog)),
@@ -1197,6 +1202,15 @@ async fn hook_step<T, E: std::fmt::Display>(
 /// [`Error::UnknownHost`] rather than reach an old address, and the other hosts and the
 /// map move on. Returns the hosts that hold shards in `map` but have no pool, with why.
 async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec<(HostName, Error)> {
+    /// Bumps the epoch again when the sync ends, however it ends (dropped included).
+    struct Syncing<'a>(&'a std::sync::atomic::AtomicU64);
+    impl Drop for Syncing<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    inner.pool_epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let _syncing = Syncing(&inner.pool_epoch);
     let held = inner.pools.read().map_or_else(|p| p.into_inner().clone(), |p| p.clone());
     let mut next: HashMap<HostName, HostPool> = HashMap::new();
     let mut failed: Vec<(HostName, Error)> = Vec::new();
@@ -1309,6 +1323,11 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
 /// taken only while its host still has none and the same failure, at the same
 /// address, stands: a reload that has changed the host since wins.
 async fn retry_failed_pools(inner: &Inner) {
+    let epoch = inner.pool_epoch.load(std::sync::atomic::Ordering::SeqCst);
+    if epoch % 2 == 1 {
+        // A sync is under way: it decides, and a later statement tries again.
+        return;
+    }
     let due: Vec<(HostName, PoolFailure)> = inner.failed.lock().map_or_else(
         |_| Vec::new(),
         |f| {
@@ -1332,6 +1351,10 @@ async fn retry_failed_pools(inner: &Inner) {
         })
         .and_then(|c| new_host_pool(inner, &name, Some(failure.address.clone()), c.url));
         let (Ok(mut pools), Ok(mut failed)) = (inner.pools.write(), inner.failed.lock()) else { return };
+        if inner.pool_epoch.load(std::sync::atomic::Ordering::SeqCst) != epoch {
+            // A sync ran or runs meanwhile: what it read or decides wins.
+            return;
+        }
         let same = failed.get(&name).is_some_and(|f| f.address == failure.address && f.at == failure.at);
         if !same || pools.contains_key(&name) {
             continue;

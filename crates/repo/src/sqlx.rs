@@ -794,7 +794,20 @@ impl Sqlx {
     ) -> Result<(ShardConn<'env>, PgPool)> {
         let mut pool = pool.clone();
         loop {
-            let conn = acquire(&pool, route.clone(), what).await?;
+            let got = acquire(&pool, route.clone(), what).await;
+            let replaced = self
+                .cluster
+                .sqlx_pool_made(&route.host)
+                .is_some_and(|now| !std::sync::Arc::ptr_eq(&now.connect_options(), &pool.connect_options()));
+            // A failure of a pool replaced meanwhile (its old address gone) is the old
+            // address's: the new pool is tried.
+            let conn = match got {
+                Err(_) if replaced => {
+                    pool = self.cluster.sqlx_pool(&route.host, true).await?;
+                    continue;
+                }
+                got => got?,
+            };
             match self.cluster.sqlx_pool_made(&route.host) {
                 Some(now) if std::sync::Arc::ptr_eq(&now.connect_options(), &pool.connect_options()) => {
                     return Ok((conn, pool));

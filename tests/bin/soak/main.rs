@@ -283,9 +283,9 @@ async fn soak_on(
     };
     // The load ends at its deadline; a worker still not done 2 minutes later is stuck
     // on a call that should have timed out: the run fails rather than hang CI.
-    let stuck_after = run.deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(120);
+    let stuck_at = tokio::time::Instant::from_std(run.deadline) + Duration::from_secs(120);
     for w in workers {
-        tokio::time::timeout(stuck_after, w)
+        tokio::time::timeout_at(stuck_at, w)
             .await
             .map_err(|_| "a load worker did not end within 2 minutes of the load's end")??;
     }

@@ -810,10 +810,15 @@ impl Mover<'_> {
             built = self.carry_replica_identity().await;
         }
         if gentle {
-            // The build's own error first; then the reset's.
+            // The build's own error first; then the reset's (tried either way).
+            let reset = match self.dst().await {
+                Ok(dst) => dst.batch_execute("RESET max_parallel_maintenance_workers").await,
+                Err(e) => {
+                    built?;
+                    return Err(e);
+                }
+            };
             built?;
-            let dst = self.dst().await?;
-            let reset = dst.batch_execute("RESET max_parallel_maintenance_workers").await;
             reset.map_err(on(&target, "set up the index builds"))?;
             return Ok(());
         }
