@@ -903,19 +903,9 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
     for (i, host) in run.kit.hosts().iter().enumerate() {
         let name = host_name(i)?;
         let client = host.connect(DB).await?;
-        let old: Vec<String> = client
-            .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%\\_moved\\_%' ORDER BY 1", &[])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        for schema in &old {
-            let schema_shard = schema
-                .strip_prefix("shard_")
-                .and_then(|s| s.split('_').next())
-                .and_then(|s| s.parse::<u32>().ok())
-                .unwrap_or(u32::MAX);
-            seen.old_copies.extend(rows_of(&client, &run.cluster, &name, schema, schema_shard).await?);
+        for schema in &schemas_like(&client, "shard\\_%\\_moved\\_%").await? {
+            let rows = rows_of(&client, &run.cluster, &name, schema, schema_shard(schema)).await?;
+            seen.old_copies.extend(rows);
         }
     }
     run.note(format!("old copies read before gc: {} rows", seen.old_copies.len()));
@@ -943,16 +933,10 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
     // A fresh handle: the map as the catalog has it now.
     let cluster = Cluster::connect(&run.config, ClusterOptions::default()).await?;
     let map = cluster.map();
-    let prefix = "shard_";
     for (i, host) in run.kit.hosts().iter().enumerate() {
         let name = host_name(i)?;
         let client = host.connect(DB).await?;
-        let schemas: Vec<String> = client
-            .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'shard\\_%' ORDER BY 1", &[])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let schemas = schemas_like(&client, "shard\\_%").await?;
         let mine: Vec<String> =
             map.shards_of(&name).map(|s| map.route(s, cluster.prefix()).schema.to_string()).collect();
         for s in &mine {
@@ -965,12 +949,7 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             if !live {
                 seen.stray_schemas.push(format!("{name}.{schema}"));
             }
-            let schema_shard = schema
-                .strip_prefix(prefix)
-                .and_then(|s| s.split('_').next())
-                .and_then(|s| s.parse::<u32>().ok())
-                .unwrap_or(u32::MAX);
-            let rows = rows_of(&client, &cluster, &name, schema, schema_shard).await?;
+            let rows = rows_of(&client, &cluster, &name, schema, schema_shard(schema)).await?;
             if live { seen.live.extend(rows) } else { seen.stray.extend(rows) }
         }
         for (what, sql) in [
@@ -1089,6 +1068,24 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
     }
     seen.bad_reads = lock(&run.bad_reads).clone();
     Ok(seen)
+}
+
+/// The shard schemas of `client`'s database whose names are `LIKE pattern`, in order.
+async fn schemas_like(client: &tokio_postgres::Client, pattern: &str) -> Result<Vec<String>, BoxError> {
+    let rows = client
+        .query("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE $1 ORDER BY 1", &[&pattern])
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// The shard a schema of the default prefix holds (`shard_0003`, `shard_0003_moved_12`:
+/// 3); `u32::MAX` for a name that says none.
+fn schema_shard(schema: &str) -> u32 {
+    schema
+        .strip_prefix("shard_")
+        .and_then(|s| s.split('_').next())
+        .and_then(|s| s.parse::<u32>().ok())
+        .unwrap_or(u32::MAX)
 }
 
 async fn rows_of(
