@@ -34,9 +34,9 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
             let c = cluster.clone();
             tokio::spawn(async move {
                 c.transaction(shard, |tx| {
-                    // 1.8 s in all, each statement within the host timeout.
+                    // 2.4 s in all, each statement within the host timeout.
                     Box::pin(async move {
-                        for _ in 0..6 {
+                        for _ in 0..8 {
                             tx.execute("SELECT pg_sleep(0.3)", &[]).await?;
                         }
                         Ok::<_, shardline_repo::Error>(())
@@ -52,7 +52,8 @@ pub(crate) async fn an_exhausted_pool_times_out_clearly_and_recovers(ctx: TestCo
     let waited = t.elapsed();
     assert!(err.is_timeout() && err.is_retryable(), "{err}");
     assert!(err.to_string().starts_with("host pg1: no connection:"), "{err}");
-    assert!(waited < Duration::from_millis(1300), "the caller waited {waited:?}, not the storm's 1.8 s");
+    // The storm has 2.2 s left when the caller starts; the pool's wait is 0.8 s.
+    assert!(waited < Duration::from_millis(1600), "the caller waited {waited:?}, not the storm's 2.2 s");
     // Other hosts are untouched by pg1's storm.
     let other = photos.insert(&NewPhoto::numbered(2, 1)).await?;
     assert_eq!(cluster.route_id(other.id)?.host.as_str(), "pg2");

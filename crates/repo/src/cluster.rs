@@ -1269,9 +1269,8 @@ async fn sync_pools(inner: &Inner, map: &ShardMap, hosts: &[CatalogHost]) -> Vec
         .and_then(|c| new_host_pool(inner, &h.name, Some(address.clone()), c.url));
         match asked {
             Ok(pool) => {
-                if let Ok(mut f) = inner.failed.lock() {
-                    f.remove(&h.name);
-                }
+                // Its failure, if any, is dropped with the commit below (a sync dropped
+                // before it leaves the failure, and its retry, as they were).
                 let what = if held.contains_key(&h.name) {
                     "the host was readdressed; connecting there"
                 } else {

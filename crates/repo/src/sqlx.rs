@@ -795,13 +795,16 @@ impl Sqlx {
         let mut pool = pool.clone();
         loop {
             let got = acquire(&pool, route.clone(), what).await;
+            // The host's pool now is another (or not made yet for its new address).
             let replaced = self
                 .cluster
                 .sqlx_pool_made(&route.host)
-                .is_some_and(|now| !std::sync::Arc::ptr_eq(&now.connect_options(), &pool.connect_options()));
+                .is_none_or(|now| !std::sync::Arc::ptr_eq(&now.connect_options(), &pool.connect_options()));
             // A failure of a pool replaced meanwhile (its old address gone) is the old
-            // address's: the new pool is tried.
+            // address's: the new pool is tried. Not after the pool's own wait ran out:
+            // little of the unit's time is left, and "nothing was sent" is the answer.
             let conn = match got {
+                Err(Error::Pool { timed_out: true, .. }) => return got.map(|c| (c, pool)),
                 Err(_) if replaced => {
                     pool = self.cluster.sqlx_pool(&route.host, true).await?;
                     continue;
