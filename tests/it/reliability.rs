@@ -628,6 +628,64 @@ pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_an
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_hand_written_new_row_whose_key_is_not_what_it_stores_is_refused);
+/// A hand-written `NewRow` whose `shard_key()` names another user than the one its
+/// `user_id` stores would be written in that other user's shard, where a read by the
+/// stored user never looks. `insert`, a transaction's `insert` and `insert_many` refuse
+/// it before anything is sent: nothing stored. (Before: `insert` put it in the wrong
+/// shard; `insert_many` rolled it back after sending it.)
+pub(crate) async fn a_hand_written_new_row_whose_key_is_not_what_it_stores_is_refused(
+    ctx: TestContext,
+) -> TestResult {
+    use shardline_repo::Error;
+    struct Lying {
+        user_id: i64,
+        url: String,
+    }
+    impl shardline_repo::NewRow for Lying {
+        type Entity = Photo;
+        const COLUMNS: &'static [&'static str] = &["user_id", "url"];
+        fn shard_key(&self) -> shardline_repo::ShardKey {
+            shardline_repo::ShardKey::User(self.user_id + 1)
+        }
+        fn values(&self) -> Vec<&(dyn shardline_repo::tokio_postgres::types::ToSql + Sync)> {
+            vec![&self.user_id, &self.url]
+        }
+    }
+
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    assert_ne!(cluster.route_user(1).shard, cluster.route_user(2).shard);
+    let lying = || Lying { user_id: 1, url: "https://cdn/1.jpg".to_owned() };
+    let refused = |r: Result<Vec<Photo>, Error>, how: &str| match r {
+        Err(Error::Invalid { what })
+            if what.contains("shard_key() is 2 but the row stores 1 in photos.user_id") =>
+        {
+            Ok(())
+        }
+        other => Err(format!("{how}: {other:?}")),
+    };
+    refused(photos.insert(&lying()).await.map(|p| vec![p]), "insert")?;
+    refused(photos.insert_many(&[lying(), lying()]).await, "insert_many")?;
+    let in_tx = cluster
+        .transaction(cluster.route_user(2).shard, |tx| {
+            Box::pin(async move { tx.insert(&lying()).await.map(|p| vec![p]) })
+        })
+        .await;
+    refused(in_tx, "a transaction's insert")?;
+    let mut stored = 0;
+    for (_, rows) in cluster
+        .for_each_shard(|tx| Box::pin(async move { tx.query("SELECT id FROM photos", &[]).await }))
+        .await
+    {
+        stored += rows?.len();
+    }
+    assert_eq!(stored, 0, "a refused row was stored");
+    Ok(())
+}
+
 shardline_testkit::register!(exclusive: tls_only_hosts_work_verified_and_bad_certificates_are_refused);
 /// pg3 accepts TLS only, with a certificate from a CA the test makes; the catalog and
 /// pg3's shards live there. Everything works over verified TLS, moves included, and each

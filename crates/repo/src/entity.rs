@@ -102,7 +102,9 @@ pub trait NewRow: Send + Sync {
     /// every insert is refused with [`Error::InvalidIdentifier`] before any SQL is built.
     const COLUMNS: &'static [&'static str];
     /// What places the row: its user, or the row it lives beside. Its value must also
-    /// be one of [`NewRow::values`], in the entity's user or parent column.
+    /// be one of [`NewRow::values`], in the entity's user or parent column: every
+    /// insert refuses a row whose column holds another value with [`Error::Invalid`]
+    /// before anything is sent.
     fn shard_key(&self) -> ShardKey;
     /// The values, one per column.
     fn values(&self) -> Vec<&(dyn ToSql + Sync)>;
@@ -176,18 +178,59 @@ pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
 /// A row whose `values()` do not match its `COLUMNS` one to one is refused before
 /// anything is sent (in a batch, the values would shift into other rows' columns).
 pub(crate) fn check_values<N: NewRow>(row: &N) -> Result<()> {
-    let n = row.values().len();
-    if n == N::COLUMNS.len() {
-        Ok(())
-    } else {
-        Err(Error::Invalid {
+    let values = row.values();
+    let n = values.len();
+    if n != N::COLUMNS.len() {
+        return Err(Error::Invalid {
             what: format!(
                 "{}: values() gives {n} values for {} columns",
                 std::any::type_name::<N>(),
                 N::COLUMNS.len()
             ),
-        })
+        });
     }
+    // The key the row is routed by is the one it stores: a row whose `shard_key()` says
+    // one user (or parent) while its column holds another would land in the first's
+    // shard, where reads by the stored value never look. The derive cannot write such a
+    // row; a hand-written `NewRow` can. Checked on the value as it would be sent.
+    let key = row.shard_key();
+    let Some(column) = key.column::<N::Entity>() else { return Ok(()) };
+    let Some(i) = N::COLUMNS.iter().position(|c| *c == column) else { return Ok(()) };
+    let Some(value) = values.get(i) else { return Ok(()) };
+    let stored = stored_key(*value);
+    if stored == Some(key.value()) {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        what: format!(
+            "{}: shard_key() is {} but the row stores {} in {}.{column}; it would be written in the shard \
+             of the one and read by the other",
+            std::any::type_name::<N>(),
+            key.value(),
+            stored
+                .map_or_else(|| "a value that is not a 64- or 32-bit integer".to_owned(), |v| v.to_string()),
+            N::Entity::TABLE
+        ),
+    })
+}
+
+/// A key column's value as the driver would send it: a `bigint` (or an `integer`).
+/// `None` for a NULL or a value of another type.
+fn stored_key(value: &(dyn ToSql + Sync)) -> Option<i64> {
+    use tokio_postgres::types::{IsNull, Type};
+    let mut buf = bytes::BytesMut::new();
+    if let Ok(IsNull::No) = value.to_sql_checked(&Type::INT8, &mut buf)
+        && let Ok(b) = <[u8; 8]>::try_from(&buf[..])
+    {
+        return Some(i64::from_be_bytes(b));
+    }
+    buf.clear();
+    if let Ok(IsNull::No) = value.to_sql_checked(&Type::INT4, &mut buf)
+        && let Ok(b) = <[u8; 4]>::try_from(&buf[..])
+    {
+        return Some(i64::from(i32::from_be_bytes(b)));
+    }
+    None
 }
 
 /// Checks the columns an update sets: declared by `E`, not `id`, not the column that
