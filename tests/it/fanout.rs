@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
 use shardline_id::Id;
@@ -482,6 +482,68 @@ pub(crate) async fn a_connection_past_its_uses_is_replaced(ctx: TestContext) -> 
             tokio::task::yield_now().await;
         }
     }
+    Ok(())
+}
+
+shardline_testkit::register!(shared: an_idle_connection_past_its_lifetime_is_closed);
+/// `connection_max_lifetime`: pooled connections left idle past it are closed by the
+/// handle within a quarter of it (they hold a server backend, and the catalog entries of
+/// every shard they touched), not kept until they are next handed out; the next request
+/// gets a new one.
+pub(crate) async fn an_idle_connection_past_its_lifetime_is_closed(ctx: TestContext) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 2).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let pg2 = f.client(&ctx, 1).await?;
+    // The pool's connections on pg2 (the catalog, and so the map's listener, is on pg1).
+    let backends = || async {
+        let rows = pg2
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await?;
+        Ok::<_, BoxError>(rows.iter().map(|r| r.get::<_, i32>(0)).collect::<Vec<_>>())
+    };
+    let lifetime = Duration::from_secs(2);
+    let o =
+        ClusterOptions { pool_size: 4, connection_max_lifetime: Some(lifetime), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let user = (0..).find(|u| cluster.route_user(*u).host.as_str() == "pg2").unwrap();
+    let made = photos
+        .insert(&NewPhoto { user_id: user, url: "https://cdn/a.jpg".into(), caption: String::new() })
+        .await?;
+    // Four at once: four connections.
+    let reads = (0..4).map(|_| {
+        cluster.transaction(cluster.route_user(user).shard, move |tx| {
+            Box::pin(async move { tx.query("SELECT pg_sleep(0.2)", &[]).await.map(|_| ()) })
+        })
+    });
+    for r in futures::future::join_all(reads).await {
+        r?;
+    }
+    let busy = backends().await?;
+    assert_eq!(busy.len(), 4, "four pooled connections on pg2: {busy:?}");
+    // Idle from here: each is past its lifetime 2 s after it was made, and the handle
+    // looks every 500 ms.
+    let began = Instant::now();
+    let mut now = busy.clone();
+    while !now.is_empty() && began.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        now = backends().await?;
+    }
+    assert!(
+        now.is_empty(),
+        "idle connections past their lifetime still open after {:?}: {now:?}",
+        began.elapsed()
+    );
+    eprintln!("      the idle connections were closed {:?} after the last use", began.elapsed());
+    assert!(began.elapsed() < lifetime + Duration::from_secs(2), "closed only after {:?}", began.elapsed());
+    // The handle goes on with a new connection.
+    assert_eq!(photos.get(made.id).await?.map(|p| p.id), Some(made.id));
+    let renewed = backends().await?;
+    assert_eq!(renewed.len(), 1);
+    assert!(!busy.contains(&renewed[0]));
     Ok(())
 }
 

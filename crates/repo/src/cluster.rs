@@ -143,8 +143,9 @@ pub struct ClusterOptions {
     /// ever). A server backend keeps the catalog entries of every table and index it
     /// has opened until it ends, and a pooled connection that serves fan-outs opens every
     /// shard of its host: its memory grows with the shards (see `docs/operations.md`,
-    /// "Lock table"). A connection past this age is closed when it
-    /// comes back to the pool, and a new one is made on demand.
+    /// "Lock table"). A connection past this age is closed when it is next handed out,
+    /// or within a quarter of this age (at most a minute) while it sits idle, and a new
+    /// one is made on demand.
     pub connection_max_lifetime: Option<Duration>,
     /// How many times a pooled connection is handed out, at most (default `None`: no
     /// bound); past it, it is closed when it comes back to the pool. As
@@ -221,6 +222,8 @@ struct Inner {
     sqls: std::sync::Mutex<HashMap<std::any::TypeId, Arc<crate::repository::Sql>>>,
     options: ClusterOptions,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The task that closes idle connections past their lifetime ([`reap`]).
+    reaper: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// Why a host has no pool, lately.
@@ -273,10 +276,12 @@ struct HostPool {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Ok(mut l) = self.listener.lock()
-            && let Some(task) = l.take()
-        {
-            task.abort();
+        for task in [&self.listener, &self.reaper] {
+            if let Ok(mut l) = task.lock()
+                && let Some(task) = l.take()
+            {
+                task.abort();
+            }
         }
     }
 }
@@ -340,6 +345,7 @@ impl Cluster {
             sqls: std::sync::Mutex::default(),
             options,
             listener: std::sync::Mutex::new(None),
+            reaper: std::sync::Mutex::new(None),
         });
         if let Some((host, e)) = sync_pools(&inner, &map, &hosts).await.into_iter().next() {
             return Err(match e {
@@ -352,6 +358,12 @@ impl Cluster {
             check_hosts(&map, &pools)?;
         }
         let cluster = Cluster { inner };
+        if let Some(lifetime) = cluster.inner.options.connection_max_lifetime {
+            let task = tokio::spawn(reap(Arc::downgrade(&cluster.inner), lifetime));
+            if let Ok(mut r) = cluster.inner.reaper.lock() {
+                *r = Some(task);
+            }
+        }
         if cluster.inner.options.listen {
             let listener = MapListener::start(&cluster.inner.listen_url).await?;
             let task = tokio::spawn(listen(Arc::downgrade(&cluster.inner), listener));
@@ -1524,6 +1536,29 @@ async fn catalog_is_ahead(inner: &Inner, held: i64) -> bool {
         Err(e) => {
             tracing::warn!(error = %crate::error_chain(&e), "cannot read the catalog's map version");
             false
+        }
+    }
+}
+
+/// Closes the idle pooled connections older than `lifetime`, every quarter of it (from
+/// 250 ms to a minute): the pool checks a connection's age only as it hands it out, so
+/// one left idle after a burst would otherwise keep its server backend, and the catalog
+/// entries of every shard it touched, as long as the handle lives.
+async fn reap(inner: Weak<Inner>, lifetime: Duration) {
+    let every = (lifetime / 4).clamp(Duration::from_millis(250), Duration::from_secs(60));
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let pools: Vec<Pool> = match inner.pools.read() {
+            Ok(p) => p.values().map(|h| h.pool.clone()).collect(),
+            Err(p) => p.into_inner().values().map(|h| h.pool.clone()).collect(),
+        };
+        drop(inner);
+        for pool in pools {
+            let closed = pool.retain(|_, metrics| metrics.age() < lifetime).removed.len();
+            if closed > 0 {
+                tracing::debug!(closed, "closed idle connections past their lifetime");
+            }
         }
     }
 }
