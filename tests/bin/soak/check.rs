@@ -48,6 +48,54 @@ pub(crate) struct Write {
     pub(crate) outcome: Outcome,
 }
 
+/// An update or a delete of a photo by the worker that wrote it (no other worker touches
+/// it), in the order that worker made them.
+#[derive(Debug, Clone)]
+pub(crate) struct Mutation {
+    /// The photo's token: its caption, which no mutation changes.
+    pub(crate) token: String,
+    /// The content the photo holds once the mutation is applied ([`Row::content`]'s
+    /// spelling); `None` for a delete.
+    pub(crate) content: Option<String>,
+    /// Since the soak started: when the call was made and when it returned.
+    pub(crate) start: Duration,
+    pub(crate) end: Duration,
+    /// `Acked` with the photo's ID when the call returned (whether or not it found the
+    /// row), `Failed` as for a write.
+    pub(crate) outcome: Outcome,
+}
+
+/// What a photo may hold (`None`: absent) after its insert, `content`, and its
+/// mutations so far, in order. An acknowledged mutation decides; one whose outcome is
+/// unknown may or may not have been applied; one that failed was not. A mutation
+/// applied late, after a later one was acknowledged, leaves a state not in the list.
+pub(crate) fn possible(content: &str, mutations: &[&Mutation]) -> Vec<Option<String>> {
+    mutations.iter().fold(vec![Some(content.to_owned())], |states, m| after(&states, m))
+}
+
+/// What a photo that may hold any of `states` may hold after `m`.
+pub(crate) fn after(states: &[Option<String>], m: &Mutation) -> Vec<Option<String>> {
+    let applied = |s: &Option<String>| match (&m.content, s) {
+        // An update of an absent row changes nothing.
+        (Some(_), None) => None,
+        (new, _) => new.clone(),
+    };
+    let next: Vec<Option<String>> = match m.outcome {
+        Outcome::Acked(_) => states.iter().map(applied).collect(),
+        Outcome::Failed { unknown: true, .. } => {
+            states.iter().map(applied).chain(states.iter().cloned()).collect()
+        }
+        Outcome::Failed { unknown: false, .. } => states.to_vec(),
+    };
+    let mut out: Vec<Option<String>> = Vec::with_capacity(next.len());
+    for s in next {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
+}
+
 /// A row found on a host.
 #[derive(Debug, Clone)]
 pub(crate) struct Row {
@@ -94,8 +142,12 @@ pub(crate) struct Observed {
 }
 
 /// Every violation of the soak's promises; empty when none.
-pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
+pub(crate) fn check(history: &[Write], mutations: &[Mutation], seen: &Observed) -> Vec<String> {
     let mut out = Vec::new();
+    let mut mutated: HashMap<&str, Vec<&Mutation>> = HashMap::new();
+    for m in mutations {
+        mutated.entry(m.token.as_str()).or_default().push(m);
+    }
     let mut by_token: HashMap<&str, Vec<&Row>> = HashMap::new();
     for r in &seen.live {
         by_token.entry(r.token.as_str()).or_default().push(r);
@@ -126,7 +178,9 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
             out.push(format!("the history has token {} twice (a bug of the soak)", w.token));
         }
         let rows = by_token.get(w.token.as_str()).map_or(&[][..], Vec::as_slice);
+        let states = possible(&w.content, mutated.get(w.token.as_str()).map_or(&[][..], Vec::as_slice));
         match &w.outcome {
+            Outcome::Acked(_) if rows.is_empty() && states.contains(&None) => {}
             Outcome::Acked(id) => match rows {
                 [] => out.push(format!(
                     "lost: {} {} acknowledged with ID {id} is absent",
@@ -145,12 +199,13 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
                     w.token,
                     r.table.name()
                 )),
-                [r] if r.content != w.content => out.push(format!(
-                    "{} {} (ID {id}) holds {:?}, written {:?}",
+                [r] if !states.contains(&Some(r.content.clone())) => out.push(format!(
+                    "{} {} (ID {id}) holds {:?}, written {:?}, then possibly {:?}",
                     w.table.name(),
                     w.token,
                     r.content,
-                    w.content
+                    w.content,
+                    states
                 )),
                 [_] => {}
                 many => out.push(format!(
@@ -195,6 +250,11 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
             out.push(format!("rows no write made: {token} (IDs {})", ids(rows)));
         }
     }
+    for token in mutated.keys() {
+        if !matches!(written.get(token), Some(w) if matches!(w.outcome, Outcome::Acked(_))) {
+            out.push(format!("mutations of a photo no acknowledged write made: {token} (a bug of the soak)"));
+        }
+    }
     // No ID anywhere twice: live copies, and strays beside them.
     let mut by_id: HashMap<i64, Vec<&Row>> = HashMap::new();
     for r in seen.live.iter().chain(&seen.stray) {
@@ -210,8 +270,15 @@ pub(crate) fn check(history: &[Write], seen: &Observed) -> Vec<String> {
         out.push(format!("ID {id} appears more than once:{at}"));
     }
     // An old copy holds only rows its shard had when it moved: every one is live too.
+    // (A photo that may have been deleted since is not.)
     let live_ids: std::collections::HashSet<i64> = seen.live.iter().map(|r| r.id).collect();
-    for r in seen.old_copies.iter().filter(|r| !live_ids.contains(&r.id)) {
+    let deleted = |token: &str| {
+        mutated.get(token).is_some_and(|ms| {
+            ms.iter()
+                .any(|m| m.content.is_none() && !matches!(m.outcome, Outcome::Failed { unknown: false, .. }))
+        })
+    };
+    for r in seen.old_copies.iter().filter(|r| !live_ids.contains(&r.id) && !deleted(&r.token)) {
         out.push(format!(
             "{} row {} ({}) of the old copy {}.{} is not in its shard's live copy: written there after the fence",
             r.table.name(),
@@ -339,7 +406,7 @@ mod tests {
             write("d", 6, 9, Outcome::Failed { unknown: true, error: "timeout".into() }),
         ];
         assert_eq!(
-            check(&history, &seen(vec![row("a", a), row("b", b), row("d", id(3, 3, 0))])),
+            check(&history, &[], &seen(vec![row("a", a), row("b", b), row("d", id(3, 3, 0))])),
             Vec::<String>::new()
         );
         // An old copy holding rows its shard still has live is no violation.
@@ -348,7 +415,7 @@ mod tests {
             old_copies: vec![Row { schema: "shard_0003_moved_7".into(), ..row("a", a) }],
             ..Observed::default()
         };
-        assert_eq!(check(&history[..2], &old), Vec::<String>::new());
+        assert_eq!(check(&history[..2], &[], &old), Vec::<String>::new());
     }
 
     #[test]
@@ -445,9 +512,73 @@ mod tests {
             ),
         ];
         for (what, history, observed) in cases {
-            let found = check(&history, &observed);
+            let found = check(&history, &[], &observed);
             assert!(found.iter().any(|v| v.contains(what)), "{what}: found {found:?}");
         }
+    }
+
+    fn mutation(token: &str, content: Option<&str>, outcome: Outcome) -> Mutation {
+        Mutation {
+            token: token.into(),
+            content: content.map(|c| format!("1|{c}|{token}")),
+            start: Duration::from_millis(10),
+            end: Duration::from_millis(11),
+            outcome,
+        }
+    }
+
+    #[test]
+    fn updates_and_deletes_decide_what_a_photo_may_hold() {
+        let a = id(1, 3, 0);
+        let history = [write("a", 0, 5, Outcome::Acked(a))];
+        let unknown = || Outcome::Failed { unknown: true, error: "timeout".into() };
+        let refused = || Outcome::Failed { unknown: false, error: "refused".into() };
+        let holding = |c: &str| seen(vec![Row { content: format!("1|{c}|a"), ..row("a", a) }]);
+        let v2 = mutation("a", Some("v2"), Outcome::Acked(a));
+        let v3_unknown = mutation("a", Some("v3"), unknown());
+        let v4_refused = mutation("a", Some("v4"), refused());
+        let gone = mutation("a", None, Outcome::Acked(a));
+        let gone_unknown = mutation("a", None, unknown());
+        // Clean: what each history allows.
+        let clean: Vec<(Vec<Mutation>, Observed)> = vec![
+            (vec![v2.clone()], holding("v2")),
+            (vec![v2.clone(), v3_unknown.clone()], holding("v2")),
+            (vec![v2.clone(), v3_unknown.clone()], holding("v3")),
+            (vec![v2.clone(), v4_refused.clone()], holding("v2")),
+            (vec![gone.clone()], seen(vec![])),
+            (vec![gone_unknown.clone()], seen(vec![])),
+            (vec![gone_unknown.clone()], holding("u")),
+            // A deleted photo's old copy is no leak through a fence.
+            (
+                vec![gone.clone()],
+                Observed {
+                    old_copies: vec![Row { schema: "shard_0003_moved_7".into(), ..row("a", a) }],
+                    ..seen(vec![])
+                },
+            ),
+        ];
+        for (mutations, observed) in clean {
+            assert_eq!(check(&history, &mutations, &observed), Vec::<String>::new(), "{mutations:?}");
+        }
+        // Broken: an acknowledged update lost, a refused one applied, a deleted photo
+        // back, an unknown update applied after a later acknowledged one.
+        let broken: Vec<(Vec<Mutation>, Observed, &str)> = vec![
+            (vec![v2.clone()], holding("u"), "holds"),
+            (vec![v2.clone(), v4_refused.clone()], holding("v4"), "holds"),
+            (vec![gone.clone()], holding("u"), "holds"),
+            (vec![v3_unknown.clone(), v2.clone()], holding("v3"), "holds"),
+            (vec![v2.clone()], seen(vec![]), "lost"),
+            (vec![mutation("b", Some("v2"), Outcome::Acked(a))], holding("u"), "no acknowledged write"),
+        ];
+        for (mutations, observed, what) in broken {
+            let found = check(&history, &mutations, &observed);
+            assert!(found.iter().any(|v| v.contains(what)), "{what}: {mutations:?} found {found:?}");
+        }
+        assert_eq!(
+            possible("x", &[&gone_unknown, &v2]),
+            vec![None, Some("1|v2|a".to_owned())],
+            "an update after a delete that may have happened finds the row or not"
+        );
     }
 
     #[test]
@@ -455,6 +586,6 @@ mod tests {
         let (a, b) = (id(1, 3, 0), id(2, 3, 0));
         // b started before a was acknowledged: no order between them.
         let history = [write("a", 0, 5, Outcome::Acked(b)), write("b", 4, 9, Outcome::Acked(a))];
-        assert_eq!(check(&history, &seen(vec![row("a", b), row("b", a)])), Vec::<String>::new());
+        assert_eq!(check(&history, &[], &seen(vec![row("a", b), row("b", a)])), Vec::<String>::new());
     }
 }

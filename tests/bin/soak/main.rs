@@ -5,9 +5,10 @@
 //! backend `SHARDLINE_TEST_BACKEND` names, every link between the parties cuttable
 //! ([`shardline_testkit::Link`]), and for `SECONDS` runs at once:
 //!
-//! - **the load**: the example application's workload through the repository API
-//!   (photos posted, comments on them, photos read back), every write recorded with its
-//!   start, end and outcome;
+//! - **the load**: the example application's workload through the repository API, on
+//!   two handles (photos posted, comments on them, photos read back; and photos each
+//!   worker keeps to itself, updated, deleted and read back), every write, update and
+//!   delete recorded with its start, end and outcome;
 //! - **the mover**: single moves of random shards to random hosts, and now and then a
 //!   rebalance; a migration a third of the way in;
 //! - **the nemesis**, drawn from `SEED`: one fault at a time, either at a random moment
@@ -30,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use check::{Observed, Outcome, Row, Table, Write};
+use check::{Mutation, Observed, Outcome, Row, Table, Write};
 use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
 use shardline_id::ident::quote;
 use shardline_ops::moves::{self, MoveOptions, MoveProgress, State, Step};
@@ -83,7 +84,12 @@ struct Run {
     config: Config,
     dir: PathBuf,
     cluster: Cluster,
+    /// A second handle, used by half the workers: its map is told of each move on its
+    /// own (or finds it out on its own), not in step with the first's.
+    second: Cluster,
     history: Mutex<Vec<Write>>,
+    /// Updates and deletes of the photos each worker keeps to itself.
+    mutations: Mutex<Vec<Mutation>>,
     bad_reads: Mutex<Vec<String>>,
     /// Acknowledged photos: ID and content, for comments and reads.
     photos: Mutex<Vec<(Id, String)>>,
@@ -241,6 +247,7 @@ async fn soak_on(
     let config = Config::from_toml(&text, "shardline.toml", dir, &|_| None)?;
     shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let second = Cluster::connect(&config, ClusterOptions::default()).await?;
     let began = Instant::now();
     let run = Arc::new(Run {
         seed,
@@ -253,7 +260,9 @@ async fn soak_on(
         config,
         dir: dir.to_owned(),
         cluster,
+        second,
         history: Mutex::new(Vec::new()),
+        mutations: Mutex::new(Vec::new()),
         bad_reads: Mutex::new(Vec::new()),
         photos: Mutex::new(Vec::new()),
         reads: AtomicU64::new(0),
@@ -319,7 +328,8 @@ async fn soak_on(
     ));
     let observed = recover_and_observe(&run).await?;
     let history = lock(&run.history).clone();
-    let violations = check::check(&history, &observed);
+    let mutations = lock(&run.mutations).clone();
+    let violations = check::check(&history, &mutations, &observed);
     report(&run, &history, &violations)?;
     run.kit.shutdown().await?;
     // A run that could not do what it set out to fails whatever it found, and says
@@ -342,17 +352,22 @@ async fn soak_on(
     Ok(violations)
 }
 
+/// An outcome as the history's file spells it: what, and the ID or the error.
+fn cells(outcome: &Outcome) -> (&'static str, String) {
+    match outcome {
+        Outcome::Acked(id) => ("ok", id.to_string()),
+        Outcome::Failed { unknown: true, error } => ("unknown", error.clone()),
+        Outcome::Failed { unknown: false, error } => ("failed", error.clone()),
+    }
+}
+
 /// Writes the history and the fault log to the run's directory, and prints the summary.
 fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), BoxError> {
     use std::io::Write as _;
     let mut f = std::io::BufWriter::new(std::fs::File::create(run.dir.join("history.tsv"))?);
     writeln!(f, "worker\ttable\ttoken\tstart_ms\tend_ms\toutcome\tid_or_error")?;
     for w in history {
-        let (outcome, detail) = match &w.outcome {
-            Outcome::Acked(id) => ("ok", id.to_string()),
-            Outcome::Failed { unknown: true, error } => ("unknown", error.clone()),
-            Outcome::Failed { unknown: false, error } => ("failed", error.clone()),
-        };
+        let (outcome, detail) = cells(&w.outcome);
         writeln!(
             f,
             "{}\t{}\t{}\t{}\t{}\t{outcome}\t{}",
@@ -361,6 +376,18 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
             w.token,
             w.start.as_millis(),
             w.end.as_millis(),
+            detail.replace(['\t', '\n'], " ")
+        )?;
+    }
+    for m in lock(&run.mutations).iter() {
+        let (outcome, detail) = cells(&m.outcome);
+        writeln!(
+            f,
+            "-\t{}\t{}\t{}\t{}\t{outcome}\t{}",
+            if m.content.is_some() { "update" } else { "delete" },
+            m.token,
+            m.start.as_millis(),
+            m.end.as_millis(),
             detail.replace(['\t', '\n'], " ")
         )?;
     }
@@ -377,6 +404,11 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
         history.len() as f64 / secs,
         run.reads.load(Ordering::Relaxed)
     );
+    let mutations = lock(&run.mutations);
+    let (updates, deletes) =
+        mutations.iter().fold((0, 0), |(u, d), m| if m.content.is_some() { (u + 1, d) } else { (u, d + 1) });
+    let mutations_acked = mutations.iter().filter(|m| matches!(m.outcome, Outcome::Acked(_))).count();
+    eprintln!("  updates: {updates}, deletes: {deletes} ({mutations_acked} acknowledged)");
     eprintln!("  faults: {:?}", lock(&run.faults));
     eprintln!("  moves: {:?}", lock(&run.moves));
     eprintln!("  violations: {}", violations.len());
@@ -386,48 +418,42 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
 // ---------------------------------------------------------------------------------------
 // The load.
 
+/// A photo a worker keeps to itself: it alone updates, deletes and reads it, so what it
+/// may hold is known at every step ([`check::after`]).
+struct Mine {
+    id: Id,
+    user: i64,
+    token: String,
+    /// What it may hold now (`None`: absent).
+    states: Vec<Option<String>>,
+    versions: u32,
+}
+
+fn content_of(p: &Photo) -> String {
+    format!("{}|{}|{}", p.user_id, p.url, p.caption)
+}
+
 async fn worker(run: &Run, w: u32) {
     let mut rng = Rng::new(run.seed ^ (u64::from(w) + 1) << 32);
-    let (Ok(photos), Ok(comments)) = (run.cluster.repo::<Photo>(), run.cluster.repo::<Comment>()) else {
+    // Half the workers go through the second handle.
+    let cluster = if w.is_multiple_of(2) { &run.cluster } else { &run.second };
+    let (Ok(photos), Ok(comments)) = (cluster.repo::<Photo>(), cluster.repo::<Comment>()) else {
         lock(&run.bad_reads).push(format!("worker {w}: no repository"));
         return;
     };
+    let mut mine: Vec<Mine> = Vec::new();
     let mut n = 0_u64;
     while Instant::now() < run.deadline {
         n += 1;
         let token = format!("s{}w{w}n{n}", run.seed);
-        let pick = rng.below(10);
+        let pick = rng.below(20);
         let known = {
             let p = lock(&run.photos);
             if p.is_empty() { None } else { Some(p[rng.index(p.len())].clone()) }
         };
-        match (pick, known) {
-            (0..=5, _) | (_, None) => {
-                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
-                let new =
-                    NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
-                let content = format!("{user}|{}|{token}", new.url);
-                let start = run.now();
-                let result = photos.insert(&new).await;
-                let end = run.now();
-                let outcome = match &result {
-                    Ok(p) => {
-                        lock(&run.photos).push((p.id, content.clone()));
-                        Outcome::Acked(p.id.as_i64())
-                    }
-                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
-                };
-                lock(&run.history).push(Write {
-                    worker: w,
-                    table: Table::Photos,
-                    token,
-                    content,
-                    start,
-                    end,
-                    outcome,
-                });
-            }
-            (6..=7, Some((photo, _))) => {
+        let own = if mine.is_empty() { None } else { Some(rng.index(mine.len())) };
+        match (pick, known, own) {
+            (12..=13, Some((photo, _)), _) => {
                 let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
                 let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
                 let content = format!("{user}|{}|{token}", photo.as_i64());
@@ -448,43 +474,143 @@ async fn worker(run: &Run, w: u32) {
                     outcome,
                 });
             }
-            (_, Some((id, content))) => {
-                run.reads.fetch_add(1, Ordering::Relaxed);
-                match photos.get(id).await {
-                    Ok(Some(p)) => {
-                        let got = format!("{}|{}|{}", p.user_id, p.url, p.caption);
-                        if got != content {
+            (14..=16, Some((id, content)), _) => read_back(run, &photos, id, &[Some(content)]).await,
+            (17, _, Some(i)) => {
+                let m = &mut mine[i];
+                m.versions += 1;
+                let url = format!("soak://{}/{}/v{}", m.user, m.id.as_i64(), m.versions);
+                let content = format!("{}|{url}|{}", m.user, m.token);
+                let start = run.now();
+                let result = photos.update(m.id, &[("url", &url)]).await;
+                let end = run.now();
+                let outcome = match &result {
+                    Ok(found) => {
+                        let got = found.as_ref().map(content_of);
+                        let fits = match &got {
+                            Some(g) => *g == content && m.states.iter().any(Option::is_some),
+                            None => m.states.contains(&None),
+                        };
+                        if !fits {
                             lock(&run.bad_reads).push(format!(
-                                "read of photo {} at {:?} answered {got:?}, written {content:?}",
-                                id.as_i64(),
-                                run.now()
+                                "update of photo {} at {:?} returned {got:?}, setting {content:?} on what may hold {:?}",
+                                m.id.as_i64(),
+                                run.now(),
+                                m.states
                             ));
                         }
+                        Outcome::Acked(m.id.as_i64())
                     }
-                    Ok(None) => lock(&run.bad_reads).push(format!(
-                        "read of acknowledged photo {} ({content}) at {:?} found nothing",
-                        id.as_i64(),
-                        run.now()
-                    )),
-                    // The product's own alarm for a row from another shard, or one it
-                    // cannot read, is a violation; a host down or slow is not.
-                    Err(
-                        e @ (shardline_repo::Error::Misrouted { .. }
-                        | shardline_repo::Error::Decode { .. }
-                        | shardline_repo::Error::Router(_)),
-                    ) => {
-                        lock(&run.bad_reads).push(format!(
-                            "read of photo {} at {:?} failed: {}",
-                            id.as_i64(),
-                            run.now(),
-                            shardline_repo::error_chain(&e)
-                        ));
+                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                };
+                let mutation =
+                    Mutation { token: m.token.clone(), content: Some(content), start, end, outcome };
+                m.states = check::after(&m.states, &mutation);
+                lock(&run.mutations).push(mutation);
+            }
+            (18, _, Some(i)) => read_back(run, &photos, mine[i].id, &mine[i].states).await,
+            (19, _, Some(i)) => {
+                let m = &mut mine[i];
+                let start = run.now();
+                let result = photos.delete(m.id).await;
+                let end = run.now();
+                let outcome = match &result {
+                    Ok(found) => {
+                        let fits = if *found {
+                            m.states.iter().any(Option::is_some)
+                        } else {
+                            m.states.contains(&None)
+                        };
+                        if !fits {
+                            lock(&run.bad_reads).push(format!(
+                                "delete of photo {} at {:?} {} a row; it may hold {:?}",
+                                m.id.as_i64(),
+                                run.now(),
+                                if *found { "found" } else { "found no" },
+                                m.states
+                            ));
+                        }
+                        Outcome::Acked(m.id.as_i64())
                     }
-                    Err(_) => {
-                        run.read_errors.fetch_add(1, Ordering::Relaxed);
-                    }
+                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                };
+                let mutation = Mutation { token: m.token.clone(), content: None, start, end, outcome };
+                m.states = check::after(&m.states, &mutation);
+                lock(&run.mutations).push(mutation);
+                if m.states == [None] {
+                    mine.swap_remove(i);
                 }
             }
+            _ => {
+                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+                // One photo in four is the worker's own, to update and delete.
+                let private = rng.below(4) == 0;
+                let new =
+                    NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
+                let content = format!("{user}|{}|{token}", new.url);
+                let start = run.now();
+                let result = photos.insert(&new).await;
+                let end = run.now();
+                let outcome = match &result {
+                    Ok(p) if private => {
+                        mine.push(Mine {
+                            id: p.id,
+                            user,
+                            token: token.clone(),
+                            states: vec![Some(content.clone())],
+                            versions: 0,
+                        });
+                        Outcome::Acked(p.id.as_i64())
+                    }
+                    Ok(p) => {
+                        lock(&run.photos).push((p.id, content.clone()));
+                        Outcome::Acked(p.id.as_i64())
+                    }
+                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                };
+                lock(&run.history).push(Write {
+                    worker: w,
+                    table: Table::Photos,
+                    token,
+                    content,
+                    start,
+                    end,
+                    outcome,
+                });
+            }
+        }
+    }
+}
+
+/// Reads photo `id` and checks it holds one of `states` (`None`: absent).
+async fn read_back(run: &Run, photos: &shardline_repo::Repo<Photo>, id: Id, states: &[Option<String>]) {
+    run.reads.fetch_add(1, Ordering::Relaxed);
+    match photos.get(id).await {
+        Ok(found) => {
+            let got = found.as_ref().map(content_of);
+            if !states.contains(&got) {
+                lock(&run.bad_reads).push(format!(
+                    "read of photo {} at {:?} answered {got:?}, written {states:?}",
+                    id.as_i64(),
+                    run.now()
+                ));
+            }
+        }
+        // The product's own alarm for a row from another shard, or one it cannot read,
+        // is a violation; a host down or slow is not.
+        Err(
+            e @ (shardline_repo::Error::Misrouted { .. }
+            | shardline_repo::Error::Decode { .. }
+            | shardline_repo::Error::Router(_)),
+        ) => {
+            lock(&run.bad_reads).push(format!(
+                "read of photo {} at {:?} failed: {}",
+                id.as_i64(),
+                run.now(),
+                shardline_repo::error_chain(&e)
+            ));
+        }
+        Err(_) => {
+            run.read_errors.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -1024,13 +1150,21 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
             }
         }
     }
-    // And that handle reads every acknowledged photo back, each as written: a read
-    // that fails now, with every host healed, is a violation too.
-    let acked: Vec<(Id, String)> = lock(&run.history)
+    // And that handle reads every acknowledged photo back, each as written (or updated,
+    // or deleted): a read that fails now, with every host healed, is a violation too.
+    let mutations = lock(&run.mutations).clone();
+    let mut mutated: std::collections::HashMap<&str, Vec<&Mutation>> = std::collections::HashMap::new();
+    for m in &mutations {
+        mutated.entry(m.token.as_str()).or_default().push(m);
+    }
+    let acked: Vec<(Id, Vec<Option<String>>)> = lock(&run.history)
         .iter()
         .filter(|w| w.table == Table::Photos)
         .filter_map(|w| match w.outcome {
-            Outcome::Acked(id) => Some((Id::from_i64(id).ok()?, w.content.clone())),
+            Outcome::Acked(id) => Some((
+                Id::from_i64(id).ok()?,
+                check::possible(&w.content, mutated.get(w.token.as_str()).map_or(&[][..], Vec::as_slice)),
+            )),
             Outcome::Failed { .. } => None,
         })
         .collect();
@@ -1049,11 +1183,11 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
         }
         match read {
             Ok(many) => {
-                for ((id, content), found) in chunk.iter().zip(&many.rows) {
-                    let got = found.as_ref().map(|p| format!("{}|{}|{}", p.user_id, p.url, p.caption));
-                    if got.as_deref() != Some(content.as_str()) {
+                for ((id, states), found) in chunk.iter().zip(&many.rows) {
+                    let got = found.as_ref().map(content_of);
+                    if !states.contains(&got) {
                         seen.unreadable.push(format!(
-                            "photo {}: the load's handle read {got:?}, written {content:?}",
+                            "photo {}: the load's handle read {got:?}, written {states:?}",
                             id.as_i64()
                         ));
                     }
