@@ -279,6 +279,8 @@ impl Harness {
             own: RwLock::new(()),
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
+            began: std::time::Instant::now(),
+            alone: std::sync::Mutex::new(Duration::ZERO),
         });
         let trials = cases
             .into_iter()
@@ -292,6 +294,14 @@ impl Harness {
             })
             .collect();
         let conclusion = libtest_mimic::run(&args, trials);
+        let alone = *shared.alone.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !alone.is_zero() {
+            eprintln!(
+                "shardline-testkit: {:.1} s in all, {:.1} s of it with an exclusive test running alone",
+                shared.began.elapsed().as_secs_f64(),
+                alone.as_secs_f64()
+            );
+        }
         if let Some(Ok(cluster)) = shared.cluster.get()
             && let Err(e) = runtime.block_on(cluster.shutdown())
         {
@@ -347,6 +357,9 @@ struct Shared {
     own: RwLock<()>,
     databases: Arc<AtomicUsize>,
     timeout: Duration,
+    /// When the run began, and how long the exclusive tests ran alone (their sum).
+    began: std::time::Instant,
+    alone: std::sync::Mutex<Duration>,
 }
 
 impl Shared {
@@ -394,10 +407,18 @@ impl Shared {
         };
         let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
-        // Where a suite's time goes, in CI's log: every test that took 10 s or more.
+        // Where a suite's time goes, in CI's log: every test that took 10 s or more, and
+        // when it ended.
         let took = began.elapsed();
         if took >= Duration::from_secs(10) {
-            eprintln!("shardline-testkit: {name} took {:.1} s", took.as_secs_f64());
+            eprintln!(
+                "shardline-testkit: {name} took {:.1} s (ended {:.1} s into the run)",
+                took.as_secs_f64(),
+                self.began.elapsed().as_secs_f64()
+            );
+        }
+        if exclusive {
+            *self.alone.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += took;
         }
         let result = match outcome {
             Ok(Ok(Ok(()))) => Ok(()),
