@@ -1,33 +1,57 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing (cargo fuzz, libFuzzer) of every parser of outside input:
+# Coverage-guided fuzzing (libFuzzer, through libfuzzer-sys) of every parser of outside
+# input:
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]     # default 30
+#   scripts/fuzz.sh --replay TARGET FILE     # runs one input again, e.g. a crash's
 #
 # Targets (fuzz/fuzz_targets/): id_parsers (decimal, compact, JSON, BIGINT bytes, any
 # layout), config_loader (the TOML config), connection_urls (sslmode/sslrootcert and
-# redaction). Installs cargo-fuzz if missing. Builds with debug assertions, so integer
-# overflow is a crash. libFuzzer needs nightly features: RUSTC_BOOTSTRAP=1 lets the one
-# stable toolchain here provide them. Exits non-zero on the first crash; the input is
-# kept under fuzz/artifacts/<target>/ and `cargo fuzz run -a <target> <file>` replays it.
+# redaction).
+#
+# It builds the targets as `cargo fuzz build -a` does (release, debug assertions on so
+# integer overflow is a crash, AddressSanitizer, libFuzzer's coverage), with cargo
+# itself: installing cargo-fuzz cost CI about a minute and a half on a fresh machine.
+# The flags are cargo-fuzz 0.12's (src/project.rs); `cargo fuzz run -a TARGET` works on
+# the same fuzz/ directory for whoever has it. libFuzzer needs nightly features:
+# RUSTC_BOOTSTRAP=1 lets the one stable toolchain here provide them. Exits non-zero on
+# the first crash; the input is kept under fuzz/artifacts/<target>/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-seconds="${1:-30}"
+cd "$(dirname "$0")/../fuzz"
 export RUSTC_BOOTSTRAP=1
-if ! cargo fuzz --version >/dev/null 2>&1; then
-  cargo install --locked cargo-fuzz
+triple=$(rustc -vV | sed -n 's/^host: //p')
+export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+-Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+-Cllvm-args=-sanitizer-coverage-trace-compares -Cllvm-args=-simplifycfg-branch-fold-threshold=0 \
+--cfg fuzzing -Clink-dead-code -Zsanitizer=address -Cllvm-args=-sanitizer-coverage-stack-depth \
+-Cdebug-assertions -Ccodegen-units=1"
+export ASAN_OPTIONS="${ASAN_OPTIONS:+${ASAN_OPTIONS}:}detect_odr_violation=0"
+# --target: the flags then reach the targets and not the build scripts.
+cargo build --locked --release --config profile.release.debug=true --target "${triple}" --bins
+bin="target/${triple}/release"
+
+if [ "${1:-}" = "--replay" ]; then
+  [ $# -eq 3 ] || { echo "usage: scripts/fuzz.sh --replay TARGET FILE" >&2; exit 2; }
+  exec "${bin}/$2" "$3"
 fi
-cd fuzz
-cargo fuzz build -a
+seconds="${1:-30}"
+case "${seconds}" in
+  ''|*[!0-9]*) echo "scripts/fuzz.sh: seconds per target must be a whole number, not ${seconds:?}" >&2; exit 2 ;;
+esac
 for target in id_parsers config_loader connection_urls; do
+  [ -x "${bin}/${target}" ] || { echo "fuzz: ${bin}/${target} was not built" >&2; exit 1; }
   echo "fuzz: ${target} for ${seconds} s"
+  mkdir -p "corpus/${target}" "artifacts/${target}" target
   log="target/fuzz-${target}.log"
-  mkdir -p target
   status=0
-  cargo fuzz run -a "${target}" -- -max_total_time="${seconds}" >"${log}" 2>&1 || status=$?
+  "${bin}/${target}" -artifact_prefix="artifacts/${target}/" -max_total_time="${seconds}" \
+    "corpus/${target}" >"${log}" 2>&1 || status=$?
   grep -E '^Done [0-9]+ runs|panicked|SUMMARY|left:|right:' "${log}" || true
   if [ "${status}" -ne 0 ]; then
     tail -n 40 "${log}" >&2
-    echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/)" >&2
+    echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/; replay: scripts/fuzz.sh --replay ${target} FILE)" >&2
     exit 1
   fi
+  # libFuzzer ends a run of -max_total_time with "Done N runs": without it, nothing ran.
+  grep -qE '^Done [0-9]+ runs' "${log}" || { tail -n 20 "${log}" >&2; echo "fuzz: ${target} did not run" >&2; exit 1; }
 done
