@@ -653,11 +653,31 @@ pub(crate) async fn a_hand_written_new_row_whose_key_is_not_what_it_stores_is_re
         }
     }
 
+    /// Routed by its user, without giving the column that stores it.
+    struct Keyless {
+        user_id: i64,
+        url: String,
+    }
+    impl shardline_repo::NewRow for Keyless {
+        type Entity = Photo;
+        const COLUMNS: &'static [&'static str] = &["url"];
+        fn shard_key(&self) -> shardline_repo::ShardKey {
+            shardline_repo::ShardKey::User(self.user_id)
+        }
+        fn values(&self) -> Vec<&(dyn shardline_repo::tokio_postgres::types::ToSql + Sync)> {
+            vec![&self.url]
+        }
+    }
+
     let f = Fixture::new(&ctx, 2, 4).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
     let photos = cluster.repo::<Photo>()?;
     assert_ne!(cluster.route_user(1).shard, cluster.route_user(2).shard);
+    match photos.insert(&Keyless { user_id: 1, url: "https://cdn/1.jpg".to_owned() }).await {
+        Err(Error::Invalid { what }) if what.contains("does not give photos.user_id") => {}
+        other => return Err(format!("a row without its key column: {other:?}").into()),
+    }
     let lying = || Lying { user_id: 1, url: "https://cdn/1.jpg".to_owned() };
     let refused = |r: Result<Vec<Photo>, Error>, how: &str| match r {
         Err(Error::Invalid { what })

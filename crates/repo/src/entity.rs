@@ -195,7 +195,16 @@ pub(crate) fn check_values<N: NewRow>(row: &N) -> Result<()> {
     // row; a hand-written `NewRow` can. Checked on the value as it would be sent.
     let key = row.shard_key();
     let Some(column) = key.column::<N::Entity>() else { return Ok(()) };
-    let Some(i) = N::COLUMNS.iter().position(|c| *c == column) else { return Ok(()) };
+    let Some(i) = N::COLUMNS.iter().position(|c| *c == column) else {
+        return Err(Error::Invalid {
+            what: format!(
+                "{}: the row is routed by its shard_key() but does not give {}.{column}, the column that \
+                 stores it; reads by that column would never find it",
+                std::any::type_name::<N>(),
+                N::Entity::TABLE
+            ),
+        });
+    };
     let Some(value) = values.get(i) else { return Ok(()) };
     let stored = stored_key(*value);
     if stored == Some(key.value()) {
