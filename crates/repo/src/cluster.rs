@@ -144,8 +144,9 @@ pub struct ClusterOptions {
     /// has opened until it ends, and a pooled connection that serves fan-outs opens every
     /// shard of its host: its memory grows with the shards (see `docs/operations.md`,
     /// "Lock table"). A connection past this age is closed when it is next handed out,
-    /// or within a quarter of this age (at most a minute) while it sits idle, and a new
-    /// one is made on demand.
+    /// or, while it sits idle, at the next of the handle's looks, made every quarter of
+    /// this age (at least 250 ms apart, at most a minute), and a new one is made on
+    /// demand.
     pub connection_max_lifetime: Option<Duration>,
     /// How many times a pooled connection is handed out, at most (default `None`: no
     /// bound); past it, it is closed when it comes back to the pool. As
