@@ -505,7 +505,14 @@ async fn worker(run: &Run, w: u32) {
                 let mutation =
                     Mutation { token: m.token.clone(), content: Some(content), start, end, outcome };
                 m.states = check::after(&m.states, &mutation);
+                let unknown = matches!(mutation.outcome, Outcome::Failed { unknown: true, .. });
                 lock(&run.mutations).push(mutation);
+                if unknown {
+                    // Applied or not, and maybe later still (its cancel is sent in the
+                    // background): the photo is left as it is, no later call ordered
+                    // after it.
+                    mine.swap_remove(i);
+                }
             }
             (18, _, Some(i)) => read_back(run, &photos, mine[i].id, &mine[i].states).await,
             (19, _, Some(i)) => {
@@ -535,8 +542,10 @@ async fn worker(run: &Run, w: u32) {
                 };
                 let mutation = Mutation { token: m.token.clone(), content: None, start, end, outcome };
                 m.states = check::after(&m.states, &mutation);
+                let unknown = matches!(mutation.outcome, Outcome::Failed { unknown: true, .. });
                 lock(&run.mutations).push(mutation);
-                if m.states == [None] {
+                // Gone, or left as it is after an outcome unknown (as for an update).
+                if unknown || m.states == [None] {
                     mine.swap_remove(i);
                 }
             }
