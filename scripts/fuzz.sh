@@ -17,6 +17,18 @@
 # RUSTC_BOOTSTRAP=1 lets the one stable toolchain here provide them. Exits non-zero on
 # the first crash; the input is kept under fuzz/artifacts/<target>/.
 set -euo pipefail
+replay=""
+if [ "${1:-}" = "--replay" ]; then
+  [ $# -eq 3 ] || { echo "usage: scripts/fuzz.sh --replay TARGET FILE" >&2; exit 2; }
+  [ -f "$3" ] || { echo "scripts/fuzz.sh: no file $3" >&2; exit 2; }
+  # The file as given from where the script was called, before the cd below.
+  replay=$(realpath "$3")
+else
+  seconds="${1:-30}"
+  case "${seconds}" in
+    ''|*[!0-9]*|0) echo "scripts/fuzz.sh: seconds per target must be a whole number above 0, not '${seconds}'" >&2; exit 2 ;;
+  esac
+fi
 cd "$(dirname "$0")/../fuzz"
 export RUSTC_BOOTSTRAP=1
 triple=$(rustc -vV | sed -n 's/^host: //p')
@@ -27,17 +39,13 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cdebug-assertions -Ccodegen-units=1"
 export ASAN_OPTIONS="${ASAN_OPTIONS:+${ASAN_OPTIONS}:}detect_odr_violation=0"
 # --target: the flags then reach the targets and not the build scripts.
-cargo build --locked --release --config profile.release.debug=true --target "${triple}" --bins
+cargo build --locked --release --config profile.release.debug=true --target "${triple}" \
+  --target-dir target --bins
 bin="target/${triple}/release"
 
-if [ "${1:-}" = "--replay" ]; then
-  [ $# -eq 3 ] || { echo "usage: scripts/fuzz.sh --replay TARGET FILE" >&2; exit 2; }
-  exec "${bin}/$2" "$3"
+if [ -n "${replay}" ]; then
+  exec "${bin}/$2" "${replay}"
 fi
-seconds="${1:-30}"
-case "${seconds}" in
-  ''|*[!0-9]*) echo "scripts/fuzz.sh: seconds per target must be a whole number, not ${seconds:?}" >&2; exit 2 ;;
-esac
 for target in id_parsers config_loader connection_urls; do
   [ -x "${bin}/${target}" ] || { echo "fuzz: ${bin}/${target} was not built" >&2; exit 1; }
   echo "fuzz: ${target} for ${seconds} s"
