@@ -25,8 +25,11 @@ struct Linked {
 }
 
 async fn linked(ctx: &TestContext) -> Result<Linked, BoxError> {
-    let f = Fixture::new(ctx, 3, 6).await?;
-    let kit = ctx.cluster();
+    linked_on(ctx.cluster(), Fixture::new(ctx, 3, 6).await?).await
+}
+
+/// As [`linked`], on `kit`'s hosts, for fixture `f` there.
+async fn linked_on(kit: &shardline_testkit::Cluster, f: Fixture) -> Result<Linked, BoxError> {
     let (mut app, mut peers) = (Vec::new(), Vec::new());
     for i in 0..3 {
         app.push(kit.link(i).await?);
@@ -443,12 +446,16 @@ pub(crate) async fn while_no_listen_connection_can_be_made_the_map_check_goes_on
 
 /// [`linked`], a handle on it, and shard 0 holding 2,000 photos
 /// with a like and a comment each.
-async fn seeded(ctx: &TestContext) -> Result<(Linked, Config, Cluster), BoxError> {
-    let l = linked(ctx).await?;
+/// A cluster of its own (3 hosts), linked as [`linked`] does on the shared one, with
+/// 100 photos seeded per user of 6 shards.
+async fn seeded_on_own(db: &str) -> Result<(shardline_testkit::Cluster, Linked, Config, Cluster), BoxError> {
+    let kit = shardline_testkit::Cluster::start(3).await?;
+    let f = Fixture::on_kit(&kit, db, 6).await?;
+    let l = linked_on(&kit, f).await?;
     let config = l.f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 100).await?;
-    Ok((l, config, cluster))
+    Ok((kit, l, config, cluster))
 }
 
 /// Once `cut_at` is set (the link cut, `never` said if that takes a minute), inserts a
@@ -495,9 +502,10 @@ fn cut_at(step: Step, link: &Arc<Link>) -> (MoveOptions, Arc<OnceLock<Instant>>)
 // on the same server would wait behind it (see docs/moves.md).
 shardline_testkit::register!(own: a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish);
 pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_lets_it_finish(
-    ctx: TestContext,
+    _ctx: TestContext,
 ) -> TestResult {
-    let (l, config, cluster) = seeded(&ctx).await?;
+    let (kit, l, config, cluster) = seeded_on_own("peer_cut_during").await?;
+    let ctx = &kit;
     let (f, peers) = (&l.f, &l.peers);
     let from = cluster.route_user(0).host;
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
@@ -523,10 +531,11 @@ pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_
     assert!(cut.get().is_some(), "the cut never happened");
     assert!(link.connections() > 0, "the target never reached the source through its peer link");
     eprintln!("      moved {} rows in {:?}, the peer link cut for 3 s of it", report.rows, t.elapsed());
-    assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some([2000, 2000, 2000]));
+    assert_eq!(counts(f, ctx, host_index(to.as_str()), "shard_0000").await?, Some([2000, 2000, 2000]));
     crate::bootstrap::cli(f, &["gc", "--grace", "0s"]).await?;
-    assert_eq!(counts(f, &ctx, host_index(from.as_str()), "shard_0000").await?, None);
-    assert_eq!(leftovers(f, &ctx).await?, vec![0, 0, 0]);
+    assert_eq!(counts(f, ctx, host_index(from.as_str()), "shard_0000").await?, None);
+    assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0]);
+    kit.shutdown().await?;
     Ok(())
 }
 
@@ -535,9 +544,10 @@ pub(crate) async fn a_peer_link_cut_during_the_copy_holds_the_move_and_the_heal_
 // on the same server would wait behind it (see docs/moves.md).
 shardline_testkit::register!(own: a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole);
 pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and_it_is_undone_whole(
-    ctx: TestContext,
+    _ctx: TestContext,
 ) -> TestResult {
-    let (l, config, cluster) = seeded(&ctx).await?;
+    let (kit, l, config, cluster) = seeded_on_own("peer_cut_past").await?;
+    let ctx = &kit;
     let (f, peers) = (&l.f, &l.peers);
     let mut expected = [2000, 2000, 2000];
     // Cut as the subscription is about to be made (the target's connection to the
@@ -577,9 +587,9 @@ pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and
         crate::bootstrap::cli(f, &["gc", "--grace", "0s"]).await?;
         cluster.refresh().await?;
         assert_eq!(cluster.route_user(0).host, from, "the shard left its source");
-        assert_eq!(counts(f, &ctx, host_index(from.as_str()), "shard_0000").await?, Some(expected));
-        assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, None);
-        assert_eq!(leftovers(f, &ctx).await?, vec![0, 0, 0], "cut after {}", step.as_str());
+        assert_eq!(counts(f, ctx, host_index(from.as_str()), "shard_0000").await?, Some(expected));
+        assert_eq!(counts(f, ctx, host_index(to.as_str()), "shard_0000").await?, None);
+        assert_eq!(leftovers(f, ctx).await?, vec![0, 0, 0], "cut after {}", step.as_str());
         cluster.repo::<Photo>()?.insert(&photo(0, 5000)).await?;
         expected[0] += 1;
     }
@@ -587,6 +597,7 @@ pub(crate) async fn a_peer_link_cut_past_the_moves_timeouts_fails_it_in_time_and
     let from = cluster.route_user(0).host;
     let to = crate::host(if from.as_str() == "pg2" { "pg3" } else { "pg2" });
     moves::run(&config, crate::shard(0), &to, &MoveOptions::default()).await?;
-    assert_eq!(counts(f, &ctx, host_index(to.as_str()), "shard_0000").await?, Some(expected));
+    assert_eq!(counts(f, ctx, host_index(to.as_str()), "shard_0000").await?, Some(expected));
+    kit.shutdown().await?;
     Ok(())
 }
