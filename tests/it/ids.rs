@@ -217,7 +217,7 @@ pub(crate) async fn a_lagging_sequence_catches_up_and_waits_for_no_one(ctx: Test
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: sessions_that_keep_minting_after_a_failed_catch_up_try_again_on_a_shared_beat);
+shardline_testkit::register!(quiet: sessions_that_keep_minting_after_a_failed_catch_up_try_again_on_a_shared_beat);
 /// Another minting transaction stays open for 3 s, so every catch-up gives way; three
 /// sessions keep minting, every 20, 90 and 300 ms, as applications do. Within 2.5 s of
 /// that transaction's end their IDs are fresh again: before, each ID minted from the
@@ -473,7 +473,7 @@ pub(crate) async fn two_transactions_catching_up_together_both_mint(ctx: TestCon
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: after_an_idle_gap_32_one_row_sessions_get_fresh_ids);
+shardline_testkit::register!(quiet: after_an_idle_gap_32_one_row_sessions_get_fresh_ids);
 /// Rounds of: every session idle (the sequence falls behind the clock), then all of them
 /// insert one row per transaction at once, as pgbench clients do. Asserted on every row
 /// (the row's `at DEFAULT now()`, read as the minter reads it): no ID more than 500 ms
@@ -486,7 +486,7 @@ pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: Tes
     idle_gaps_then_bursts(ctx, 32).await
 }
 
-shardline_testkit::register!(exclusive: after_an_idle_gap_64_one_row_sessions_get_fresh_ids);
+shardline_testkit::register!(quiet: after_an_idle_gap_64_one_row_sessions_get_fresh_ids);
 /// The same at 64 sessions, the most clients issue 21 asks the bound to hold for.
 pub(crate) async fn after_an_idle_gap_64_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
     idle_gaps_then_bursts(ctx, 64).await

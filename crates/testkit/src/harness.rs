@@ -9,7 +9,9 @@
 //! - Tests run in parallel and share the hosts; each takes its own databases with
 //!   [`TestContext::databases`], so tests do not see each other's tables.
 //! - Tests that fault hosts (stop, kill, pause) are registered with
-//!   [`Harness::exclusive`]: they run alone, and every host is healed afterwards.
+//!   [`Harness::exclusive`]: they run alone among the tests of the shared cluster (one
+//!   after another, beside the tests with clusters of their own), and every host is
+//!   healed afterwards; `register!(quiet: ...)` ones run alone on the machine, last.
 //! - The cluster starts on first use, so `--list` or a filter that matches nothing starts
 //!   no server. When it cannot start, every test fails with the reason.
 //!
@@ -86,8 +88,11 @@ pub enum Sharing {
     /// It runs beside the other shared tests (and the own-cluster ones).
     Shared,
     /// It runs alone among the tests of the shared cluster (it faults hosts); every host
-    /// is healed afterwards.
+    /// is healed afterwards. It may run beside the tests with clusters of their own.
     Exclusive,
+    /// As [`Sharing::Exclusive`], and alone on the machine: no other test runs beside it
+    /// (it asserts latencies a loaded machine would break).
+    Quiet,
     /// It starts a cluster of its own and never touches the shared one: it runs beside
     /// the shared tests, and starts first (these are the longest); exclusive tests wait
     /// for it.
@@ -165,16 +170,17 @@ impl Harness {
         Harness { hosts, cases: Vec::new() }
     }
 
-    /// Adds every test the binary registered with [`register!`](crate::register): those
-    /// with a cluster of their own first (the longest), then the shared ones, then the
-    /// exclusive ones (each drains the others: last, they drain nothing twice), each
-    /// group in name order.
+    /// Adds every test the binary registered with [`register!`](crate::register): the
+    /// exclusive ones first (one after another, while the tests with a cluster of their
+    /// own, next, run beside them), then the shared ones, then the quiet ones, each group
+    /// in name order.
     pub fn registered(mut self) -> Self {
         let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
         let rank = |s: Sharing| match s {
-            Sharing::Own => 0,
-            Sharing::Shared => 1,
-            Sharing::Exclusive => 2,
+            Sharing::Exclusive => 0,
+            Sharing::Own => 1,
+            Sharing::Shared => 2,
+            Sharing::Quiet => 3,
         };
         all.sort_by_key(|r| (rank(r.sharing), r.path()));
         for r in all {
@@ -192,8 +198,9 @@ impl Harness {
         self.add(name, Sharing::Shared, test)
     }
 
-    /// Adds a test that runs alone (it may stop, kill or pause hosts); every host is
-    /// brought back to running after it, whether it passed or not.
+    /// Adds a test that runs alone among the shared cluster's tests (it may stop, kill or
+    /// pause hosts); every host is brought back to running after it, whether it passed
+    /// or not.
     pub fn exclusive<F, Fut>(self, name: &str, test: F) -> Self
     where
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
@@ -256,11 +263,15 @@ impl Harness {
             );
         }
         let mut args = Arguments::from_args();
-        // The tests wait on servers, not on the CPU: more threads than cores pay off, up
-        // to a point (6 overloaded two cores: latencies tripled). Those with a cluster of
-        // their own (the longest) start first, one thread each; the shared ones run beside
-        // them on the threads left, and the exclusive ones last.
-        args.test_threads.get_or_insert(4);
+        // The tests wait on servers, not on the CPU: more tests at once than cores pay
+        // off, up to a point (6 overloaded two cores: latencies tripled), so 4 run at once
+        // (`--test-threads` sets how many). The harness, not libtest, holds them to that
+        // (`Shared::slots`): libtest gets a thread for every test it could start, so a test
+        // waiting for its turn (an exclusive test behind another) holds no slot, and the
+        // exclusive tests run one after another beside the tests with clusters of their
+        // own, instead of alone with every other thread idle.
+        let width = args.test_threads.unwrap_or(4).max(1);
+        args.test_threads = Some(cases.len().clamp(1, 64));
         let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {
@@ -277,6 +288,8 @@ impl Harness {
             cluster: OnceCell::new(),
             exclusive: RwLock::new(()),
             own: RwLock::new(()),
+            slots: tokio::sync::Semaphore::new(width),
+            width: u32::try_from(width).unwrap_or(u32::MAX),
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
             began: std::time::Instant::now(),
@@ -297,7 +310,7 @@ impl Harness {
         let alone = *shared.alone.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !alone.is_zero() {
             eprintln!(
-                "shardline-testkit: {:.1} s in all, {:.1} s of it with an exclusive test running alone",
+                "shardline-testkit: {:.1} s in all; the exclusive and quiet tests, one after another, took {:.1} s",
                 shared.began.elapsed().as_secs_f64(),
                 alone.as_secs_f64()
             );
@@ -352,12 +365,16 @@ struct Shared {
     cluster: OnceCell<std::result::Result<Arc<Cluster>, String>>,
     /// Read-held by ordinary tests, write-held by exclusive ones.
     exclusive: RwLock<()>,
-    /// Read-held by tests with a cluster of their own, write-held by exclusive ones: an
-    /// exclusive test runs on a machine no other test loads (some assert latencies).
+    /// Read-held by tests with a cluster of their own, write-held by quiet ones: a quiet
+    /// test runs on a machine no other test loads (it asserts latencies).
     own: RwLock<()>,
+    /// How many tests run at once: a running test holds one (a quiet one, all), taken
+    /// after its locks, so a test waiting for a lock holds none.
+    slots: tokio::sync::Semaphore,
+    width: u32,
     databases: Arc<AtomicUsize>,
     timeout: Duration,
-    /// When the run began, and how long the exclusive tests ran alone (their sum).
+    /// When the run began, and how long the exclusive and quiet tests took (their sum).
     began: std::time::Instant,
     alone: std::sync::Mutex<Duration>,
 }
@@ -391,20 +408,25 @@ impl Shared {
             name: name.into(),
             databases: Arc::clone(&self.databases),
         };
-        let exclusive = sharing == Sharing::Exclusive;
-        // An exclusive test first waits for the tests with clusters of their own (they
-        // start first, so they are done by the time the exclusive ones, last, begin),
-        // then for the shared ones.
+        let exclusive = matches!(sharing, Sharing::Exclusive | Sharing::Quiet);
+        // A quiet test first waits for the tests with clusters of their own, then (as an
+        // exclusive one does) for the shared ones, then for every slot. The locks are
+        // fair: a shared test that comes after an exclusive one waits for it.
         let (own_read, own_write) = match sharing {
-            Sharing::Exclusive => (None, Some(self.own.write().await)),
+            Sharing::Quiet => (None, Some(self.own.write().await)),
             Sharing::Own => (Some(self.own.read().await), None),
-            Sharing::Shared => (None, None),
+            Sharing::Shared | Sharing::Exclusive => (None, None),
         };
         let (read, write) = match sharing {
-            Sharing::Exclusive => (None, Some(self.exclusive.write().await)),
+            Sharing::Exclusive | Sharing::Quiet => (None, Some(self.exclusive.write().await)),
             Sharing::Shared => (Some(self.exclusive.read().await), None),
             Sharing::Own => (None, None),
         };
+        let slots = self
+            .slots
+            .acquire_many(if sharing == Sharing::Quiet { self.width } else { 1 })
+            .await
+            .map_err(|_| Failed::from("the harness's slots were closed"))?;
         let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
         // Where a suite's time goes, in CI's log: every test that took 10 s or more, and
@@ -435,7 +457,7 @@ impl Shared {
                 Err(f) => Failed::from(format!("{}\n{healed}", f.message().unwrap_or_default())),
             });
         }
-        drop((read, write, own_read, own_write));
+        drop((slots, read, write, own_read, own_write));
         result
     }
 }
@@ -483,10 +505,12 @@ inventory::collect!(Registered);
 
 /// Registers a test where it is written, the one place it is named:
 /// `shardline_testkit::register!(shared: name);` runs in parallel with the others,
-/// `shardline_testkit::register!(exclusive: name);` alone (it faults hosts),
-/// `shardline_testkit::register!(own: name);` first, beside the shared ones (it starts a
-/// cluster of its own and never touches the shared one); exclusive tests run last. Put it
-/// above the test's doc comment; [`Harness::registered`] collects every one the binary
+/// `shardline_testkit::register!(exclusive: name);` alone among the shared cluster's
+/// tests (it faults hosts), first, one after another, beside the own-cluster ones;
+/// `shardline_testkit::register!(own: name);` beside the exclusive and the shared ones (it
+/// starts a cluster of its own and never touches the shared one);
+/// `shardline_testkit::register!(quiet: name);` last, alone on the machine (it asserts
+/// latencies), and as an exclusive one. Put it above the test's doc comment; [`Harness::registered`] collects every one the binary
 /// holds, named `module::function`.
 #[macro_export]
 macro_rules! register {
@@ -498,6 +522,9 @@ macro_rules! register {
     };
     (own: $test:ident) => {
         $crate::register!(@ Own, $test);
+    };
+    (quiet: $test:ident) => {
+        $crate::register!(@ Quiet, $test);
     };
     (@ $sharing:ident, $test:ident) => {
         $crate::inventory::submit! {
@@ -532,6 +559,7 @@ mod tests {
         let selected = |c: Case| c.is_about_hosts();
         assert!(selected(case("moves::a_host_killed_inside_a_step", Sharing::Exclusive)));
         assert!(selected(case("moves::a_host_paused_inside_each_step", Sharing::Own)));
+        assert!(selected(case("ids::after_an_idle_gap", Sharing::Quiet)));
         assert!(selected(case("partitions::a_cut_link_to_one_host", Sharing::Shared)));
         assert!(selected(case("faults::anything", Sharing::Shared)));
         assert!(selected(case("lifecycle::a_killed_test_process_leaves_no_server", Sharing::Shared)));
