@@ -20,7 +20,7 @@ const WINDOWS: usize = 16;
 /// Concurrent `get_many` calls, each over an ID of every shard.
 const MANYS: usize = 4;
 
-shardline_testkit::register!(exclusive: concurrent_fan_outs_leave_the_lock_table_to_other_queries);
+shardline_testkit::register!(own: concurrent_fan_outs_leave_the_lock_table_to_other_queries);
 /// The shared lock table of a stock host holds 64 × 122 = 7,808 locks. A statement
 /// over every shard of the host would lock 3 × 720 relations (table, primary key, user
 /// index) until it ends: a few at once would fill the table, and then every query on

@@ -93,11 +93,16 @@ pub(crate) async fn kill_crashes_and_start_recovers_committed_rows(ctx: TestCont
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: pause_makes_queries_time_out_and_resume_answers_them);
-pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(ctx: TestContext) -> TestResult {
-    let db = ctx.databases().await?;
-    let host = &ctx.hosts()[1];
-    let client = host.connect(&db).await?;
+shardline_testkit::register!(own: pause_makes_queries_time_out_and_resume_answers_them);
+pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(_ctx: TestContext) -> TestResult {
+    crate::moves::on_own_kit(2, &[], |kit| Box::pin(pause_on(kit))).await
+}
+
+async fn pause_on(kit: &shardline_testkit::Cluster) -> Result<(), crate::bootstrap::BoxError> {
+    let db = "paused";
+    kit.create_database(db).await?;
+    let host = &kit.hosts()[1];
+    let client = host.connect(db).await?;
     client.batch_execute("CREATE TABLE events (id int PRIMARY KEY); INSERT INTO events VALUES (1)").await?;
 
     host.pause().await?;
@@ -107,10 +112,10 @@ pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(ctx: Te
         tokio::time::timeout(Duration::from_secs(2), client.query_one("SELECT count(*) FROM events", &[]))
             .await;
     assert!(query.is_err(), "a paused host answered a query: {query:?}");
-    let connecting = tokio::time::timeout(Duration::from_secs(2), host.config(&db).connect(NoTls)).await;
+    let connecting = tokio::time::timeout(Duration::from_secs(2), host.config(db).connect(NoTls)).await;
     assert!(connecting.is_err(), "a paused host completed a connection");
     // The kit's own connect gives up with a timeout error rather than hanging.
-    match host.connect(&db).await {
+    match host.connect(db).await {
         Err(Error::Timeout { .. }) => {}
         other => panic!("connecting to a paused host should time out, got {other:?}"),
     }
@@ -120,7 +125,7 @@ pub(crate) async fn pause_makes_queries_time_out_and_resume_answers_them(ctx: Te
     // The connection that waited is still usable, and new ones are accepted.
     let answer = tokio::time::timeout(Duration::from_secs(10), count(&client)).await??;
     assert_eq!(answer, 1);
-    assert_eq!(count(&host.connect(&db).await?).await?, 1);
+    assert_eq!(count(&host.connect(db).await?).await?, 1);
     Ok(())
 }
 

@@ -1030,7 +1030,7 @@ pub(crate) async fn the_demo_runs_to_its_summary(_ctx: TestContext) -> TestResul
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: every_step_survives_the_source_or_the_target_dying);
+shardline_testkit::register!(own: every_step_survives_the_source_or_the_target_dying);
 /// Every (step × host) point of a move: stopped after each of the 9 steps, the source or
 /// the target is killed. Recovery is tried while it is down (abort before the flip on
 /// some steps, resume at the others and after the flip); it either succeeds or fails
@@ -1038,8 +1038,12 @@ shardline_testkit::register!(exclusive: every_step_survives_the_source_or_the_ta
 /// while the shard was fenced and the source could take its writes back). Once the host
 /// is back, the same action finishes a running move. Then, every time: the map and the data agree on one writable copy
 /// holding every row, and `gc` leaves nothing behind.
-pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: TestContext) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 6).await?;
+pub(crate) async fn every_step_survives_the_source_or_the_target_dying(_ctx: TestContext) -> TestResult {
+    on_own_kit(3, &[], |kit| Box::pin(every_step_on(kit))).await
+}
+
+async fn every_step_on(ctx: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(ctx, "every_step", 6).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
@@ -1103,10 +1107,10 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
             assert!(undone || !abort, "{case}: an abort that did not undo");
             undone_count += usize::from(undone);
             let now_on = if undone { on } else { other };
-            let said = ends_whole_on(&f, &ctx, &cluster, 2, now_on, expected, &case).await?;
+            let said = ends_whole_on(&f, ctx, &cluster, 2, now_on, expected, &case).await?;
             for h in 1..3 {
                 let old: i64 = f
-                    .client(&ctx, h)
+                    .client(ctx, h)
                     .await?
                     .query_one("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'shard\\_0002\\_%'", &[])
                     .await?
@@ -1144,7 +1148,7 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     )
     .await
     .unwrap_err();
-    f.client(&ctx, 0)
+    f.client(ctx, 0)
         .await?
         .execute(
             "UPDATE shardline.moves SET detail = jsonb_set(detail, '{undoing}', 'true') WHERE state = 'running'",
@@ -1155,7 +1159,7 @@ pub(crate) async fn every_step_survives_the_source_or_the_target_dying(ctx: Test
     assert!(matches!(err, OpsError::Undoing { shard, .. } if shard == 2), "{err}");
     assert!(err.to_string().contains("shardline move --abort 2"), "{err}");
     assert!(moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?.unfenced);
-    assert_eq!(counts(&f, &ctx, host_index(on), "shard_0002").await?, Some(expected));
+    assert_eq!(counts(&f, ctx, host_index(on), "shard_0002").await?, Some(expected));
     eprintln!(
         "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down, \
          {undone_count} moves ended undone, {} completed",

@@ -444,10 +444,8 @@ pub(crate) async fn while_no_listen_connection_can_be_made_the_map_check_goes_on
     Ok(())
 }
 
-/// [`linked`], a handle on it, and shard 0 holding 2,000 photos
-/// with a like and a comment each.
-/// A cluster of its own (3 hosts), linked as [`linked`] does on the shared one, with
-/// 100 photos seeded per user of 6 shards.
+/// A cluster of its own (3 hosts), linked as [`linked`] links the shared one, a handle
+/// on it, and shard 0 holding 2,000 photos with a like and a comment each.
 async fn seeded_on_own(db: &str) -> Result<(shardline_testkit::Cluster, Linked, Config, Cluster), BoxError> {
     let kit = shardline_testkit::Cluster::start(3).await?;
     let f = Fixture::on_kit(&kit, db, 6).await?;

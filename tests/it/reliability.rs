@@ -1006,7 +1006,7 @@ fn check_writes(
     counts
 }
 
-shardline_testkit::register!(exclusive: a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write);
+shardline_testkit::register!(quiet: a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write);
 pub(crate) async fn a_host_killed_or_hung_under_requests_fails_them_in_time_and_loses_no_write(
     ctx: TestContext,
 ) -> TestResult {

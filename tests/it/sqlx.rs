@@ -896,7 +896,7 @@ pub(crate) async fn a_stale_map_and_a_move_under_sqlx_writers_lose_and_double_no
     Ok(())
 }
 
-shardline_testkit::register!(exclusive: a_killed_or_hung_host_fails_sqlx_work_in_time_classified);
+shardline_testkit::register!(quiet: a_killed_or_hung_host_fails_sqlx_work_in_time_classified);
 /// A host killed, then hung: sqlx work on it fails within the host timeout (plus the
 /// pool's wait and slack), naming the host, classified as the repository's errors are;
 /// work on the other host goes on; once the host is back the same handle works there.

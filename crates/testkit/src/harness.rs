@@ -51,7 +51,7 @@ pub const TIMEOUT_ENV: &str = "SHARDLINE_TEST_TIMEOUT_SECS";
 
 /// The environment variable that narrows a run to the tests whose subject is the hosts
 /// themselves: `SHARDLINE_TEST_SCOPE=hosts` runs the tests that stop, kill, pause or
-/// start hosts of their own (registered `exclusive` or `own`) and those of the
+/// start hosts of their own (registered `exclusive`, `quiet` or `own`) and those of the
 /// [`HOST_MODULES`] (the kit's backends, faults, cut links and leftovers), and leaves
 /// out the rest, saying so and how many; a scope that selects no test fails the run. CI runs every test on one backend and this scope on
 /// the other: the tests left out run the same SQL against the same Postgres either way.
@@ -94,8 +94,8 @@ pub enum Sharing {
     /// (it asserts latencies a loaded machine would break).
     Quiet,
     /// It starts a cluster of its own and never touches the shared one: it runs beside
-    /// the shared tests, and starts first (these are the longest); exclusive tests wait
-    /// for it.
+    /// the exclusive and the shared tests (these are the longest); quiet tests wait for
+    /// it.
     Own,
 }
 
@@ -210,13 +210,24 @@ impl Harness {
     }
 
     /// Adds a test that starts a cluster of its own and never touches the shared one: it
-    /// runs beside the shared tests; exclusive tests wait for it.
+    /// runs beside the exclusive and the shared tests; quiet tests wait for it.
     pub fn own<F, Fut>(self, name: &str, test: F) -> Self
     where
         F: Fn(TestContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = TestResult> + Send + 'static,
     {
         self.add(name, Sharing::Own, test)
+    }
+
+    /// Adds a test that runs alone on the machine (it asserts latencies a loaded machine
+    /// would break), after every other; as an exclusive one, every host is healed after
+    /// it.
+    pub fn quiet<F, Fut>(self, name: &str, test: F) -> Self
+    where
+        F: Fn(TestContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = TestResult> + Send + 'static,
+    {
+        self.add(name, Sharing::Quiet, test)
     }
 
     fn add<F, Fut>(mut self, name: &str, sharing: Sharing, test: F) -> Self
@@ -293,26 +304,37 @@ impl Harness {
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
             began: std::time::Instant::now(),
-            alone: std::sync::Mutex::new(Duration::ZERO),
+            serial: std::sync::Mutex::new(Duration::ZERO),
+            turn: tokio::sync::watch::Sender::new(0),
         });
+        // Each test the command line selects gets its turn to queue for its locks, in the
+        // order above (libtest hands tests out in that order, but up to 64 threads then
+        // race: without turns, shared tests could queue ahead of exclusive ones).
+        let mut next_ticket = 0;
         let trials = cases
             .into_iter()
             .map(|case| {
                 let shared = Arc::clone(&shared);
                 let handle = runtime.handle().clone();
                 let name = case.name.clone();
+                let ticket = if args.is_filtered_out(&Trial::test(case.name.clone(), || Ok(()))) {
+                    usize::MAX
+                } else {
+                    next_ticket += 1;
+                    next_ticket - 1
+                };
                 Trial::test(case.name, move || {
-                    handle.block_on(shared.run_case(&name, case.sharing, &case.run))
+                    handle.block_on(shared.run_case(&name, case.sharing, &case.run, ticket))
                 })
             })
             .collect();
         let conclusion = libtest_mimic::run(&args, trials);
-        let alone = *shared.alone.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !alone.is_zero() {
+        let serial = *shared.serial.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !serial.is_zero() {
             eprintln!(
                 "shardline-testkit: {:.1} s in all; the exclusive and quiet tests, one after another, took {:.1} s",
                 shared.began.elapsed().as_secs_f64(),
-                alone.as_secs_f64()
+                serial.as_secs_f64()
             );
         }
         if let Some(Ok(cluster)) = shared.cluster.get()
@@ -374,9 +396,12 @@ struct Shared {
     width: u32,
     databases: Arc<AtomicUsize>,
     timeout: Duration,
-    /// When the run began, and how long the exclusive and quiet tests took (their sum).
+    /// When the run began, and how long the exclusive and quiet tests took (their sum,
+    /// not counting the heals after them).
     began: std::time::Instant,
-    alone: std::sync::Mutex<Duration>,
+    serial: std::sync::Mutex<Duration>,
+    /// The ticket of the test whose turn it is to queue for its locks.
+    turn: tokio::sync::watch::Sender<usize>,
 }
 
 impl Shared {
@@ -401,32 +426,53 @@ impl Shared {
         cluster.clone().map_err(Failed::from)
     }
 
-    async fn run_case(&self, name: &str, sharing: Sharing, run: &TestFn) -> std::result::Result<(), Failed> {
+    async fn run_case(
+        &self,
+        name: &str,
+        sharing: Sharing,
+        run: &TestFn,
+        ticket: usize,
+    ) -> std::result::Result<(), Failed> {
+        let exclusive = matches!(sharing, Sharing::Exclusive | Sharing::Quiet);
+        // A quiet test first waits for the tests with clusters of their own, then (as an
+        // exclusive one does) for the shared ones, then for every slot. The locks are
+        // fair, and each test queues for its first one in its turn: a shared test listed
+        // after an exclusive one waits for it.
+        let acquire = async {
+            let (own_read, own_write) = match sharing {
+                Sharing::Quiet => (None, Some(self.own.write().await)),
+                Sharing::Own => (Some(self.own.read().await), None),
+                Sharing::Shared | Sharing::Exclusive => (None, None),
+            };
+            let (read, write) = match sharing {
+                Sharing::Exclusive | Sharing::Quiet => (None, Some(self.exclusive.write().await)),
+                Sharing::Shared => (Some(self.exclusive.read().await), None),
+                Sharing::Own => (None, None),
+            };
+            let slots = self
+                .slots
+                .acquire_many(if sharing == Sharing::Quiet { self.width } else { 1 })
+                .await
+                .map_err(|_| Failed::from("the harness's slots were closed"))?;
+            Ok::<_, Failed>((slots, read, write, own_read, own_write))
+        };
+        let mut acquire = std::pin::pin!(acquire);
+        // The sender lives as long as `self`: `wait_for` cannot fail here.
+        let _ = self.turn.subscribe().wait_for(|t| *t >= ticket).await;
+        // Queued (or through) once polled.
+        let first = futures::poll!(acquire.as_mut());
+        self.turn.send_modify(|t| *t = (*t).max(ticket.saturating_add(1)));
+        let held = match first {
+            std::task::Poll::Ready(held) => held,
+            std::task::Poll::Pending => acquire.await,
+        };
+        let (slots, read, write, own_read, own_write) = held?;
         let cluster = self.cluster().await?;
         let ctx = TestContext {
             cluster: Arc::clone(&cluster),
             name: name.into(),
             databases: Arc::clone(&self.databases),
         };
-        let exclusive = matches!(sharing, Sharing::Exclusive | Sharing::Quiet);
-        // A quiet test first waits for the tests with clusters of their own, then (as an
-        // exclusive one does) for the shared ones, then for every slot. The locks are
-        // fair: a shared test that comes after an exclusive one waits for it.
-        let (own_read, own_write) = match sharing {
-            Sharing::Quiet => (None, Some(self.own.write().await)),
-            Sharing::Own => (Some(self.own.read().await), None),
-            Sharing::Shared | Sharing::Exclusive => (None, None),
-        };
-        let (read, write) = match sharing {
-            Sharing::Exclusive | Sharing::Quiet => (None, Some(self.exclusive.write().await)),
-            Sharing::Shared => (Some(self.exclusive.read().await), None),
-            Sharing::Own => (None, None),
-        };
-        let slots = self
-            .slots
-            .acquire_many(if sharing == Sharing::Quiet { self.width } else { 1 })
-            .await
-            .map_err(|_| Failed::from("the harness's slots were closed"))?;
         let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
         // Where a suite's time goes, in CI's log: every test that took 10 s or more, and
@@ -440,7 +486,7 @@ impl Shared {
             );
         }
         if exclusive {
-            *self.alone.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += took;
+            *self.serial.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += took;
         }
         let result = match outcome {
             Ok(Ok(Ok(()))) => Ok(()),
