@@ -578,11 +578,7 @@ impl<E: Entity> Repo<E> {
         let select = E::COLUMNS
             .iter()
             .map(|c| {
-                if types.of(&[], &[c]).is_none() {
-                    format!("{}::text AS {}", quote(c), quote(c))
-                } else {
-                    quote(c)
-                }
+                if types.of_the_schema(c) { format!("{}::text AS {}", quote(c), quote(c)) } else { quote(c) }
             })
             .collect::<Vec<_>>()
             .join(", ");
@@ -942,7 +938,9 @@ impl<E: Entity> Repo<E> {
     /// [`crate::ClusterOptions::fan_out`] hosts at once, each within the host timeout),
     /// merged by ID. Each statement is asked first for about its share of the page; one
     /// whose share came back full and may hold more of it is read again in a second
-    /// round trip to its host (so a call takes up to twice the host timeout). A host's shards are read in statements of at most
+    /// round trip to its host (so a call without failures takes up to twice the host
+    /// timeout; each statement that fails in a later round may cost one more round, at
+    /// most one per host). A host's shards are read in statements of at most
     /// [`crate::ClusterOptions::fan_out_batch`] shards, pipelined on one connection, so
     /// a fan-out holds few locks at a time; a statement that fails lists its shards, and
     /// only those, in [`FanOut::missing`] (one entry per host). A host that fails or
@@ -955,7 +953,8 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Id`] when the window is outside the ID layout.
+    /// [`Error::Id`] when the window is outside the ID layout; [`Error::Invalid`] for a
+    /// time before 1970 or past what milliseconds in an `i64` hold.
     pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
@@ -988,7 +987,8 @@ impl<E: Entity> Repo<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Id`] when the window is outside the ID layout.
+    /// [`Error::Id`] when the window is outside the ID layout; [`Error::Invalid`] for a
+    /// time before 1970 or past what milliseconds in an `i64` hold.
     pub async fn count_between(&self, from: SystemTime, to: SystemTime) -> Result<Counted> {
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);

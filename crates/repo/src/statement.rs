@@ -44,9 +44,10 @@ use crate::{Error, Result};
 pub(crate) const FIRST_NORMAL_OID: u32 = 16_384;
 
 /// The types of one table's columns, by name: `Some` for a type built into Postgres,
-/// `None` for a type of the schema (an enum) or one the driver does not know.
+/// `None` for a type of the schema (an enum) or one the driver does not know; and which
+/// columns have a type of the table's own schema (each shard has its own copy of it).
 #[derive(Debug, Default)]
-pub(crate) struct TableTypes(HashMap<String, Option<Type>>);
+pub(crate) struct TableTypes(HashMap<String, Option<Type>>, std::collections::HashSet<String>);
 
 impl TableTypes {
     /// Reads the column types of `schema.table` with one unnamed statement. A missing
@@ -62,20 +63,31 @@ impl TableTypes {
         let name = format!("{}.{}", schema.quoted(), shardline_id::ident::quote(table));
         let rows = client
             .query_typed(
-                "SELECT a.attname::text, a.atttypid::int8 FROM pg_catalog.pg_attribute a
+                "SELECT a.attname::text, a.atttypid::int8, t.typnamespace = c.relnamespace
+                   FROM pg_catalog.pg_attribute a
+                   JOIN pg_catalog.pg_class c ON c.oid = a.attrelid
+                   JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
                   WHERE a.attrelid = $1::text::regclass AND a.attnum > 0 AND NOT a.attisdropped",
                 &[(&name, Type::TEXT)],
             )
             .await
             .map_err(|e| Error::host(host, shard, "read the column types", e))?;
         let mut types = HashMap::with_capacity(rows.len());
+        let mut local = std::collections::HashSet::new();
         for row in rows {
-            let column: String = row.get(0);
-            let oid = u32::try_from(row.get::<_, i64>(1)).ok();
+            let column: String =
+                row.try_get(0).map_err(|e| Error::host(host, shard, "read the column types", e))?;
+            let oid = row
+                .try_get::<_, i64>(1)
+                .map_err(|e| Error::host(host, shard, "read the column types", e))
+                .map(|o| u32::try_from(o).ok())?;
+            if row.try_get::<_, Option<bool>>(2).ok().flatten().unwrap_or(false) {
+                local.insert(column.clone());
+            }
             let ty = oid.filter(|o| *o < FIRST_NORMAL_OID).and_then(Type::from_oid);
             types.insert(column, ty);
         }
-        Ok(TableTypes(types))
+        Ok(TableTypes(types, local))
     }
 
     /// The types of `params`, or `None` when one of them, or one of `returned` (the
@@ -101,6 +113,14 @@ impl TableTypes {
             Param::Int8 => None,
         });
         named.chain(returned.iter().copied()).all(|c| self.0.contains_key(c))
+    }
+
+    /// Whether `column`'s type lives in the table's own schema (an enum or a domain a
+    /// migration made there: each shard schema has its own, under another OID), where
+    /// one of an extension's or of `public` (`hstore`, `vector`) is shared by every
+    /// schema of the database.
+    pub(crate) fn of_the_schema(&self, column: &str) -> bool {
+        self.1.contains(column)
     }
 
     /// The first of `columns` whose type is not built in, for the error that names it.
