@@ -678,6 +678,28 @@ pub(crate) async fn a_hand_written_new_row_whose_key_is_not_what_it_stores_is_re
         Err(Error::Invalid { what }) if what.contains("does not give photos.user_id") => {}
         other => return Err(format!("a row without its key column: {other:?}").into()),
     }
+    /// Routed by a parent, for an entity placed by its user.
+    struct Parented {
+        user_id: i64,
+        url: String,
+        parent: Id,
+    }
+    impl shardline_repo::NewRow for Parented {
+        type Entity = Photo;
+        const COLUMNS: &'static [&'static str] = &["user_id", "url"];
+        fn shard_key(&self) -> shardline_repo::ShardKey {
+            shardline_repo::ShardKey::Parent(self.parent)
+        }
+        fn values(&self) -> Vec<&(dyn shardline_repo::tokio_postgres::types::ToSql + Sync)> {
+            vec![&self.user_id, &self.url]
+        }
+    }
+    let parent = Id::from_parts(1_800_000_000_000, u32::from(cluster.route_user(2).shard.get()), 0)?;
+    match photos.insert(&Parented { user_id: 1, url: "https://cdn/1.jpg".to_owned(), parent }).await {
+        Err(Error::Invalid { what })
+            if what.contains("shard_key() is a parent but photos places its rows by user_id") => {}
+        other => return Err(format!("a row routed by a parent: {other:?}").into()),
+    }
     let lying = || Lying { user_id: 1, url: "https://cdn/1.jpg".to_owned() };
     let refused = |r: Result<Vec<Photo>, Error>, how: &str| match r {
         Err(Error::Invalid { what })

@@ -194,7 +194,26 @@ pub(crate) fn check_values<N: NewRow>(row: &N) -> Result<()> {
     // shard, where reads by the stored value never look. The derive cannot write such a
     // row; a hand-written `NewRow` can. Checked on the value as it would be sent.
     let key = row.shard_key();
-    let Some(column) = key.column::<N::Entity>() else { return Ok(()) };
+    let Some(column) = key.column::<N::Entity>() else {
+        // The entity stores the other kind of key (a user where the row gives a parent,
+        // say): the row would be in the parent's shard, where pages by its user never
+        // look. The derive refuses this at compile time.
+        let other = N::Entity::USER_COLUMN.or(N::Entity::PARENT_COLUMN);
+        return match other {
+            None => Ok(()),
+            Some(other) => Err(Error::Invalid {
+                what: format!(
+                    "{}: shard_key() is a {} but {} places its rows by {other}",
+                    std::any::type_name::<N>(),
+                    match key {
+                        ShardKey::User(_) => "user",
+                        ShardKey::Parent(_) => "parent",
+                    },
+                    N::Entity::TABLE
+                ),
+            }),
+        };
+    };
     let Some(i) = N::COLUMNS.iter().position(|c| *c == column) else {
         return Err(Error::Invalid {
             what: format!(
