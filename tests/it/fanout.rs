@@ -438,6 +438,19 @@ pub(crate) async fn generic_plans_plan_a_kept_fan_out_once_from_its_first_run(
     Ok(())
 }
 
+/// The client backends of `client`'s database on its host, but its own: a pool's
+/// connections there (the tests put the catalog, and so the map's listener, elsewhere).
+async fn client_backends(client: &tokio_postgres::Client) -> Result<Vec<i32>, BoxError> {
+    let rows = client
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+             AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get::<_, i32>(0)).collect())
+}
+
 shardline_testkit::register!(shared: a_connection_past_its_uses_is_replaced);
 /// `connection_max_uses`: a pooled connection handed out that many times is closed
 /// when it comes back, and the next request gets a new backend; by default the same
@@ -446,16 +459,7 @@ pub(crate) async fn a_connection_past_its_uses_is_replaced(ctx: TestContext) -> 
     let f = Fixture::new(&ctx, 2, 2).await?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let pg2 = f.client(&ctx, 1).await?;
-    // The pool's connections on pg2 (the catalog, and so the map's listener, is on pg1).
-    let backends = || async {
-        let rows = pg2
-            .query(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
-                &[],
-            )
-            .await?;
-        Ok::<_, BoxError>(rows.iter().map(|r| r.get::<_, i32>(0)).collect::<Vec<_>>())
-    };
+    let backends = || client_backends(&pg2);
     for (uses, renewed) in [(None, false), (Some(2), true)] {
         let o = ClusterOptions { pool_size: 1, connection_max_uses: uses, ..ClusterOptions::default() };
         let cluster = Cluster::connect(&f.config()?, o).await?;
@@ -494,17 +498,7 @@ pub(crate) async fn an_idle_connection_past_its_lifetime_is_closed(ctx: TestCont
     let f = Fixture::new(&ctx, 2, 2).await?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let pg2 = f.client(&ctx, 1).await?;
-    // The pool's connections on pg2 (the catalog, and so the map's listener, is on pg1).
-    let backends = || async {
-        let rows = pg2
-            .query(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
-                 AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
-                &[],
-            )
-            .await?;
-        Ok::<_, BoxError>(rows.iter().map(|r| r.get::<_, i32>(0)).collect::<Vec<_>>())
-    };
+    let backends = || client_backends(&pg2);
     let lifetime = Duration::from_secs(3);
     let o =
         ClusterOptions { pool_size: 4, connection_max_lifetime: Some(lifetime), ..ClusterOptions::default() };
