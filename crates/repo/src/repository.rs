@@ -144,12 +144,16 @@ impl Sql {
 
     /// Rows with IDs in `[$1, $2]` across many shards of one host, newest first, at most
     /// `$3`: each shard's part reads its primary key backwards and stops at the limit.
-    fn window(&self, schemas: &[&SchemaName], select: &str) -> String {
+    /// Each row carries the shard whose schema it came from
+    /// ([`statement::BRANCH_SHARD`]), so each is checked against its own shard.
+    fn window(&self, schemas: &[(LogicalShard, &SchemaName)], select: &str) -> String {
         let parts = schemas
             .iter()
-            .map(|s| {
+            .map(|(shard, s)| {
                 format!(
-                    "(SELECT {select} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
+                    "(SELECT {select}, {}::int4 AS {} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
+                    shard.get(),
+                    statement::BRANCH_SHARD,
                     self.qualified(s)
                 )
             })
@@ -1177,7 +1181,9 @@ impl<E: Entity> Repo<E> {
                         let sql = if counting {
                             self.sql.count(&schemas)
                         } else {
-                            self.sql.window(&schemas, select)
+                            let branches: Vec<_> =
+                                piece.shards.iter().copied().zip(schemas.iter().copied()).collect();
+                            self.sql.window(&branches, select)
                         };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
                         let (lo, hi, n) = (piece.lo, piece.hi, piece.n);

@@ -218,6 +218,10 @@ pub(crate) fn typed<'p>(
 /// # Errors
 ///
 /// [`Error::Misrouted`] naming the host, the shard expected and the shard found.
+/// The column a statement over several shards may add to each row: the shard whose
+/// schema the row came from (a plain identifier: no entity column may take its name).
+pub(crate) const BRANCH_SHARD: &str = "shardline_shard";
+
 pub(crate) fn check_rows(
     layout: Layout,
     host: &HostName,
@@ -236,8 +240,26 @@ pub(crate) fn check_rows(
         };
         let Ok(id) = Id::from_i64(raw) else { continue };
         let found = layout.shard_of(id);
-        if !shards.iter().any(|s| u32::from(s.get()) == found) {
-            return Err(Error::Misrouted { host: host.clone(), what, expected, found, id: raw });
+        // Tagged with its schema's shard: checked against that one, not any of the
+        // statement's.
+        let branch = row
+            .columns()
+            .iter()
+            .position(|c| c.name() == BRANCH_SHARD)
+            .and_then(|i| row.try_get::<_, i32>(i).ok())
+            .and_then(|b| shards.iter().copied().find(|s| i32::from(s.get()) == b));
+        let fits = match branch {
+            Some(b) => u32::from(b.get()) == found,
+            None => shards.iter().any(|s| u32::from(s.get()) == found),
+        };
+        if !fits {
+            return Err(Error::Misrouted {
+                host: host.clone(),
+                what,
+                expected: branch.unwrap_or(expected),
+                found,
+                id: raw,
+            });
         }
     }
     Ok(())
