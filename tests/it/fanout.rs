@@ -494,6 +494,14 @@ pub(crate) async fn a_row_in_another_shards_schema_of_the_same_statement_is_not_
         assert!(page.rows.iter().all(|p| p.id != stray), "the stray row was returned");
         assert!(!page.is_complete(), "the statement holding the stray row was not reported");
     }
+    // Nor counted: the count of the statement holding it fails, its shards reported.
+    let from = SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(now)? - 60_000);
+    for counted in [photos.count().await?, photos.count_between(from, SystemTime::now()).await?] {
+        let missing: Vec<_> = counted.missing.iter().flat_map(|m| m.shards.iter().copied()).collect();
+        assert!(missing.contains(&crate::shard(0)), "the stray row's shard counted: {counted:?}");
+        assert!(counted.missing[0].error.contains("shard 1"), "{counted:?}");
+        assert!(counted.count <= 4 - u64::try_from(missing.len())?, "{counted:?}");
+    }
     Ok(())
 }
 

@@ -42,13 +42,16 @@
 //! Table and column names (a field's name, or its `column = "..."`) must be plain SQL
 //! identifiers: 1 to 63 bytes, a lowercase ASCII letter or `_` first, then lowercase ASCII
 //! letters, digits and `_` (`shardline_id::sql::plain_identifier_problem`, the rule
-//! `shardline-repo` checks again before it builds SQL). Any other name is a compile error
-//! at the attribute or field, naming the name and the fix.
+//! `shardline-repo` checks again before it builds SQL), and no column may start with
+//! `shardline_` (`shardline_id::sql::RESERVED_COLUMN_PREFIX`: the columns shardline's
+//! statements add to their rows). Any other name is a compile error at the attribute or
+//! field, naming the name and the fix. A raw field name (`r#type`) is the column
+//! without its `r#`.
 
 use proc_macro::TokenStream;
 use proc_macro2::Span;
 use quote::quote;
-use shardline_id::sql::plain_identifier_problem;
+use shardline_id::sql::{RESERVED_COLUMN_PREFIX, plain_identifier_problem};
 use syn::ext::IdentExt as _;
 use syn::{Data, DeriveInput, Fields, Ident, LitStr, Path, spanned::Spanned as _};
 
@@ -199,7 +202,6 @@ fn check_table(table: &LitStr) -> syn::Result<()> {
 /// not: at its `column = "..."`, or at the field that names it.
 fn check_columns(fields: &[Field]) -> syn::Result<()> {
     for f in fields {
-        let Some(problem) = plain_identifier_problem(&f.column) else { continue };
         let (name, fix) = if f.renamed {
             (format!("column `{}`", f.column), "fix #[shardline(column = \"...\")]")
         } else {
@@ -208,10 +210,21 @@ fn check_columns(fields: &[Field]) -> syn::Result<()> {
                 "name the column with #[shardline(column = \"...\")]",
             )
         };
-        return Err(syn::Error::new(
-            f.column_span,
-            format!("{name} is not a plain SQL identifier: it {problem}; {fix}"),
-        ));
+        if let Some(problem) = plain_identifier_problem(&f.column) {
+            return Err(syn::Error::new(
+                f.column_span,
+                format!("{name} is not a plain SQL identifier: it {problem}; {fix}"),
+            ));
+        }
+        if f.column.starts_with(RESERVED_COLUMN_PREFIX) {
+            return Err(syn::Error::new(
+                f.column_span,
+                format!(
+                    "{name} starts with `{RESERVED_COLUMN_PREFIX}`, reserved for the columns shardline's \
+                     statements add to their rows; {fix}"
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -261,7 +274,7 @@ fn entity(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     let marked: Vec<&Field> = fields.iter().filter(|f| f.id).collect();
     let id = match marked.as_slice() {
         [one] => *one,
-        [] => fields.iter().find(|f| f.ident == "id").ok_or_else(|| {
+        [] => fields.iter().find(|f| f.ident.unraw() == "id").ok_or_else(|| {
             syn::Error::new(
                 input.ident.span(),
                 "an entity needs an `id` field, or one marked #[shardline(id)]",
@@ -453,6 +466,37 @@ mod tests {
         let out = entity(&syn::parse_quote! { #[shardline(table = "p")] struct P { id: Id, r#type: i64 } })
             .unwrap();
         assert!(out.to_string().contains(r#"& ["id" , "type"]"#), "{out}");
+    }
+
+    #[test]
+    fn a_column_under_the_reserved_prefix_is_refused_and_a_raw_id_field_is_the_id() {
+        for reserved in ["shardline_shard", "shardline_part", "shardline_x"] {
+            let err = entity_err(syn::parse_quote! {
+                #[shardline(table = "p")] struct P { id: Id, #[shardline(column = #reserved)] c: i64 }
+            });
+            assert_eq!(
+                err,
+                format!(
+                    "column `{reserved}` starts with `shardline_`, reserved for the columns shardline's \
+                     statements add to their rows; fix #[shardline(column = \"...\")]"
+                )
+            );
+            let err = new_row_err(syn::parse_quote! {
+                #[shardline(entity = P)] struct N { #[shardline(user)] u: i64, #[shardline(column = #reserved)] c: i64 }
+            });
+            assert!(err.starts_with(&format!("column `{reserved}` starts with `shardline_`")), "{err}");
+        }
+        let err = entity_err(
+            syn::parse_quote! { #[shardline(table = "p")] struct P { id: Id, shardline_shard: i32 } },
+        );
+        assert!(err.starts_with("column `shardline_shard` (the field's name) starts with"), "{err}");
+        // `r#id` is the field `id`: the entity's ID, read from column `id`.
+        let out = entity(&syn::parse_quote! { #[shardline(table = "p")] struct P { r#id: Id, n: i64 } })
+            .map_err(|e| e.to_string())
+            .unwrap_or_else(|e| panic!("r#id refused: {e}"))
+            .to_string();
+        assert!(out.contains(r#"r#id : row . try_get ("id") ?"#), "{out}");
+        assert!(out.contains("self . r#id"), "{out}");
     }
 
     #[test]

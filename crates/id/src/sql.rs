@@ -599,6 +599,13 @@ $fn$ LANGUAGE plpgsql;
     }
 }
 
+/// The prefix of the columns shardline's own statements add to the rows they return
+/// (the shard a row of a statement over several schemas came from, the part of a batch
+/// insert a row belongs to). No entity's column may start with it, so no table column
+/// can be taken for one of them: `#[derive(Entity, NewRow)]` refuses such a column at
+/// compile time, and `shardline-repo` before it builds a statement.
+pub const RESERVED_COLUMN_PREFIX: &str = "shardline_";
+
 /// Why `name` is not a plain SQL identifier, or `None` when it is one: 1 to 63 bytes
 /// (Postgres's limit), a lowercase ASCII letter or `_` first, then lowercase ASCII
 /// letters, digits and `_`. Quoting such a name is exact (no quote to double, no case to

@@ -32,7 +32,7 @@
 //! ```
 
 use shardline_id::Id;
-use shardline_id::sql::plain_identifier_problem;
+use shardline_id::sql::{RESERVED_COLUMN_PREFIX, plain_identifier_problem};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -142,11 +142,28 @@ pub(crate) fn check_ident(what: &'static str, name: &str) -> Result<()> {
     }
 }
 
+/// A column of `table` that an entity or a new row may name: a plain identifier
+/// ([`check_ident`]) outside [`RESERVED_COLUMN_PREFIX`], the prefix of the columns
+/// shardline's statements add to their rows (a table column of such a name would be
+/// read in place of one of them, or they in place of it).
+pub(crate) fn check_column(what: &'static str, table: &str, name: &str) -> Result<()> {
+    check_ident(what, name)?;
+    if name.starts_with(RESERVED_COLUMN_PREFIX) {
+        return Err(Error::Invalid {
+            what: format!(
+                "{what} {name:?} of table {table:?}: names starting with `{RESERVED_COLUMN_PREFIX}` are \
+                 reserved for the columns shardline's statements add; rename the column"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Checks an entity's declaration once, before any SQL is built from it.
 pub(crate) fn check_entity<E: Entity>() -> Result<()> {
     check_ident("table", E::TABLE)?;
     for c in E::COLUMNS {
-        check_ident("column", c)?;
+        check_column("column", E::TABLE, c)?;
     }
     for c in E::USER_COLUMN.iter().chain(E::PARENT_COLUMN.iter()) {
         check_ident("column", c)?;
@@ -170,7 +187,7 @@ pub(crate) fn check_entity<E: Entity>() -> Result<()> {
 /// hand-written `impl NewRow` is not checked by `#[derive(NewRow)]`.
 pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
     for c in N::COLUMNS {
-        check_ident("column to insert", c)?;
+        check_column("column to insert", <N::Entity as Entity>::TABLE, c)?;
     }
     Ok(())
 }
@@ -290,7 +307,20 @@ pub(crate) fn check_update<'a, E: Entity>(set: &[(&'a str, &(dyn ToSql + Sync))]
 
 #[cfg(test)]
 mod tests {
-    use super::same_column;
+    use super::{check_column, same_column};
+    use crate::statement::{BRANCH_SHARD, INSERT_PART};
+
+    #[test]
+    fn the_columns_statements_add_are_reserved_and_refused_as_an_entitys() {
+        for tag in [BRANCH_SHARD, INSERT_PART] {
+            assert!(tag.starts_with(shardline_id::sql::RESERVED_COLUMN_PREFIX), "{tag}");
+            let refused = check_column("column", "photos", tag).map(|()| "accepted").unwrap_err().to_string();
+            assert!(refused.contains(tag) && refused.contains("reserved"), "{refused}");
+        }
+        assert!(check_column("column", "photos", "shardline_anything").is_err());
+        assert!(check_column("column", "photos", "shard").is_ok());
+        assert!(check_column("column", "photos", "my_shardline_shard").is_ok());
+    }
 
     #[test]
     fn a_new_row_fits_its_entity_by_the_same_column_or_an_entity_that_names_none() {

@@ -83,7 +83,7 @@ impl Sql {
 
     /// Inserts into several shards of one host in one statement: part `i` inserts
     /// `parts[i].1` rows into `parts[i].0`; the rows come back tagged with `i` in
-    /// column `shardline_part`.
+    /// column [`statement::INSERT_PART`].
     /// `select` is the `RETURNING` list ([`Repo::across_select`]).
     fn insert_parts(&self, parts: &[(&SchemaName, usize)], columns: &[&str], select: &str) -> String {
         let mut first = 0;
@@ -94,7 +94,7 @@ impl Sql {
             first += rows * columns.len();
         }
         let selects = (0..parts.len())
-            .map(|i| format!("SELECT {i} AS \"shardline_part\", * FROM p{i}"))
+            .map(|i| format!("SELECT {i} AS {}, * FROM p{i}", statement::INSERT_PART))
             .collect::<Vec<_>>()
             .join(" UNION ALL ");
         format!("WITH {} {selects}", ctes.join(", "))
@@ -162,17 +162,27 @@ impl Sql {
         format!("SELECT * FROM ({parts}) AS w ORDER BY \"id\" DESC LIMIT $3")
     }
 
-    /// How many rows have IDs in `[$1, $2]` across many shards of one host (`$3`, the
-    /// limit of [`Sql::window`], is declared and unused: both take the same parameters).
-    fn count(&self, schemas: &[&SchemaName]) -> String {
-        let parts = schemas
+    /// How many rows have IDs in `[$1, $2]` in each of many shards of one host (`$3`,
+    /// the limit of [`Sql::window`], is declared and unused: both take the same
+    /// parameters). One row per shard: the shard ([`statement::BRANCH_SHARD`]), its
+    /// count, and as `id` the lowest counted ID that another shard minted (`NULL` when
+    /// there is none), so a row in the wrong schema is found as a read of its rows
+    /// finds it ([`check_rows`]), at the price of one `&` per row counted.
+    fn count(&self, schemas: &[(LogicalShard, &SchemaName)], layout: shardline_id::Layout) -> String {
+        let mask = i64::from(layout.max_shard()) << layout.shard_shift();
+        schemas
             .iter()
-            .map(|s| {
-                format!("(SELECT count(*) AS n FROM {} WHERE \"id\" BETWEEN $1 AND $2)", self.qualified(s))
+            .map(|(shard, s)| {
+                let part = i64::from(shard.get()) << layout.shard_shift();
+                format!(
+                    "(SELECT {}::int4 AS {}, count(*) AS n, min(\"id\") FILTER (WHERE (\"id\" & {mask}::int8) <> {part}::int8) AS \"id\" FROM {} WHERE \"id\" BETWEEN $1 AND $2)",
+                    shard.get(),
+                    statement::BRANCH_SHARD,
+                    self.qualified(s)
+                )
             })
             .collect::<Vec<_>>()
-            .join(" UNION ALL ");
-        format!("SELECT coalesce(sum(n), 0)::bigint FROM ({parts}) AS w")
+            .join(" UNION ALL ")
     }
 }
 
@@ -708,8 +718,9 @@ impl<E: Entity> Repo<E> {
     ) -> Result<()> {
         let mut taken = vec![0_usize; chunk.len()];
         for row in rows {
-            let part: i32 =
-                row.try_get("shardline_part").map_err(|source| Error::Decode { table: E::TABLE, source })?;
+            let part: i32 = row
+                .try_get(statement::INSERT_PART)
+                .map_err(|source| Error::Decode { table: E::TABLE, source })?;
             let p = usize::try_from(part).ok().filter(|p| *p < chunk.len());
             let (p, idx) =
                 p.map(|p| (p, chunk[p].1)).ok_or(Error::Empty { what: "insert many (a row of no part)" })?;
@@ -987,7 +998,10 @@ impl<E: Entity> Repo<E> {
     /// How many rows were created in `[from, to]` across every shard: one count per
     /// shard over the window's ID range (its primary key), summed, read as
     /// [`Repo::created_between`] reads. Shards that could not be read are listed in
-    /// [`Counted::missing`] and left out of the count.
+    /// [`Counted::missing`] and left out of the count. Each shard's count also looks at
+    /// the IDs it counts (one `&` per row): a row in a shard's schema whose ID another
+    /// shard minted fails its statement, as it fails a read of its rows, and that
+    /// statement's shards are listed missing.
     ///
     /// # Errors
     ///
@@ -1178,11 +1192,11 @@ impl<E: Entity> Repo<E> {
                         let schemas: Vec<SchemaName> =
                             piece.shards.iter().map(|s| prefix.schema(*s)).collect();
                         let schemas = schemas.iter().collect::<Vec<_>>();
+                        let branches: Vec<_> =
+                            piece.shards.iter().copied().zip(schemas.iter().copied()).collect();
                         let sql = if counting {
-                            self.sql.count(&schemas)
+                            self.sql.count(&branches, layout)
                         } else {
-                            let branches: Vec<_> =
-                                piece.shards.iter().copied().zip(schemas.iter().copied()).collect();
                             self.sql.window(&branches, select)
                         };
                         let failed = |e| statement::pooler_hint(Error::host(host_ref, None, "fan-out", e));
@@ -1208,11 +1222,9 @@ impl<E: Entity> Repo<E> {
                             unnamed().await.map_err(failed)?
                         };
                         if counting {
-                            let count: Option<i64> =
-                                rows.first().map(|r| r.try_get(0)).transpose().map_err(|e| {
-                                    Error::host(host_ref, None, "fan-out (read the count)", e)
-                                })?;
-                            return Ok(Part::Count(count.and_then(|n| u64::try_from(n).ok()).unwrap_or(0)));
+                            // A row counted in a shard whose ID another shard minted.
+                            check_rows(layout, host_ref, "count", &piece.shards, &rows)?;
+                            return count_rows(host_ref, &piece.shards, &rows).map(Part::Count);
                         }
                         check_rows(layout, host_ref, "fan-out", &piece.shards, &rows)?;
                         Self::rows(&rows).map(Part::Rows)
@@ -1226,6 +1238,39 @@ impl<E: Entity> Repo<E> {
             .collect::<Vec<_>>()
             .await
     }
+}
+
+/// The sum of a count statement's rows ([`Sql::count`]), once they are one per shard
+/// it was sent for, each shard once: rows of other shards (or another number of them)
+/// are another statement's answer, as a transaction pooler gives when it runs another
+/// client's statement of the same name.
+///
+/// # Errors
+///
+/// [`Error::Host`] when a row does not decode as a count's; [`Error::Pooler`] when the
+/// rows are not the shards'.
+fn count_rows(host: &HostName, shards: &[LogicalShard], rows: &[Row]) -> Result<u64> {
+    let mut seen = Vec::with_capacity(rows.len());
+    let mut sum: u64 = 0;
+    for row in rows {
+        let decoded = row.try_get::<_, i32>(0).and_then(|shard| Ok((shard, row.try_get::<_, i64>(1)?)));
+        let (shard, n) = decoded.map_err(|e| Error::host(host, None, "fan-out (read the count)", e))?;
+        seen.push(shard);
+        sum = sum.saturating_add(u64::try_from(n).unwrap_or(0));
+    }
+    let mut asked: Vec<i32> = shards.iter().map(|s| i32::from(s.get())).collect();
+    asked.sort_unstable();
+    seen.sort_unstable();
+    if seen != asked {
+        return Err(Error::Pooler {
+            host: host.clone(),
+            reason: format!(
+                "a count sent for shards {asked:?} answered for shards {seen:?}: another statement ran in its place \
+                 (a transaction pooler running another client's statement of the same name?); nothing was counted"
+            ),
+        });
+    }
+    Ok(sum)
 }
 
 /// One statement of a fan-out: a run of one host's shards (at most `fan_out_batch`), the

@@ -210,18 +210,25 @@ pub(crate) fn typed<'p>(
     params.iter().zip(types).map(|(v, t)| (*v, t.clone())).collect()
 }
 
+/// The column a statement over several shards may add to each row: the shard whose
+/// schema the row came from (a plain identifier under
+/// [`shardline_id::sql::RESERVED_COLUMN_PREFIX`]: no entity column may take its name).
+pub(crate) const BRANCH_SHARD: &str = "shardline_shard";
+
+/// The column a batch insert over several shards adds to each row it returns: which part
+/// of the statement (which shard's rows) the row belongs to. Reserved as
+/// [`BRANCH_SHARD`] is.
+pub(crate) const INSERT_PART: &str = "shardline_part";
+
 /// Checks that every row's `id` was minted by one of `shards` (the shards whose
-/// schemas the statement named). A row of another shard means the statement ran
+/// schemas the statement named), or, for a row tagged with its branch's shard
+/// ([`BRANCH_SHARD`]), by that shard. A row of another shard means the statement ran
 /// somewhere else than it was sent: a misrouted connection, or another client's
 /// statement of the same name run by a transaction pooler.
 ///
 /// # Errors
 ///
 /// [`Error::Misrouted`] naming the host, the shard expected and the shard found.
-/// The column a statement over several shards may add to each row: the shard whose
-/// schema the row came from (a plain identifier: no entity column may take its name).
-pub(crate) const BRANCH_SHARD: &str = "shardline_shard";
-
 pub(crate) fn check_rows(
     layout: Layout,
     host: &HostName,
