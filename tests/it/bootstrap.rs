@@ -128,6 +128,11 @@ impl Fixture {
         Ok(())
     }
 
+    pub(crate) fn remove_migration(&self, name: &str) -> Result<(), BoxError> {
+        std::fs::remove_file(self.dir.join("migrations").join(name))?;
+        Ok(())
+    }
+
     pub(crate) fn config(&self) -> Result<Config, BoxError> {
         Ok(shardline::cluster::load_config(&self.path())?)
     }
@@ -925,6 +930,25 @@ pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestCon
     assert_eq!(failed, Err("shards behind on pg2: run `shardline migrate`".to_owned()), "{json}");
     let json: serde_json::Value = serde_json::from_str(&json)?;
     assert_eq!(json["hosts"][1]["shards_behind"].as_u64(), Some(1), "{json}");
+
+    // A file changed after it was applied to one shard of pg3 (its ledger row holds
+    // another checksum, which `migrate` refuses: `changed_or_misordered_files_are_refused_before_anything_changes`
+    // above): that shard is behind too
+    // (before: counted as up to date).
+    let pg3 = f.client(&ctx, 2).await?;
+    let changed = pg3
+        .execute(
+            "UPDATE shardline.shard_migrations SET checksum = 'changed'
+              WHERE name = '0002_likes.sql'
+                AND schema_name = (SELECT min(schema_name) FROM shardline.shard_migrations)",
+            &[],
+        )
+        .await?;
+    assert_eq!(changed, 1);
+    let (json, failed) = cli_full(&f, &["status", "--json"]).await;
+    assert_eq!(failed, Err("shards behind on pg2, pg3: run `shardline migrate`".to_owned()), "{json}");
+    let json: serde_json::Value = serde_json::from_str(&json)?;
+    assert_eq!(json["hosts"][2]["shards_behind"].as_u64(), Some(1), "{json}");
 
     // pg3 becomes unreachable: status still reports, names it, and fails.
     f.write_config(

@@ -3691,7 +3691,8 @@ shardline_testkit::register!(own: an_abort_with_a_hung_host_returns_while_it_is_
 /// frozen, its copy left to `gc`. The source hung: the abort fails naming it once it has
 /// answered no probe for 15 s (the default), instead of waiting for as long as it is
 /// hung; the move stays running, and the source thawed, aborting again undoes it. Either
-/// way `gc` then leaves nothing.
+/// way `gc` then leaves nothing. First, a move whose pre-flight meets the source hung
+/// fails naming it, in time.
 pub(crate) async fn an_abort_with_a_hung_host_returns_while_it_is_hung(_ctx: TestContext) -> TestResult {
     on_own_kit(3, &[], |kit| Box::pin(aborts_beside_hung_hosts(kit))).await
 }
@@ -3703,6 +3704,22 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     // Shard 2 lives on pg2.
     seed(&cluster, 2, 6, 2).await?;
+    // A move's pre-flight whose source hangs while it reads the source's ledger (a
+    // test session holds its lock, then the host is frozen): the move fails naming the
+    // source once it has answered no probe for the move's `hung_after` (3 s here), with
+    // nothing journaled (before: it waited for as long as the host was hung).
+    let blocker = f.client(kit, 1).await?;
+    blocker.batch_execute("BEGIN; LOCK TABLE shardline.shard_migrations IN ACCESS EXCLUSIVE MODE").await?;
+    let (move_config, mut hung_soon) = (config.clone(), MoveOptions::default());
+    hung_soon.hung_after = Duration::from_secs(3);
+    let work =
+        async move { moves::run(&move_config, crate::shard(2), &crate::host("pg3"), &hung_soon).await };
+    let (ran, took) = freeze_while_it_waits(&f, kit, 1, "shardline", work).await?;
+    blocker.batch_execute("ROLLBACK").await?;
+    let e = ran.map(|r| format!("the move ran: {r}")).unwrap_err();
+    assert!(matches!(&e, OpsError::Timeout { host, .. } if host.as_str() == "pg2"), "{e}");
+    assert!(took < Duration::from_secs(12), "the pre-flight kept its hung_after (3 s): {took:?}");
+    assert!(moves::list(&config).await?.is_empty(), "nothing journaled");
     for (victim, h) in [("target", 2usize), ("source", 1)] {
         let stopped = moves::run(
             &config,
@@ -4363,5 +4380,97 @@ async fn gc_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Result<()
     assert!(took < Duration::from_secs(30), "{took:?}");
     blocker.execute("SELECT pg_advisory_unlock($1)", &[&key]).await?;
     moves::gc(&config, Duration::ZERO).await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_move_whose_shard_was_moved_during_its_preflight_is_refused_whole);
+/// Another move of the shard runs to its end while a move's pre-flight has passed and
+/// before it is journaled (the `on_preflight` drill): the later move is refused with
+/// nothing journaled, naming the source that no longer holds the shard. (Before, it was
+/// journaled from that source, failed when its publication found no schema there, and
+/// could neither be resumed nor aborted: its undo refused a map that placed the shard
+/// elsewhere, so the shard's running move blocked every later one.)
+pub(crate) async fn a_move_whose_shard_was_moved_during_its_preflight_is_refused_whole(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let other: Arc<std::sync::Mutex<Option<Result<String, String>>>> = Arc::default();
+    let hook: moves::HookFn = {
+        let (config, other) = (config.clone(), other.clone());
+        Arc::new(move || {
+            let (config, other) = (config.clone(), other.clone());
+            Box::pin(async move {
+                let moved =
+                    moves::run(&config, crate::shard(0), &crate::host("pg3"), &MoveOptions::default())
+                        .await
+                        .map(|r| r.target.to_string())
+                        .map_err(|e| e.to_string());
+                if let Ok(mut o) = other.lock() {
+                    *o = Some(moved);
+                }
+            })
+        })
+    };
+    let err =
+        moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default().on_preflight(hook))
+            .await
+            .map(|r| format!("the move ran: {r}"))
+            .unwrap_err();
+    let other = other.lock().map_err(|e| e.to_string())?.clone().ok_or("the drill ran")?;
+    assert_eq!(other?, "pg3", "the other move");
+    let text = err.to_string();
+    assert!(
+        matches!(&err, OpsError::Fleet { host, .. } if host.as_str() == "pg1")
+            && text.contains("no longer holds shard 0"),
+        "{text}"
+    );
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal.len(), 1, "only the other move is journaled: {journal:?}");
+    assert_eq!((journal[0].target.as_str(), journal[0].state), ("pg3", State::Done), "{journal:?}");
+    // The shard moves on from where it is.
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
+    assert_eq!((report.source.as_str(), report.target.as_str()), ("pg3", "pg2"), "{report}");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_resumed_move_refuses_migration_files_changed_since_it_started);
+/// A move stopped after it was journaled, then a migration file added (`migrate`
+/// refuses while the move runs, but the directory is the operator's): `--resume` runs
+/// no pre-flight, and built the copy from the new files, which the source never had (a
+/// function or a grant is not in the comparison, so such a move flipped with the shard
+/// holding DDL no other shard has). It refuses now, naming the file, and builds nothing;
+/// with the directory put back it resumes to the end, and `--abort` works either way.
+pub(crate) async fn a_resumed_move_refuses_migration_files_changed_since_it_started(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 4, 2).await?;
+    stopped_after(&config, 0, "pg2", Step::Started).await?;
+    f.migration("0005_f.sql", "CREATE FUNCTION f() RETURNS int LANGUAGE sql AS 'SELECT 1';")?;
+    let err = moves::resume(&f.config()?, Some(crate::shard(0)), &MoveOptions::default())
+        .await
+        .map(|r| format!("resumed: {r:?}"))
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("not at the config's migration level") && text.contains("0005_f.sql"), "{text}");
+    let pg2 = f.client(&ctx, 1).await?;
+    let built: bool = pg2
+        .query_one("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = 'shard_0000')", &[])
+        .await?
+        .get(0);
+    assert!(!built, "the copy was built from the changed files");
+    let journal = moves::list(&config).await?;
+    assert_eq!((journal.len(), journal[0].state), (1, State::Running), "{journal:?}");
+    f.remove_migration("0005_f.sql")?;
+    let reports = moves::resume(&f.config()?, Some(crate::shard(0)), &MoveOptions::default()).await?;
+    assert_eq!(reports.len(), 1);
+    assert_eq!((reports[0].source.as_str(), reports[0].target.as_str()), ("pg1", "pg2"));
     Ok(())
 }

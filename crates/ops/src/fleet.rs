@@ -114,9 +114,37 @@ async fn reachable_url(config: &Config, name: &HostName, url: &DbUrl, peer_url: 
     Ok(credentials::host_config(&bare, &config.credentials, &host).await?.url)
 }
 
+/// How long a host's few quick checks here may take before it is given up on as hung
+/// ([`Error::Timeout`]): the address may be one no config names yet, so no watchdog
+/// probes it.
+const CHECK_WITHIN: std::time::Duration = crate::moves::CATALOG_HUNG_AFTER;
+
+/// `work` on host `name`, given up as [`Error::Timeout`] after [`CHECK_WITHIN`].
+async fn within<T>(
+    name: &HostName,
+    what: &str,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(CHECK_WITHIN, work).await.map_err(|_| Error::Timeout {
+        host: name.clone(),
+        what: format!("{what} (the host took the connection and answered nothing: hung?)"),
+        after: CHECK_WITHIN,
+    })?
+}
+
 /// Connects to `url` and checks what every host needs: logical replication (moves
 /// copy shards off it) and the config's `app_roles`. Returns the server's version.
+/// A host that hangs after it took the connection is given up on after
+/// [`CHECK_WITHIN`].
 async fn check_server(
+    config: &Config,
+    name: &HostName,
+    url: &DbUrl,
+) -> Result<(tokio_postgres::Client, String)> {
+    within(name, "the server's checks", check_server_now(config, name, url)).await
+}
+
+async fn check_server_now(
     config: &Config,
     name: &HostName,
     url: &DbUrl,
@@ -284,16 +312,17 @@ pub async fn readdress(
     let map = catalog.map().await?;
     let schemas: Vec<String> =
         map.shards_of(name).map(|s| config.schema_prefix.schema(s).as_str().to_owned()).collect();
-    let missing: Vec<String> = client
-        .query(
-            "SELECT s FROM unnest($1::text[]) AS s WHERE NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = s) ORDER BY s",
-            &[&schemas],
-        )
-        .await
-        .map_err(|e| host_err(name, "look for the host's shards", &e))?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let look = async {
+        client
+            .query(
+                "SELECT s FROM unnest($1::text[]) AS s WHERE NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = s) ORDER BY s",
+                &[&schemas],
+            )
+            .await
+            .map_err(|e| host_err(name, "look for the host's shards", &e))
+    };
+    let missing: Vec<String> =
+        within(name, "a look for the host's shards", look).await?.iter().map(|r| r.get(0)).collect();
     if !missing.is_empty() {
         let shown: Vec<&str> = missing.iter().take(5).map(String::as_str).collect();
         return Err(refused(

@@ -119,11 +119,13 @@ pub(crate) async fn sizes_of(
             let h = config
                 .host(host)
                 .ok_or_else(|| Error::HostMissing { host: host.clone(), shards: shards.len() })?;
-            let c = shardline_repo::catalog::connect(&h.url, &format!("host {host}")).await?;
             let schemas: Vec<String> =
                 shards.iter().map(|s| config.schema_prefix.schema(*s).as_str().to_owned()).collect();
-            let rows = c
-                .query(
+            // A host that took the connection and then hung is given up on (and named)
+            // once it has answered no probe for 15 s, not waited for as long as it lasts.
+            let measure = async {
+                let c = shardline_repo::catalog::connect(&h.url, &format!("host {host}")).await?;
+                c.query(
                     "SELECT s.name, coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::bigint
                        FROM unnest($1::text[]) AS s(name)
                        LEFT JOIN pg_namespace n ON n.nspname = s.name
@@ -132,7 +134,15 @@ pub(crate) async fn sizes_of(
                     &[&schemas],
                 )
                 .await
-                .map_err(|e| host_err(host, "measure the shards", &e))?;
+                .map_err(|e| host_err(host, "measure the shards", &e))
+            };
+            let rows = crate::moves::unless_hung(
+                config,
+                std::slice::from_ref(host),
+                crate::moves::CATALOG_HUNG_AFTER,
+                measure,
+            )
+            .await??;
             let bytes: BTreeMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
             for (s, name) in shards.iter().zip(&schemas) {
                 these.push((*s, bytes.get(name).copied().unwrap_or(0)));

@@ -42,7 +42,9 @@ pub struct HostStatus {
     pub shards: usize,
     /// Of those, shards whose schema exists on it.
     pub schemas_present: usize,
-    /// Of those, shards missing their schema or one or more of the migration files.
+    /// Of those, shards missing their schema or one or more of the migration files, or
+    /// whose ledger records a file as it was before it changed (`migrate` refuses such
+    /// a file and names it).
     pub shards_behind: usize,
     /// Its `wal_level` (moves need `logical`).
     pub wal_level: Option<String>,
@@ -78,7 +80,7 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
     let (catalog, info) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     let files = migrations::load_dir(&config.migrations)?;
-    let names: Vec<String> = files.iter().map(|m| m.name.clone()).collect();
+    let names: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
     let hosts = futures::future::join_all(map.hosts().iter().map(|host| {
         let map = &map;
         let names = &names;
@@ -132,8 +134,9 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
 async fn read_host(
     client: &Client,
     schemas: &[String],
-    names: &[String],
+    files: &[(String, String)],
 ) -> Result<(usize, usize, String, Vec<TableStatus>)> {
+    let (names, sums): (Vec<&str>, Vec<&str>) = files.iter().map(|(n, c)| (n.as_str(), c.as_str())).unzip();
     let q = |what: &'static str| {
         move |e: tokio_postgres::Error| {
             let (sqlstate, message) = describe(&e);
@@ -157,13 +160,17 @@ async fn read_host(
     } else if has_ledger {
         client
             .query_one(
-                // A schema dropped while its ledger rows stayed is not up to date.
+                // A schema dropped while its ledger rows stayed is not up to date, nor
+                // one whose ledger holds another version of a file (changed after it was
+                // applied: `migrate` refuses it).
                 "SELECT count(*) FROM (
                      SELECT m.schema_name FROM shardline.shard_migrations AS m
                      JOIN pg_namespace AS n ON n.nspname = m.schema_name
-                     WHERE m.schema_name = ANY($1) AND m.name = ANY($2)
+                     JOIN unnest($2::text[], $3::text[]) AS f (name, checksum)
+                       ON f.name = m.name AND f.checksum = m.checksum
+                     WHERE m.schema_name = ANY($1)
                      GROUP BY m.schema_name HAVING count(*) = cardinality($2)) t",
-                &[&schemas, &names],
+                &[&schemas, &names, &sums],
             )
             .await
             .map_err(q("read the ledger"))?

@@ -261,6 +261,9 @@ pub struct MoveOptions {
     /// Drill: run and awaited right after the comparison before the fence passed (and
     /// was journaled), before the fence. For tests that change a copy at that point.
     pub on_compared: Option<HookFn>,
+    /// Drill: run and awaited right after a new move's pre-flight passed, before the
+    /// move is journaled. For tests that move the shard elsewhere at that point.
+    pub on_preflight: Option<HookFn>,
     /// Drill: run and awaited inside the flip's catalog transaction, once the map's row
     /// and the journal's are written, before the commit. For tests that cut the catalog
     /// off there.
@@ -327,6 +330,7 @@ impl Default for MoveOptions {
             progress: None,
             verification: Verification::default(),
             on_compared: None,
+            on_preflight: None,
             on_flip: None,
             on_cleaned: None,
             round_keys: changes::SMALL_ROUND,
@@ -376,6 +380,14 @@ impl MoveOptions {
     #[must_use]
     pub fn on_compared(mut self, hook: HookFn) -> Self {
         self.on_compared = Some(hook);
+        self
+    }
+
+    /// These options, running `hook` right after a new move's pre-flight passed (see
+    /// [`MoveOptions::on_preflight`]).
+    #[must_use]
+    pub fn on_preflight(mut self, hook: HookFn) -> Self {
+        self.on_preflight = Some(hook);
         self
     }
 
@@ -436,6 +448,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("progress", &self.progress.is_some())
             .field("verification", &self.verification)
             .field("on_compared", &self.on_compared.is_some())
+            .field("on_preflight", &self.on_preflight.is_some())
             .field("on_flip", &self.on_flip.is_some())
             .field("on_cleaned", &self.on_cleaned.is_some())
             .field("round_keys", &self.round_keys)
@@ -703,7 +716,7 @@ pub(super) async fn catalog_bounded<T>(
 
 /// `work`, unless one of `hosts` answers no probe for `hung_after` first: then `Err`
 /// with the watchdog's error (and `work` is dropped where it was). `work` wins a tie.
-pub(super) async fn unless_hung<T>(
+pub(crate) async fn unless_hung<T>(
     config: &Config,
     hosts: &[HostName],
     hung_after: Duration,
@@ -1125,10 +1138,20 @@ pub async fn run(
     options: &MoveOptions,
 ) -> Result<MoveReport> {
     let config = &crate::fleet::resolved(config).await?;
-    let mut check = preflight::preflight(config, shard, target).await?;
+    let mut check = preflight::preflight_for(
+        config,
+        shard,
+        target,
+        preflight::Need::MOVE,
+        options.hung_after.max(Duration::from_secs(2)),
+    )
+    .await?;
     check.check_copy_time(options.max_rate, options.copy_timeout);
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
+    }
+    if let Some(hook) = &options.on_preflight {
+        hook().await;
     }
     let (catalog, info) = Catalog::open(config).await?;
     // The ID first, so the journal's first row already names everything the move
@@ -1243,7 +1266,14 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
         return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
     }
     check_revertible(config, last, &rev, &lsn).await?.map_err(not)?;
-    let check = preflight::preflight_for(config, shard, &last.source, preflight::Need::REVERT).await?;
+    let check = preflight::preflight_for(
+        config,
+        shard,
+        &last.source,
+        preflight::Need::REVERT,
+        options.hung_after.max(Duration::from_secs(2)),
+    )
+    .await?;
     if !check.is_ok() {
         return Err(Error::Preflight(Box::new(check)));
     }

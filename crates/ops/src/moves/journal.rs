@@ -629,15 +629,27 @@ pub(crate) async fn start(
     // this row and refuses, or commits first and this inserts nothing. And not while
     // `gc` runs (its lock, shared to the commit): `gc` would take a move missing from
     // the journal it read for one that is over, and drop its change log and markers.
-    let written = client(catalog)
-        .execute(
+    // And only while the map still places the shard on the source (its row
+    // share-locked): another move of the shard that ran to its end while this one's
+    // pre-flight ran left the source without the shard, and a move journaled from there
+    // could neither go on nor be undone (its undo refuses a map that places the shard
+    // elsewhere).
+    let checked = client(catalog)
+        .query_one(
             // The lock in a CTE read FROM: in an EXISTS its target list is never run.
-            "WITH gc AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared($6))
-             INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
-             SELECT $1, $2, $3, $4, 'started', 'running', $5::text::jsonb FROM gc
-              WHERE EXISTS (SELECT FROM shardline.hosts h
-                             WHERE h.name = $4 AND coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
-                               FOR SHARE)",
+            "WITH gc AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared($6)),
+                  ok AS MATERIALIZED (
+                    SELECT EXISTS (SELECT FROM shardline.hosts h
+                                    WHERE h.name = $4 AND coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
+                                      FOR SHARE) AS target,
+                           EXISTS (SELECT FROM shardline.shards s WHERE s.shard = $2 AND s.host = $3
+                                      FOR SHARE) AS source
+                      FROM gc),
+                  written AS (
+                    INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
+                    SELECT $1, $2, $3, $4, 'started', 'running', $5::text::jsonb FROM ok WHERE ok.target AND ok.source
+                    RETURNING 1)
+             SELECT ok.target, ok.source FROM ok",
             &[&id, &i32::from(shard.get()), &source.as_str(), &target.as_str(), &detail, &GC_LOCK_KEY],
         )
         .await
@@ -648,10 +660,20 @@ pub(crate) async fn start(
                 catalog_err("journal the move")(e)
             }
         })?;
-    if written == 0 {
+    let (target_ok, source_ok): (bool, bool) = (checked.get(0), checked.get(1));
+    if !target_ok {
         return Err(Error::Fleet {
             host: target.clone(),
             message: "was removed: no move may target it".into(),
+        });
+    }
+    if !source_ok {
+        return Err(Error::Fleet {
+            host: source.clone(),
+            message: format!(
+                "no longer holds shard {shard} (another move took it while this one's pre-flight ran): \
+                 nothing was changed; run the move again"
+            ),
         });
     }
     Ok(())

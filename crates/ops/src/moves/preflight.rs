@@ -154,9 +154,11 @@ pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -
 ///
 /// Only what stops the checks themselves: the catalog unreachable or not initialised, a
 /// shard out of range, a statement failing. An unreachable source or target is a
-/// [`Problem`], not an error.
+/// [`Problem`], not an error; one that took the connection and then answers no probe
+/// for 15 s (hung: paused, out of memory, cut off) is [`crate::Error::Timeout`] naming
+/// it, rather than a wait for as long as it lasts.
 pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) -> Result<Preflight> {
-    preflight_for(config, shard, target, Need::MOVE).await
+    preflight_for(config, shard, target, Need::MOVE, super::engine::CATALOG_HUNG_AFTER).await
 }
 
 /// What a move takes on its source, beyond what is there: replication slots and WAL
@@ -174,12 +176,14 @@ impl Need {
     pub(crate) const REVERT: Need = Need { slots: 0, senders: 1 };
 }
 
-/// [`preflight`], for a move that takes `need` on its source.
+/// [`preflight`], for a move that takes `need` on its source, given up once the source
+/// or the target has answered no probe for `hung_after`.
 pub(crate) async fn preflight_for(
     config: &Config,
     shard: LogicalShard,
     target: &HostName,
     need: Need,
+    hung_after: std::time::Duration,
 ) -> Result<Preflight> {
     let config = &crate::fleet::resolved(config).await?;
     let (catalog, _) = Catalog::open(config).await?;
@@ -238,38 +242,46 @@ pub(crate) async fn preflight_for(
     };
 
     let source_config = config.hosts.iter().find(|h| h.name == source);
-    let source_client = match source_config {
-        None => {
-            checks.add(Some(&source), "source", "the shard's host is not in the config");
-            None
-        }
-        Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
-            Ok(c) => Some(c),
-            Err(e) => {
-                checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
+    // Every statement below waits on the source or the target: a host that took the
+    // connection and then hung would hold the pre-flight for as long as it lasts.
+    let watched: Vec<HostName> = [&source, &target_name]
+        .into_iter()
+        .filter(|h| config.hosts.iter().any(|c| c.name == **h))
+        .cloned()
+        .collect();
+    let checked = super::engine::unless_hung(config, &watched, hung_after, async {
+        let source_client = match source_config {
+            None => {
+                checks.add(Some(&source), "source", "the shard's host is not in the config");
                 None
             }
-        },
-    };
-    let mut roles: BTreeSet<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
-    if let Some(c) = &source_client {
-        let mut held = BTreeSet::new();
-        check_source(config, c, &source, &schema, &mut checks, &mut out, &mut held).await?;
-        roles.extend(held);
-    }
+            Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
+                    None
+                }
+            },
+        };
+        let mut roles: BTreeSet<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
+        if let Some(c) = &source_client {
+            let mut held = BTreeSet::new();
+            check_source(config, c, &source, &schema, &mut checks, &mut out, &mut held).await?;
+            roles.extend(held);
+        }
 
-    if let Some(t) = target_config.filter(|_| target_name != source) {
-        match connect(&t.url, &format!("host {}", t.name)).await {
-            Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
-            Ok(c) => {
-                let peer = source_config.map(|s| s.peer_url.expose().to_owned());
-                check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;
-                let roles: Vec<String> = roles.into_iter().collect();
-                let missing = grants::missing_roles(&c, &roles)
-                    .await
-                    .map_err(|e| host_err(&target_name, "pre-flight", &e))?;
-                if !missing.is_empty() {
-                    checks.add(
+        if let Some(t) = target_config.filter(|_| target_name != source) {
+            match connect(&t.url, &format!("host {}", t.name)).await {
+                Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
+                Ok(c) => {
+                    let peer = source_config.map(|s| s.peer_url.expose().to_owned());
+                    check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;
+                    let roles: Vec<String> = roles.into_iter().collect();
+                    let missing = grants::missing_roles(&c, &roles)
+                        .await
+                        .map_err(|e| host_err(&target_name, "pre-flight", &e))?;
+                    if !missing.is_empty() {
+                        checks.add(
                         Some(&target_name),
                         "roles",
                         format!(
@@ -277,10 +289,13 @@ pub(crate) async fn preflight_for(
                             missing.join(", ")
                         ),
                     );
+                    }
                 }
             }
         }
-    }
+        Ok::<_, crate::Error>(())
+    });
+    checked.await??;
     out.problems = checks.problems;
     Ok(out)
 }
@@ -410,29 +425,8 @@ async fn check_source(
     // The same migration level on both sides: the target is built from the config's
     // files, so the source's ledger must hold exactly those.
     let files = load_dir(&config.migrations)?;
-    let applied = c
-        .query(
-            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2) ORDER BY name",
-            &[&schema.as_str(), &[MINTER, GRANTS].as_slice()],
-        )
-        .await
-        .map_err(fail)?;
-    let applied: Vec<(String, String)> = applied.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let wanted: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
-    if applied != wanted {
-        let behind: Vec<&str> =
-            wanted.iter().filter(|w| !applied.contains(w)).map(|(n, _)| n.as_str()).collect();
-        let extra: Vec<&str> =
-            applied.iter().filter(|a| !wanted.contains(a)).map(|(n, _)| n.as_str()).collect();
-        checks.add(
-            Some(host),
-            "migrations",
-            format!(
-                "{schema} is not at the config's migration level (missing or changed: [{}]; not in the config: [{}]); run `shardline migrate` first",
-                behind.join(", "),
-                extra.join(", ")
-            ),
-        );
+    if let Some(problem) = off_level(c, host, schema, &files).await? {
+        checks.add(Some(host), "migrations", format!("{problem}; run `shardline migrate` first"));
     }
     // The app_roles' grants at the config's level too: the target is granted from the
     // config, then given the source's privileges exactly.
@@ -458,6 +452,38 @@ async fn check_source(
     // Every role that holds a privilege there must exist on the target.
     *roles = grants::read_acl(c, host, schema.as_str()).await?.grantees();
     Ok(())
+}
+
+/// Why `schema` on `host` (`c`) is not at the level of `files`, or `None` when its
+/// ledger holds exactly those files (same names, same checksums): the target of a move
+/// is built from the files, so the source's shard must be at their level. Checked by
+/// the pre-flight, and again when a move builds its target (a resumed move runs no
+/// pre-flight, and the files may have changed since it started).
+pub(crate) async fn off_level(
+    c: &Client,
+    host: &HostName,
+    schema: &SchemaName,
+    files: &[crate::migrations::Migration],
+) -> Result<Option<String>> {
+    let applied = c
+        .query(
+            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2) ORDER BY name",
+            &[&schema.as_str(), &[MINTER, GRANTS].as_slice()],
+        )
+        .await
+        .map_err(|e| host_err(host, "read the migration ledger", &e))?;
+    let applied: Vec<(String, String)> = applied.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let wanted: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
+    if applied == wanted {
+        return Ok(None);
+    }
+    let behind: Vec<&str> = wanted.iter().filter(|w| !applied.contains(w)).map(|(n, _)| n.as_str()).collect();
+    let extra: Vec<&str> = applied.iter().filter(|a| !wanted.contains(a)).map(|(n, _)| n.as_str()).collect();
+    Ok(Some(format!(
+        "{schema} is not at the config's migration level (missing or changed: [{}]; not in the config: [{}])",
+        behind.join(", "),
+        extra.join(", ")
+    )))
 }
 
 async fn check_target(

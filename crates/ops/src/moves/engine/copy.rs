@@ -63,6 +63,22 @@ impl Mover<'_> {
                 reopen_old_copy(dst, &target, &r.old_schema, &schema, id).await?;
             }
         } else if !exists {
+            // The copy is built from the config's files: the source's shard must still
+            // be at their level (a resumed move ran no pre-flight, and the files may
+            // have changed since the move started; `migrate` waits for moves).
+            let source = self.source.clone();
+            self.src().await?;
+            let src = self.src.as_ref().ok_or(Error::Busy)?;
+            if let Some(problem) = preflight::off_level(src, &source, &schema, &migrations).await? {
+                return Err(Error::Fleet {
+                    host: source,
+                    message: format!(
+                        "{problem}: the move cannot build its copy; put the migrations directory back as it \
+                         was when the move started and resume it, or abort it (`shardline move {shard} --abort`)"
+                    ),
+                });
+            }
+            let dst = self.dst().await?;
             // One transaction: the schema, its minter, every migration, the ledger.
             let work = ShardWork {
                 shard,
