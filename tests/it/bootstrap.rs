@@ -949,6 +949,16 @@ pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestCon
     assert_eq!(failed, Err("shards behind on pg2, pg3: run `shardline migrate`".to_owned()), "{json}");
     let json: serde_json::Value = serde_json::from_str(&json)?;
     assert_eq!(json["hosts"][2]["shards_behind"].as_u64(), Some(1), "{json}");
+    // A file applied everywhere, then taken out of the directory (`migrate` refuses
+    // that too): every shard is behind, pg1's two as well (before: 0 behind there).
+    let last = "0004_likes_by_id.sql";
+    let sql = std::fs::read_to_string(examples().join(last))?;
+    f.remove_migration(last)?;
+    let (json, failed) = cli_full(&f, &["status", "--json"]).await;
+    assert!(failed.is_err(), "{json}");
+    let json: serde_json::Value = serde_json::from_str(&json)?;
+    assert_eq!(json["hosts"][0]["shards_behind"].as_u64(), Some(2), "{json}");
+    f.migration(last, &sql)?;
 
     // pg3 becomes unreachable: status still reports, names it, and fails.
     f.write_config(

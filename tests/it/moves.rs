@@ -4443,7 +4443,7 @@ shardline_testkit::register!(shared: a_resumed_move_refuses_migration_files_chan
 /// no pre-flight, and built the copy from the new files, which the source never had (a
 /// function or a grant is not in the comparison, so such a move flipped with the shard
 /// holding DDL no other shard has). It refuses now, naming the file, and builds nothing;
-/// with the directory put back it resumes to the end, and `--abort` works either way.
+/// with the directory put back it resumes to the end.
 pub(crate) async fn a_resumed_move_refuses_migration_files_changed_since_it_started(
     ctx: TestContext,
 ) -> TestResult {

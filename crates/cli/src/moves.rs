@@ -261,7 +261,8 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
         let shard = need_shard()?;
         let to = &HostName::new(to).map_err(|e| UsageError(format!("--to: {e}")))?;
         if opt.dry_run {
-            let mut pre = rt.block_on(shardline_ops::moves::preflight(config, shard, to))?;
+            let mut pre =
+                rt.block_on(shardline_ops::moves::preflight_with(config, shard, to, opt.hung_after))?;
             // What the move would refuse for its copy's rate, with the same flags.
             pre.check_copy_time(options.max_rate, options.copy_timeout);
             if opt.json {

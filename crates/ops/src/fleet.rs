@@ -135,21 +135,18 @@ async fn within<T>(
 /// Connects to `url` and checks what every host needs: logical replication (moves
 /// copy shards off it) and the config's `app_roles`. Returns the server's version.
 /// A host that hangs after it took the connection is given up on after
-/// [`CHECK_WITHIN`].
+/// [`CHECK_WITHIN`] (the connection has its own bound).
 async fn check_server(
     config: &Config,
     name: &HostName,
     url: &DbUrl,
 ) -> Result<(tokio_postgres::Client, String)> {
-    within(name, "the server's checks", check_server_now(config, name, url)).await
+    let c = shardline_repo::catalog::connect(url, &format!("host {name}")).await?;
+    let version = within(name, "the server's checks", check_server_on(config, name, &c)).await?;
+    Ok((c, version))
 }
 
-async fn check_server_now(
-    config: &Config,
-    name: &HostName,
-    url: &DbUrl,
-) -> Result<(tokio_postgres::Client, String)> {
-    let c = shardline_repo::catalog::connect(url, &format!("host {name}")).await?;
+async fn check_server_on(config: &Config, name: &HostName, c: &tokio_postgres::Client) -> Result<String> {
     let row = c
         .query_one(
             "SELECT current_setting('server_version'), current_setting('wal_level'), pg_is_in_recovery()",
@@ -171,7 +168,7 @@ async fn check_server_now(
         ));
     }
     let roles: Vec<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
-    let missing = crate::grants::missing_roles(&c, &roles)
+    let missing = crate::grants::missing_roles(c, &roles)
         .await
         .map_err(|e| host_err(name, "look for the app roles", &e))?;
     if !missing.is_empty() {
@@ -183,7 +180,7 @@ async fn check_server_now(
             ),
         ));
     }
-    Ok((c, version))
+    Ok(version)
 }
 
 fn refused(host: &HostName, message: impl Into<String>) -> Error {

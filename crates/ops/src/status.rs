@@ -13,6 +13,8 @@ use shardline_repo::catalog;
 use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
+use crate::converge::MINTER;
+use crate::grants::GRANTS;
 use crate::migrations;
 use crate::{Error, Result, describe};
 
@@ -160,17 +162,20 @@ async fn read_host(
     } else if has_ledger {
         client
             .query_one(
-                // A schema dropped while its ledger rows stayed is not up to date, nor
-                // one whose ledger holds another version of a file (changed after it was
-                // applied: `migrate` refuses it).
+                // Up to date: the ledger holds exactly the files, names and checksums
+                // (as the pre-flight's `off_level` compares, the minter's and the grants'
+                // rows aside). Not a schema dropped while its ledger rows stayed, nor one
+                // whose ledger holds another version of a file (changed after it was
+                // applied) or a file no longer in the directory: `migrate` refuses both.
                 "SELECT count(*) FROM (
                      SELECT m.schema_name FROM shardline.shard_migrations AS m
                      JOIN pg_namespace AS n ON n.nspname = m.schema_name
-                     JOIN unnest($2::text[], $3::text[]) AS f (name, checksum)
+                     LEFT JOIN unnest($2::text[], $3::text[]) AS f (name, checksum)
                        ON f.name = m.name AND f.checksum = m.checksum
-                     WHERE m.schema_name = ANY($1)
-                     GROUP BY m.schema_name HAVING count(*) = cardinality($2)) t",
-                &[&schemas, &names, &sums],
+                     WHERE m.schema_name = ANY($1) AND m.name <> ALL($4)
+                     GROUP BY m.schema_name
+                     HAVING count(f.name) = cardinality($2) AND count(*) = cardinality($2)) t",
+                &[&schemas, &names, &sums, &[MINTER, GRANTS].as_slice()],
             )
             .await
             .map_err(q("read the ledger"))?

@@ -1241,23 +1241,37 @@ impl<E: Entity> Repo<E> {
 }
 
 /// The sum of a count statement's rows ([`Sql::count`]), once they are one per shard
-/// it was sent for, each shard once: rows of other shards (or another number of them)
-/// are another statement's answer, as a transaction pooler gives when it runs another
-/// client's statement of the same name.
+/// it was sent for, each shard once ([`count_of`]). Rows that do not decode as a
+/// count's are another statement's answer.
 ///
 /// # Errors
 ///
-/// [`Error::Host`] when a row does not decode as a count's; [`Error::Pooler`] when the
-/// rows are not the shards'.
+/// [`Error::Pooler`] when the rows are not the count's.
 fn count_rows(host: &HostName, shards: &[LogicalShard], rows: &[Row]) -> Result<u64> {
-    let mut seen = Vec::with_capacity(rows.len());
-    let mut sum: u64 = 0;
+    let mut answered = Vec::with_capacity(rows.len());
     for row in rows {
         let decoded = row.try_get::<_, i32>(0).and_then(|shard| Ok((shard, row.try_get::<_, i64>(1)?)));
-        let (shard, n) = decoded.map_err(|e| Error::host(host, None, "fan-out (read the count)", e))?;
-        seen.push(shard);
-        sum = sum.saturating_add(u64::try_from(n).unwrap_or(0));
+        answered.push(decoded.map_err(|e| Error::Pooler {
+            host: host.clone(),
+            reason: format!(
+                "a count's answer is not a count's ({e}): another statement ran in its place (a transaction \
+                 pooler running another client's statement of the same name?); nothing was counted"
+            ),
+        })?);
     }
+    count_of(host, shards, &answered)
+}
+
+/// The sum of a count's `(shard, count)` rows, once they are one per shard it was sent
+/// for, each shard once: rows of other shards (or another number of them) are another
+/// statement's answer, as a transaction pooler gives when it runs another client's
+/// statement of the same name.
+///
+/// # Errors
+///
+/// [`Error::Pooler`] when the rows are not the shards'.
+fn count_of(host: &HostName, shards: &[LogicalShard], answered: &[(i32, i64)]) -> Result<u64> {
+    let mut seen: Vec<i32> = answered.iter().map(|(shard, _)| *shard).collect();
     let mut asked: Vec<i32> = shards.iter().map(|s| i32::from(s.get())).collect();
     asked.sort_unstable();
     seen.sort_unstable();
@@ -1270,7 +1284,7 @@ fn count_rows(host: &HostName, shards: &[LogicalShard], rows: &[Row]) -> Result<
             ),
         });
     }
-    Ok(sum)
+    Ok(answered.iter().fold(0u64, |sum, (_, n)| sum.saturating_add(u64::try_from(*n).unwrap_or(0))))
 }
 
 /// One statement of a fan-out: a run of one host's shards (at most `fan_out_batch`), the
@@ -1456,6 +1470,23 @@ fn merge_newest_first<E: Entity>(mut lists: Vec<std::vec::IntoIter<E>>, limit: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_is_summed_only_when_every_shard_it_was_sent_for_answered_once() {
+        let host = HostName::new("pg1").unwrap();
+        let shards: Vec<LogicalShard> =
+            [3i64, 1, 2].iter().map(|s| LogicalShard::bounded(*s).unwrap()).collect();
+        assert_eq!(super::count_of(&host, &shards, &[(1, 10), (2, 0), (3, 5)]).unwrap(), 15);
+        for wrong in [
+            vec![(1, 10), (2, 0)],                 // a shard missing
+            vec![(1, 10), (2, 0), (3, 5), (3, 5)], // one twice
+            vec![(1, 10), (2, 0), (4, 5)],         // another shard's
+            vec![],                                // nothing
+        ] {
+            let e = super::count_of(&host, &shards, &wrong).map(|n| format!("counted {n}")).unwrap_err();
+            assert!(matches!(e, Error::Pooler { .. }), "{wrong:?}: {e}");
+        }
+    }
 
     #[test]
     fn the_first_round_asks_each_statement_for_about_its_share() {

@@ -1265,7 +1265,9 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
     if !last.detail.cleanup_pending.is_empty() {
         return Err(not(format!("move {} left work for `shardline gc`; run it first", last.id)));
     }
-    check_revertible(config, last, &rev, &lsn).await?.map_err(not)?;
+    check_revertible(config, last, &rev, &lsn, options.hung_after.max(Duration::from_secs(2)))
+        .await?
+        .map_err(not)?;
     let check = preflight::preflight_for(
         config,
         shard,
@@ -1299,12 +1301,20 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
 }
 
 /// What a revert of move `m` needs on its hosts (see [`check_reverse`]), asked on new
-/// connections before the revert is journaled. `Err` says what is missing.
-async fn check_revertible(config: &Config, m: &MoveRecord, rev: &Revertible, lsn: &str) -> Result<Refusal> {
+/// connections before the revert is journaled. `Err` says what is missing. Given up,
+/// naming the host, once one of them has answered no probe for `hung_after`.
+async fn check_revertible(
+    config: &Config,
+    m: &MoveRecord,
+    rev: &Revertible,
+    lsn: &str,
+    hung_after: Duration,
+) -> Result<Refusal> {
     let old = host_client(config, &m.source).await?;
     let new = host_client(config, &m.target).await?;
     let sides = Sides { old: &old, old_host: &m.source, new: &new, new_host: &m.target };
-    check_reverse(&sides, &m.detail.moved_schema, &m.detail.schema, &rev.name, lsn).await
+    let checked = check_reverse(&sides, &m.detail.moved_schema, &m.detail.schema, &rev.name, lsn);
+    unless_hung(config, &[m.source.clone(), m.target.clone()], hung_after, checked).await?
 }
 
 /// The two hosts of a revert: the old copy's (the revert's target) and the new owner's.

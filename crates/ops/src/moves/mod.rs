@@ -45,4 +45,4 @@ pub use gc::{GcReport, MAX_GRACE, gc};
 pub use journal::{
     Detail, MoveRecord, Precheck, Revertible, Reverting, Round, RowsCopied, State, Step, TableCheck, list,
 };
-pub use preflight::{Preflight, Problem, preflight};
+pub use preflight::{Preflight, Problem, preflight, preflight_with};

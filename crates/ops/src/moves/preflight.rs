@@ -158,7 +158,23 @@ pub(crate) fn host_err(host: &HostName, what: &str, e: &tokio_postgres::Error) -
 /// for 15 s (hung: paused, out of memory, cut off) is [`crate::Error::Timeout`] naming
 /// it, rather than a wait for as long as it lasts.
 pub async fn preflight(config: &Config, shard: LogicalShard, target: &HostName) -> Result<Preflight> {
-    preflight_for(config, shard, target, Need::MOVE, super::engine::CATALOG_HUNG_AFTER).await
+    preflight_with(config, shard, target, super::engine::CATALOG_HUNG_AFTER).await
+}
+
+/// [`preflight`], giving a host up once it has answered no probe for `hung_after` (2 s
+/// at least; a move's [`super::MoveOptions::hung_after`], `shardline move --dry-run
+/// --hung-after`).
+///
+/// # Errors
+///
+/// As [`preflight`].
+pub async fn preflight_with(
+    config: &Config,
+    shard: LogicalShard,
+    target: &HostName,
+    hung_after: std::time::Duration,
+) -> Result<Preflight> {
+    preflight_for(config, shard, target, Need::MOVE, hung_after.max(std::time::Duration::from_secs(2))).await
 }
 
 /// What a move takes on its source, beyond what is there: replication slots and WAL
@@ -242,39 +258,37 @@ pub(crate) async fn preflight_for(
     };
 
     let source_config = config.hosts.iter().find(|h| h.name == source);
-    // Every statement below waits on the source or the target: a host that took the
-    // connection and then hung would hold the pre-flight for as long as it lasts.
-    let watched: Vec<HostName> = [&source, &target_name]
-        .into_iter()
-        .filter(|h| config.hosts.iter().any(|c| c.name == **h))
-        .cloned()
-        .collect();
-    let checked = super::engine::unless_hung(config, &watched, hung_after, async {
-        let source_client = match source_config {
-            None => {
-                checks.add(Some(&source), "source", "the shard's host is not in the config");
+    // Each host's statements run under the watchdog once the pre-flight's own connection
+    // to it is made (a host that cannot be reached is a problem, listed): a host that
+    // took the connection and then hung would hold the pre-flight for as long as it
+    // lasts.
+    let source_client = match source_config {
+        None => {
+            checks.add(Some(&source), "source", "the shard's host is not in the config");
+            None
+        }
+        Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
                 None
             }
-            Some(h) => match connect(&h.url, &format!("host {}", h.name)).await {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    checks.add(Some(&source), "reachable", shardline_repo::error_chain(&e));
-                    None
-                }
-            },
-        };
-        let mut roles: BTreeSet<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
-        if let Some(c) = &source_client {
-            let mut held = BTreeSet::new();
-            check_source(config, c, &source, &schema, &mut checks, &mut out, &mut held).await?;
-            roles.extend(held);
-        }
+        },
+    };
+    let mut roles: BTreeSet<String> = config.app_roles.iter().map(|r| r.as_str().to_owned()).collect();
+    if let Some(c) = &source_client {
+        let mut held = BTreeSet::new();
+        let checked = check_source(config, c, &source, &schema, &mut checks, &mut out, &mut held);
+        super::engine::unless_hung(config, std::slice::from_ref(&source), hung_after, checked).await??;
+        roles.extend(held);
+    }
 
-        if let Some(t) = target_config.filter(|_| target_name != source) {
-            match connect(&t.url, &format!("host {}", t.name)).await {
-                Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
-                Ok(c) => {
-                    let peer = source_config.map(|s| s.peer_url.expose().to_owned());
+    if let Some(t) = target_config.filter(|_| target_name != source) {
+        match connect(&t.url, &format!("host {}", t.name)).await {
+            Err(e) => checks.add(Some(&target_name), "reachable", shardline_repo::error_chain(&e)),
+            Ok(c) => {
+                let peer = source_config.map(|s| s.peer_url.expose().to_owned());
+                let checked = async {
                     check_target(&c, &target_name, &schema, peer.as_deref(), &mut checks).await?;
                     let roles: Vec<String> = roles.into_iter().collect();
                     let missing = grants::missing_roles(&c, &roles)
@@ -282,20 +296,21 @@ pub(crate) async fn preflight_for(
                         .map_err(|e| host_err(&target_name, "pre-flight", &e))?;
                     if !missing.is_empty() {
                         checks.add(
-                        Some(&target_name),
-                        "roles",
-                        format!(
-                            "{} hold privileges on {schema} (on {source}, or as app_roles) but do not exist here; create them first (roles are per server)",
-                            missing.join(", ")
-                        ),
-                    );
+                            Some(&target_name),
+                            "roles",
+                            format!(
+                                "{} hold privileges on {schema} (on {source}, or as app_roles) but do not exist here; create them first (roles are per server)",
+                                missing.join(", ")
+                            ),
+                        );
                     }
-                }
+                    Ok::<_, crate::Error>(())
+                };
+                super::engine::unless_hung(config, std::slice::from_ref(&target_name), hung_after, checked)
+                    .await??;
             }
         }
-        Ok::<_, crate::Error>(())
-    });
-    checked.await??;
+    }
     out.problems = checks.problems;
     Ok(out)
 }
@@ -467,23 +482,36 @@ pub(crate) async fn off_level(
 ) -> Result<Option<String>> {
     let applied = c
         .query(
-            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2) ORDER BY name",
+            "SELECT name, checksum FROM shardline.shard_migrations WHERE schema_name = $1 AND name <> ALL($2)",
             &[&schema.as_str(), &[MINTER, GRANTS].as_slice()],
         )
         .await
         .map_err(|e| host_err(host, "read the migration ledger", &e))?;
-    let applied: Vec<(String, String)> = applied.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let wanted: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
+    let applied: BTreeSet<(String, String)> = applied.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let wanted: BTreeSet<(String, String)> =
+        files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
+    Ok(level_problem(schema, &applied, &wanted))
+}
+
+/// Why a ledger holding `applied` (name, checksum) is not at the level of the files
+/// `wanted`, or `None`: compared as sets, whatever order the ledger or the files list
+/// them in (sqlx-style names `5_x.sql` and `10_y.sql` sort one way as text, the other by
+/// version).
+fn level_problem(
+    schema: &SchemaName,
+    applied: &BTreeSet<(String, String)>,
+    wanted: &BTreeSet<(String, String)>,
+) -> Option<String> {
     if applied == wanted {
-        return Ok(None);
+        return None;
     }
-    let behind: Vec<&str> = wanted.iter().filter(|w| !applied.contains(w)).map(|(n, _)| n.as_str()).collect();
-    let extra: Vec<&str> = applied.iter().filter(|a| !wanted.contains(a)).map(|(n, _)| n.as_str()).collect();
-    Ok(Some(format!(
+    let behind: Vec<&str> = wanted.difference(applied).map(|(n, _)| n.as_str()).collect();
+    let extra: Vec<&str> = applied.difference(wanted).map(|(n, _)| n.as_str()).collect();
+    Some(format!(
         "{schema} is not at the config's migration level (missing or changed: [{}]; not in the config: [{}])",
         behind.join(", "),
         extra.join(", ")
-    )))
+    ))
 }
 
 async fn check_target(
@@ -554,7 +582,9 @@ mod tests {
 
     use shardline_router::{HostName, LogicalShard, SchemaPrefix};
 
-    use super::Preflight;
+    use std::collections::BTreeSet;
+
+    use super::{Preflight, level_problem};
 
     fn shard_of(table_bytes: i64) -> Preflight {
         let shard = LogicalShard::bounded(5).unwrap();
@@ -568,6 +598,28 @@ mod tests {
             table_bytes,
             problems: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_migration_level_is_compared_as_sets_whatever_the_order() {
+        let schema = SchemaPrefix::new("shard_").unwrap().schema(LogicalShard::bounded(0).unwrap());
+        let set = |items: &[(&str, &str)]| -> BTreeSet<(String, String)> {
+            items.iter().map(|(n, c)| ((*n).to_owned(), (*c).to_owned())).collect()
+        };
+        // sqlx-style names: text order puts 10 before 5, the files' version order after.
+        let files = set(&[("0001_a.sql", "x"), ("5_tags.up.sql", "y"), ("10_tag_photos.sql", "z")]);
+        assert_eq!(level_problem(&schema, &files.clone(), &files), None);
+        let changed = set(&[("0001_a.sql", "x"), ("5_tags.up.sql", "OLD"), ("10_tag_photos.sql", "z")]);
+        let said = level_problem(&schema, &changed, &files).unwrap_or_default();
+        assert!(said.contains("missing or changed: [5_tags.up.sql]"), "{said}");
+        let extra = set(&[
+            ("0001_a.sql", "x"),
+            ("5_tags.up.sql", "y"),
+            ("10_tag_photos.sql", "z"),
+            ("11_b.sql", "w"),
+        ]);
+        let said = level_problem(&schema, &extra, &files).unwrap_or_default();
+        assert!(said.contains("not in the config: [11_b.sql]"), "{said}");
     }
 
     #[test]

@@ -67,8 +67,7 @@ impl Mover<'_> {
             // be at their level (a resumed move ran no pre-flight, and the files may
             // have changed since the move started; `migrate` waits for moves).
             let source = self.source.clone();
-            self.src().await?;
-            let src = self.src.as_ref().ok_or(Error::Busy)?;
+            let src = self.src().await?;
             if let Some(problem) = preflight::off_level(src, &source, &schema, &migrations).await? {
                 return Err(Error::Fleet {
                     host: source,
