@@ -12,6 +12,13 @@
 # It builds the targets as `cargo fuzz build -a` does (release, debug assertions on so
 # integer overflow is a crash, AddressSanitizer, libFuzzer's coverage), with cargo
 # itself: installing cargo-fuzz cost CI about a minute and a half on a fresh machine.
+#
+# FUZZ_SANITIZER=none (CI's choice) builds without AddressSanitizer and its debug info, at
+# opt-level 1, as `cargo fuzz build -s none` would: 70 s instead of 135 s (opt-level 1 with
+# it) or 183 s (as above) on a 2-core machine (observed). Every crate the targets fuzz
+# forbids `unsafe` (`unsafe_code = "forbid"` in the workspace's lints), so what the
+# sanitizer alone would catch is in the dependencies; a panic, an overflow (debug
+# assertions stay on) or a wrong round trip is found either way. Fuzz for real without it.
 # The flags are cargo-fuzz 0.12's (src/project.rs); `cargo fuzz run -a TARGET` works on
 # the same fuzz/ directory for whoever has it. libFuzzer needs nightly features:
 # RUSTC_BOOTSTRAP=1 lets the one stable toolchain here provide them. Exits non-zero on
@@ -32,16 +39,26 @@ fi
 cd "$(dirname "$0")/../fuzz"
 export RUSTC_BOOTSTRAP=1
 triple=$(rustc -vV | sed -n 's/^host: //p')
-export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+flags="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cllvm-args=-simplifycfg-branch-fold-threshold=0 \
---cfg fuzzing -Clink-dead-code -Zsanitizer=address -Cllvm-args=-sanitizer-coverage-stack-depth \
--Cdebug-assertions -Ccodegen-units=1"
-export ASAN_OPTIONS="${ASAN_OPTIONS:+${ASAN_OPTIONS}:}detect_odr_violation=0"
+--cfg fuzzing -Clink-dead-code -Cllvm-args=-sanitizer-coverage-stack-depth -Cdebug-assertions"
+case "${FUZZ_SANITIZER:-address}" in
+  address)
+    export RUSTFLAGS="${flags} -Zsanitizer=address -Ccodegen-units=1"
+    export ASAN_OPTIONS="${ASAN_OPTIONS:+${ASAN_OPTIONS}:}detect_odr_violation=0"
+    profile=(--config profile.release.debug=true)
+    target_dir=target ;;
+  none)
+    export RUSTFLAGS="${flags}"
+    profile=(--config profile.release.opt-level=1)
+    target_dir=target/no-sanitizer ;;
+  *) echo "scripts/fuzz.sh: FUZZ_SANITIZER must be address or none, not '${FUZZ_SANITIZER}'" >&2; exit 2 ;;
+esac
+echo "fuzz: sanitizer ${FUZZ_SANITIZER:-address}"
 # --target: the flags then reach the targets and not the build scripts.
-cargo build --locked --release --config profile.release.debug=true --target "${triple}" \
-  --target-dir target --bins
-bin="target/${triple}/release"
+cargo build --locked --release "${profile[@]}" --target "${triple}" --target-dir "${target_dir}" --bins
+bin="${target_dir}/${triple}/release"
 
 if [ -n "${replay}" ]; then
   exec "${bin}/$2" "${replay}"

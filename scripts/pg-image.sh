@@ -5,9 +5,13 @@
 #
 # 1. If the image is already present, do nothing (fast, silent).
 # 2. Else try `docker pull` (works where a registry is reachable).
-# 3. Else build an equivalent image from Debian's packages with debootstrap:
-#    PostgreSQL 15 with a trust-auth cluster baked in, ENTRYPOINT the postgres binary,
-#    EXPOSE 5432/tcp. Needs root (debootstrap, chroot) and the `debootstrap` package.
+# 3. Else build an equivalent image from Debian's packages: PostgreSQL 15 with a
+#    trust-auth cluster baked in, ENTRYPOINT the postgres binary, EXPOSE 5432/tcp. When
+#    this machine has Debian's postgresql-15 installed (as CI's does), its root
+#    filesystem is the installed files of that package and everything it depends on
+#    (dpkg's own lists), copied from this machine: the same binaries the local backend
+#    runs, in seconds. Else debootstrap fetches them (about 100 s on a fresh machine;
+#    needs the `debootstrap` package). Needs root (chroot) either way.
 #
 # The built image behaves like the official one for the test kit: its command is
 # `postgres -c name=value ...`, it listens on 5432 for every address, and it accepts
@@ -40,15 +44,9 @@ if timeout 120 docker pull -q "$IMAGE" >/dev/null 2>&1; then
   exit 0
 fi
 
-log "pull failed; building $IMAGE from Debian's packages ($SUITE, $MIRROR)"
 if [ "$(id -u)" -ne 0 ]; then
-  log "building the image needs root (debootstrap and chroot); run this script as root"
+  log "building the image needs root (chroot); run this script as root"
   exit 1
-fi
-if ! command -v debootstrap >/dev/null 2>&1; then
-  log "installing debootstrap"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null \
-    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; }
 fi
 
 start=$(date +%s)
@@ -56,15 +54,87 @@ work=$(mktemp -d /var/tmp/shardline-pg-image.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 rootfs="$work/rootfs"
 
-debootstrap --variant=minbase --include=postgresql-15 "$SUITE" "$rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
-  || { tail -n 30 "$work/debootstrap.log" >&2; log "debootstrap failed"; exit 1; }
+# The root filesystem from this machine's own installed packages: postgresql-15, what it
+# depends on (recursively, as installed here), and the shell the entrypoint runs. Each
+# package's files as dpkg lists them, placed where they are (so /bin/dash, listed under
+# the merged /bin, lands in /usr/bin beside the image's bin -> usr/bin link).
+from_host() {
+  local packages
+  packages=$( { echo postgresql-15; echo dash; echo libc-bin; echo tzdata;
+    apt-cache depends --recurse --installed --no-recommends --no-suggests --no-conflicts \
+      --no-breaks --no-replaces --no-enhances postgresql-15 dash libc-bin tzdata 2>/dev/null \
+      | grep -v '^ ' | grep -v '^<'; } | sort -u \
+    | xargs dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' 2>/dev/null \
+    | awk '$1 == "ii" { print $2 }')
+  [ -n "$packages" ] || return 1
+  # shellcheck disable=SC2086
+  dpkg -L $packages 2>/dev/null | python3 -c '
+import os, shutil, sys
+root = sys.argv[1]
+os.makedirs(root)
+for top in ("bin", "sbin", "lib", "lib64"):
+    if os.path.islink("/" + top):
+        os.makedirs(os.path.join(root, "usr", top), exist_ok=True)
+        os.symlink("usr/" + top, os.path.join(root, top))
+skip = ("/usr/share/doc/", "/usr/share/man/", "/usr/share/info/", "/usr/share/locale/")
+for line in sys.stdin:
+    path = line.rstrip("\n")
+    if not path.startswith("/") or path.startswith(skip) or os.path.isdir(path) and not os.path.islink(path):
+        continue
+    if not os.path.lexists(path):
+        continue
+    where = os.path.realpath(os.path.dirname(path))
+    dest = root + os.path.join(where, os.path.basename(path))
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    if not os.path.lexists(dest):
+        shutil.copy2(path, dest, follow_symlinks=False)
+' "$rootfs"
+  local uid gid
+  uid=$(id -u postgres 2>/dev/null || echo 999)
+  gid=$(id -g postgres 2>/dev/null || echo 999)
+  mkdir -p "$rootfs/etc" "$rootfs/tmp" "$rootfs/var/lib/postgresql" "$rootfs/usr/local/bin" "$rootfs/dev"
+  chmod 1777 "$rootfs/tmp"
+  # initdb runs in the chroot and writes to /dev/null (a container gets Docker's /dev).
+  mknod -m 666 "$rootfs/dev/null" c 1 3
+  mknod -m 666 "$rootfs/dev/zero" c 1 5
+  mknod -m 666 "$rootfs/dev/urandom" c 1 9
+  printf 'root:x:0:0:root:/root:/bin/sh\npostgres:x:%s:%s:PostgreSQL administrator:/var/lib/postgresql:/bin/sh\n' \
+    "$uid" "$gid" >"$rootfs/etc/passwd"
+  printf 'root:x:0:\npostgres:x:%s:\n' "$gid" >"$rootfs/etc/group"
+  # A loader cache, as Debian's packages leave one; then the shell must run in it.
+  chroot "$rootfs" /sbin/ldconfig
+  chroot "$rootfs" /bin/sh -c true
+}
+
+from_debootstrap() {
+  if ! command -v debootstrap >/dev/null 2>&1; then
+    log "installing debootstrap"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; }
+  fi
+  debootstrap --variant=minbase --include=postgresql-15 "$SUITE" "$rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
+    || { tail -n 30 "$work/debootstrap.log" >&2; log "debootstrap failed"; exit 1; }
+}
+
+if [ "${SHARDLINE_PG_IMAGE_FROM:-}" != "debootstrap" ] \
+  && dpkg-query -W -f='${db:Status-Abbrev}' postgresql-15 2>/dev/null | grep -q '^ii' \
+  && command -v python3 >/dev/null 2>&1; then
+  log "pull failed; building $IMAGE from this machine's installed postgresql-15 and its dependencies"
+  from_host || { log "copying this machine's packages failed"; exit 1; }
+else
+  log "pull failed; building $IMAGE from Debian's packages ($SUITE, $MIRROR)"
+  from_debootstrap
+fi
 
 # Debian's packaging creates its own cluster in /var/lib/postgresql/15/main; drop it and
 # bake a trust-auth cluster at the path PGDATA names, so a container starts in ~1 s.
 rm -rf "$rootfs/var/lib/postgresql/15" "$rootfs/etc/postgresql/15"
 mkdir -p "$rootfs/var/lib/postgresql/data" "$rootfs/var/run/postgresql"
-chroot "$rootfs" chown -R postgres:postgres /var/lib/postgresql /var/run/postgresql
-chroot --userspec=postgres:postgres "$rootfs" /usr/lib/postgresql/15/bin/initdb \
+# The image's own postgres user, by number (the rootfs may hold no chown of its own).
+owner=$(awk -F: '$1 == "postgres" { print $3 ":" $4 }' "$rootfs/etc/passwd")
+[ -n "$owner" ] || { log "the image has no postgres user"; exit 1; }
+chown -R "$owner" "$rootfs/var/lib/postgresql" "$rootfs/var/run/postgresql"
+chroot --userspec="$owner" "$rootfs" /usr/lib/postgresql/15/bin/initdb \
   -D /var/lib/postgresql/data -U postgres -A trust -E UTF8 --locale=C.UTF-8 --no-instructions \
   >"$work/initdb.log" 2>&1 || { cat "$work/initdb.log" >&2; log "initdb failed"; exit 1; }
 echo "host all all 0.0.0.0/0 trust" >>"$rootfs/var/lib/postgresql/data/pg_hba.conf"
