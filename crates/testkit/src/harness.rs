@@ -77,7 +77,8 @@ struct Case {
 impl Case {
     /// Whether [`SCOPE_ENV`]`=hosts` selects it.
     fn is_about_hosts(&self) -> bool {
-        self.sharing != Sharing::Shared || HOST_MODULES.iter().any(|m| self.name.starts_with(m))
+        !matches!(self.sharing, Sharing::Shared | Sharing::Apart)
+            || HOST_MODULES.iter().any(|m| self.name.starts_with(m))
     }
 }
 
@@ -97,6 +98,11 @@ pub enum Sharing {
     /// the exclusive and the shared tests (these are the longest); quiet tests wait for
     /// it.
     Own,
+    /// As [`Sharing::Own`], for a test that needs a cluster of its own only for room (a
+    /// long one, or one that fills a host) and uses it through SQL alone: it starts with
+    /// the first tests, and the hosts' scope ([`SCOPE_ENV`]) leaves it out as it leaves
+    /// out the shared ones.
+    Apart,
 }
 
 /// What a test gets: the shared cluster, and fresh databases on demand.
@@ -178,7 +184,7 @@ impl Harness {
         let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
         let rank = |s: Sharing| match s {
             Sharing::Exclusive => 0,
-            Sharing::Own => 1,
+            Sharing::Own | Sharing::Apart => 1,
             Sharing::Shared => 2,
             Sharing::Quiet => 3,
         };
@@ -441,13 +447,13 @@ impl Shared {
         let acquire = async {
             let (own_read, own_write) = match sharing {
                 Sharing::Quiet => (None, Some(self.own.write().await)),
-                Sharing::Own => (Some(self.own.read().await), None),
+                Sharing::Own | Sharing::Apart => (Some(self.own.read().await), None),
                 Sharing::Shared | Sharing::Exclusive => (None, None),
             };
             let (read, write) = match sharing {
                 Sharing::Exclusive | Sharing::Quiet => (None, Some(self.exclusive.write().await)),
                 Sharing::Shared => (Some(self.exclusive.read().await), None),
-                Sharing::Own => (None, None),
+                Sharing::Own | Sharing::Apart => (None, None),
             };
             let slots = self
                 .slots
@@ -555,6 +561,8 @@ inventory::collect!(Registered);
 /// tests (it faults hosts), first, one after another, beside the own-cluster ones;
 /// `shardline_testkit::register!(own: name);` beside the exclusive and the shared ones (it
 /// starts a cluster of its own and never touches the shared one);
+/// `shardline_testkit::register!(apart: name);` as `own:`, for a test whose cluster is only
+/// room (the hosts' scope leaves it out);
 /// `shardline_testkit::register!(quiet: name);` last, alone on the machine (it asserts
 /// latencies), and as an exclusive one. Put it above the test's doc comment; [`Harness::registered`] collects every one the binary
 /// holds, named `module::function`.
@@ -568,6 +576,9 @@ macro_rules! register {
     };
     (own: $test:ident) => {
         $crate::register!(@ Own, $test);
+    };
+    (apart: $test:ident) => {
+        $crate::register!(@ Apart, $test);
     };
     (quiet: $test:ident) => {
         $crate::register!(@ Quiet, $test);
@@ -605,6 +616,7 @@ mod tests {
         let selected = |c: Case| c.is_about_hosts();
         assert!(selected(case("moves::a_host_killed_inside_a_step", Sharing::Exclusive)));
         assert!(selected(case("moves::a_host_paused_inside_each_step", Sharing::Own)));
+        assert!(!selected(case("pooler::at_2000_shards", Sharing::Apart)));
         assert!(selected(case("ids::after_an_idle_gap", Sharing::Quiet)));
         assert!(selected(case("partitions::a_cut_link_to_one_host", Sharing::Shared)));
         assert!(selected(case("faults::anything", Sharing::Shared)));
