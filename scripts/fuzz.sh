@@ -74,7 +74,7 @@ for target in id_parsers config_loader connection_urls; do
   grep -E '^Done [0-9]+ runs|panicked|SUMMARY|left:|right:' "${log}" || true
   if [ "${status}" -ne 0 ]; then
     tail -n 40 "${log}" >&2
-    echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/; replay: scripts/fuzz.sh --replay ${target} FILE)" >&2
+    echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/; replay: ${FUZZ_SANITIZER:+FUZZ_SANITIZER=${FUZZ_SANITIZER} }scripts/fuzz.sh --replay ${target} FILE)" >&2
     exit 1
   fi
   # libFuzzer ends a run of -max_total_time with "Done N runs": without it, nothing ran.

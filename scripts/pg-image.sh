@@ -18,6 +18,9 @@
 # password-less logins (the official image does with POSTGRES_HOST_AUTH_METHOD=trust).
 # Its cluster is initialised at build time, so a container starts in about a second.
 set -euo pipefail
+# The image's directories get their modes from here (a umask of 077 would leave / and
+# /usr closed to the postgres user).
+umask 022
 
 IMAGE="${SHARDLINE_PG_IMAGE:-postgres:15}"
 SUITE="${SHARDLINE_PG_IMAGE_SUITE:-bookworm}"
@@ -55,16 +58,21 @@ trap 'rm -rf "$work"' EXIT
 rootfs="$work/rootfs"
 
 # The root filesystem from this machine's own installed packages: postgresql-15, what it
-# depends on (recursively, as installed here), and the shell the entrypoint runs. Each
+# depends on (recursively, as installed here), the shell and coreutils. Each
 # package's files as dpkg lists them, placed where they are (so /bin/dash, listed under
 # the merged /bin, lands in /usr/bin beside the image's bin -> usr/bin link).
 from_host() {
   local packages
-  packages=$( { echo postgresql-15; echo dash; echo libc-bin; echo tzdata;
+  # The server, the shell its entrypoint and `COPY ... TO PROGRAM` run, and coreutils for
+  # the programs such a COPY runs (the test kit writes TLS files with `cat`), as
+  # debootstrap's minimal base has them.
+  local base="postgresql-15 dash coreutils libc-bin tzdata"
+  # shellcheck disable=SC2086
+  packages=$( { printf '%s\n' $base;
     apt-cache depends --recurse --installed --no-recommends --no-suggests --no-conflicts \
-      --no-breaks --no-replaces --no-enhances postgresql-15 dash libc-bin tzdata 2>/dev/null \
+      --no-breaks --no-replaces --no-enhances $base 2>/dev/null \
       | grep -v '^ ' | grep -v '^<'; } | sort -u \
-    | xargs dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' 2>/dev/null \
+    | xargs dpkg-query -W -f='${db:Status-Abbrev} ${binary:Package}\n' 2>/dev/null \
     | awk '$1 == "ii" { print $2 }')
   [ -n "$packages" ] || return 1
   # shellcheck disable=SC2086
@@ -88,22 +96,23 @@ for line in sys.stdin:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     if not os.path.lexists(dest):
         shutil.copy2(path, dest, follow_symlinks=False)
-' "$rootfs"
+' "$rootfs" || return 1
   local uid gid
   uid=$(id -u postgres 2>/dev/null || echo 999)
   gid=$(id -g postgres 2>/dev/null || echo 999)
   mkdir -p "$rootfs/etc" "$rootfs/tmp" "$rootfs/var/lib/postgresql" "$rootfs/usr/local/bin" "$rootfs/dev"
   chmod 1777 "$rootfs/tmp"
   # initdb runs in the chroot and writes to /dev/null (a container gets Docker's /dev).
-  mknod -m 666 "$rootfs/dev/null" c 1 3
-  mknod -m 666 "$rootfs/dev/zero" c 1 5
-  mknod -m 666 "$rootfs/dev/urandom" c 1 9
+  # (Called left of `||`, this function runs without errexit: each step checks itself.)
+  mknod -m 666 "$rootfs/dev/null" c 1 3 || return 1
+  mknod -m 666 "$rootfs/dev/zero" c 1 5 || return 1
+  mknod -m 666 "$rootfs/dev/urandom" c 1 9 || return 1
   printf 'root:x:0:0:root:/root:/bin/sh\npostgres:x:%s:%s:PostgreSQL administrator:/var/lib/postgresql:/bin/sh\n' \
     "$uid" "$gid" >"$rootfs/etc/passwd"
   printf 'root:x:0:\npostgres:x:%s:\n' "$gid" >"$rootfs/etc/group"
   # A loader cache, as Debian's packages leave one; then the shell must run in it.
-  chroot "$rootfs" /sbin/ldconfig
-  chroot "$rootfs" /bin/sh -c true
+  chroot "$rootfs" /sbin/ldconfig || return 1
+  chroot "$rootfs" /bin/sh -c true || return 1
 }
 
 from_debootstrap() {

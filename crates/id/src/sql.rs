@@ -170,7 +170,8 @@ const CATCH_UP_ARGS: &str =
 /// `init`, `migrate` and moves do: otherwise they wait for the first one's whole
 /// transaction, under its `lock_timeout`.
 ///
-/// It refuses (SQLSTATE 42501) a schema [`SHARED_SCHEMA`], or a function in it, owned by
+/// It refuses (SQLSTATE 42501) a schema [`SHARED_SCHEMA`], or a catch-up function in it
+/// (any version and overload: `catch_up_v*`), owned by
 /// a role that may not act as the current one (`pg_has_role(owner, current_user,
 /// 'MEMBER')`: itself, a superuser, a member of it), and refuses to make the function
 /// when a shard's wrapper is owned by a role the current one may not act as: each
@@ -353,23 +354,24 @@ BEGIN
             USING ERRCODE = 'serialization_failure';
     END IF;
     -- Checked after making, so a schema another session made first is checked too. The
-    -- schema and every function in it must be owned by a role that may act as this one
-    -- (itself, a superuser, or a member of it): each wrapper runs the function as its
-    -- owner, and whoever owns the schema or a function in it (an overload the call
-    -- could resolve to) could run code with that owner's rights.
+    -- schema and every catch-up function in it (each version a shard's wrapper may still
+    -- call, and each overload its call could resolve to: all are named catch_up_v*) must
+    -- be owned by a role that may act as this one (itself, a superuser, or a member of
+    -- it): each wrapper runs the function as its owner, and whoever owns the schema or
+    -- such a function could run code with that owner's rights.
     SELECT string_agg(DISTINCT owner::regrole::text, ', ') INTO untrusted FROM (
         SELECT nspowner AS owner FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}'
         UNION ALL
-        -- By name first (pg_proc's index on name, arguments, schema): only a function of
-        -- the catch-up's name is a candidate for its call. Every shard's install runs
-        -- this, so a scan of pg_proc, which grows with the shards, made `init` of 2000
-        -- shards quadratic (about 20 ms a shard by the end).
+        -- By name first (a range of pg_proc's index on name, arguments, schema): only a
+        -- catch-up function is called by a wrapper. Every shard's install runs this, so
+        -- a scan of pg_proc, which grows with the shards, made `init` of 2000 shards
+        -- quadratic (about 6 ms a shard at 500).
         SELECT p.proowner FROM pg_proc AS p
-        WHERE p.proname = '{catch_up_name}'
+        WHERE p.proname >= 'catch_up_v' AND p.proname < 'catch_up_w'
           AND p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = '{SHARED_SCHEMA}')
     ) AS o WHERE NOT pg_has_role(o.owner, current_user, 'MEMBER');
     IF untrusted IS NOT NULL THEN
-        RAISE EXCEPTION 'schema {SHARED_SCHEMA} or a function in it is owned by %, a role that may not act as %: shardline will not run its functions (install every shard of a database as the same role)', untrusted, current_user
+        RAISE EXCEPTION 'schema {SHARED_SCHEMA} or a catch-up function in it is owned by %, a role that may not act as %: shardline will not run its functions (install every shard of a database as the same role)', untrusted, current_user
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     IF NOT has_schema_privilege('public', '{SHARED_SCHEMA}', 'USAGE')
@@ -379,7 +381,6 @@ BEGIN
 END
 $shardline_minter$;"#,
         catch_up_fn = CATCH_UP_FUNCTION,
-        catch_up_name = CATCH_UP_FUNCTION.rsplit('.').next().unwrap_or(CATCH_UP_FUNCTION),
         lock_timeout = CATCH_UP_LOCK_TIMEOUT_MS,
         wait_timeout = CATCH_UP_WAIT_TIMEOUT_MS,
         lock_class = ADVISORY_LOCK_CLASS,

@@ -359,3 +359,15 @@ fn a_lag_the_lease_could_not_add_is_taken_as_a_day() {
     let sql = ShardSql::new(L, "shard_0001", 1).unwrap().install();
     assert!(sql.contains(&at(100)), "the default");
 }
+
+#[test]
+fn the_owner_check_covers_the_catch_up_every_wrapper_calls() {
+    // `host_install` checks the owners of the functions named in `catch_up_v`..`catch_up_w`
+    // in the shared schema (by name, through pg_proc's index): the one every shard's
+    // wrapper calls must be among them.
+    let (schema, name) = crate::sql::CATCH_UP_FUNCTION.split_once('.').unwrap_or_default();
+    assert_eq!(schema, crate::sql::SHARED_SCHEMA);
+    assert!(name >= "catch_up_v" && name < "catch_up_w", "{name}");
+    let sql = crate::sql::host_install();
+    assert!(sql.contains("p.proname >= 'catch_up_v' AND p.proname < 'catch_up_w'"), "{sql}");
+}

@@ -101,7 +101,7 @@ pub enum Sharing {
     /// As [`Sharing::Own`], for a test that needs a cluster of its own only for room (a
     /// long one, or one that fills a host) and uses it through SQL alone: it starts with
     /// the first tests, and the hosts' scope ([`SCOPE_ENV`]) leaves it out as it leaves
-    /// out the shared ones.
+    /// out the shared ones. Ranked before the `own:` tests, beside the first exclusive one.
     Apart,
 }
 
@@ -178,15 +178,17 @@ impl Harness {
 
     /// Adds every test the binary registered with [`register!`](crate::register): the
     /// exclusive ones first (one after another, while the tests with a cluster of their
-    /// own, next, run beside them), then the shared ones, then the quiet ones, each group
-    /// in name order.
+    /// own, next, `apart:` before `own:`, run beside them), then the shared ones, then the
+    /// quiet ones, each group in name order.
     pub fn registered(mut self) -> Self {
         let mut all: Vec<&Registered> = inventory::iter::<Registered>.into_iter().collect();
         let rank = |s: Sharing| match s {
             Sharing::Exclusive => 0,
-            Sharing::Own | Sharing::Apart => 1,
-            Sharing::Shared => 2,
-            Sharing::Quiet => 3,
+            // The long tests with clusters of their own for room, then the others.
+            Sharing::Apart => 1,
+            Sharing::Own => 2,
+            Sharing::Shared => 3,
+            Sharing::Quiet => 4,
         };
         all.sort_by_key(|r| (rank(r.sharing), r.path()));
         for r in all {
