@@ -367,7 +367,7 @@ fn the_owner_check_covers_the_catch_up_every_wrapper_calls() {
     // wrapper calls must be among them.
     let (schema, name) = crate::sql::CATCH_UP_FUNCTION.split_once('.').unwrap_or_default();
     assert_eq!(schema, crate::sql::SHARED_SCHEMA);
-    assert!(name >= "catch_up_v" && name < "catch_up_w", "{name}");
+    assert!(("catch_up_v".."catch_up_w").contains(&name), "{name}");
     let sql = crate::sql::host_install();
     assert!(sql.contains("p.proname >= 'catch_up_v' AND p.proname < 'catch_up_w'"), "{sql}");
 }
