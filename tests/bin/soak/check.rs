@@ -46,6 +46,11 @@ pub(crate) struct Write {
     pub(crate) start: Duration,
     pub(crate) end: Duration,
     pub(crate) outcome: Outcome,
+    /// How it was made: `repo` (`Repo::insert`), `sqlx` (the example's sqlx path),
+    /// `many` (`Repo::insert_many`), `tx` (a shard transaction of the repository).
+    pub(crate) via: &'static str,
+    /// The writes of one transaction share a group: all of them are applied, or none.
+    pub(crate) group: Option<u64>,
 }
 
 /// An update or a delete of a photo by the worker that wrote it (no other worker touches
@@ -245,6 +250,30 @@ pub(crate) fn check(history: &[Write], mutations: &[Mutation], seen: &Observed) 
             Outcome::Failed { .. } => {}
         }
     }
+    // A transaction's writes are applied together or not at all (whatever its outcome
+    // as its caller saw it).
+    let mut groups: BTreeMap<u64, Vec<(&Write, bool)>> = BTreeMap::new();
+    for w in history {
+        if let Some(g) = w.group {
+            groups.entry(g).or_default().push((w, by_token.contains_key(w.token.as_str())));
+        }
+    }
+    for writes in groups.values() {
+        if writes.iter().any(|(_, there)| *there) && writes.iter().any(|(_, there)| !*there) {
+            let parts: Vec<String> = writes
+                .iter()
+                .map(|(w, there)| {
+                    format!("{} {} {}", w.table.name(), w.token, if *there { "present" } else { "absent" })
+                })
+                .collect();
+            let outcome = match &writes[0].0.outcome {
+                Outcome::Acked(_) => "acknowledged",
+                Outcome::Failed { unknown: true, .. } => "outcome unknown",
+                Outcome::Failed { unknown: false, .. } => "failed",
+            };
+            out.push(format!("half a transaction applied ({outcome}): {}", parts.join(", ")));
+        }
+    }
     for (token, rows) in &by_token {
         if !written.contains_key(token) {
             out.push(format!("rows no write made: {token} (IDs {})", ids(rows)));
@@ -314,6 +343,106 @@ pub(crate) fn check(history: &[Write], mutations: &[Mutation], seen: &Observed) 
     out
 }
 
+/// A row as a fan-out returned it, or a shared photo as the load wrote it.
+#[derive(Debug, Clone)]
+pub(crate) struct FanOutRow {
+    pub(crate) id: i64,
+    /// The creation time its ID carries, ms since the Unix epoch.
+    pub(crate) ms: u128,
+    /// The shard its ID names.
+    pub(crate) shard: u16,
+    /// As [`Row::content`] spells it.
+    pub(crate) content: String,
+}
+
+/// One `Repo::created_between` of the load, and what it can be judged against.
+#[derive(Debug)]
+pub(crate) struct FanOutRead {
+    /// Since the soak started: when it returned.
+    pub(crate) at: Duration,
+    /// The window, ms since the Unix epoch, as asked (both ends included).
+    pub(crate) from_ms: u128,
+    pub(crate) to_ms: u128,
+    pub(crate) limit: usize,
+    /// What it returned, in its order.
+    pub(crate) rows: Vec<FanOutRow>,
+    /// Whether it said the window holds more rows below its last (`FanOut::next`).
+    pub(crate) full: bool,
+    /// The shards it reported missing, and each missing host's error.
+    pub(crate) missing: std::collections::HashSet<u16>,
+    pub(crate) missing_errors: Vec<String>,
+    /// Photos no worker updates or deletes, acknowledged before the read began.
+    pub(crate) known: Vec<FanOutRow>,
+}
+
+/// What is wrong with a fan-out read: a shard left out without being reported missing
+/// (a photo in the window, acknowledged before the read began, not returned; of a full
+/// page, only those at or above its last row count), a row returned twice, out of
+/// order, outside the window, past the limit, as other than written, or of a shard
+/// reported missing; a shard reported missing for a row from another shard.
+pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
+    let at = r.at;
+    let mut out = Vec::new();
+    for e in &r.missing_errors {
+        if e.contains("returned a row of shard") {
+            out.push(format!("fan-out at {at:?}: a shard reported missing for a misrouted row: {e}"));
+        }
+    }
+    if r.rows.len() > r.limit {
+        out.push(format!("fan-out at {at:?}: {} rows for a limit of {}", r.rows.len(), r.limit));
+    }
+    let mut returned: HashMap<i64, &str> = HashMap::new();
+    let mut last: Option<i64> = None;
+    for row in &r.rows {
+        if last.is_some_and(|l| row.id >= l) {
+            out.push(format!(
+                "fan-out at {at:?}: row {} after row {last:?}: not newest first, or twice",
+                row.id
+            ));
+        }
+        last = Some(row.id);
+        if row.ms < r.from_ms || row.ms > r.to_ms {
+            out.push(format!(
+                "fan-out at {at:?}: row {} of {} ms, outside the window {}..={}",
+                row.id, row.ms, r.from_ms, r.to_ms
+            ));
+        }
+        if r.missing.contains(&row.shard) {
+            out.push(format!(
+                "fan-out at {at:?}: row {} of shard {}, which it reported missing",
+                row.id, row.shard
+            ));
+        }
+        returned.insert(row.id, &row.content);
+    }
+    let floor = if r.full { last.unwrap_or(i64::MIN) } else { i64::MIN };
+    for k in &r.known {
+        // The window's edges are left out: the product rounds the times to ms.
+        if k.ms <= r.from_ms || k.ms >= r.to_ms || k.id < floor || r.missing.contains(&k.shard) {
+            continue;
+        }
+        match returned.get(&k.id) {
+            None => out.push(format!(
+                "fan-out at {at:?} ({}..={} ms, limit {}, {} rows, shards missing {:?}) left out photo {} of shard {} ({} ms)",
+                r.from_ms,
+                r.to_ms,
+                r.limit,
+                r.rows.len(),
+                r.missing,
+                k.id,
+                k.shard,
+                k.ms
+            )),
+            Some(c) if *c != k.content => out.push(format!(
+                "fan-out at {at:?} returned photo {} as {c:?}, written {:?}",
+                k.id, k.content
+            )),
+            Some(_) => {}
+        }
+    }
+    out
+}
+
 fn ids(rows: &[&Row]) -> String {
     rows.iter().map(|r| r.id.to_string()).collect::<Vec<_>>().join(", ")
 }
@@ -370,6 +499,8 @@ mod tests {
             start: Duration::from_millis(start),
             end: Duration::from_millis(end),
             outcome,
+            via: "repo",
+            group: None,
         }
     }
 
@@ -396,6 +527,63 @@ mod tests {
         Observed { live, ..Observed::default() }
     }
 
+    fn fan_row(id: i64, ms: u128, shard: u16) -> FanOutRow {
+        FanOutRow { id, ms, shard, content: format!("photo {id}") }
+    }
+
+    #[test]
+    fn a_fan_out_is_judged_against_the_photos_acknowledged_before_it() {
+        // Photos 10..=50 of shards 1 and 2, at 1010..=1050 ms; the window 1000..=1100.
+        let known: Vec<FanOutRow> =
+            (1_u16..=5).map(|i| fan_row(i64::from(i) * 10, 1000 + u128::from(i) * 10, i % 2 + 1)).collect();
+        let newest_first = |rows: &[FanOutRow]| {
+            let mut rows = rows.to_vec();
+            rows.sort_by_key(|r| std::cmp::Reverse(r.id));
+            rows
+        };
+        let read = |rows: Vec<FanOutRow>, full: bool, missing: &[u16]| FanOutRead {
+            at: Duration::ZERO,
+            from_ms: 1000,
+            to_ms: 1100,
+            limit: 3,
+            rows,
+            full,
+            missing: missing.iter().copied().collect(),
+            missing_errors: Vec::new(),
+            known: known.clone(),
+        };
+        // Whole; a full page with the newest 3; shard 1 reported missing, its rows left out.
+        let all = newest_first(&known);
+        assert_eq!(fan_out(&FanOutRead { limit: 5, ..read(all.clone(), false, &[]) }), Vec::<String>::new());
+        assert_eq!(fan_out(&read(all[..3].to_vec(), true, &[])), Vec::<String>::new());
+        let of_2: Vec<FanOutRow> = all.iter().filter(|r| r.shard == 2).cloned().collect();
+        assert_eq!(fan_out(&read(of_2.clone(), false, &[1])), Vec::<String>::new());
+        let judged = |r: FanOutRead, needle: &str| {
+            let found = fan_out(&r);
+            assert!(found.iter().any(|v| v.contains(needle)), "expected {needle:?} in {found:?}");
+        };
+        // A shard left out without a word; a full page missing one of its newest.
+        judged(read(of_2.clone(), false, &[]), "left out photo 20 of shard 1");
+        judged(read(vec![all[0].clone(), all[2].clone(), all[3].clone()], true, &[]), "left out photo 40");
+        // Twice, out of order, outside the window, past the limit, of a missing shard.
+        judged(read(vec![all[0].clone(), all[0].clone()], true, &[]), "not newest first, or twice");
+        judged(read(vec![all[1].clone(), all[0].clone()], true, &[]), "not newest first, or twice");
+        judged(read(vec![fan_row(60, 1101, 1)], true, &[]), "outside the window");
+        judged(read(all.clone(), false, &[]), "5 rows for a limit of 3");
+        judged(read(all[..1].to_vec(), true, &[2]), "which it reported missing");
+        // Not as written; a host reported missing for a misrouted row.
+        let mut changed = all.clone();
+        changed[4].content = "x".into();
+        judged(FanOutRead { limit: 5, ..read(changed, false, &[]) }, "returned photo 10 as \"x\"");
+        judged(
+            FanOutRead {
+                missing_errors: vec!["pg2: get was sent to shard 3 but returned a row of shard 4".into()],
+                ..read(of_2, false, &[1])
+            },
+            "misrouted row",
+        );
+    }
+
     #[test]
     fn a_clean_history_has_no_violation() {
         let (a, b) = (id(1, 3, 0), id(2, 3, 0));
@@ -409,6 +597,15 @@ mod tests {
             check(&history, &[], &seen(vec![row("a", a), row("b", b), row("d", id(3, 3, 0))])),
             Vec::<String>::new()
         );
+        // A transaction of unknown outcome applied whole, and one not applied at all.
+        let unknown = || Outcome::Failed { unknown: true, error: "lost".into() };
+        let txs = [
+            Write { group: Some(1), ..write("e", 0, 5, unknown()) },
+            Write { group: Some(1), ..write("f", 0, 5, unknown()) },
+            Write { group: Some(2), ..write("g", 0, 5, unknown()) },
+            Write { group: Some(2), ..write("h", 0, 5, unknown()) },
+        ];
+        assert_eq!(check(&txs, &[], &seen(vec![row("e", a), row("f", b)])), Vec::<String>::new());
         // An old copy holding rows its shard still has live is no violation.
         let old = Observed {
             live: vec![row("a", a), row("b", b)],
@@ -461,6 +658,21 @@ mod tests {
                 seen(vec![row("a", b), row("b", a)]),
             ),
             ("rows no write made", vec![], seen(vec![row("z", a)])),
+            (
+                // A transaction of two writes whose outcome is unknown: one of them there.
+                "half a transaction applied (outcome unknown)",
+                vec![
+                    Write {
+                        group: Some(1),
+                        ..write("a", 0, 5, Outcome::Failed { unknown: true, error: "lost".into() })
+                    },
+                    Write {
+                        group: Some(1),
+                        ..write("b", 0, 5, Outcome::Failed { unknown: true, error: "lost".into() })
+                    },
+                ],
+                seen(vec![row("a", a)]),
+            ),
             (
                 "its key routes to shard",
                 vec![write("a", 0, 5, Outcome::Acked(a))],

@@ -5,10 +5,12 @@
 //! backend `SHARDLINE_TEST_BACKEND` names, every link between the parties cuttable
 //! ([`shardline_testkit::Link`]), and for `SECONDS` runs at once:
 //!
-//! - **the load**: the example application's workload through the repository API, on
-//!   two handles (photos posted, comments on them, photos read back; and photos each
+//! - **the load**: the example application's workload through the repository API and
+//!   its sqlx path, on two handles (photos posted one by one, several in one
+//!   `insert_many`, or with a comment in one shard transaction; comments on them; photos
+//!   read back by ID and in recent time windows across every shard; and photos each
 //!   worker keeps to itself, updated, deleted and read back), every write, update and
-//!   delete recorded with its start, end and outcome;
+//!   delete recorded with its start, end, outcome, path and transaction;
 //! - **the mover**: single moves of random shards to random hosts, and now and then a
 //!   rebalance; a migration a third of the way in;
 //! - **the nemesis**, drawn from `SEED`: one fault at a time, either at a random moment
@@ -29,10 +31,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use check::{Mutation, Observed, Outcome, Row, Table, Write};
-use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo};
+use check::{FanOutRead, FanOutRow, Mutation, Observed, Outcome, Row, Table, Write};
+use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo, with_sqlx};
 use shardline_id::ident::quote;
 use shardline_ops::moves::{self, MoveOptions, MoveProgress, State, Step};
 use shardline_ops::rebalance::{self, Parallel};
@@ -91,9 +93,16 @@ struct Run {
     /// Updates and deletes of the photos each worker keeps to itself.
     mutations: Mutex<Vec<Mutation>>,
     bad_reads: Mutex<Vec<String>>,
-    /// Acknowledged photos: ID and content, for comments and reads.
-    photos: Mutex<Vec<(Id, String)>>,
+    /// Acknowledged photos no worker updates or deletes: ID, content and when the write
+    /// was acknowledged (ms since the Unix epoch), in the order they were; for comments,
+    /// reads and the fan-outs' completeness.
+    photos: Mutex<Vec<(Id, String, u128)>>,
     reads: AtomicU64,
+    /// Fan-out reads (`created_between`) made, and those with shards reported missing.
+    fan_outs: AtomicU64,
+    fan_outs_partial: AtomicU64,
+    /// The last transaction's group number ([`Write::group`]).
+    groups: AtomicU64,
     read_errors: AtomicU64,
     /// The move under way and its step, for faults that wait for a step.
     current: Mutex<Option<(usize, usize, Step)>>,
@@ -266,6 +275,9 @@ async fn soak_on(
         bad_reads: Mutex::new(Vec::new()),
         photos: Mutex::new(Vec::new()),
         reads: AtomicU64::new(0),
+        fan_outs: AtomicU64::new(0),
+        fan_outs_partial: AtomicU64::new(0),
+        groups: AtomicU64::new(0),
         read_errors: AtomicU64::new(0),
         current: Mutex::new(None),
         kill_mover: tokio::sync::Notify::new(),
@@ -409,6 +421,18 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
         mutations.iter().fold((0, 0), |(u, d), m| if m.content.is_some() { (u + 1, d) } else { (u, d + 1) });
     let mutations_acked = mutations.iter().filter(|m| matches!(m.outcome, Outcome::Acked(_))).count();
     eprintln!("  updates: {updates}, deletes: {deletes} ({mutations_acked} acknowledged)");
+    let mut via: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+    for w in history {
+        let e = via.entry(w.via).or_default();
+        e.0 += 1;
+        e.1 += usize::from(matches!(w.outcome, Outcome::Acked(_)));
+    }
+    eprintln!("  writes by path (made, acknowledged): {via:?}");
+    eprintln!(
+        "  fan-outs: {} ({} with shards reported missing)",
+        run.fan_outs.load(Ordering::Relaxed),
+        run.fan_outs_partial.load(Ordering::Relaxed)
+    );
     eprintln!("  faults: {:?}", lock(&run.faults));
     eprintln!("  moves: {:?}", lock(&run.moves));
     eprintln!("  violations: {}", violations.len());
@@ -441,19 +465,20 @@ async fn worker(run: &Run, w: u32) {
         lock(&run.bad_reads).push(format!("worker {w}: no repository"));
         return;
     };
+    let sqlx = cluster.sqlx();
     let mut mine: Vec<Mine> = Vec::new();
     let mut n = 0_u64;
     while Instant::now() < run.deadline {
         n += 1;
         let token = format!("s{}w{w}n{n}", run.seed);
-        let pick = rng.below(20);
+        let pick = rng.below(26);
         let known = {
             let p = lock(&run.photos);
             if p.is_empty() { None } else { Some(p[rng.index(p.len())].clone()) }
         };
         let own = if mine.is_empty() { None } else { Some(rng.index(mine.len())) };
         match (pick, known, own) {
-            (12..=13, Some((photo, _)), _) => {
+            (12..=13, Some((photo, _, _)), _) => {
                 let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
                 let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
                 let content = format!("{user}|{}|{token}", photo.as_i64());
@@ -472,9 +497,63 @@ async fn worker(run: &Run, w: u32) {
                     start,
                     end,
                     outcome,
+                    via: "repo",
+                    group: None,
                 });
             }
-            (14..=16, Some((id, content)), _) => read_back(run, &photos, id, &[Some(content)]).await,
+            (14..=16, Some((id, content, _)), _) => read_back(run, &photos, id, &[Some(content)]).await,
+            (20, _, _) => {
+                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+                let new =
+                    NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
+                let content = format!("{user}|{}|{token}", new.url);
+                let start = run.now();
+                let result = with_sqlx::post_photo(&sqlx, &new).await;
+                let end = run.now();
+                if let Ok(p) = &result {
+                    share(run, p.id, &content);
+                }
+                let outcome = outcome_of(&result, |p| p.id);
+                lock(&run.history).push(Write {
+                    worker: w,
+                    table: Table::Photos,
+                    token,
+                    content,
+                    start,
+                    end,
+                    outcome,
+                    via: "sqlx",
+                    group: None,
+                });
+            }
+            (21, Some((photo, _, _)), _) => {
+                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+                let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
+                let content = format!("{user}|{}|{token}", photo.as_i64());
+                let start = run.now();
+                let result = with_sqlx::comment(&sqlx, &new).await;
+                let end = run.now();
+                let outcome = outcome_of(&result, |c| c.id);
+                lock(&run.history).push(Write {
+                    worker: w,
+                    table: Table::Comments,
+                    token,
+                    content,
+                    start,
+                    end,
+                    outcome,
+                    via: "sqlx",
+                    group: None,
+                });
+            }
+            (22, Some((id, content, _)), _) => {
+                run.reads.fetch_add(1, Ordering::Relaxed);
+                let result = with_sqlx::photo(&sqlx, id).await;
+                judge_read(run, id, &[Some(content)], result, "sqlx read");
+            }
+            (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token).await,
+            (24, _, _) => insert_many(run, w, &photos, &mut rng, n, &token).await,
+            (25, _, _) => fan_out(run, &photos, &mut rng).await,
             (17, _, Some(i)) => {
                 let m = &mut mine[i];
                 m.versions += 1;
@@ -571,7 +650,7 @@ async fn worker(run: &Run, w: u32) {
                         Outcome::Acked(p.id.as_i64())
                     }
                     Ok(p) => {
-                        lock(&run.photos).push((p.id, content.clone()));
+                        share(run, p.id, &content);
                         Outcome::Acked(p.id.as_i64())
                     }
                     Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
@@ -584,6 +663,8 @@ async fn worker(run: &Run, w: u32) {
                     start,
                     end,
                     outcome,
+                    via: "repo",
+                    group: None,
                 });
             }
         }
@@ -593,12 +674,23 @@ async fn worker(run: &Run, w: u32) {
 /// Reads photo `id` and checks it holds one of `states` (`None`: absent).
 async fn read_back(run: &Run, photos: &shardline_repo::Repo<Photo>, id: Id, states: &[Option<String>]) {
     run.reads.fetch_add(1, Ordering::Relaxed);
-    match photos.get(id).await {
+    judge_read(run, id, states, photos.get(id).await, "read");
+}
+
+/// Judges a read of photo `id` (`how`: by which path) that may hold any of `states`.
+fn judge_read(
+    run: &Run,
+    id: Id,
+    states: &[Option<String>],
+    result: Result<Option<Photo>, shardline_repo::Error>,
+    how: &str,
+) {
+    match result {
         Ok(found) => {
             let got = found.as_ref().map(content_of);
             if !states.contains(&got) {
                 lock(&run.bad_reads).push(format!(
-                    "read of photo {} at {:?} answered {got:?}, written {states:?}",
+                    "{how} of photo {} at {:?} answered {got:?}, written {states:?}",
                     id.as_i64(),
                     run.now()
                 ));
@@ -612,7 +704,7 @@ async fn read_back(run: &Run, photos: &shardline_repo::Repo<Photo>, id: Id, stat
             | shardline_repo::Error::Router(_)),
         ) => {
             lock(&run.bad_reads).push(format!(
-                "read of photo {} at {:?} failed: {}",
+                "{how} of photo {} at {:?} failed: {}",
                 id.as_i64(),
                 run.now(),
                 shardline_repo::error_chain(&e)
@@ -622,6 +714,211 @@ async fn read_back(run: &Run, photos: &shardline_repo::Repo<Photo>, id: Id, stat
             run.read_errors.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// Ms since the Unix epoch, now.
+fn wall_ms() -> u128 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+}
+
+/// An acknowledged photo no worker will update or delete: one to comment on, read back
+/// and find in fan-outs.
+fn share(run: &Run, id: Id, content: &str) {
+    lock(&run.photos).push((id, content.to_owned(), wall_ms()));
+}
+
+/// A write's outcome from its call's result.
+fn outcome_of<T>(result: &Result<T, shardline_repo::Error>, id: impl Fn(&T) -> Id) -> Outcome {
+    match result {
+        Ok(row) => Outcome::Acked(id(row).as_i64()),
+        Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+    }
+}
+
+/// A photo and a comment on an acknowledged photo of the same shard, in one shard
+/// transaction of the repository (`Cluster::transaction`): both applied or neither.
+async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id, token: String) {
+    let Ok(route) = cluster.route_id(photo) else {
+        lock(&run.bad_reads).push(format!("photo {} routes nowhere", photo.as_i64()));
+        return;
+    };
+    // A user of the photo's shard (one in 32 draws; the bound only stops a bad map).
+    let Some(user) = (0..10_000)
+        .map(|_| i64::try_from(1 + rng.below(USERS)).unwrap_or(1))
+        .find(|u| cluster.route_user(*u).shard == route.shard)
+    else {
+        return;
+    };
+    let new_photo = NewPhoto { user_id: user, url: format!("soak://{user}/tx"), caption: token.clone() };
+    let comment_token = format!("{token}c");
+    let new_comment = NewComment { photo_id: photo, user_id: user, body: comment_token.clone() };
+    let (p, c) = (&new_photo, &new_comment);
+    let start = run.now();
+    let result = cluster
+        .transaction(route.shard, |tx| {
+            Box::pin(async move {
+                let photo: Photo = tx.insert(p).await?;
+                let comment: Comment = tx.insert(c).await?;
+                Ok::<_, shardline_repo::Error>((photo, comment))
+            })
+        })
+        .await;
+    let end = run.now();
+    let photo_content = format!("{user}|{}|{token}", new_photo.url);
+    if let Ok((p, _)) = &result {
+        share(run, p.id, &photo_content);
+    }
+    let group = Some(run.groups.fetch_add(1, Ordering::Relaxed) + 1);
+    let mut history = lock(&run.history);
+    history.push(Write {
+        worker: w,
+        table: Table::Photos,
+        token,
+        content: photo_content,
+        start,
+        end,
+        outcome: outcome_of(&result, |(p, _)| p.id),
+        via: "tx",
+        group,
+    });
+    history.push(Write {
+        worker: w,
+        table: Table::Comments,
+        token: comment_token,
+        content: format!("{user}|{}|{}", photo.as_i64(), new_comment.body),
+        start,
+        end,
+        outcome: outcome_of(&result, |(_, c)| c.id),
+        via: "tx",
+        group,
+    });
+}
+
+/// 2 to 6 photos of random users in one `Repo::insert_many` (atomic per host, not
+/// across hosts: a failure leaves each row's outcome as the error says).
+async fn insert_many(
+    run: &Run,
+    w: u32,
+    photos: &shardline_repo::Repo<Photo>,
+    rng: &mut Rng,
+    n: u64,
+    token: &str,
+) {
+    let news: Vec<NewPhoto> = (0..2 + rng.below(5))
+        .map(|i| {
+            let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
+            NewPhoto { user_id: user, url: format!("soak://{user}/{n}/{i}"), caption: format!("{token}m{i}") }
+        })
+        .collect();
+    let start = run.now();
+    let result = photos.insert_many(&news).await;
+    let end = run.now();
+    let mut writes = Vec::new();
+    for (i, new) in news.iter().enumerate() {
+        let content = format!("{}|{}|{}", new.user_id, new.url, new.caption);
+        let outcome = match &result {
+            Ok(rows) => match rows.get(i) {
+                Some(p) => {
+                    share(run, p.id, &content);
+                    Outcome::Acked(p.id.as_i64())
+                }
+                None => {
+                    lock(&run.bad_reads).push(format!(
+                        "insert_many of {} rows returned {}",
+                        news.len(),
+                        rows.len()
+                    ));
+                    Outcome::Failed { unknown: true, error: "not returned".into() }
+                }
+            },
+            Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+        };
+        writes.push(Write {
+            worker: w,
+            table: Table::Photos,
+            token: new.caption.clone(),
+            content,
+            start,
+            end,
+            outcome,
+            via: "many",
+            group: None,
+        });
+    }
+    lock(&run.history).extend(writes);
+}
+
+/// A fan-out read of a recent time window (`Repo::created_between`), judged against the
+/// shared photos acknowledged before it began: every one in the window (and at or above
+/// the page's last ID when the page is full) is returned as written, unless its shard is
+/// reported missing; no row is returned twice, out of order or outside the window; no
+/// shard is reported missing for a row of another shard.
+async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+    let layout = run.cluster.layout();
+    let to = SystemTime::now() - rng.millis(0, 500);
+    let from = to - rng.millis(100, 3000);
+    let limit = [5, 50, 500, 5000][rng.index(4)];
+    let known = lock(&run.photos).len();
+    run.fan_outs.fetch_add(1, Ordering::Relaxed);
+    let page = match photos.created_between(from, to, limit).await {
+        Ok(page) => page,
+        // A host down or slow is reported in the page; the whole call fails only on what
+        // it was given, or on a row it cannot read or place.
+        Err(
+            e @ (shardline_repo::Error::Misrouted { .. }
+            | shardline_repo::Error::Decode { .. }
+            | shardline_repo::Error::Router(_)
+            | shardline_repo::Error::Id(_)
+            | shardline_repo::Error::Invalid { .. }),
+        ) => {
+            lock(&run.bad_reads).push(format!(
+                "fan-out at {:?} failed whole: {}",
+                run.now(),
+                shardline_repo::error_chain(&e)
+            ));
+            return;
+        }
+        Err(e) => {
+            run.read_errors.fetch_add(1, Ordering::Relaxed);
+            run.note(format!("a fan-out failed whole: {}", shardline_repo::error_chain(&e)));
+            return;
+        }
+    };
+    if !page.missing.is_empty() {
+        run.fan_outs_partial.fetch_add(1, Ordering::Relaxed);
+    }
+    let ms = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let (from_ms, to_ms) = (ms(from), ms(to));
+    let seen = |id: Id, content: String| FanOutRow {
+        id: id.as_i64(),
+        ms: u128::try_from(layout.decode(id).unix_ms).unwrap_or(0),
+        shard: run.cluster.route_id(id).map_or(u16::MAX, |r| r.shard.get()),
+        content,
+    };
+    let rows = page.rows.iter().map(|p| seen(p.id, content_of(p))).collect();
+    // Only those acknowledged 2 s before the window began or later can be in it (an ID is
+    // minted before its write is acknowledged).
+    let known = {
+        let shared = lock(&run.photos);
+        shared[..known]
+            .iter()
+            .rev()
+            .take_while(|(_, _, acked)| acked + 2000 >= from_ms)
+            .map(|(id, content, _)| seen(*id, content.clone()))
+            .collect()
+    };
+    let read = FanOutRead {
+        at: run.now(),
+        from_ms,
+        to_ms,
+        limit,
+        rows,
+        full: page.next.is_some(),
+        missing: page.missing.iter().flat_map(|m| m.shards.iter().map(|s| s.get())).collect(),
+        missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
+        known,
+    };
+    lock(&run.bad_reads).extend(check::fan_out(&read));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1132,6 +1429,8 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
                 start,
                 end: run.now(),
                 outcome,
+                via: "repo",
+                group: None,
             });
             if !again {
                 break;
