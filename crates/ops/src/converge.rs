@@ -233,7 +233,7 @@ use shardline_id::ident::literal;
 /// Makes the catch-up every shard schema of the database shares, when it is missing
 /// (`shardline_id::sql::host_install`), in a transaction of its own. `what` names the
 /// work it is for in an error.
-async fn shared_minter(client: &Client, host: &HostName, what: &str) -> Result<()> {
+pub(crate) async fn shared_minter(client: &Client, host: &HostName, what: &str) -> Result<()> {
     client.batch_execute(&shardline_id::sql::host_install()).await.map_err(|e| {
         let (sqlstate, message) = describe(&e);
         Error::Host {
@@ -299,7 +299,11 @@ $pin$"#,
     )
 }
 
-/// Applies one shard's work in one transaction, pipelined.
+/// Applies one shard's work in one transaction, pipelined. A shard whose work installs
+/// the minter needs the shared catch-up made first, outside this transaction
+/// ([`shared_minter`]; made inside it, it would hold up every other shard installed
+/// beside it until the whole transaction ends): a host's run makes it once before its
+/// shards, a move before its copy.
 pub(crate) async fn apply_shard(
     client: &Client,
     host: &HostName,
@@ -308,11 +312,6 @@ pub(crate) async fn apply_shard(
 ) -> Result<()> {
     let q = w.schema.quoted();
     let shard = w.shard;
-    if w.minter.is_some() {
-        // Made inside the shard's transaction, it would hold up every other shard
-        // installed beside it until that whole transaction ends.
-        shared_minter(client, host, &format!("shard {shard} ({})", w.schema)).await?;
-    }
     let mut batch: Vec<(Origin, String)> = vec![(
         Origin::Ours("begin the shard's transaction"),
         format!(

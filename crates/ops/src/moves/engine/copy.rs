@@ -97,6 +97,7 @@ impl Mover<'_> {
                 lock_timeout,
                 shard_timeout,
             };
+            converge::shared_minter(dst, &target, &format!("shard {shard} ({schema})")).await?;
             converge::apply_shard(dst, &target, &work, &inputs).await?;
             // The copy is faster into bare tables: secondary indexes (those no constraint
             // owns) are built once the copy is done (see `catch_up`).
