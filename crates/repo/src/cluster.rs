@@ -889,63 +889,67 @@ impl Cluster {
         }
     }
 
-    /// Asks each shard's source to resolve its fence; returns whether one was resolved
-    /// (unfenced on the source, or flipped in the catalog), so that running the
-    /// statement again makes sense. Failures are logged and waited out.
+    /// Asks each shard's source to resolve its fence, all at once (each within the host
+    /// timeout); returns whether one was resolved (unfenced on the source, or flipped in
+    /// the catalog), so that running the statement again makes sense. Failures are
+    /// logged and waited out.
     async fn resolve_fences(&self, shards: &[(LogicalShard, HostName)]) -> bool {
-        let mut resolved = false;
-        for (shard, from) in shards {
-            let schema = self.inner.prefix.schema(*shard);
-            let asked = self.on_host(from, self.inner.options.host_timeout, |c| async move {
-                // Unnamed, in one round trip: a transaction pooler may hand each round
-                // trip of a named statement to another server connection.
-                c.query_typed_one(
-                    "SELECT outcome, move, token FROM shardline.resolve_fence($1)",
-                    &[(&schema.as_str(), tokio_postgres::types::Type::TEXT)],
-                )
-                .await
-                .map_err(|e| Error::host(from, Some(*shard), "resolve a move's fence", e))
-            });
-            let row = match asked.await {
-                Ok(row) => row,
-                Err(e) => {
-                    tracing::warn!(shard = shard.get(), host = %from, error = %crate::error_chain(&e), "cannot resolve the shard's fence");
-                    continue;
-                }
-            };
-            let decoded: std::result::Result<(String, Option<i64>, Option<String>), _> =
-                (|| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))();
-            let Ok((outcome, id, token)) = decoded.inspect_err(|e| {
-                tracing::warn!(shard = shard.get(), host = %from, error = %e, "the host's resolve_fence answered what this version cannot read");
-            }) else {
-                continue;
-            };
-            match outcome.as_str() {
-                "undone" => {
-                    tracing::warn!(shard = shard.get(), host = %from, move_id = ?id, "the move's fence outlived its lease; the shard is writable on its source again");
-                    resolved = true;
-                }
-                "flip" => {
-                    let (Some(id), Some(token)) = (id, token) else { continue };
-                    match self.complete_flip(id, &token).await {
-                        Ok(flipped) => {
-                            tracing::warn!(
-                                shard = shard.get(),
-                                move_id = id,
-                                flipped,
-                                "the move decided to flip; completed its flip in the catalog"
-                            );
-                            resolved |= self.refresh().await.is_ok() && self.map().host_of(*shard) != from;
-                        }
-                        Err(e) => {
-                            tracing::warn!(shard = shard.get(), move_id = id, error = %crate::error_chain(&e), "cannot complete the move's flip");
-                        }
+        let asked = shards.iter().map(|(shard, from)| self.resolve_fence(*shard, from));
+        futures::future::join_all(asked).await.into_iter().any(|resolved| resolved)
+    }
+
+    /// [`Cluster::resolve_fences`] for one shard.
+    async fn resolve_fence(&self, shard: LogicalShard, from: &HostName) -> bool {
+        let schema = self.inner.prefix.schema(shard);
+        let asked = self.on_host(from, self.inner.options.host_timeout, |c| async move {
+            // Unnamed, in one round trip: a transaction pooler may hand each round
+            // trip of a named statement to another server connection.
+            c.query_typed_one(
+                "SELECT outcome, move, token FROM shardline.resolve_fence($1)",
+                &[(&schema.as_str(), tokio_postgres::types::Type::TEXT)],
+            )
+            .await
+            .map_err(|e| Error::host(from, Some(shard), "resolve a move's fence", e))
+        });
+        let row = match asked.await {
+            Ok(row) => row,
+            Err(e) => {
+                tracing::warn!(shard = shard.get(), host = %from, error = %crate::error_chain(&e), "cannot resolve the shard's fence");
+                return false;
+            }
+        };
+        let decoded: std::result::Result<(String, Option<i64>, Option<String>), _> =
+            (|| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))();
+        let Ok((outcome, id, token)) = decoded.inspect_err(|e| {
+            tracing::warn!(shard = shard.get(), host = %from, error = %e, "the host's resolve_fence answered what this version cannot read");
+        }) else {
+            return false;
+        };
+        match outcome.as_str() {
+            "undone" => {
+                tracing::warn!(shard = shard.get(), host = %from, move_id = ?id, "the move's fence outlived its lease; the shard is writable on its source again");
+                true
+            }
+            "flip" => {
+                let (Some(id), Some(token)) = (id, token) else { return false };
+                match self.complete_flip(id, &token).await {
+                    Ok(flipped) => {
+                        tracing::warn!(
+                            shard = shard.get(),
+                            move_id = id,
+                            flipped,
+                            "the move decided to flip; completed its flip in the catalog"
+                        );
+                        self.refresh().await.is_ok() && self.map().host_of(shard) != from
+                    }
+                    Err(e) => {
+                        tracing::warn!(shard = shard.get(), move_id = id, error = %crate::error_chain(&e), "cannot complete the move's flip");
+                        false
                     }
                 }
-                _ => {}
             }
+            _ => false,
         }
-        resolved
     }
 
     /// `shardline.complete_flip(id, token)` in the catalog: whether it flipped.
