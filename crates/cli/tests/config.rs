@@ -5,13 +5,30 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn config(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardline-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// A config file in a directory of its own, removed with it when dropped.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn config(name: &str, text: &str) -> Scratch {
+    let dir = std::env::temp_dir().join(format!("shardline-cli-{}-{name}", std::process::id()));
     std::fs::create_dir_all(dir.join("migrations")).unwrap();
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
-    path
+    Scratch(path)
 }
 
 fn shardline(config: &PathBuf, args: &[&str]) -> Output {
