@@ -306,13 +306,7 @@ impl LocalHost {
     /// SIGKILL reaches the children before the postmaster, so none of them lives to
     /// see the postmaster die and say goodbye to its client.
     fn signal_all(&self, postmaster: Pid, signal: Signal) -> Result<Vec<Pid>> {
-        self.signal(postmaster, Signal::SIGSTOP)?;
-        let children = children_of(postmaster);
-        for &c in &children {
-            self.signal(c, signal)?;
-        }
-        self.signal(postmaster, signal)?;
-        Ok(children)
+        signal_tree(postmaster, signal, |pid, s| self.signal(pid, s))
     }
 
     /// Waits for the postmaster to exit, up to `limit`; then SIGKILLs what is left.
@@ -420,6 +414,28 @@ impl Drop for LocalHost {
     }
 }
 
+/// [`LocalHost::signal_all`], with `send` sending each signal: stops `parent`, waits
+/// until it is stopped (a SIGSTOP lands when the process next returns to user space, so
+/// a `fork` under way when it was sent ends first, and its child must be listed too),
+/// then signals its children, then `parent`. Returns the children.
+fn signal_tree(parent: Pid, signal: Signal, send: impl Fn(Pid, Signal) -> Result<()>) -> Result<Vec<Pid>> {
+    send(parent, Signal::SIGSTOP)?;
+    // Stopped, gone, or (ptraced) traced: no fork left under way. Bounded, so a process
+    // in uninterruptible sleep holds the caller 2 s at most.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while proc_stat(parent.as_raw()).is_some_and(|(state, _)| !matches!(state, 'T' | 't' | 'Z' | 'X'))
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let children = children_of(parent);
+    for &c in &children {
+        send(c, signal)?;
+    }
+    send(parent, signal)?;
+    Ok(children)
+}
+
 /// The processes whose parent is `parent`, from /proc.
 fn children_of(parent: Pid) -> Vec<Pid> {
     let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
@@ -491,6 +507,33 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(!running(pid));
+    }
+
+    #[test]
+    fn a_process_forking_when_it_is_stopped_leaves_no_child_unlisted() {
+        let send = |pid: Pid, s: Signal| match kill(pid, s) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+            Err(e) => panic!("signal {s} to {pid}: {e}"),
+        };
+        for round in 0..10 {
+            // Forks as fast as it can: the stop lands in the middle of the burst.
+            let mut forker = Command::new("sh")
+                .args(["-c", "for i in $(seq 300); do sleep 30 & done; wait"])
+                .spawn()
+                .unwrap();
+            let pid = Pid::from_raw(i32::try_from(forker.id()).unwrap());
+            std::thread::sleep(Duration::from_millis(2 * round));
+            let listed = signal_tree(pid, Signal::SIGSTOP, send).unwrap();
+            // The forker is stopped now: whatever it forked is its child, listed or not.
+            let after = children_of(pid);
+            let missed: Vec<Pid> = after.iter().filter(|c| !listed.contains(c)).copied().collect();
+            signal_tree(pid, Signal::SIGKILL, send).unwrap();
+            forker.wait().unwrap();
+            for c in after {
+                let _ = kill(c, Signal::SIGKILL);
+            }
+            assert!(missed.is_empty(), "round {round}: {} children forked past the listing", missed.len());
+        }
     }
 
     #[test]
