@@ -118,8 +118,12 @@ impl Rng {
 
 fn config_text(kit: &shardline_testkit::Cluster, hosts: usize, shards: u16, dir: &Path) -> String {
     let mut text = format!(
-        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = \"{}\"\n\n[catalog]\nurl = \"{}\"\n",
-        dir.join("migrations").display(),
+        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = {}\n\n[catalog]\nurl = \"{}\"\n",
+        // A TOML basic string: a temporary directory may hold a quote or a backslash.
+        format!(
+            "\"{}\"",
+            dir.join("migrations").display().to_string().replace('\\', "\\\\").replace('"', "\\\"")
+        ),
         kit.hosts()[0].url(DB)
     );
     for (i, h) in kit.hosts().iter().take(hosts).enumerate() {
@@ -180,7 +184,8 @@ pub fn demo(opt: &DemoOpt, out: &mut dyn Write) -> anyhow::Result<()> {
                 "moves",
                 "locate --user 42",
                 "rebalance --plan",
-                "move 7 --to pg1 --dry-run",
+                // Shard 7 starts on pg1; the demo's own moves take it to pg4 at most.
+                "move 7 --to pg2 --dry-run",
             ] {
                 writeln!(out, "  shardline --config {} {cmd}", path.display())?;
             }

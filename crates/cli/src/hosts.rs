@@ -89,6 +89,21 @@ pub enum HostCommand {
     },
 }
 
+/// A drain's exit status: failed when a move failed, when the host still holds a shard
+/// (a move onto it that was under way when the drain began, say), or when what it holds
+/// could not be read after the moves.
+fn drained(report: &shardline_ops::fleet::DrainReport) -> anyhow::Result<()> {
+    moves_failed(&report.moves)?;
+    match report.remaining {
+        _ if report.drained() => Ok(()),
+        Some(n) => anyhow::bail!("host {} still holds {n} shard(s)", report.host),
+        None => anyhow::bail!(
+            "the catalog could not be read after the moves: what host {} holds is unknown",
+            report.host
+        ),
+    }
+}
+
 fn host_name(name: &str) -> Result<HostName, UsageError> {
     HostName::new(name).map_err(|e| UsageError(format!("host name: {e}")))
 }
@@ -133,6 +148,12 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
             let name = host_name(name)?;
             let url = cli_url("--url", url.as_deref())?;
             let peer_url = cli_url("--peer-url", peer_url.as_deref())?;
+            if url.is_none() && config.host(&name).is_none() {
+                return Err(UsageError(format!(
+                    "host add {name}: give its URL (`--url`), or list it in the config's [[hosts]]"
+                ))
+                .into());
+            }
             let report =
                 rt.block_on(shardline_ops::fleet::add(config, &name, url.as_ref(), peer_url.as_ref()))?;
             if *json {
@@ -178,7 +199,7 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
             if !*json {
                 writeln!(out, "{report}")?;
             }
-            moves_failed(&report.moves)
+            drained(&report)
         }
         HostCommand::Remove { name } => {
             let name = host_name(name)?;

@@ -249,10 +249,11 @@ pub fn move_shard(config: &Config, opt: &MoveOpt, out: &mut dyn Write) -> anyhow
     options.revertible = opt.revertible;
     opt.copy.apply(&mut options);
     options.progress = Some(f);
-    // The cluster's own count is checked by the move (pre-flight, journal).
+    // Within the config's count, which `init` made the catalog's (the move checks the
+    // catalog's again, in its pre-flight and journal).
     let shard = opt
         .shard
-        .map(|s| LogicalShard::bounded(i64::from(s)))
+        .map(|s| LogicalShard::bounded(i64::from(s)).and_then(|s| s.within(config.logical_shards)))
         .transpose()
         .map_err(|e| UsageError(format!("shard: {e}")))?;
     let need_shard =

@@ -233,6 +233,7 @@ pub async fn add(
     peer_url: Option<&DbUrl>,
 ) -> Result<AddressReport> {
     let entry = config.host(name);
+    let explicit = url.is_some() || peer_url.is_some();
     let (url, peer_url) = match (url, entry) {
         (Some(url), _) => (url, peer_url.unwrap_or(url)),
         (None, Some(h)) => (&h.url, peer_url.unwrap_or(&h.peer_url)),
@@ -251,7 +252,13 @@ pub async fn add(
     match existing.map(|h| h.state) {
         Some(HostState::Active) => return Err(refused(name, "is already a host of this cluster")),
         // Adding a draining host again ends its drain: moves may target it again. Its
-        // address stays as recorded.
+        // address stays as recorded: an address given here is refused, not ignored.
+        Some(HostState::Draining) if explicit => {
+            return Err(refused(
+                name,
+                "is draining: `host add` ends its drain and keeps its recorded address; run it without `--url`/`--peer-url`, or change the address with `host readdress`",
+            ));
+        }
         Some(HostState::Draining) => {
             catalog.set_host_state(name, HostState::Active).await?;
             tracing::info!(host = %name, "the host's drain ended; it is active again");
@@ -359,28 +366,44 @@ pub struct DrainReport {
     pub plan: Plan,
     /// Each move's outcome, in plan order.
     pub moves: Vec<(PlannedMove, Result<MoveReport>)>,
-    /// Shards the host still holds (0: it can be removed).
-    pub remaining: usize,
+    /// Shards the host still holds (0: it can be removed); `None` when the catalog
+    /// could not be read once the moves ended (the moves' outcomes stand).
+    pub remaining: Option<usize>,
+}
+
+impl DrainReport {
+    /// Whether the host is empty: every move done and none of its shards left. False
+    /// also when a shard is left though no move failed (a move onto the host that was
+    /// under way when the drain began), or when the catalog could not be read after the
+    /// moves.
+    pub fn drained(&self) -> bool {
+        self.remaining == Some(0) && self.moves.iter().all(|(_, r)| r.is_ok())
+    }
 }
 
 impl fmt::Display for DrainReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ok = self.moves.iter().filter(|(_, r)| r.is_ok()).count();
-        if self.remaining == 0 {
-            write!(
+        match self.remaining {
+            Some(0) => write!(
                 f,
                 "host {} drained: {ok} move(s) done; `shardline host remove {}` retires it",
                 self.host, self.host
-            )
-        } else {
-            write!(
+            ),
+            Some(n) => write!(
                 f,
-                "host {} still holds {} shard(s) ({ok} of {} move(s) done); run `shardline host drain {}` again",
+                "host {} still holds {n} shard(s) ({ok} of {} move(s) done); run `shardline host drain {}` again",
                 self.host,
-                self.remaining,
                 self.moves.len(),
                 self.host
-            )
+            ),
+            None => write!(
+                f,
+                "host {}: {ok} of {} move(s) done, and the catalog could not be read after them; run `shardline host drain {}` again to see what it still holds",
+                self.host,
+                self.moves.len(),
+                self.host
+            ),
         }
     }
 }
@@ -467,16 +490,29 @@ pub async fn drain(
         ));
     }
     if dry_run {
-        let remaining = sizes.get(name).map_or(0, Vec::len);
+        let remaining = Some(sizes.get(name).map_or(0, Vec::len));
         return Ok(DrainReport { host: name.clone(), plan, moves: Vec::new(), remaining });
     }
     if host.state != HostState::Draining {
         catalog.set_host_state(name, HostState::Draining).await?;
         tracing::info!(host = %name, shards = plan.moves.len(), "host draining");
     }
+    drop(catalog);
     let moves =
         crate::rebalance::apply(config, &plan, crate::rebalance::Parallel::shared(parallel), options).await;
-    let remaining = catalog.map().await?.shards_of(name).count();
+    // The moves may have taken hours: a connection of their start's may be long gone
+    // (the catalog restarted, an idle link dropped). A new one, bounded as the moves'
+    // catalog reads are; when it fails, the moves' outcomes are reported all the same.
+    let left = crate::moves::unless_catalog_hung(config, options.hung_after, async {
+        let (catalog, _) = Catalog::open(config).await?;
+        Ok(catalog.map().await?.shards_of(name).count())
+    })
+    .await;
+    let remaining = left
+        .inspect_err(|e| {
+            tracing::warn!(host = %name, error = %shardline_repo::error_chain(e), "cannot read what the host still holds after its moves");
+        })
+        .ok();
     Ok(DrainReport { host: name.clone(), plan, moves, remaining })
 }
 
@@ -518,6 +554,23 @@ mod tests {
     use shardline_router::ShardCount;
 
     use super::*;
+
+    #[test]
+    fn a_drain_is_done_only_when_the_host_is_known_to_be_empty() {
+        let h = HostName::new("pg1").unwrap_or_else(|_| unreachable!());
+        let report = |remaining| DrainReport {
+            host: h.clone(),
+            plan: Plan { moves: Vec::new(), hosts: Vec::new() },
+            moves: Vec::new(),
+            remaining,
+        };
+        assert!(report(Some(0)).drained());
+        // No move failed, but a shard is left (a move onto the host finished meanwhile),
+        // or what is left could not be read.
+        assert!(!report(Some(1)).drained());
+        assert!(!report(None).drained());
+        assert!(report(None).to_string().contains("the catalog could not be read after them"));
+    }
 
     #[test]
     fn a_drain_sends_the_heaviest_shards_to_the_lightest_hosts() {

@@ -28,6 +28,9 @@ impl Table {
 pub(crate) enum Outcome {
     /// Acknowledged, with the row's ID.
     Acked(i64),
+    /// Applied, its row's ID not returned: a row of an `insert_many` whose host's part
+    /// committed while another host's failed (`Error::InsertMany`'s `committed_rows`).
+    Committed,
     /// Failed; `unknown` is the error's `outcome_unknown()`.
     Failed { unknown: bool, error: String },
 }
@@ -86,7 +89,7 @@ pub(crate) fn after(states: &[Option<String>], m: &Mutation) -> Vec<Option<Strin
         (new, _) => new.clone(),
     };
     let next: Vec<Option<String>> = match m.outcome {
-        Outcome::Acked(_) => states.iter().map(applied).collect(),
+        Outcome::Acked(_) | Outcome::Committed => states.iter().map(applied).collect(),
         Outcome::Failed { unknown: true, .. } => {
             states.iter().map(applied).chain(states.iter().cloned()).collect()
         }
@@ -221,6 +224,29 @@ pub(crate) fn check(history: &[Write], mutations: &[Mutation], seen: &Observed) 
                     ids(many)
                 )),
             },
+            Outcome::Committed => match rows {
+                [] => out.push(format!(
+                    "lost: {} {} reported committed (its host's part of a batch) is absent",
+                    w.table.name(),
+                    w.token
+                )),
+                [r] if r.table != w.table || r.content != w.content => out.push(format!(
+                    "{} {} (committed) is stored as {:?} in {}, written {:?}",
+                    w.table.name(),
+                    w.token,
+                    r.content,
+                    r.table.name(),
+                    w.content
+                )),
+                [_] => {}
+                many => out.push(format!(
+                    "applied {} times: {} {} reported committed (IDs {})",
+                    many.len(),
+                    w.table.name(),
+                    w.token,
+                    ids(many)
+                )),
+            },
             Outcome::Failed { unknown: false, error } if !rows.is_empty() => out.push(format!(
                 "a write reported as not applied is present: {} {} (IDs {}); it failed with {error}",
                 w.table.name(),
@@ -267,7 +293,7 @@ pub(crate) fn check(history: &[Write], mutations: &[Mutation], seen: &Observed) 
                 })
                 .collect();
             let outcome = match &writes[0].0.outcome {
-                Outcome::Acked(_) => "acknowledged",
+                Outcome::Acked(_) | Outcome::Committed => "acknowledged",
                 Outcome::Failed { unknown: true, .. } => "outcome unknown",
                 Outcome::Failed { unknown: false, .. } => "failed",
             };
@@ -417,8 +443,9 @@ pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
     }
     let floor = if r.full { last.unwrap_or(i64::MIN) } else { i64::MIN };
     for k in &r.known {
-        // The window's edges are left out: the product rounds the times to ms.
-        if k.ms <= r.from_ms || k.ms >= r.to_ms || k.id < floor || r.missing.contains(&k.shard) {
+        // Both ends are in the window: the product reads the times given as the soak does
+        // (whole ms, rounded down).
+        if k.ms < r.from_ms || k.ms > r.to_ms || k.id < floor || r.missing.contains(&k.shard) {
             continue;
         }
         match returned.get(&k.id) {
@@ -658,6 +685,16 @@ mod tests {
                 seen(vec![row("a", b), row("b", a)]),
             ),
             ("rows no write made", vec![], seen(vec![row("z", a)])),
+            (
+                "reported committed (its host's part of a batch) is absent",
+                vec![write("a", 0, 5, Outcome::Committed)],
+                seen(vec![]),
+            ),
+            (
+                "applied 2 times: photos a reported committed",
+                vec![write("a", 0, 5, Outcome::Committed)],
+                seen(vec![row("a", a), row("a", b)]),
+            ),
             (
                 // A transaction of two writes whose outcome is unknown: one of them there.
                 "half a transaction applied (outcome unknown)",

@@ -331,7 +331,7 @@ async fn soak_on(
     }
     let (ops, acked) = {
         let h = lock(&run.history);
-        (h.len(), h.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_))).count())
+        (h.len(), h.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_) | Outcome::Committed)).count())
     };
     run.note(format!(
         "load done: {ops} writes ({acked} acknowledged), {} reads ({} failed)",
@@ -368,6 +368,7 @@ async fn soak_on(
 fn cells(outcome: &Outcome) -> (&'static str, String) {
     match outcome {
         Outcome::Acked(id) => ("ok", id.to_string()),
+        Outcome::Committed => ("committed", String::new()),
         Outcome::Failed { unknown: true, error } => ("unknown", error.clone()),
         Outcome::Failed { unknown: false, error } => ("failed", error.clone()),
     }
@@ -404,7 +405,8 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
         )?;
     }
     std::fs::write(run.dir.join("events.log"), lock(&run.log).join("\n"))?;
-    let acked = history.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_))).count();
+    let acked =
+        history.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_) | Outcome::Committed)).count();
     let unknown =
         history.iter().filter(|w| matches!(w.outcome, Outcome::Failed { unknown: true, .. })).count();
     let secs = run.deadline.duration_since(run.began).as_secs_f64();
@@ -425,7 +427,7 @@ fn report(run: &Run, history: &[Write], violations: &[String]) -> Result<(), Box
     for w in history {
         let e = via.entry(w.via).or_default();
         e.0 += 1;
-        e.1 += usize::from(matches!(w.outcome, Outcome::Acked(_)));
+        e.1 += usize::from(matches!(w.outcome, Outcome::Acked(_) | Outcome::Committed));
     }
     eprintln!("  writes by path (made, acknowledged): {via:?}");
     eprintln!(
@@ -795,7 +797,8 @@ async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id,
 }
 
 /// 2 to 6 photos of random users in one `Repo::insert_many` (atomic per host, not
-/// across hosts: a failure leaves each row's outcome as the error says).
+/// across hosts: a failure that committed some hosts' parts, `Error::InsertMany`, says
+/// which rows committed, which may have, and that the rest did not).
 async fn insert_many(
     run: &Run,
     w: u32,
@@ -831,6 +834,13 @@ async fn insert_many(
                     Outcome::Failed { unknown: true, error: "not returned".into() }
                 }
             },
+            Err(e @ shardline_repo::Error::InsertMany { committed_rows, unknown_rows, .. }) => {
+                if committed_rows.contains(&i) {
+                    Outcome::Committed
+                } else {
+                    Outcome::Failed { unknown: unknown_rows.contains(&i), error: e.to_string() }
+                }
+            }
             Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
         };
         writes.push(Write {
@@ -862,25 +872,14 @@ async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng)
     run.fan_outs.fetch_add(1, Ordering::Relaxed);
     let page = match photos.created_between(from, to, limit).await {
         Ok(page) => page,
-        // A host down or slow is reported in the page; the whole call fails only on what
-        // it was given, or on a row it cannot read or place.
-        Err(
-            e @ (shardline_repo::Error::Misrouted { .. }
-            | shardline_repo::Error::Decode { .. }
-            | shardline_repo::Error::Router(_)
-            | shardline_repo::Error::Id(_)
-            | shardline_repo::Error::Invalid { .. }),
-        ) => {
+        // A host down, slow or fenced is reported in the page: the call fails whole only
+        // on a window outside the layout, which this one is not.
+        Err(e) => {
             lock(&run.bad_reads).push(format!(
                 "fan-out at {:?} failed whole: {}",
                 run.now(),
                 shardline_repo::error_chain(&e)
             ));
-            return;
-        }
-        Err(e) => {
-            run.read_errors.fetch_add(1, Ordering::Relaxed);
-            run.note(format!("a fan-out failed whole: {}", shardline_repo::error_chain(&e)));
             return;
         }
     };
@@ -1473,7 +1472,7 @@ async fn recover_and_observe(run: &Run) -> Result<Observed, BoxError> {
                 Id::from_i64(id).ok()?,
                 check::possible(&w.content, mutated.get(w.token.as_str()).map_or(&[][..], Vec::as_slice)),
             )),
-            Outcome::Failed { .. } => None,
+            Outcome::Committed | Outcome::Failed { .. } => None,
         })
         .collect();
     for chunk in acked.chunks(500) {
