@@ -918,6 +918,22 @@ pub(crate) async fn status_reports_rows_bytes_and_unreachable_hosts(ctx: TestCon
     }
     assert_eq!(rows, Some(500));
 
+    // A move stopped while its fence is up: shard 0's schema on pg1 is renamed and
+    // `migrate` waits for the move, so status counts it moving, not behind, and passes
+    // (before: "shards behind on pg1: run `shardline migrate`", which `migrate` refused).
+    let (said, stopped) = cli_full(&f, &["move", "0", "--to", "pg2", "--stop-after", "fenced"]).await;
+    assert!(stopped.as_ref().is_err_and(|e| e.contains("stopped after step fenced")), "{said} {stopped:?}");
+    let json: serde_json::Value = serde_json::from_str(&cli(&f, &["status", "--json"]).await?)?;
+    let pg1 = &json["hosts"][0];
+    assert_eq!(
+        (pg1["schemas_present"].as_u64(), pg1["shards_behind"].as_u64(), pg1["shards_moving"].as_u64()),
+        (Some(1), Some(0), Some(1)),
+        "{json}"
+    );
+    cli(&f, &["move", "0", "--abort"]).await?;
+    let json: serde_json::Value = serde_json::from_str(&cli(&f, &["status", "--json"]).await?)?;
+    assert_eq!(json["hosts"][0]["shards_moving"].as_u64(), Some(0), "{json}");
+
     // A shard's schema dropped by hand, its ledger rows left: that shard is behind, and
     // status fails naming the host (before: counted as up to date, exit 0).
     let pg2 = f.client(&ctx, 1).await?;

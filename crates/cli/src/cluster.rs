@@ -321,11 +321,12 @@ pub fn status(config: &Config, opt: &StatusOpt, out: &mut dyn Write) -> anyhow::
             if h.reachable {
                 writeln!(
                     out,
-                    "{}  up    {} shards, {} schemas, {} behind, wal_level {}",
+                    "{}  up    {} shards, {} schemas, {} behind, {} moving, wal_level {}",
                     h.name,
                     h.shards,
                     h.schemas_present,
                     h.shards_behind,
+                    h.shards_moving,
                     h.wal_level.as_deref().unwrap_or("?")
                 )?;
                 for t in &h.tables {

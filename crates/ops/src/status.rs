@@ -46,8 +46,11 @@ pub struct HostStatus {
     pub schemas_present: usize,
     /// Of those, shards missing their schema or one or more of the migration files, or
     /// whose ledger records a file as it was before it changed (`migrate` refuses such
-    /// a file and names it).
+    /// a file and names it); shards being moved are not counted.
     pub shards_behind: usize,
+    /// Of those, shards a move that has not ended is moving (`shardline moves`): while
+    /// it is fenced, its schema here is renamed, and `migrate` waits for it to end.
+    pub shards_moving: usize,
     /// Its `wal_level` (moves need `logical`).
     pub wal_level: Option<String>,
     /// Tables, summed over its shard schemas, by name.
@@ -82,14 +85,23 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
     let (catalog, info) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     let files = migrations::load_dir(&config.migrations)?;
+    let moving: std::collections::HashSet<shardline_router::LogicalShard> =
+        crate::moves::journal::running(&catalog, None).await?.iter().map(|m| m.shard).collect();
     let names: Vec<(String, String)> = files.iter().map(|m| (m.name.clone(), m.checksum.clone())).collect();
     let hosts = futures::future::join_all(map.hosts().iter().map(|host| {
         let map = &map;
         let names = &names;
+        let moving = &moving;
         let prefix = &info.schema_prefix;
         async move {
             let schemas: Vec<String> =
                 map.shards_of(host).map(|s| prefix.schema(s).as_str().to_owned()).collect();
+            // Judged for migrations: the shards no move is moving.
+            let steady: Vec<String> = map
+                .shards_of(host)
+                .filter(|s| !moving.contains(s))
+                .map(|s| prefix.schema(s).as_str().to_owned())
+                .collect();
             let mut status = HostStatus {
                 name: host.clone(),
                 reachable: false,
@@ -97,6 +109,7 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
                 shards: schemas.len(),
                 schemas_present: 0,
                 shards_behind: 0,
+                shards_moving: schemas.len() - steady.len(),
                 wal_level: None,
                 tables: Vec::new(),
             };
@@ -108,7 +121,9 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
                 let client = catalog::connect(&h.url, &format!("host {host}"))
                     .await
                     .map_err(|e| shardline_repo::error_chain(&e))?;
-                read_host(&client, &schemas, names).await.map_err(|e| shardline_repo::error_chain(&e))
+                read_host(&client, &schemas, &steady, names)
+                    .await
+                    .map_err(|e| shardline_repo::error_chain(&e))
             };
             match tokio::time::timeout(timeout, read).await {
                 Ok(Ok((present, behind, wal, tables))) => {
@@ -133,9 +148,12 @@ async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
     })
 }
 
+/// `schemas`: the host's shards' schemas; `steady`: those of them no move is moving,
+/// the only ones judged behind or not.
 async fn read_host(
     client: &Client,
     schemas: &[String],
+    steady: &[String],
     files: &[(String, String)],
 ) -> Result<(usize, usize, String, Vec<TableStatus>)> {
     let (names, sums): (Vec<&str>, Vec<&str>) = files.iter().map(|(n, c)| (n.as_str(), c.as_str())).unzip();
@@ -158,7 +176,11 @@ async fn read_host(
     let present = usize::try_from(row.get::<_, i64>(1)).unwrap_or(0);
     let has_ledger: bool = row.get(2);
     let up_to_date = if names.is_empty() {
-        i64::try_from(present).unwrap_or(i64::MAX)
+        client
+            .query_one("SELECT count(*) FROM pg_namespace WHERE nspname = ANY($1)", &[&steady])
+            .await
+            .map_err(q("read the host"))?
+            .get::<_, i64>(0)
     } else if has_ledger {
         client
             .query_one(
@@ -175,7 +197,7 @@ async fn read_host(
                      WHERE m.schema_name = ANY($1) AND m.name <> ALL($4)
                      GROUP BY m.schema_name
                      HAVING count(f.name) = cardinality($2) AND count(*) = cardinality($2)) t",
-                &[&schemas, &names, &sums, &[MINTER, GRANTS].as_slice()],
+                &[&steady, &names, &sums, &[MINTER, GRANTS].as_slice()],
             )
             .await
             .map_err(q("read the ledger"))?
@@ -183,7 +205,7 @@ async fn read_host(
     } else {
         0
     };
-    let behind = schemas.len().saturating_sub(usize::try_from(up_to_date).unwrap_or(0));
+    let behind = steady.len().saturating_sub(usize::try_from(up_to_date).unwrap_or(0));
     let tables = client
         .query(
             // A table dropped since the statistics' snapshot has no size (NULL): 0.
