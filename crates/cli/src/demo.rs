@@ -117,13 +117,10 @@ impl Rng {
 }
 
 fn config_text(kit: &shardline_testkit::Cluster, hosts: usize, shards: u16, dir: &Path) -> String {
+    // A TOML basic string: a temporary directory may hold a quote or a backslash.
+    let migrations = dir.join("migrations").display().to_string().replace('\\', "\\\\").replace('"', "\\\"");
     let mut text = format!(
-        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = {}\n\n[catalog]\nurl = \"{}\"\n",
-        // A TOML basic string: a temporary directory may hold a quote or a backslash.
-        format!(
-            "\"{}\"",
-            dir.join("migrations").display().to_string().replace('\\', "\\\\").replace('"', "\\\"")
-        ),
+        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = \"{migrations}\"\n\n[catalog]\nurl = \"{}\"\n",
         kit.hosts()[0].url(DB)
     );
     for (i, h) in kit.hosts().iter().take(hosts).enumerate() {
