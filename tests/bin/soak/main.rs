@@ -480,60 +480,18 @@ async fn worker(run: &Run, w: u32) {
         };
         let own = if mine.is_empty() { None } else { Some(rng.index(mine.len())) };
         match (pick, known, own) {
-            (12..=13, Some((photo, _, _)), _) => {
+            // A comment through the repository, or (21) the example's sqlx path.
+            (12..=13 | 21, Some((photo, _, _)), _) => {
                 let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
                 let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
                 let content = format!("{user}|{}|{token}", photo.as_i64());
+                let via = if pick == 21 { "sqlx" } else { "repo" };
                 let start = run.now();
-                let result = comments.insert(&new).await;
-                let end = run.now();
-                let outcome = match &result {
-                    Ok(c) => Outcome::Acked(c.id.as_i64()),
-                    Err(e) => Outcome::Failed { unknown: e.outcome_unknown(), error: e.to_string() },
+                let result = if pick == 21 {
+                    with_sqlx::comment(&sqlx, &new).await
+                } else {
+                    comments.insert(&new).await
                 };
-                lock(&run.history).push(Write {
-                    worker: w,
-                    table: Table::Comments,
-                    token,
-                    content,
-                    start,
-                    end,
-                    outcome,
-                    via: "repo",
-                    group: None,
-                });
-            }
-            (14..=16, Some((id, content, _)), _) => read_back(run, &photos, id, &[Some(content)]).await,
-            (20, _, _) => {
-                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
-                let new =
-                    NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
-                let content = format!("{user}|{}|{token}", new.url);
-                let start = run.now();
-                let result = with_sqlx::post_photo(&sqlx, &new).await;
-                let end = run.now();
-                if let Ok(p) = &result {
-                    share(run, p.id, &content);
-                }
-                let outcome = outcome_of(&result, |p| p.id);
-                lock(&run.history).push(Write {
-                    worker: w,
-                    table: Table::Photos,
-                    token,
-                    content,
-                    start,
-                    end,
-                    outcome,
-                    via: "sqlx",
-                    group: None,
-                });
-            }
-            (21, Some((photo, _, _)), _) => {
-                let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
-                let new = NewComment { photo_id: photo, user_id: user, body: token.clone() };
-                let content = format!("{user}|{}|{token}", photo.as_i64());
-                let start = run.now();
-                let result = with_sqlx::comment(&sqlx, &new).await;
                 let end = run.now();
                 let outcome = outcome_of(&result, |c| c.id);
                 lock(&run.history).push(Write {
@@ -544,10 +502,11 @@ async fn worker(run: &Run, w: u32) {
                     start,
                     end,
                     outcome,
-                    via: "sqlx",
+                    via,
                     group: None,
                 });
             }
+            (14..=16, Some((id, content, _)), _) => read_back(run, &photos, id, &[Some(content)]).await,
             (22, Some((id, content, _)), _) => {
                 run.reads.fetch_add(1, Ordering::Relaxed);
                 let result = with_sqlx::photo(&sqlx, id).await;
@@ -630,6 +589,7 @@ async fn worker(run: &Run, w: u32) {
                     mine.swap_remove(i);
                 }
             }
+            // A photo through the repository, or (20) the example's sqlx path.
             _ => {
                 let user = i64::try_from(1 + rng.below(USERS)).unwrap_or(1);
                 // One photo in four is the worker's own, to update and delete.
@@ -637,8 +597,13 @@ async fn worker(run: &Run, w: u32) {
                 let new =
                     NewPhoto { user_id: user, url: format!("soak://{user}/{n}"), caption: token.clone() };
                 let content = format!("{user}|{}|{token}", new.url);
+                let via = if pick == 20 { "sqlx" } else { "repo" };
                 let start = run.now();
-                let result = photos.insert(&new).await;
+                let result = if pick == 20 {
+                    with_sqlx::post_photo(&sqlx, &new).await
+                } else {
+                    photos.insert(&new).await
+                };
                 let end = run.now();
                 let outcome = match &result {
                     Ok(p) if private => {
@@ -665,7 +630,7 @@ async fn worker(run: &Run, w: u32) {
                     start,
                     end,
                     outcome,
-                    via: "repo",
+                    via,
                     group: None,
                 });
             }
