@@ -116,11 +116,11 @@ impl Rng {
     }
 }
 
-fn config_text(kit: &shardline_testkit::Cluster, hosts: usize, shards: u16, dir: &Path) -> String {
-    // A TOML basic string: a temporary directory may hold a quote or a backslash.
-    let migrations = dir.join("migrations").display().to_string().replace('\\', "\\\\").replace('"', "\\\"");
+fn config_text(kit: &shardline_testkit::Cluster, hosts: usize, shards: u16) -> String {
+    // The migrations beside the config file (a path relative to its directory): the
+    // temporary directory's own path, which may hold anything, is never written.
     let mut text = format!(
-        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = \"{migrations}\"\n\n[catalog]\nurl = \"{}\"\n",
+        "# written by `shardline demo`\nlogical_shards = {shards}\nmigrations = \"migrations\"\n\n[catalog]\nurl = \"{}\"\n",
         kit.hosts()[0].url(DB)
     );
     for (i, h) in kit.hosts().iter().take(hosts).enumerate() {
@@ -174,16 +174,11 @@ pub fn demo(opt: &DemoOpt, out: &mut dyn Write) -> anyhow::Result<()> {
         if result.is_ok() && opt.keep {
             writeln!(out, "\nthe cluster keeps running until Ctrl-C. Try, in another terminal:")?;
             let path = dir.join("shardline.toml");
-            for cmd in [
-                "map",
-                "host list",
-                "status",
-                "moves",
-                "locate --user 42",
-                "rebalance --plan",
-                // Shard 7 starts on pg1; the demo's own moves take it to pg4 at most.
-                "move 7 --to pg2 --dry-run",
-            ] {
+            // The last shard starts on the last of the first hosts, never pg1, and the
+            // demo's own moves take shards to pg2 and the new host only.
+            let last = format!("move {} --to pg1 --dry-run", opt.shards.saturating_sub(1));
+            for cmd in ["map", "host list", "status", "moves", "locate --user 42", "rebalance --plan", &last]
+            {
                 writeln!(out, "  shardline --config {} {cmd}", path.display())?;
             }
             writeln!(out, "hosts (the demo's throwaway credentials):")?;
@@ -214,7 +209,7 @@ async fn run(
         std::fs::write(dir.join("migrations").join(name), sql)?;
     }
     let path: PathBuf = dir.join("shardline.toml");
-    let config = load(&path, &config_text(kit, hosts, opt.shards, dir))?;
+    let config = load(&path, &config_text(kit, hosts, opt.shards))?;
 
     let t = Instant::now();
     let report = shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;

@@ -148,12 +148,6 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
             let name = host_name(name)?;
             let url = cli_url("--url", url.as_deref())?;
             let peer_url = cli_url("--peer-url", peer_url.as_deref())?;
-            if url.is_none() && config.host(&name).is_none() {
-                return Err(UsageError(format!(
-                    "host add {name}: give its URL (`--url`), or list it in the config's [[hosts]]"
-                ))
-                .into());
-            }
             let report =
                 rt.block_on(shardline_ops::fleet::add(config, &name, url.as_ref(), peer_url.as_ref()))?;
             if *json {

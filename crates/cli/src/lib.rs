@@ -226,14 +226,12 @@ mod tests {
             assert!(err.to_string().contains("which shard?"), "{err}");
         }
         // A shard past the largest, or past the config's count (2000 here, which `init`
-        // made the catalog's), a host name that cannot be one, a new host with no
-        // address: usage (exit 2).
+        // made the catalog's), a host name that cannot be one: usage (exit 2).
         for (args, says) in [
             (&["move", "8192", "--to", "pg1"][..], "shard: "),
             (&["move", "2000", "--to", "pg1"], "shard: "),
             (&["move", "3000", "--revert"], "shard: "),
             (&["move", "5", "--to", "pg 2"], "--to: "),
-            (&["host", "add", "pg9"], "host add pg9: give its URL"),
         ] {
             let path = config.display().to_string();
             let argv = [&["shardline", "--config", path.as_str()][..], args].concat();

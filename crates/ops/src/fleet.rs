@@ -232,15 +232,6 @@ pub async fn add(
     url: Option<&DbUrl>,
     peer_url: Option<&DbUrl>,
 ) -> Result<AddressReport> {
-    let entry = config.host(name);
-    let explicit = url.is_some() || peer_url.is_some();
-    let (url, peer_url) = match (url, entry) {
-        (Some(url), _) => (url, peer_url.unwrap_or(url)),
-        (None, Some(h)) => (&h.url, peer_url.unwrap_or(&h.peer_url)),
-        (None, None) => {
-            return Err(refused(name, "give its URL (`--url`), or list it in the config's [[hosts]]"));
-        }
-    };
     let (catalog, _) = Catalog::open(config).await?;
     let before = catalog.hosts().await?;
     // Before anything connects: the credentials would hand this name the other host's
@@ -252,25 +243,38 @@ pub async fn add(
     match existing.map(|h| h.state) {
         Some(HostState::Active) => return Err(refused(name, "is already a host of this cluster")),
         // Adding a draining host again ends its drain: moves may target it again. Its
-        // address stays as recorded: an address given here is refused, not ignored.
-        Some(HostState::Draining) if explicit => {
-            return Err(refused(
-                name,
-                "is draining: `host add` ends its drain and keeps its recorded address; run it without `--url`/`--peer-url`, or change the address with `host readdress`",
-            ));
-        }
+        // address stays as recorded (no URL is needed, the catalog has it): one given
+        // here that differs from it is refused, not ignored.
         Some(HostState::Draining) => {
+            let recorded = existing.and_then(|h| h.address.as_ref());
+            let recorded_peer = existing.and_then(|h| h.peer_address.as_ref()).or(recorded);
+            let differs = |given: Option<&DbUrl>, was: Option<&DbUrl>| {
+                given.is_some_and(|g| Some(&g.split_password().0) != was)
+            };
+            if differs(url, recorded) || differs(peer_url, recorded_peer) {
+                return Err(refused(
+                    name,
+                    "is draining at another address: `host add` ends its drain and keeps its recorded address; run it without `--url`/`--peer-url`, or change the address with `host readdress`",
+                ));
+            }
             catalog.set_host_state(name, HostState::Active).await?;
             tracing::info!(host = %name, "the host's drain ended; it is active again");
             return Ok(AddressReport {
                 host: name.clone(),
-                address: existing.and_then(|h| h.address.as_ref()).map_or_else(String::new, DbUrl::redacted),
+                address: recorded.map_or_else(String::new, DbUrl::redacted),
                 server_version: "(not checked: already a host)".into(),
                 map_version: catalog.map_version().await?,
             });
         }
         _ => {}
     }
+    let (url, peer_url) = match (url, config.host(name)) {
+        (Some(url), _) => (url, peer_url.unwrap_or(url)),
+        (None, Some(h)) => (&h.url, peer_url.unwrap_or(&h.peer_url)),
+        (None, None) => {
+            return Err(refused(name, "give its URL (`--url`), or list it in the config's [[hosts]]"));
+        }
+    };
     let connect_url = reachable_url(config, name, url, peer_url).await?;
     let (_, server_version) = check_server(config, name, &connect_url).await?;
     if existing.is_some() {

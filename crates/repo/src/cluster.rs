@@ -889,13 +889,24 @@ impl Cluster {
         }
     }
 
-    /// Asks each shard's source to resolve its fence, all at once (each within the host
-    /// timeout); returns whether one was resolved (unfenced on the source, or flipped in
-    /// the catalog), so that running the statement again makes sense. Failures are
-    /// logged and waited out.
+    /// Asks each shard's source to resolve its fence, a quarter of a pool's connections'
+    /// worth at a time (each within the host timeout: the list may hold every shard of a
+    /// statement, most of them not fenced, and the rest of the application shares the
+    /// pool); returns whether one was resolved (unfenced on the source, or flipped in the
+    /// catalog), so that running the statement again makes sense. Failures are logged
+    /// and waited out.
     async fn resolve_fences(&self, shards: &[(LogicalShard, HostName)]) -> bool {
-        let asked = shards.iter().map(|(shard, from)| self.resolve_fence(*shard, from));
-        futures::future::join_all(asked).await.into_iter().any(|resolved| resolved)
+        use futures::StreamExt as _;
+        let at_once = (self.inner.options.pool_size / 4).max(1);
+        // The futures made first: a closure inside the stream would make the caller's
+        // future not `Send` for every lifetime (a spawned task holds it).
+        let asked: Vec<_> = shards.iter().map(|(shard, from)| self.resolve_fence(*shard, from)).collect();
+        futures::stream::iter(asked)
+            .buffer_unordered(at_once)
+            .collect::<Vec<bool>>()
+            .await
+            .into_iter()
+            .any(|resolved| resolved)
     }
 
     /// [`Cluster::resolve_fences`] for one shard.
