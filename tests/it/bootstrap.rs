@@ -187,19 +187,30 @@ pub(crate) fn options(jobs: usize) -> Options {
 /// Runs the `shardline` command line (on a thread of its own: it makes its own
 /// runtime) and returns what it printed, and its error if it failed.
 pub(crate) async fn cli_full(f: &Fixture, args: &[&str]) -> (String, Result<(), String>) {
-    let mut argv = vec!["shardline".to_owned(), "--config".to_owned(), f.path().display().to_string()];
+    cli_at(&f.path(), args).await
+}
+
+/// As [`cli_full`], with the config at `config` (for a command run where the fixture
+/// cannot be lent).
+pub(crate) fn cli_at(
+    config: &Path,
+    args: &[&str],
+) -> impl std::future::Future<Output = (String, Result<(), String>)> + Send + 'static + use<> {
+    let mut argv = vec!["shardline".to_owned(), "--config".to_owned(), config.display().to_string()];
     argv.extend(args.iter().map(|a| (*a).to_owned()));
-    let ran = tokio::task::spawn_blocking(move || {
-        let opt = match shardline::Opt::try_parse_from(argv) {
-            Ok(opt) => opt,
-            Err(e) => return (String::new(), Err(e.to_string())),
-        };
-        let mut out = Vec::new();
-        let result = shardline::run(opt, &mut out).map_err(|e| format!("{e:#}"));
-        (String::from_utf8_lossy(&out).into_owned(), result)
-    })
-    .await;
-    ran.unwrap_or_else(|e| (String::new(), Err(e.to_string())))
+    async move {
+        let ran = tokio::task::spawn_blocking(move || {
+            let opt = match shardline::Opt::try_parse_from(argv) {
+                Ok(opt) => opt,
+                Err(e) => return (String::new(), Err(e.to_string())),
+            };
+            let mut out = Vec::new();
+            let result = shardline::run(opt, &mut out).map_err(|e| format!("{e:#}"));
+            (String::from_utf8_lossy(&out).into_owned(), result)
+        })
+        .await;
+        ran.unwrap_or_else(|e| (String::new(), Err(e.to_string())))
+    }
 }
 
 /// As [`cli_full`], for commands expected to succeed: what they printed, or the error.

@@ -14,7 +14,7 @@ use shardline_ops::moves::{self, MoveOptions, State, Step, preflight};
 use shardline_repo::{Cluster, ClusterOptions};
 use shardline_testkit::harness::{TestContext, TestResult};
 
-use crate::bootstrap::{BoxError, Fixture, Hosts, cli, cli_full, options, quiet};
+use crate::bootstrap::{BoxError, Fixture, Hosts, cli, cli_at, cli_full, options, quiet};
 
 /// Subscriptions, slots and publications of this test's database, and what moves'
 /// change logs left (trigger functions, triggers, logged rows), per host.
@@ -3577,7 +3577,7 @@ async fn gc_under_a_hung_host(kit: &shardline_testkit::Cluster) -> Result<(), Bo
     let watch = f.client(kit, 1).await?;
     let gc_config = config.clone();
     let work = async move { shardline_ops::moves::gc(&gc_config, Duration::ZERO).await };
-    let (result, took) = freeze_while_it_waits(&f, kit, 1, "shardline gc", work).await?;
+    let (result, took) = freeze_while_it_waits(&f, kit, 1, ("shardline gc", 1), work).await?;
     let gc_report = result?;
     eprintln!("      gc returned {took:?} after pg2 froze: {gc_report}");
     assert!(
@@ -3714,7 +3714,7 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
     hung_soon.hung_after = Duration::from_secs(3);
     let work =
         async move { moves::run(&move_config, crate::shard(2), &crate::host("pg3"), &hung_soon).await };
-    let (ran, took) = freeze_while_it_waits(&f, kit, 1, "shardline", work).await?;
+    let (ran, took) = freeze_while_it_waits(&f, kit, 1, ("shardline", 1), work).await?;
     blocker.batch_execute("ROLLBACK").await?;
     let e = ran.map(|r| format!("the move ran: {r}")).unwrap_err();
     assert!(matches!(&e, OpsError::Timeout { host, .. } if host.as_str() == "pg2"), "{e}");
@@ -3747,7 +3747,7 @@ async fn aborts_beside_hung_hosts(kit: &shardline_testkit::Cluster) -> Result<()
         abort_options.hung_after = Duration::from_secs(5);
         let work = async move { moves::abort(&abort_config, crate::shard(2), &abort_options).await };
         let app = format!("shardline move {id}");
-        let (aborted, took) = freeze_while_it_waits(&f, kit, h, &app, work).await?;
+        let (aborted, took) = freeze_while_it_waits(&f, kit, h, (&app, 1), work).await?;
         blocker.batch_execute("ROLLBACK").await?;
         eprintln!("      abort with the {victim} hung returned {took:?} after the freeze: {aborted:?}");
         if victim == "target" {
@@ -3794,14 +3794,14 @@ pub(crate) async fn on_own_kit(
     Ok(())
 }
 
-/// Runs `work` until a session named `app` waits on a lock on host `h` (a test session
-/// holds it), then freezes the host until `work` ends (at most 60 s), and thaws it.
-/// Returns what `work` returned and how long after the freeze it ended.
+/// Runs `work` until `n` sessions named `app` wait on a lock on host `h` (a test
+/// session holds it), then freezes the host until `work` ends (at most 60 s), and thaws
+/// it. Returns what `work` returned and how long after the freeze it ended.
 async fn freeze_while_it_waits<T: Send + 'static>(
     f: &Fixture,
     kit: &shardline_testkit::Cluster,
     h: usize,
-    app: &str,
+    (app, n): (&str, i64),
     work: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Result<(T, Duration), BoxError> {
     let work = tokio::spawn(async move {
@@ -3819,14 +3819,14 @@ async fn freeze_while_it_waits<T: Send + 'static>(
             )
             .await?
             .get(0);
-        if waiting > 0 {
+        if waiting >= n {
             break;
         }
         if work.is_finished() {
-            return Err(format!("{app} ended before it waited on pg{}'s lock", h + 1).into());
+            return Err(format!("{app} ended before {n} session(s) waited on pg{}'s lock", h + 1).into());
         }
         if Instant::now() >= deadline {
-            return Err(format!("{app} never waited on pg{}'s lock", h + 1).into());
+            return Err(format!("{waiting} of {n} {app} session(s) waited on pg{}'s lock", h + 1).into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -4372,7 +4372,7 @@ async fn gc_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Result<()
     let gc_config = config.clone();
     let work = async move { moves::gc(&gc_config, Duration::ZERO).await };
     // The catalog is pg1's server: its sessions are named `shardline`.
-    let (ended, took) = freeze_while_it_waits(&f, kit, 0, "shardline", work).await?;
+    let (ended, took) = freeze_while_it_waits(&f, kit, 0, ("shardline", 1), work).await?;
     eprintln!("      gc with the catalog hung returned {took:?} after the freeze: {ended:?}");
     let err = ended.err().ok_or("gc returned a report while the catalog was frozen")?;
     assert!(matches!(err, OpsError::CatalogHung { .. }), "{err}");
@@ -4380,6 +4380,68 @@ async fn gc_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Result<()
     assert!(took < Duration::from_secs(30), "{took:?}");
     blocker.execute("SELECT pg_advisory_unlock($1)", &[&key]).await?;
     moves::gc(&config, Duration::ZERO).await?;
+    Ok(())
+}
+
+shardline_testkit::register!(own: every_catalog_command_gives_up_a_catalog_that_hangs_under_it);
+/// Each CLI command whose work before anything is journaled is the catalog's (`map`,
+/// `locate`, `moves`, the `host` commands, `rebalance --plan`, the start of a move, a
+/// revert, a resume and an abort, a drain's plan) fails naming the catalog once it has
+/// answered no probe for 15 s, when the catalog freezes while the command's statement
+/// waits there (on the lock a test session holds on the catalog's tables), and changes
+/// nothing; thawed, they run. All fourteen at once, through the CLI. Before, each one
+/// connected within a bound and then waited for as long as the catalog was frozen.
+pub(crate) async fn every_catalog_command_gives_up_a_catalog_that_hangs_under_it(
+    _ctx: TestContext,
+) -> TestResult {
+    on_own_kit(2, &[], |kit| Box::pin(commands_beside_a_hung_catalog(kit))).await
+}
+
+async fn commands_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Result<(), BoxError> {
+    let f = Fixture::on_kit(kit, "catalog_hung_cli", 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let map_before = cli(&f, &["map", "--json"]).await?;
+    let hosts_before = cli(&f, &["host", "list", "--json"]).await?;
+    let pg2 = kit.hosts()[1].url(f.db());
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["map"],
+        vec!["locate", "--user", "7"],
+        vec!["moves"],
+        vec!["host", "list"],
+        vec!["host", "add", "pg2"],
+        vec!["host", "readdress", "pg2", "--url", &pg2],
+        vec!["host", "remove", "pg2"],
+        vec!["host", "drain", "pg2", "--dry-run"],
+        vec!["rebalance", "--plan"],
+        vec!["move", "0", "--to", "pg2"],
+        vec!["move", "0", "--to", "pg2", "--dry-run"],
+        vec!["move", "1", "--revert"],
+        vec!["move", "--resume"],
+        vec!["move", "0", "--abort"],
+    ];
+    let blocker = f.client(kit, 0).await?;
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE shardline.cluster, shardline.hosts IN ACCESS EXCLUSIVE MODE")
+        .await?;
+    let runs: Vec<_> = commands.iter().map(|c| cli_at(&f.path(), c)).collect();
+    let n = i64::try_from(runs.len())?;
+    // The catalog is pg1's server: every command's session there is named `shardline`.
+    let (ended, took) =
+        freeze_while_it_waits(&f, kit, 0, ("shardline", n), futures::future::join_all(runs)).await?;
+    eprintln!("      {n} commands with the catalog hung returned {took:?} after the freeze");
+    blocker.batch_execute("ROLLBACK").await?;
+    for (command, (said, result)) in commands.iter().zip(&ended) {
+        let err = result
+            .as_ref()
+            .err()
+            .ok_or_else(|| format!("`{}` succeeded with the catalog frozen: {said}", command.join(" ")))?;
+        assert!(err.contains("the catalog answered no probe"), "`{}`: {err}", command.join(" "));
+    }
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    // Nothing changed, and the catalog answers again.
+    assert_eq!(cli(&f, &["map", "--json"]).await?, map_before);
+    assert_eq!(cli(&f, &["host", "list", "--json"]).await?, hosts_before);
+    assert!(moves::list(&f.config()?).await?.is_empty());
     Ok(())
 }
 

@@ -11,7 +11,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shardline_id::Id;
 use shardline_ops::{Options, Progress, Report};
-use shardline_repo::Catalog;
 use shardline_router::{Config, Route};
 
 use crate::UsageError;
@@ -156,10 +155,7 @@ struct MapHost {
 ///
 /// When the catalog cannot be read or contradicts the config.
 pub fn map(config: &Config, opt: &MapOpt, out: &mut dyn Write) -> anyhow::Result<()> {
-    let map = runtime()?.block_on(async {
-        let (catalog, _) = Catalog::open(config).await?;
-        catalog.map().await
-    })?;
+    let (map, _) = runtime()?.block_on(shardline_ops::fleet::map(config))?;
     let hosts: Vec<MapHost> = map
         .ranges()
         .into_iter()
@@ -265,10 +261,7 @@ pub(crate) fn duration_within(
 /// have; catalog errors.
 pub fn locate(config: &Config, opt: &LocateOpt, out: &mut dyn Write) -> anyhow::Result<()> {
     let id = opt.id.as_deref().map(parse_id).transpose()?;
-    let (map, info) = runtime()?.block_on(async {
-        let (catalog, info) = Catalog::open(config).await?;
-        Ok::<_, shardline_repo::Error>((catalog.map().await?, info))
-    })?;
+    let (map, info) = runtime()?.block_on(shardline_ops::fleet::map(config))?;
     let route: Route = match (opt.user, id) {
         (Some(user), _) => map.route_user(user, &info.schema_prefix),
         (None, Some(id)) => map

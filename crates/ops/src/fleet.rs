@@ -19,13 +19,13 @@ use std::fmt;
 
 use serde::Serialize;
 use shardline_repo::Catalog;
-use shardline_repo::catalog::{CatalogHost, HostState};
+use shardline_repo::catalog::{CatalogHost, ClusterInfo, HostState};
 use shardline_repo::credentials;
 use shardline_router::config::DbUrl;
-use shardline_router::{Config, HostName, LogicalShard};
+use shardline_router::{Config, HostName, LogicalShard, ShardMap};
 
 use crate::moves::preflight::host_err;
-use crate::moves::{MoveOptions, MoveReport, journal};
+use crate::moves::{MoveOptions, MoveReport, catalog_watched as bounded, journal};
 use crate::rebalance::{Plan, PlannedMove};
 use crate::{Error, Result};
 
@@ -37,7 +37,22 @@ use crate::{Error, Result};
 ///
 /// The catalog unreachable; a host's password not to be had.
 pub async fn resolved(config: &Config) -> Result<Config> {
-    Ok(credentials::with_catalog_hosts(config, &config.credentials).await?)
+    bounded(config, async { Ok(credentials::with_catalog_hosts(config, &config.credentials).await?) }).await
+}
+
+/// The catalog's shard map and the cluster's fixed parameters, as `shardline map` and
+/// `shardline locate` read them.
+///
+/// # Errors
+///
+/// The catalog unreachable or not initialised, or contradicting the config;
+/// [`Error::CatalogHung`].
+pub async fn map(config: &Config) -> Result<(ShardMap, ClusterInfo)> {
+    bounded(config, async {
+        let (catalog, info) = Catalog::open(config).await?;
+        Ok((catalog.map().await?, info))
+    })
+    .await
 }
 
 /// A host as `shardline host list` shows it.
@@ -60,8 +75,12 @@ pub struct HostInfo {
 ///
 /// # Errors
 ///
-/// The catalog unreachable or not initialised.
+/// The catalog unreachable or not initialised; [`Error::CatalogHung`].
 pub async fn list(config: &Config) -> Result<Vec<HostInfo>> {
+    bounded(config, list_within(config)).await
+}
+
+async fn list_within(config: &Config) -> Result<Vec<HostInfo>> {
     let (catalog, _) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     Ok(catalog
@@ -225,8 +244,18 @@ async fn no_move_on(catalog: &Catalog, name: &HostName, what: &str) -> Result<()
 /// [`Error::Fleet`] when the host is already active, or the server fails a check
 /// (unreachable, a standby, `wal_level` below logical, an app role missing); the
 /// catalog's [`shardline_repo::catalog::name_clash`] refusal, before any connection to
-/// the server; the catalog unreachable.
+/// the server; the catalog unreachable; [`Error::CatalogHung`] (whether the host was
+/// added then is not known: run it again).
 pub async fn add(
+    config: &Config,
+    name: &HostName,
+    url: Option<&DbUrl>,
+    peer_url: Option<&DbUrl>,
+) -> Result<AddressReport> {
+    bounded(config, add_within(config, name, url, peer_url)).await
+}
+
+async fn add_within(
     config: &Config,
     name: &HostName,
     url: Option<&DbUrl>,
@@ -301,8 +330,18 @@ pub async fn add(
 /// # Errors
 ///
 /// [`Error::Fleet`] for an unknown or removed host, a running move to or from it, or a
-/// server missing the host's shards; the catalog or the server unreachable.
+/// server missing the host's shards; the catalog or the server unreachable;
+/// [`Error::CatalogHung`] (whether the address was recorded then is not known).
 pub async fn readdress(
+    config: &Config,
+    name: &HostName,
+    url: &DbUrl,
+    peer_url: Option<&DbUrl>,
+) -> Result<AddressReport> {
+    bounded(config, readdress_within(config, name, url, peer_url)).await
+}
+
+async fn readdress_within(
     config: &Config,
     name: &HostName,
     url: &DbUrl,
@@ -476,32 +515,13 @@ pub async fn drain(
     dry_run: bool,
 ) -> Result<DrainReport> {
     let config = &resolved(config).await?;
-    let (catalog, _) = Catalog::open(config).await?;
-    let host = known(&catalog, name).await?;
-    if host.state == HostState::Removed {
-        return Err(refused(name, "was removed: it holds no shard"));
-    }
-    let sizes = crate::rebalance::sizes_of(config, &catalog, |s| s != HostState::Removed).await?;
-    let states = catalog.hosts().await?;
-    let mut targets = sizes.clone();
-    targets.retain(|h, _| h == name || states.iter().any(|s| &s.name == h && s.state == HostState::Active));
-    let plan = plan_drain(name, &targets);
-    let holds = sizes.get(name).is_some_and(|s| !s.is_empty());
-    if holds && !targets.keys().any(|h| h != name) {
-        return Err(refused(
-            name,
-            "no other active host can take its shards; `shardline host add` one first",
-        ));
-    }
+    // The catalog's part before the moves, bounded as theirs is.
+    let (plan, held) =
+        crate::moves::unless_catalog_hung(config, options.hung_after, drain_plan(config, name, !dry_run))
+            .await?;
     if dry_run {
-        let remaining = Some(sizes.get(name).map_or(0, Vec::len));
-        return Ok(DrainReport { host: name.clone(), plan, moves: Vec::new(), remaining });
+        return Ok(DrainReport { host: name.clone(), plan, moves: Vec::new(), remaining: Some(held) });
     }
-    if host.state != HostState::Draining {
-        catalog.set_host_state(name, HostState::Draining).await?;
-        tracing::info!(host = %name, shards = plan.moves.len(), "host draining");
-    }
-    drop(catalog);
     let moves =
         crate::rebalance::apply(config, &plan, crate::rebalance::Parallel::shared(parallel), options).await;
     // The moves may have taken hours: a connection of their start's may be long gone
@@ -520,14 +540,46 @@ pub async fn drain(
     Ok(DrainReport { host: name.clone(), plan, moves, remaining })
 }
 
+/// [`drain`]'s plan and how many shards the host holds, from the catalog and the hosts'
+/// sizes; with `mark`, the host marked draining (so no move targets it from then on).
+async fn drain_plan(config: &Config, name: &HostName, mark: bool) -> Result<(Plan, usize)> {
+    let (catalog, _) = Catalog::open(config).await?;
+    let host = known(&catalog, name).await?;
+    if host.state == HostState::Removed {
+        return Err(refused(name, "was removed: it holds no shard"));
+    }
+    let sizes = crate::rebalance::sizes_of(config, &catalog, |s| s != HostState::Removed).await?;
+    let states = catalog.hosts().await?;
+    let mut targets = sizes.clone();
+    targets.retain(|h, _| h == name || states.iter().any(|s| &s.name == h && s.state == HostState::Active));
+    let plan = plan_drain(name, &targets);
+    let holds = sizes.get(name).is_some_and(|s| !s.is_empty());
+    if holds && !targets.keys().any(|h| h != name) {
+        return Err(refused(
+            name,
+            "no other active host can take its shards; `shardline host add` one first",
+        ));
+    }
+    if mark && host.state != HostState::Draining {
+        catalog.set_host_state(name, HostState::Draining).await?;
+        tracing::info!(host = %name, shards = plan.moves.len(), "host draining");
+    }
+    Ok((plan, sizes.get(name).map_or(0, Vec::len)))
+}
+
 /// Retires `name`: refused while it holds a shard or a move to or from it runs. Running
 /// handles close its pool on the map change. Its row stays in the catalog (the journal
 /// of moves names it), marked removed; `shardline host add` brings it back.
 ///
 /// # Errors
 ///
-/// [`Error::Fleet`] naming why it cannot go; the catalog unreachable.
+/// [`Error::Fleet`] naming why it cannot go; the catalog unreachable;
+/// [`Error::CatalogHung`] (whether it was removed then is not known).
 pub async fn remove(config: &Config, name: &HostName) -> Result<i64> {
+    bounded(config, remove_within(config, name)).await
+}
+
+async fn remove_within(config: &Config, name: &HostName) -> Result<i64> {
     let (catalog, _) = Catalog::open(config).await?;
     let host = known(&catalog, name).await?;
     if host.state == HostState::Removed {

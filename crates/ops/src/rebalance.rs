@@ -83,12 +83,16 @@ impl std::fmt::Display for Plan {
 ///
 /// # Errors
 ///
-/// The catalog or a host unreachable (sizes are needed from every host).
+/// The catalog or a host unreachable (sizes are needed from every host);
+/// [`crate::Error::CatalogHung`].
 pub async fn plan(config: &Config, max_moves: usize) -> Result<Plan> {
     let config = &crate::fleet::resolved(config).await?;
-    let (catalog, _) = Catalog::open(config).await?;
-    let sizes = sizes(config, &catalog).await?;
-    Ok(plan_from(&sizes, max_moves))
+    crate::moves::catalog_watched(config, async {
+        let (catalog, _) = Catalog::open(config).await?;
+        let sizes = sizes(config, &catalog).await?;
+        Ok(plan_from(&sizes, max_moves))
+    })
+    .await
 }
 
 /// Each active host's shards with their bytes (a draining host is left out: its

@@ -777,6 +777,19 @@ pub(crate) async fn unless_catalog_hung<T>(
     }
 }
 
+/// `work`, unless the catalog answers no probe for [`CATALOG_HUNG_AFTER`] first (then
+/// [`Error::CatalogHung`]): the bound of the operations that read or write only the
+/// catalog before anything is journaled (`map`, `locate`, `moves`, the `host` commands,
+/// `rebalance`'s plan, a move's start), whose session would otherwise wait on a hung
+/// catalog for as long as it lasts (a frozen server or a cut link looks, from the
+/// client's socket, like a slow answer).
+pub(crate) async fn catalog_watched<T>(
+    config: &Config,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    unless_catalog_hung(config, CATALOG_HUNG_AFTER, work).await
+}
+
 /// Probes `n` servers (`connect(i)` opens a connection to the i-th) every
 /// [`PROBE_EVERY`] with a `SELECT 1` on a connection of its own, and resolves with the
 /// first one that has answered none for `hung_after` (two probes at least).
@@ -1153,20 +1166,25 @@ pub async fn run(
     if let Some(hook) = &options.on_preflight {
         hook().await;
     }
-    let (catalog, info) = Catalog::open(config).await?;
-    // The ID first, so the journal's first row already names everything the move
-    // will make (a mover killed right after it leaves nothing unnamed).
-    let id = journal::next_id(&catalog).await?;
-    let detail = Detail {
-        schema: check.schema.to_string(),
-        moved_schema: moved_name(&check.schema, id),
-        name: replication_name(id),
-        rows: check.rows_estimate,
-        bytes: check.bytes,
-        ..Detail::default()
-    };
-    let detail = revertible(&catalog, options, detail).await?;
-    start(config, options, catalog, info.layout, id, &check, &detail).await
+    // Nothing is journaled yet: a catalog that hangs now fails the move, changing nothing.
+    let (catalog, layout, id, detail) = unless_catalog_hung(config, options.hung_after, async {
+        let (catalog, info) = Catalog::open(config).await?;
+        // The ID first, so the journal's first row already names everything the move
+        // will make (a mover killed right after it leaves nothing unnamed).
+        let id = journal::next_id(&catalog).await?;
+        let detail = Detail {
+            schema: check.schema.to_string(),
+            moved_schema: moved_name(&check.schema, id),
+            name: replication_name(id),
+            rows: check.rows_estimate,
+            bytes: check.bytes,
+            ..Detail::default()
+        };
+        let detail = revertible(&catalog, options, detail).await?;
+        Ok((catalog, info.layout, id, detail))
+    })
+    .await?;
+    start(config, options, catalog, layout, id, &check, &detail).await
 }
 
 /// `detail` with a new [`Revertible`] when `options` ask for one (the revert's journal
@@ -1193,7 +1211,7 @@ async fn start(
     detail: &Detail,
 ) -> Result<MoveReport> {
     // The lock first: `gc` takes a revert's lock before it drops what the revert needs.
-    lock_move(&catalog, id).await?;
+    unless_catalog_hung(config, options.hung_after, lock_move(&catalog, id)).await?;
     let record = catalog_bounded(id, options.hung_after, "journal the move", async {
         journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
         journal::ensure_complete_flip(&catalog).await?;
@@ -1220,6 +1238,19 @@ async fn start(
 /// again).
 pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<MoveReport> {
     let config = &crate::fleet::resolved(config).await?;
+    // Nothing is journaled until `start`: a catalog that hangs before fails the revert,
+    // changing nothing.
+    let (catalog, layout, id, check, detail) =
+        unless_catalog_hung(config, options.hung_after, revert_checked(config, shard, options)).await?;
+    start(config, options, catalog, layout, id, &check, &detail).await
+}
+
+/// [`revert`]'s checks, and the journal's ID and detail of the revert they allow.
+async fn revert_checked(
+    config: &Config,
+    shard: LogicalShard,
+    options: &MoveOptions,
+) -> Result<(Catalog, Layout, i64, preflight::Preflight, Detail)> {
     let (catalog, info) = Catalog::open(config).await?;
     let shard = shard.within(config.logical_shards)?;
     let not = |reason: String| Error::NotRevertible { shard, reason };
@@ -1297,7 +1328,7 @@ pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions)
         ..Detail::default()
     };
     let detail = revertible(&catalog, options, detail).await?;
-    start(config, options, catalog, info.layout, rev.id, &check, &detail).await
+    Ok((catalog, info.layout, rev.id, check, detail))
 }
 
 /// What a revert of move `m` needs on its hosts (see [`check_reverse`]), asked on new
@@ -1511,8 +1542,11 @@ pub async fn resume(
     options: &MoveOptions,
 ) -> Result<Vec<MoveReport>> {
     let config = &crate::fleet::resolved(config).await?;
-    let (catalog, info) = Catalog::open(config).await?;
-    let records = journal::running(&catalog, shard).await?;
+    let (info, records) = unless_catalog_hung(config, options.hung_after, async {
+        let (catalog, info) = Catalog::open(config).await?;
+        Ok((info, journal::running(&catalog, shard).await?))
+    })
+    .await?;
     if records.is_empty() {
         return Err(Error::NoMove { shard });
     }
@@ -1521,10 +1555,14 @@ pub async fn resume(
     for record in records {
         let (id, shard) = (record.id, record.shard);
         let one = async {
-            let (catalog, _) = Catalog::open(config).await?;
-            lock_move(&catalog, id).await?;
-            // Read again under the lock: another process may have moved it on.
-            let record = journal::by_id(&catalog, id).await?;
+            let (catalog, record) = unless_catalog_hung(config, options.hung_after, async {
+                let (catalog, _) = Catalog::open(config).await?;
+                lock_move(&catalog, id).await?;
+                // Read again under the lock: another process may have moved it on.
+                let record = journal::by_id(&catalog, id).await?;
+                Ok((catalog, record))
+            })
+            .await?;
             if record.state != State::Running {
                 return Ok(None);
             }
@@ -1572,14 +1610,18 @@ pub async fn resume(
 /// `gc` (named in [`AbortReport::cleanup_pending`]).
 pub async fn abort(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<AbortReport> {
     let config = &crate::fleet::resolved(config).await?;
-    let (catalog, info) = Catalog::open(config).await?;
-    let record = journal::running(&catalog, Some(shard))
-        .await?
-        .into_iter()
-        .next()
-        .ok_or(Error::NoMove { shard: Some(shard) })?;
-    lock_move(&catalog, record.id).await?;
-    let record = journal::by_id(&catalog, record.id).await?;
+    let (catalog, info, record) = unless_catalog_hung(config, options.hung_after, async {
+        let (catalog, info) = Catalog::open(config).await?;
+        let record = journal::running(&catalog, Some(shard))
+            .await?
+            .into_iter()
+            .next()
+            .ok_or(Error::NoMove { shard: Some(shard) })?;
+        lock_move(&catalog, record.id).await?;
+        let record = journal::by_id(&catalog, record.id).await?;
+        Ok((catalog, info, record))
+    })
+    .await?;
     if record.state != State::Running {
         return Err(Error::NoMove { shard: Some(shard) });
     }

@@ -829,10 +829,14 @@ pub(crate) async fn record_dropped(
 ///
 /// # Errors
 ///
-/// The catalog unreachable or not initialised; a journal row this version cannot read.
+/// The catalog unreachable or not initialised; a journal row this version cannot read;
+/// [`crate::Error::CatalogHung`].
 pub async fn list(config: &Config) -> Result<Vec<MoveRecord>> {
-    let (catalog, _) = Catalog::open(config).await?;
-    all(&catalog).await
+    super::catalog_watched(config, async {
+        let (catalog, _) = Catalog::open(config).await?;
+        all(&catalog).await
+    })
+    .await
 }
 
 #[cfg(test)]

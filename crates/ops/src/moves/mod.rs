@@ -40,7 +40,7 @@ pub use engine::{
     AbortReport, CHANGES_SQL, DEFAULT_MAX_RATE, HookFn, MARKS_SQL, MoveOptions, MoveProgress, MoveReport,
     ProgressFn, Verification, abort, resume, revert, run,
 };
-pub(crate) use engine::{CATALOG_HUNG_AFTER, unless_catalog_hung, unless_hung};
+pub(crate) use engine::{CATALOG_HUNG_AFTER, catalog_watched, unless_catalog_hung, unless_hung};
 pub use gc::{GcReport, MAX_GRACE, gc};
 pub use journal::{
     Detail, MoveRecord, Precheck, Revertible, Reverting, Round, RowsCopied, State, Step, TableCheck, list,

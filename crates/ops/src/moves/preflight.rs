@@ -202,16 +202,22 @@ pub(crate) async fn preflight_for(
     hung_after: std::time::Duration,
 ) -> Result<Preflight> {
     let config = &crate::fleet::resolved(config).await?;
-    let (catalog, _) = Catalog::open(config).await?;
-    let map = catalog.map().await?;
-    let shard = shard.within(map.count())?;
+    // The catalog's facts first, bounded as the hosts' checks are.
+    let (map, shard, target_state, running) = super::unless_catalog_hung(config, hung_after, async {
+        let (catalog, _) = Catalog::open(config).await?;
+        let map = catalog.map().await?;
+        let shard = shard.within(map.count())?;
+        let target_state = catalog.hosts().await?.into_iter().find(|h| &h.name == target).map(|h| h.state);
+        let running = journal::is_running(&catalog, shard).await?;
+        Ok((map, shard, target_state, running))
+    })
+    .await?;
     let schema = config.schema_prefix.schema(shard);
     let source = map.host_of(shard).clone();
     let target_name = target.clone();
     let mut checks = Checks { problems: Vec::new(), need };
 
     let target_config = config.hosts.iter().find(|h| h.name == target_name);
-    let target_state = catalog.hosts().await?.into_iter().find(|h| h.name == target_name).map(|h| h.state);
     if target_state == Some(HostState::Removed) {
         checks.add(
             None,
@@ -241,7 +247,6 @@ pub(crate) async fn preflight_for(
     if target_name == source {
         checks.add(None, "target", format!("shard {shard} is already on {source}"));
     }
-    let running = journal::is_running(&catalog, shard).await?;
     if running {
         checks.add(None, "journal", format!("a move of shard {shard} is running; finish it with `shardline move --resume {shard}` or undo it with `--abort {shard}`"));
     }
