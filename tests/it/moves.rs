@@ -4389,8 +4389,13 @@ shardline_testkit::register!(own: every_catalog_command_gives_up_a_catalog_that_
 /// revert, a resume and an abort, a drain's plan) fails naming the catalog once it has
 /// answered no probe for 15 s, when the catalog freezes while the command's statement
 /// waits there (on the lock a test session holds on the catalog's tables), and changes
-/// nothing; thawed, they run. All fourteen at once, through the CLI. Before, each one
-/// connected within a bound and then waited for as long as the catalog was frozen.
+/// nothing; thawed, they run. Through the CLI, in two rounds: fourteen commands at once
+/// held at their first statement (the `cluster` and `hosts` tables locked), then the
+/// eight that read the journal held there (the `moves` table locked), past the hosts'
+/// read every operation starts with: in a move's pre-flight, a revert's checks, a
+/// resume's and an abort's reads, a `host` command's check for running moves. Before,
+/// each one connected within a bound and then waited for as long as the catalog was
+/// frozen.
 pub(crate) async fn every_catalog_command_gives_up_a_catalog_that_hangs_under_it(
     _ctx: TestContext,
 ) -> TestResult {
@@ -4403,45 +4408,104 @@ async fn commands_beside_a_hung_catalog(kit: &shardline_testkit::Cluster) -> Res
     let map_before = cli(&f, &["map", "--json"]).await?;
     let hosts_before = cli(&f, &["host", "list", "--json"]).await?;
     let pg2 = kit.hosts()[1].url(f.db());
-    let commands: Vec<Vec<&str>> = vec![
-        vec!["map"],
-        vec!["locate", "--user", "7"],
-        vec!["moves"],
-        vec!["host", "list"],
-        vec!["host", "add", "pg2"],
-        vec!["host", "readdress", "pg2", "--url", &pg2],
-        vec!["host", "remove", "pg2"],
-        vec!["host", "drain", "pg2", "--dry-run"],
-        vec!["rebalance", "--plan"],
-        vec!["move", "0", "--to", "pg2"],
-        vec!["move", "0", "--to", "pg2", "--dry-run"],
-        vec!["move", "1", "--revert"],
-        vec!["move", "--resume"],
-        vec!["move", "0", "--abort"],
+    let readdress = ["host", "readdress", "pg2", "--url", pg2.as_str()];
+    // Those that read the journal (held there in the second round).
+    let journal: Vec<&[&str]> = vec![
+        &["moves"],
+        &["move", "0", "--to", "pg2"],
+        &["move", "0", "--to", "pg2", "--dry-run"],
+        &["move", "1", "--revert"],
+        &["move", "--resume"],
+        &["move", "0", "--abort"],
+        &["host", "remove", "pg2"],
+        &readdress,
     ];
-    let blocker = f.client(kit, 0).await?;
-    blocker
-        .batch_execute("BEGIN; LOCK TABLE shardline.cluster, shardline.hosts IN ACCESS EXCLUSIVE MODE")
-        .await?;
-    let runs: Vec<_> = commands.iter().map(|c| cli_at(&f.path(), c)).collect();
-    let n = i64::try_from(runs.len())?;
-    // The catalog is pg1's server: every command's session there is named `shardline`.
-    let (ended, took) =
-        freeze_while_it_waits(&f, kit, 0, ("shardline", n), futures::future::join_all(runs)).await?;
-    eprintln!("      {n} commands with the catalog hung returned {took:?} after the freeze");
-    blocker.batch_execute("ROLLBACK").await?;
-    for (command, (said, result)) in commands.iter().zip(&ended) {
-        let err = result
-            .as_ref()
-            .err()
-            .ok_or_else(|| format!("`{}` succeeded with the catalog frozen: {said}", command.join(" ")))?;
-        assert!(err.contains("the catalog answered no probe"), "`{}`: {err}", command.join(" "));
+    let mut every = journal.clone();
+    every.extend::<[&[&str]; 6]>([
+        &["map"],
+        &["locate", "--user", "7"],
+        &["host", "list"],
+        &["host", "add", "pg2"],
+        &["host", "drain", "pg2", "--dry-run"],
+        &["rebalance", "--plan"],
+    ]);
+    for (tables, commands) in [("shardline.cluster, shardline.hosts", &every), ("shardline.moves", &journal)]
+    {
+        let blocker = f.client(kit, 0).await?;
+        blocker.batch_execute(&format!("BEGIN; LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE")).await?;
+        let runs: Vec<_> = commands.iter().map(|c| cli_at(&f.path(), c)).collect();
+        let n = i64::try_from(runs.len())?;
+        // The catalog is pg1's server: every command's session there is named `shardline`.
+        let (ended, took) =
+            freeze_while_it_waits(&f, kit, 0, ("shardline", n), futures::future::join_all(runs)).await?;
+        eprintln!(
+            "      {n} commands held on {tables}, the catalog hung, returned {took:?} after the freeze"
+        );
+        blocker.batch_execute("ROLLBACK").await?;
+        for (command, (said, result)) in commands.iter().zip(&ended) {
+            let command = command.join(" ");
+            let err = result
+                .as_ref()
+                .err()
+                .ok_or_else(|| format!("`{command}` succeeded with the catalog frozen: {said}"))?;
+            assert!(err.contains("the catalog answered no probe"), "`{command}`: {err}");
+        }
+        assert!(took < Duration::from_secs(30), "{took:?}");
+        // Nothing changed, and the catalog answers again.
+        assert_eq!(cli(&f, &["map", "--json"]).await?, map_before);
+        assert_eq!(cli(&f, &["host", "list", "--json"]).await?, hosts_before);
+        assert!(moves::list(&f.config()?).await?.is_empty());
     }
-    assert!(took < Duration::from_secs(30), "{took:?}");
-    // Nothing changed, and the catalog answers again.
-    assert_eq!(cli(&f, &["map", "--json"]).await?, map_before);
-    assert_eq!(cli(&f, &["host", "list", "--json"]).await?, hosts_before);
-    assert!(moves::list(&f.config()?).await?.is_empty());
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_move_started_while_gc_holds_its_lock_waits_for_it_past_hung_after);
+/// A move whose journaling waits for `gc` (its lock, held here by a test session as a
+/// running `gc` holds it) waits for as long as `gc` runs, while the catalog answers: it
+/// is journaled once the lock is let go, 3 s past its `hung_after` of 4 s, and runs to
+/// its end. Before, the wait was timed by `hung_after` and the move failed "the catalog
+/// answered nothing" while the catalog answered.
+pub(crate) async fn a_move_started_while_gc_holds_its_lock_waits_for_it_past_hung_after(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let config = f.config()?;
+    shardline_ops::init(&config, &options(1), &quiet).await?;
+    let gc = f.client(&ctx, 0).await?;
+    let key = shardline_repo::catalog::GC_LOCK_KEY;
+    gc.execute("SELECT pg_advisory_lock($1)", &[&key]).await?;
+    let hung_after = Duration::from_secs(4);
+    let mut opts = MoveOptions::default();
+    opts.hung_after = hung_after;
+    let run_config = config.clone();
+    let moving =
+        tokio::spawn(
+            async move { moves::run(&run_config, crate::shard(0), &crate::host("pg2"), &opts).await },
+        );
+    // The move waits for the lock: from then, it is let go 3 s past `hung_after`.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: i64 = gc
+            .query_one("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())", &[])
+            .await?
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        if moving.is_finished() || Instant::now() >= deadline {
+            return Err(format!("the move never waited for gc's lock: {:?}", moving.await).into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(hung_after + Duration::from_secs(3)).await;
+    assert!(!moving.is_finished(), "the move gave up while gc held its lock: {:?}", moving.await);
+    gc.execute("SELECT pg_advisory_unlock($1)", &[&key]).await?;
+    let report = moving.await??;
+    assert_eq!(report.target.as_str(), "pg2");
+    assert_eq!(
+        Cluster::connect(&config, ClusterOptions::default()).await?.route_user(0).host.as_str(),
+        "pg2"
+    );
     Ok(())
 }
 

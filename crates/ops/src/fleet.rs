@@ -35,9 +35,19 @@ use crate::{Error, Result};
 ///
 /// # Errors
 ///
-/// The catalog unreachable; a host's password not to be had.
+/// The catalog unreachable; a host's password not to be had; [`Error::CatalogHung`]
+/// once the catalog has answered no probe for 15 s.
 pub async fn resolved(config: &Config) -> Result<Config> {
-    bounded(config, async { Ok(credentials::with_catalog_hosts(config, &config.credentials).await?) }).await
+    resolved_within(config, crate::moves::CATALOG_HUNG_AFTER).await
+}
+
+/// [`resolved`], given up once the catalog has answered no probe for `hung_after` (the
+/// caller's own bound: `status`'s `--timeout`, a move's `--hung-after`).
+pub(crate) async fn resolved_within(config: &Config, hung_after: std::time::Duration) -> Result<Config> {
+    crate::moves::unless_catalog_hung(config, hung_after, async {
+        Ok(credentials::with_catalog_hosts(config, &config.credentials).await?)
+    })
+    .await
 }
 
 /// The catalog's shard map and the cluster's fixed parameters, as `shardline map` and
@@ -514,7 +524,7 @@ pub async fn drain(
     options: &MoveOptions,
     dry_run: bool,
 ) -> Result<DrainReport> {
-    let config = &resolved(config).await?;
+    let config = &resolved_within(config, options.hung_after).await?;
     // The catalog's part before the moves, bounded as theirs is.
     let (plan, held) =
         crate::moves::unless_catalog_hung(config, options.hung_after, drain_plan(config, name, !dry_run))

@@ -81,7 +81,7 @@ pub async fn status(config: &Config, timeout: Duration) -> Result<Status> {
 }
 
 async fn status_within(config: &Config, timeout: Duration) -> Result<Status> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, timeout).await?;
     let (catalog, info) = Catalog::open(config).await?;
     let map = catalog.map().await?;
     let files = migrations::load_dir(&config.migrations)?;

@@ -1150,7 +1150,7 @@ pub async fn run(
     target: &HostName,
     options: &MoveOptions,
 ) -> Result<MoveReport> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     let mut check = preflight::preflight_for(
         config,
         shard,
@@ -1212,7 +1212,9 @@ async fn start(
 ) -> Result<MoveReport> {
     // The lock first: `gc` takes a revert's lock before it drops what the revert needs.
     unless_catalog_hung(config, options.hung_after, lock_move(&catalog, id)).await?;
-    let record = catalog_bounded(id, options.hung_after, "journal the move", async {
+    // Watched, not timed: journaling waits for a running `gc` to end (its lock), for as
+    // long as it runs, while the catalog answers; nothing is fenced yet.
+    let record = unless_catalog_hung(config, options.hung_after, async {
         journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
         journal::ensure_complete_flip(&catalog).await?;
         journal::by_id(&catalog, id).await
@@ -1237,7 +1239,7 @@ async fn start(
 /// flip drops the old copy (the shard stays where it is; a later move back copies it
 /// again).
 pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<MoveReport> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     // Nothing is journaled until `start`: a catalog that hangs before fails the revert,
     // changing nothing.
     let (catalog, layout, id, check, detail) =
@@ -1541,7 +1543,7 @@ pub async fn resume(
     shard: Option<LogicalShard>,
     options: &MoveOptions,
 ) -> Result<Vec<MoveReport>> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     let (info, records) = unless_catalog_hung(config, options.hung_after, async {
         let (catalog, info) = Catalog::open(config).await?;
         Ok((info, journal::running(&catalog, shard).await?))
@@ -1609,7 +1611,7 @@ pub async fn resume(
 /// journaled; abort again when it is back). A target that is down or hung is left to
 /// `gc` (named in [`AbortReport::cleanup_pending`]).
 pub async fn abort(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<AbortReport> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     let (catalog, info, record) = unless_catalog_hung(config, options.hung_after, async {
         let (catalog, info) = Catalog::open(config).await?;
         let record = journal::running(&catalog, Some(shard))

@@ -100,7 +100,7 @@ pub async fn gc(config: &Config, grace: Duration) -> Result<GcReport> {
 
 /// [`gc`], its grace period checked, while the catalog answers.
 async fn gc_within(config: &Config, grace: Duration) -> Result<GcReport> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, GC_HUNG_AFTER).await?;
     let (catalog, info) = Catalog::open(config).await?;
     // Held to the end of the run: every move not in the journal read below starts
     // after it, so a move missing from it has made nothing yet.

@@ -201,7 +201,7 @@ pub(crate) async fn preflight_for(
     need: Need,
     hung_after: std::time::Duration,
 ) -> Result<Preflight> {
-    let config = &crate::fleet::resolved(config).await?;
+    let config = &crate::fleet::resolved_within(config, hung_after).await?;
     // The catalog's facts first, bounded as the hosts' checks are.
     let (map, shard, target_state, running) = super::unless_catalog_hung(config, hung_after, async {
         let (catalog, _) = Catalog::open(config).await?;
