@@ -63,20 +63,30 @@ bin="${target_dir}/${triple}/release"
 if [ -n "${replay}" ]; then
   exec "${bin}/$2" "${replay}"
 fi
-for target in id_parsers config_loader connection_urls; do
+# The targets fuzz side by side (each libFuzzer process uses one core), then each is
+# judged in turn.
+targets=(id_parsers config_loader connection_urls)
+declare -A pids=()
+for target in "${targets[@]}"; do
   [ -x "${bin}/${target}" ] || { echo "fuzz: ${bin}/${target} was not built" >&2; exit 1; }
   echo "fuzz: ${target} for ${seconds} s"
   mkdir -p "corpus/${target}" "artifacts/${target}" target
+  "${bin}/${target}" -artifact_prefix="artifacts/${target}/" -max_total_time="${seconds}" \
+    "corpus/${target}" >"target/fuzz-${target}.log" 2>&1 &
+  pids[${target}]=$!
+done
+for target in "${targets[@]}"; do
   log="target/fuzz-${target}.log"
   status=0
-  "${bin}/${target}" -artifact_prefix="artifacts/${target}/" -max_total_time="${seconds}" \
-    "corpus/${target}" >"${log}" 2>&1 || status=$?
+  wait "${pids[${target}]}" || status=$?
+  echo "fuzz: ${target}"
   grep -E '^Done [0-9]+ runs|panicked|SUMMARY|left:|right:' "${log}" || true
   if [ "${status}" -ne 0 ]; then
     tail -n 40 "${log}" >&2
+    kill "${pids[@]}" 2>/dev/null || true
     echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/; replay: ${FUZZ_SANITIZER:+FUZZ_SANITIZER=${FUZZ_SANITIZER} }scripts/fuzz.sh --replay ${target} FILE)" >&2
     exit 1
   fi
   # libFuzzer ends a run of -max_total_time with "Done N runs": without it, nothing ran.
-  grep -qE '^Done [0-9]+ runs' "${log}" || { tail -n 20 "${log}" >&2; echo "fuzz: ${target} did not run" >&2; exit 1; }
+  grep -qE '^Done [0-9]+ runs' "${log}" || { tail -n 20 "${log}" >&2; kill "${pids[@]}" 2>/dev/null || true; echo "fuzz: ${target} did not run" >&2; exit 1; }
 done
