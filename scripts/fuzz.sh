@@ -63,12 +63,15 @@ bin="${target_dir}/${triple}/release"
 if [ -n "${replay}" ]; then
   exec "${bin}/$2" "${replay}"
 fi
-# The targets fuzz side by side (each libFuzzer process uses one core), then each is
-# judged in turn.
+# The targets fuzz side by side (three libFuzzer processes, one thread each, on the
+# machine's cores), then each is judged in turn; a failure stops those still running.
 targets=(id_parsers config_loader connection_urls)
-declare -A pids=()
 for target in "${targets[@]}"; do
   [ -x "${bin}/${target}" ] || { echo "fuzz: ${bin}/${target} was not built" >&2; exit 1; }
+done
+stop_the_rest() { local left; left=$(jobs -p); [ -z "${left}" ] || { kill ${left} 2>/dev/null || true; wait ${left} 2>/dev/null || true; }; }
+declare -A pids=()
+for target in "${targets[@]}"; do
   echo "fuzz: ${target} for ${seconds} s"
   mkdir -p "corpus/${target}" "artifacts/${target}" target
   "${bin}/${target}" -artifact_prefix="artifacts/${target}/" -max_total_time="${seconds}" \
@@ -83,10 +86,10 @@ for target in "${targets[@]}"; do
   grep -E '^Done [0-9]+ runs|panicked|SUMMARY|left:|right:' "${log}" || true
   if [ "${status}" -ne 0 ]; then
     tail -n 40 "${log}" >&2
-    kill "${pids[@]}" 2>/dev/null || true
+    stop_the_rest
     echo "fuzz: ${target} crashed (input under fuzz/artifacts/${target}/; replay: ${FUZZ_SANITIZER:+FUZZ_SANITIZER=${FUZZ_SANITIZER} }scripts/fuzz.sh --replay ${target} FILE)" >&2
     exit 1
   fi
   # libFuzzer ends a run of -max_total_time with "Done N runs": without it, nothing ran.
-  grep -qE '^Done [0-9]+ runs' "${log}" || { tail -n 20 "${log}" >&2; kill "${pids[@]}" 2>/dev/null || true; echo "fuzz: ${target} did not run" >&2; exit 1; }
+  grep -qE '^Done [0-9]+ runs' "${log}" || { tail -n 20 "${log}" >&2; stop_the_rest; echo "fuzz: ${target} did not run" >&2; exit 1; }
 done

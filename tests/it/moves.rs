@@ -1278,9 +1278,11 @@ async fn pause_cases(
             let r = moves::run(cfg, crate::shard(3), &crate::host(other), &opts).await;
             let frozen = paused_ref.load(Ordering::SeqCst);
             let early = frozen && !thawed_ref.load(Ordering::SeqCst);
-            // A clean-up after the flip may end before the freeze lands (`docker pause`
-            // takes a while): no host was hung for it to wait on.
-            let early = early || (after >= Step::Flipped && !frozen);
+            // A move past its verification may flip, and a clean-up after the flip end,
+            // before the freeze lands (`docker pause` takes a while: a move that flipped
+            // and completed 185 ms after `verified` was seen on a loaded machine): no
+            // host was hung for it to wait on.
+            let early = early || (after >= Step::Verified && !frozen);
             returned_ref.notify_one();
             (r, early, Instant::now())
         };

@@ -98,6 +98,8 @@ struct Run {
     /// reads and the fan-outs' completeness.
     photos: Mutex<Vec<(Id, String, u128)>>,
     reads: AtomicU64,
+    /// Of the reads, `get_many` calls.
+    get_manys: AtomicU64,
     /// Fan-out reads (`created_between`) made, and those with shards reported missing.
     fan_outs: AtomicU64,
     fan_outs_partial: AtomicU64,
@@ -275,6 +277,7 @@ async fn soak_on(
         bad_reads: Mutex::new(Vec::new()),
         photos: Mutex::new(Vec::new()),
         reads: AtomicU64::new(0),
+        get_manys: AtomicU64::new(0),
         fan_outs: AtomicU64::new(0),
         fan_outs_partial: AtomicU64::new(0),
         groups: AtomicU64::new(0),
@@ -334,8 +337,9 @@ async fn soak_on(
         (h.len(), h.iter().filter(|w| matches!(w.outcome, Outcome::Acked(_) | Outcome::Committed)).count())
     };
     run.note(format!(
-        "load done: {ops} writes ({acked} acknowledged), {} reads ({} failed)",
+        "load done: {ops} writes ({acked} acknowledged), {} reads ({} of them get_many; {} failed)",
         run.reads.load(Ordering::Relaxed),
+        run.get_manys.load(Ordering::Relaxed),
         run.read_errors.load(Ordering::Relaxed)
     ));
     let observed = recover_and_observe(&run).await?;
@@ -473,7 +477,7 @@ async fn worker(run: &Run, w: u32) {
     while Instant::now() < run.deadline {
         n += 1;
         let token = format!("s{}w{w}n{n}", run.seed);
-        let pick = rng.below(26);
+        let pick = rng.below(27);
         let known = {
             let p = lock(&run.photos);
             if p.is_empty() { None } else { Some(p[rng.index(p.len())].clone()) }
@@ -515,6 +519,7 @@ async fn worker(run: &Run, w: u32) {
             (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token).await,
             (24, _, _) => insert_many(run, w, &photos, &mut rng, n, &token).await,
             (25, _, _) => fan_out(run, &photos, &mut rng).await,
+            (26, _, _) => get_many(run, &photos, &mut rng, &mine).await,
             (17, _, Some(i)) => {
                 let m = &mut mine[i];
                 m.versions += 1;
@@ -663,23 +668,82 @@ fn judge_read(
                 ));
             }
         }
-        // The product's own alarm for a row from another shard, or one it cannot read,
-        // is a violation; a host down or slow is not.
-        Err(
-            e @ (shardline_repo::Error::Misrouted { .. }
-            | shardline_repo::Error::Decode { .. }
-            | shardline_repo::Error::Router(_)),
-        ) => {
+        Err(e) => judge_read_error(run, &format!("{how} of photo {}", id.as_i64()), &e),
+    }
+}
+
+/// Judges a read's failure (`what`: which read): the product's own alarm for a row from
+/// another shard, or one it cannot read, is a violation; a host down or slow is not.
+fn judge_read_error(run: &Run, what: &str, e: &shardline_repo::Error) {
+    match e {
+        shardline_repo::Error::Misrouted { .. }
+        | shardline_repo::Error::Decode { .. }
+        | shardline_repo::Error::Router(_) => {
             lock(&run.bad_reads).push(format!(
-                "{how} of photo {} at {:?} failed: {}",
-                id.as_i64(),
+                "{what} at {:?} failed: {}",
                 run.now(),
-                shardline_repo::error_chain(&e)
+                shardline_repo::error_chain(e)
             ));
         }
-        Err(_) => {
+        _ => {
             run.read_errors.fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// `get_many` under the faults: 1 to 5 shared photos (each as written) and up to 3 of
+/// the worker's own (any state its calls leave them in), an ID asked twice now and
+/// then. Every entry is judged as a read of its photo, in the order asked, and the IDs
+/// it says are missing must be those it answered `None` for.
+async fn get_many(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng, mine: &[Mine]) {
+    let mut asked: Vec<(Id, Vec<Option<String>>)> = Vec::new();
+    {
+        let shared = lock(&run.photos);
+        for _ in 0..=rng.below(5) {
+            if !shared.is_empty() {
+                let (id, content, _) = &shared[rng.index(shared.len())];
+                asked.push((*id, vec![Some(content.clone())]));
+            }
+        }
+    }
+    for _ in 0..rng.below(4) {
+        if !mine.is_empty() {
+            let m = &mine[rng.index(mine.len())];
+            asked.push((m.id, m.states.clone()));
+        }
+    }
+    if asked.is_empty() {
+        return;
+    }
+    run.reads.fetch_add(1, Ordering::Relaxed);
+    run.get_manys.fetch_add(1, Ordering::Relaxed);
+    let ids: Vec<Id> = asked.iter().map(|(id, _)| *id).collect();
+    let what = format!("get_many of {} photo(s)", ids.len());
+    match photos.get_many(&ids).await {
+        Ok(many) => {
+            if many.rows.len() != ids.len() {
+                lock(&run.bad_reads).push(format!(
+                    "{what} at {:?} answered {} entries",
+                    run.now(),
+                    many.rows.len()
+                ));
+                return;
+            }
+            let none: std::collections::BTreeSet<i64> =
+                ids.iter().zip(&many.rows).filter(|(_, r)| r.is_none()).map(|(id, _)| id.as_i64()).collect();
+            let missing: std::collections::BTreeSet<i64> =
+                many.missing.iter().map(|id| id.as_i64()).collect();
+            if none != missing {
+                lock(&run.bad_reads).push(format!(
+                    "{what} at {:?} said {missing:?} missing, answered none for {none:?}",
+                    run.now()
+                ));
+            }
+            for ((id, states), found) in asked.iter().zip(many.rows) {
+                judge_read(run, *id, states, Ok(found), "get_many");
+            }
+        }
+        Err(e) => judge_read_error(run, &what, &e),
     }
 }
 
