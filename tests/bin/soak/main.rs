@@ -473,6 +473,9 @@ async fn worker(run: &Run, w: u32) {
     };
     let sqlx = cluster.sqlx();
     let mut mine: Vec<Mine> = Vec::new();
+    // The worker's own photos whose delete was acknowledged: `get_many` asks for some,
+    // which must stay absent (and be called missing).
+    let mut gone: Vec<Id> = Vec::new();
     let mut n = 0_u64;
     while Instant::now() < run.deadline {
         n += 1;
@@ -519,7 +522,7 @@ async fn worker(run: &Run, w: u32) {
             (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token).await,
             (24, _, _) => insert_many(run, w, &photos, &mut rng, n, &token).await,
             (25, _, _) => fan_out(run, &photos, &mut rng).await,
-            (26, _, _) => get_many(run, &photos, &mut rng, &mine).await,
+            (26, _, _) => get_many(run, &photos, &mut rng, &mine, &gone).await,
             (17, _, Some(i)) => {
                 let m = &mut mine[i];
                 m.versions += 1;
@@ -590,6 +593,9 @@ async fn worker(run: &Run, w: u32) {
                 let unknown = matches!(mutation.outcome, Outcome::Failed { unknown: true, .. });
                 lock(&run.mutations).push(mutation);
                 // Gone, or left as it is after an outcome unknown (as for an update).
+                if !unknown && m.states == [None] {
+                    gone.push(m.id);
+                }
                 if unknown || m.states == [None] {
                     mine.swap_remove(i);
                 }
@@ -691,11 +697,18 @@ fn judge_read_error(run: &Run, what: &str, e: &shardline_repo::Error) {
     }
 }
 
-/// `get_many` under the faults: 1 to 5 shared photos (each as written) and up to 3 of
-/// the worker's own (any state its calls leave them in), an ID asked twice now and
-/// then. Every entry is judged as a read of its photo, in the order asked, and the IDs
-/// it says are missing must be those it answered `None` for.
-async fn get_many(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng, mine: &[Mine]) {
+/// `get_many` under the faults: 1 to 5 shared photos (each as written), up to 3 of the
+/// worker's own (any state its calls leave them in) and up to 2 it deleted (absent), an
+/// ID asked twice now and then. Every entry is judged as a read of its photo, in the
+/// order asked, and the IDs it says are missing must be those it answered `None` for,
+/// once for each time asked.
+async fn get_many(
+    run: &Run,
+    photos: &shardline_repo::Repo<Photo>,
+    rng: &mut Rng,
+    mine: &[Mine],
+    gone: &[Id],
+) {
     let mut asked: Vec<(Id, Vec<Option<String>>)> = Vec::new();
     {
         let shared = lock(&run.photos);
@@ -710,6 +723,11 @@ async fn get_many(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng
         if !mine.is_empty() {
             let m = &mine[rng.index(mine.len())];
             asked.push((m.id, m.states.clone()));
+        }
+    }
+    for _ in 0..rng.below(3) {
+        if !gone.is_empty() {
+            asked.push((gone[rng.index(gone.len())], vec![None]));
         }
     }
     if asked.is_empty() {
@@ -729,10 +747,11 @@ async fn get_many(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng
                 ));
                 return;
             }
-            let none: std::collections::BTreeSet<i64> =
+            let mut none: Vec<i64> =
                 ids.iter().zip(&many.rows).filter(|(_, r)| r.is_none()).map(|(id, _)| id.as_i64()).collect();
-            let missing: std::collections::BTreeSet<i64> =
-                many.missing.iter().map(|id| id.as_i64()).collect();
+            let mut missing: Vec<i64> = many.missing.iter().map(|id| id.as_i64()).collect();
+            none.sort_unstable();
+            missing.sort_unstable();
             if none != missing {
                 lock(&run.bad_reads).push(format!(
                     "{what} at {:?} said {missing:?} missing, answered none for {none:?}",
