@@ -1268,26 +1268,42 @@ async fn pause_cases(
                 let _ = tx.send(Instant::now());
             }
         }));
+        let pausing = AtomicBool::new(false);
         let paused = AtomicBool::new(false);
         let thawed = AtomicBool::new(false);
         let returned = tokio::sync::Notify::new();
-        let (cfg, paused_ref, thawed_ref, returned_ref) = (&config, &paused, &thawed, &returned);
+        let (cfg, pausing_ref, paused_ref, thawed_ref, returned_ref) =
+            (&config, &pausing, &paused, &thawed, &returned);
         // The options (and the sender in them) go with the move: a move that ends
         // before the step ends the freezer's wait too.
         let mover = async move {
             let r = moves::run(cfg, crate::shard(3), &crate::host(other), &opts).await;
             let frozen = paused_ref.load(Ordering::SeqCst);
             let early = frozen && !thawed_ref.load(Ordering::SeqCst);
+            // The freeze lands before `pause` returns: the cgroup freezer may take
+            // seconds on a loaded machine (and is tried again when it gives up), and the
+            // answer is seen only once this task polls the freezer. A move that gave up
+            // the victim as hung after the freeze was asked for met a hung host.
+            let landing = pausing_ref.load(Ordering::SeqCst)
+                && !frozen
+                && r.as_ref().is_err_and(|e| e.to_string().contains(victim));
+            if landing {
+                eprintln!(
+                    "      gave {victim} up as hung while its freeze was landing (pause not yet returned)"
+                );
+            }
+            let early = early || landing;
             // A move past its verification may flip and complete, and a clean-up after
             // the flip end, before the freeze lands (`docker pause` takes a while: a move
             // that flipped and completed 185 ms after `verified` was seen on a loaded
             // machine): no host was hung for it to wait on. Said below.
             let early = early || (after >= Step::Verified && !frozen && r.is_ok());
             returned_ref.notify_one();
-            (r, early, frozen, Instant::now())
+            (r, early, frozen || landing, Instant::now())
         };
         let freezer = async {
             let Some(at) = rx.recv().await else { return Ok::<_, BoxError>(None) };
+            pausing.store(true, Ordering::SeqCst);
             host.pause().await?;
             paused.store(true, Ordering::SeqCst);
             match hold {

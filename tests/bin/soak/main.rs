@@ -86,9 +86,13 @@ struct Run {
     config: Config,
     dir: PathBuf,
     cluster: Cluster,
-    /// A second handle, used by half the workers: its map is told of each move on its
+    /// A second handle, used by one worker in four: its map is told of each move on its
     /// own (or finds it out on its own), not in step with the first's.
     second: Cluster,
+    /// A third handle, used by one worker in four, that misses every notification for
+    /// good (`listen = false`: no `LISTEN`, no map check): it learns of a move only when
+    /// a statement of its own finds the shard gone from where its map placed it.
+    deaf: Cluster,
     history: Mutex<Vec<Write>>,
     /// Updates and deletes of the photos each worker keeps to itself.
     mutations: Mutex<Vec<Mutation>>,
@@ -259,6 +263,8 @@ async fn soak_on(
     shardline_ops::init(&config, &shardline_ops::Options::default(), &|_| {}).await?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     let second = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let deaf =
+        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
     let began = Instant::now();
     let run = Arc::new(Run {
         seed,
@@ -272,6 +278,7 @@ async fn soak_on(
         dir: dir.to_owned(),
         cluster,
         second,
+        deaf,
         history: Mutex::new(Vec::new()),
         mutations: Mutex::new(Vec::new()),
         bad_reads: Mutex::new(Vec::new()),
@@ -341,6 +348,11 @@ async fn soak_on(
         run.reads.load(Ordering::Relaxed),
         run.get_manys.load(Ordering::Relaxed),
         run.read_errors.load(Ordering::Relaxed)
+    ));
+    run.note(format!(
+        "the deaf handle's map: version {} (the first handle's: {}), each reload its own statements' doing",
+        run.deaf.map().version(),
+        run.cluster.map().version()
     ));
     let observed = recover_and_observe(&run).await?;
     let history = lock(&run.history).clone();
@@ -465,8 +477,13 @@ fn content_of(p: &Photo) -> String {
 
 async fn worker(run: &Run, w: u32) {
     let mut rng = Rng::new(run.seed ^ (u64::from(w) + 1) << 32);
-    // Half the workers go through the second handle.
-    let cluster = if w.is_multiple_of(2) { &run.cluster } else { &run.second };
+    // Half the workers go through the first handle, a quarter through the second, a
+    // quarter through the deaf one.
+    let cluster = match w % 4 {
+        1 => &run.second,
+        3 => &run.deaf,
+        _ => &run.cluster,
+    };
     let (Ok(photos), Ok(comments)) = (cluster.repo::<Photo>(), cluster.repo::<Comment>()) else {
         lock(&run.bad_reads).push(format!("worker {w}: no repository"));
         return;
