@@ -50,7 +50,8 @@ pub(crate) struct Write {
     pub(crate) end: Duration,
     pub(crate) outcome: Outcome,
     /// How it was made: `repo` (`Repo::insert`), `sqlx` (the example's sqlx path),
-    /// `many` (`Repo::insert_many`), `tx` (a shard transaction of the repository).
+    /// `many` (`Repo::insert_many`), `tx` (a shard transaction of the repository),
+    /// `sqlx-tx` (a shard transaction of the sqlx path, `Sqlx::transaction`).
     pub(crate) via: &'static str,
     /// The writes of one transaction share a group: all of them are applied, or none.
     pub(crate) group: Option<u64>,
@@ -389,6 +390,8 @@ pub(crate) struct FanOutRead {
     /// The window, ms since the Unix epoch, as asked (both ends included).
     pub(crate) from_ms: u128,
     pub(crate) to_ms: u128,
+    /// A page of `Repo::newest` resumed from a cursor: only IDs below it belong.
+    pub(crate) below: Option<i64>,
     pub(crate) limit: usize,
     /// What it returned, in its order.
     pub(crate) rows: Vec<FanOutRow>,
@@ -427,10 +430,10 @@ pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
             ));
         }
         last = Some(row.id);
-        if row.ms < r.from_ms || row.ms > r.to_ms {
+        if row.ms < r.from_ms || row.ms > r.to_ms || r.below.is_some_and(|b| row.id >= b) {
             out.push(format!(
-                "fan-out at {at:?}: row {} of {} ms, outside the window {}..={}",
-                row.id, row.ms, r.from_ms, r.to_ms
+                "fan-out at {at:?}: row {} of {} ms, outside the window {}..={} (below {:?})",
+                row.id, row.ms, r.from_ms, r.to_ms, r.below
             ));
         }
         if r.missing.contains(&row.shard) {
@@ -445,7 +448,12 @@ pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
     for k in &r.known {
         // Both ends are in the window: the product reads the times given as the soak does
         // (whole ms, rounded down).
-        if k.ms < r.from_ms || k.ms > r.to_ms || k.id < floor || r.missing.contains(&k.shard) {
+        if k.ms < r.from_ms
+            || k.ms > r.to_ms
+            || k.id < floor
+            || r.below.is_some_and(|b| k.id >= b)
+            || r.missing.contains(&k.shard)
+        {
             continue;
         }
         match returned.get(&k.id) {
@@ -465,6 +473,99 @@ pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
                 k.id, k.content
             )),
             Some(_) => {}
+        }
+    }
+    out
+}
+
+/// A count across every shard of the rows created in a window (`Repo::count_between`).
+#[derive(Debug, Clone)]
+pub(crate) struct CountRead {
+    /// Since the soak started: when the call was made and when it returned.
+    pub(crate) start: Duration,
+    pub(crate) end: Duration,
+    /// The window, ms since the Unix epoch, as asked (both ends included).
+    pub(crate) from_ms: u128,
+    pub(crate) to_ms: u128,
+    /// What it counted, and the shards it reported missing (left out of the count).
+    pub(crate) count: u64,
+    pub(crate) missing: std::collections::HashSet<u16>,
+}
+
+/// How far behind its statement's clock an ID minted in Postgres may be, at most, in ms
+/// (docs/ids.md: 2.7 s, one failed catch-up on a loaded machine).
+const MINT_LAG_MS: u128 = 3000;
+
+/// What is wrong with each count, judged against the whole history of photo writes and
+/// their deletes: it must count at least the photos acknowledged before it began whose
+/// IDs fall in its window, of the shards it did not report missing, unless a delete of
+/// one had begun before it ended; and at most those whose write began before it ended
+/// and no acknowledged delete had removed before it began, with every write of unknown
+/// outcome (or committed without its ID) that began before it ended and soon enough to
+/// mint an ID in the window. `began_ms`: the wall clock when the history's times begin;
+/// `place`: an ID's time (ms since the Unix epoch) and shard.
+pub(crate) fn counts(
+    reads: &[CountRead],
+    history: &[Write],
+    mutations: &[Mutation],
+    began_ms: u128,
+    place: impl Fn(i64) -> (u128, u16),
+) -> Vec<String> {
+    // Each photo write with its ID's time and shard, when its ID is known.
+    let photos: Vec<(&Write, Option<(u128, u16)>)> = history
+        .iter()
+        .filter(|w| w.table == Table::Photos)
+        .map(|w| (w, if let Outcome::Acked(id) = w.outcome { Some(place(id)) } else { None }))
+        .collect();
+    let mut deletes: HashMap<&str, Vec<&Mutation>> = HashMap::new();
+    for m in mutations.iter().filter(|m| m.content.is_none()) {
+        deletes.entry(m.token.as_str()).or_default().push(m);
+    }
+    let mut out = Vec::new();
+    for r in reads {
+        let in_window = |ms: u128| (r.from_ms..=r.to_ms).contains(&ms);
+        let (mut least, mut most) = (0_u64, 0_u64);
+        for &(w, placed) in &photos {
+            if w.start >= r.end {
+                continue;
+            }
+            let dels = deletes.get(w.token.as_str()).map_or(&[][..], Vec::as_slice);
+            match w.outcome {
+                Outcome::Acked(_) => {
+                    let Some((ms, shard)) = placed else { continue };
+                    if !in_window(ms) {
+                        continue;
+                    }
+                    let gone_before =
+                        dels.iter().any(|d| matches!(d.outcome, Outcome::Acked(_)) && d.end < r.start);
+                    if !gone_before {
+                        most += 1;
+                    }
+                    let deleting = dels.iter().any(|d| d.start < r.end);
+                    if w.end < r.start && !deleting && !r.missing.contains(&shard) {
+                        least += 1;
+                    }
+                }
+                Outcome::Committed | Outcome::Failed { unknown: true, .. } => {
+                    if began_ms + w.start.as_millis() <= r.to_ms + MINT_LAG_MS {
+                        most += 1;
+                    }
+                }
+                Outcome::Failed { unknown: false, .. } => {}
+            }
+        }
+        let at = r.end;
+        if r.count < least {
+            out.push(format!(
+                "count at {at:?} ({}..={} ms, shards missing {:?}) counted {} rows, {least} photos known to be there",
+                r.from_ms, r.to_ms, r.missing, r.count
+            ));
+        }
+        if r.count > most {
+            out.push(format!(
+                "count at {at:?} ({}..={} ms) counted {} rows, more than the {most} that could be there",
+                r.from_ms, r.to_ms, r.count
+            ));
         }
     }
     out
@@ -577,6 +678,7 @@ mod tests {
             full,
             missing: missing.iter().copied().collect(),
             missing_errors: Vec::new(),
+            below: None,
             known: known.clone(),
         };
         // Whole; a full page with the newest 3; shard 1 reported missing, its rows left out.
@@ -609,6 +711,66 @@ mod tests {
             },
             "misrouted row",
         );
+        // A page resumed from a cursor (`newest`): the rows below it, all of them; one at
+        // or above it is outside, one below it left out is missed.
+        let below = |rows: Vec<FanOutRow>| FanOutRead { below: Some(40), ..read(rows, true, &[]) };
+        assert_eq!(fan_out(&below(all[2..].to_vec())), Vec::<String>::new());
+        judged(below(all[1..4].to_vec()), "outside the window");
+        judged(below(all[3..].to_vec()), "left out photo 30");
+    }
+
+    #[test]
+    fn a_count_is_judged_between_the_photos_known_and_the_writes_that_could_be() {
+        // IDs 1..=9 at 1000 + 10 × ID ms, of shard ID % 2; the window 1010..=1050 holds 1..=5.
+        let place =
+            |id: i64| (1000 + u128::try_from(id).unwrap_or(0) * 10, u16::try_from(id % 2).unwrap_or(0));
+        let read = |count: u64, missing: &[u16]| CountRead {
+            start: Duration::from_millis(100),
+            end: Duration::from_millis(110),
+            from_ms: 1010,
+            to_ms: 1050,
+            count,
+            missing: missing.iter().copied().collect(),
+        };
+        let ms = Duration::from_millis;
+        let photo = write;
+        let history = vec![
+            photo("a", 0, 5, Outcome::Acked(1)),
+            photo("b", 0, 5, Outcome::Acked(2)),
+            photo("c", 0, 5, Outcome::Acked(3)),
+            // Acknowledged while the count ran: may be counted.
+            photo("d", 90, 105, Outcome::Acked(4)),
+            // Deleted before the count began: not there; deleted while it ran: either.
+            photo("e", 0, 5, Outcome::Acked(5)),
+            photo("f", 0, 5, Outcome::Acked(1)),
+            // Outside the window; refused; begun after the count: none of them.
+            photo("g", 0, 5, Outcome::Acked(9)),
+            photo("h", 0, 5, Outcome::Failed { unknown: false, error: "refused".into() }),
+            photo("i", 120, 130, Outcome::Acked(3)),
+            // Of unknown outcome, begun early enough (the history begins at 0 ms on the
+            // clock): may be there.
+            photo("j", 50, 60, Outcome::Failed { unknown: true, error: "timeout".into() }),
+        ];
+        let delete = |token: &str, start: u64, end: u64| Mutation {
+            token: token.into(),
+            content: None,
+            start: ms(start),
+            end: ms(end),
+            outcome: Outcome::Acked(0),
+        };
+        let mutations = vec![delete("e", 10, 20), delete("f", 105, 108)];
+        // At least a, b, c; at most a, b, c, d, f, j.
+        let judged = |reads: &[CountRead]| counts(reads, &history, &mutations, 0, place);
+        for ok in [read(3, &[]), read(6, &[]), read(1, &[1])] {
+            assert_eq!(judged(std::slice::from_ref(&ok)), Vec::<String>::new(), "{ok:?}");
+        }
+        let found = |r: CountRead, needle: &str| {
+            let found = judged(&[r]);
+            assert!(found.iter().any(|v| v.contains(needle)), "expected {needle:?} in {found:?}");
+        };
+        found(read(2, &[]), "3 photos known to be there");
+        found(read(0, &[1]), "1 photos known to be there");
+        found(read(7, &[]), "more than the 6 that could be there");
     }
 
     #[test]

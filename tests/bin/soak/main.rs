@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use check::{FanOutRead, FanOutRow, Mutation, Observed, Outcome, Row, Table, Write};
+use check::{CountRead, FanOutRead, FanOutRow, Mutation, Observed, Outcome, Row, Table, Write};
 use shardline_example_photos::{Comment, NewComment, NewPhoto, Photo, with_sqlx};
 use shardline_id::ident::quote;
 use shardline_ops::moves::{self, MoveOptions, MoveProgress, State, Step};
@@ -107,6 +107,12 @@ struct Run {
     /// Fan-out reads (`created_between`) made, and those with shards reported missing.
     fan_outs: AtomicU64,
     fan_outs_partial: AtomicU64,
+    /// Counts across every shard, judged once the load is done (every write that could
+    /// have put a row in their window is in the history then).
+    counts: Mutex<Vec<CountRead>>,
+    /// The wall clock (ms since the Unix epoch) when the soak started, to place the
+    /// history's times on the clock IDs carry.
+    began_ms: u128,
     /// The last transaction's group number ([`Write::group`]).
     groups: AtomicU64,
     read_errors: AtomicU64,
@@ -287,6 +293,8 @@ async fn soak_on(
         get_manys: AtomicU64::new(0),
         fan_outs: AtomicU64::new(0),
         fan_outs_partial: AtomicU64::new(0),
+        counts: Mutex::new(Vec::new()),
+        began_ms: wall_ms(),
         groups: AtomicU64::new(0),
         read_errors: AtomicU64::new(0),
         current: Mutex::new(None),
@@ -349,6 +357,7 @@ async fn soak_on(
         run.get_manys.load(Ordering::Relaxed),
         run.read_errors.load(Ordering::Relaxed)
     ));
+    judge_counts(&run);
     run.note(format!(
         "the deaf handle's map: version {} (the first handle's: {}), each reload its own statements' doing",
         run.deaf.map().version(),
@@ -497,7 +506,7 @@ async fn worker(run: &Run, w: u32) {
     while Instant::now() < run.deadline {
         n += 1;
         let token = format!("s{}w{w}n{n}", run.seed);
-        let pick = rng.below(27);
+        let pick = rng.below(28);
         let known = {
             let p = lock(&run.photos);
             if p.is_empty() { None } else { Some(p[rng.index(p.len())].clone()) }
@@ -536,7 +545,8 @@ async fn worker(run: &Run, w: u32) {
                 let result = with_sqlx::photo(&sqlx, id).await;
                 judge_read(run, id, &[Some(content)], result, "sqlx read");
             }
-            (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token).await,
+            (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token, false).await,
+            (27, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token, true).await,
             (24, _, _) => insert_many(run, w, &photos, &mut rng, n, &token).await,
             (25, _, _) => fan_out(run, &photos, &mut rng).await,
             (26, _, _) => get_many(run, &photos, &mut rng, &mine, &gone).await,
@@ -803,8 +813,17 @@ fn outcome_of<T>(result: &Result<T, shardline_repo::Error>, id: impl Fn(&T) -> I
 }
 
 /// A photo and a comment on an acknowledged photo of the same shard, in one shard
-/// transaction of the repository (`Cluster::transaction`): both applied or neither.
-async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id, token: String) {
+/// transaction of the repository (`Cluster::transaction`) or (`via_sqlx`) of the sqlx
+/// path (`Sqlx::transaction`, the statements sqlx's own): both applied or neither.
+async fn tx_pair(
+    run: &Run,
+    w: u32,
+    cluster: &Cluster,
+    rng: &mut Rng,
+    photo: Id,
+    token: String,
+    via_sqlx: bool,
+) {
     let Ok(route) = cluster.route_id(photo) else {
         lock(&run.bad_reads).push(format!("photo {} routes nowhere", photo.as_i64()));
         return;
@@ -821,15 +840,45 @@ async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id,
     let new_comment = NewComment { photo_id: photo, user_id: user, body: comment_token.clone() };
     let (p, c) = (&new_photo, &new_comment);
     let start = run.now();
-    let result = cluster
-        .transaction(route.shard, |tx| {
-            Box::pin(async move {
-                let photo: Photo = tx.insert(p).await?;
-                let comment: Comment = tx.insert(c).await?;
-                Ok::<_, shardline_repo::Error>((photo, comment))
+    let result = if via_sqlx {
+        cluster
+            .sqlx()
+            .transaction(route.shard, |conn| {
+                Box::pin(async move {
+                    let photo: Photo = sqlx::query_as(
+                        "INSERT INTO photos (user_id, url, caption) VALUES ($1, $2, $3)
+                         RETURNING id, user_id, url, caption",
+                    )
+                    .bind(p.user_id)
+                    .bind(&p.url)
+                    .bind(&p.caption)
+                    .fetch_one(&mut **conn)
+                    .await?;
+                    let comment: Comment = sqlx::query_as(
+                        "INSERT INTO comments (photo_id, user_id, body) VALUES ($1, $2, $3)
+                         RETURNING id, photo_id, user_id, body",
+                    )
+                    .bind(c.photo_id.as_i64())
+                    .bind(c.user_id)
+                    .bind(&c.body)
+                    .fetch_one(&mut **conn)
+                    .await?;
+                    Ok((photo, comment))
+                })
             })
-        })
-        .await;
+            .await
+    } else {
+        cluster
+            .transaction(route.shard, |tx| {
+                Box::pin(async move {
+                    let photo: Photo = tx.insert(p).await?;
+                    let comment: Comment = tx.insert(c).await?;
+                    Ok::<_, shardline_repo::Error>((photo, comment))
+                })
+            })
+            .await
+    };
+    let via = if via_sqlx { "sqlx-tx" } else { "tx" };
     let end = run.now();
     let photo_content = format!("{user}|{}|{token}", new_photo.url);
     if let Ok((p, _)) = &result {
@@ -845,7 +894,7 @@ async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id,
         start,
         end,
         outcome: outcome_of(&result, |(p, _)| p.id),
-        via: "tx",
+        via,
         group,
     });
     history.push(Write {
@@ -856,7 +905,7 @@ async fn tx_pair(run: &Run, w: u32, cluster: &Cluster, rng: &mut Rng, photo: Id,
         start,
         end,
         outcome: outcome_of(&result, |(_, c)| c.id),
-        via: "tx",
+        via,
         group,
     });
 }
@@ -928,8 +977,144 @@ async fn insert_many(
 /// the page's last ID when the page is full) is returned as written, unless its shard is
 /// reported missing; no row is returned twice, out of order or outside the window; no
 /// shard is reported missing for a row of another shard.
+/// A read across every shard: a time window (half of them), pages of the newest rows,
+/// or a count.
 async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
-    let layout = run.cluster.layout();
+    match rng.below(4) {
+        0 => newest(run, photos, rng).await,
+        1 => count_window(run, photos, rng).await,
+        _ => window(run, photos, rng).await,
+    }
+}
+
+/// The fan-out's report of missing shards, as the checker takes it.
+fn missing_shards(missing: &[shardline_repo::Missing]) -> std::collections::HashSet<u16> {
+    missing.iter().flat_map(|m| m.shards.iter().map(|s| s.get())).collect()
+}
+
+/// A fan-out's row, or a known photo, as the checker takes it.
+fn fan_row(run: &Run, id: Id, content: String) -> FanOutRow {
+    FanOutRow {
+        id: id.as_i64(),
+        ms: u128::try_from(run.cluster.layout().decode(id).unix_ms).unwrap_or(0),
+        shard: run.cluster.route_id(id).map_or(u16::MAX, |r| r.shard.get()),
+        content,
+    }
+}
+
+/// The shared photos among the first `known` acknowledged whose IDs may be at `from_ms`
+/// or later: those acknowledged 2 s before it or later (an ID is minted before its write
+/// is acknowledged).
+fn known_since(run: &Run, known: usize, from_ms: u128) -> Vec<FanOutRow> {
+    let shared = lock(&run.photos);
+    shared[..known.min(shared.len())]
+        .iter()
+        .rev()
+        .take_while(|(_, _, acked)| acked + 2000 >= from_ms)
+        .map(|(id, content, _)| fan_row(run, *id, content.clone()))
+        .collect()
+}
+
+/// One to three pages of `Repo::newest`, each from the cursor the one before gave:
+/// each judged as a fan-out over every ID below its cursor.
+async fn newest(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+    let limit = [5, 50, 500][rng.index(3)];
+    let mut before: Option<Id> = None;
+    for _ in 0..1 + rng.below(3) {
+        let known = lock(&run.photos).len();
+        run.fan_outs.fetch_add(1, Ordering::Relaxed);
+        let page = match photos.newest(before, limit).await {
+            Ok(page) => page,
+            Err(e) => {
+                lock(&run.bad_reads).push(format!(
+                    "newest at {:?} failed whole: {}",
+                    run.now(),
+                    shardline_repo::error_chain(&e)
+                ));
+                return;
+            }
+        };
+        // Every ID's time is at or before now (they are minted on this machine's clock).
+        let to_ms = wall_ms();
+        if !page.missing.is_empty() {
+            run.fan_outs_partial.fetch_add(1, Ordering::Relaxed);
+        }
+        let rows: Vec<FanOutRow> = page.rows.iter().map(|p| fan_row(run, p.id, content_of(p))).collect();
+        let full = page.next.is_some();
+        // Of a full page only the known photos at or above its last row count.
+        let from_known = if full { rows.last().map_or(0, |r| r.ms) } else { 0 };
+        let read = FanOutRead {
+            at: run.now(),
+            from_ms: 0,
+            to_ms,
+            below: before.map(Id::as_i64),
+            limit,
+            rows,
+            full,
+            missing: missing_shards(&page.missing),
+            missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
+            known: known_since(run, known, from_known),
+        };
+        lock(&run.bad_reads).extend(check::fan_out(&read));
+        match page.next {
+            Some(next) => before = Some(next),
+            None => return,
+        }
+    }
+}
+
+/// `Repo::count_between` over a recent window, judged once the load is done.
+async fn count_window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+    let to = SystemTime::now() - rng.millis(0, 500);
+    let from = to - rng.millis(100, 3000);
+    run.fan_outs.fetch_add(1, Ordering::Relaxed);
+    let start = run.now();
+    let counted = match photos.count_between(from, to).await {
+        Ok(counted) => counted,
+        Err(e) => {
+            lock(&run.bad_reads).push(format!(
+                "count at {:?} failed whole: {}",
+                run.now(),
+                shardline_repo::error_chain(&e)
+            ));
+            return;
+        }
+    };
+    let end = run.now();
+    if !counted.missing.is_empty() {
+        run.fan_outs_partial.fetch_add(1, Ordering::Relaxed);
+    }
+    let ms = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let read = CountRead {
+        start,
+        end,
+        from_ms: ms(from),
+        to_ms: ms(to),
+        count: counted.count,
+        missing: missing_shards(&counted.missing),
+    };
+    lock(&run.counts).push(read);
+}
+
+/// Judges the counts once the load is done, when every write and delete that could
+/// bear on them is in the history (`check::counts`).
+fn judge_counts(run: &Run) {
+    let counts = std::mem::take(&mut *lock(&run.counts));
+    let history = lock(&run.history).clone();
+    let mutations = lock(&run.mutations).clone();
+    let place = |id: i64| {
+        Id::from_i64(id).map_or((0, u16::MAX), |id| {
+            let row = fan_row(run, id, String::new());
+            (row.ms, row.shard)
+        })
+    };
+    let found = check::counts(&counts, &history, &mutations, run.began_ms, place);
+    run.note(format!("counts judged: {}, {} wrong", counts.len(), found.len()));
+    lock(&run.bad_reads).extend(found);
+}
+
+/// A time window across every shard (`Repo::created_between`).
+async fn window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
     let to = SystemTime::now() - rng.millis(0, 500);
     let from = to - rng.millis(100, 3000);
     let limit = [5, 50, 500, 5000][rng.index(4)];
@@ -953,34 +1138,18 @@ async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng)
     }
     let ms = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let (from_ms, to_ms) = (ms(from), ms(to));
-    let seen = |id: Id, content: String| FanOutRow {
-        id: id.as_i64(),
-        ms: u128::try_from(layout.decode(id).unix_ms).unwrap_or(0),
-        shard: run.cluster.route_id(id).map_or(u16::MAX, |r| r.shard.get()),
-        content,
-    };
-    let rows = page.rows.iter().map(|p| seen(p.id, content_of(p))).collect();
-    // Only those acknowledged 2 s before the window began or later can be in it (an ID is
-    // minted before its write is acknowledged).
-    let known = {
-        let shared = lock(&run.photos);
-        shared[..known]
-            .iter()
-            .rev()
-            .take_while(|(_, _, acked)| acked + 2000 >= from_ms)
-            .map(|(id, content, _)| seen(*id, content.clone()))
-            .collect()
-    };
+    let rows = page.rows.iter().map(|p| fan_row(run, p.id, content_of(p))).collect();
     let read = FanOutRead {
         at: run.now(),
         from_ms,
         to_ms,
+        below: None,
         limit,
         rows,
         full: page.next.is_some(),
-        missing: page.missing.iter().flat_map(|m| m.shards.iter().map(|s| s.get())).collect(),
+        missing: missing_shards(&page.missing),
         missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
-        known,
+        known: known_since(run, known, from_ms),
     };
     lock(&run.bad_reads).extend(check::fan_out(&read));
 }
