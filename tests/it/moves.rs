@@ -1268,7 +1268,7 @@ async fn pause_cases(
                 let _ = tx.send(Instant::now());
             }
         }));
-        let pausing = AtomicBool::new(false);
+        let pausing = std::sync::OnceLock::<Instant>::new();
         let paused = AtomicBool::new(false);
         let thawed = AtomicBool::new(false);
         let returned = tokio::sync::Notify::new();
@@ -1282,11 +1282,16 @@ async fn pause_cases(
             let early = frozen && !thawed_ref.load(Ordering::SeqCst);
             // The freeze lands before `pause` returns: the cgroup freezer may take
             // seconds on a loaded machine (and is tried again when it gives up), and the
-            // answer is seen only once this task polls the freezer. A move that gave up
-            // the victim as hung after the freeze was asked for met a hung host.
-            let landing = pausing_ref.load(Ordering::SeqCst)
-                && !frozen
-                && r.as_ref().is_err_and(|e| e.to_string().contains(victim));
+            // answer is seen only once this task polls the freezer. A move whose
+            // watchdog gave the victim up as hung (no answer to its liveness probes),
+            // no sooner after the freeze was asked for than the watchdog can (its bound
+            // less one probe's interval), met a hung host.
+            let landing = !frozen
+                && pausing_ref.get().is_some_and(|at| at.elapsed() + Duration::from_secs(1) >= hung_after)
+                && r.as_ref().is_err_and(|e| {
+                    let said = e.to_string();
+                    said.contains(victim) && said.contains("liveness probe")
+                });
             if landing {
                 eprintln!(
                     "      gave {victim} up as hung while its freeze was landing (pause not yet returned)"
@@ -1303,7 +1308,7 @@ async fn pause_cases(
         };
         let freezer = async {
             let Some(at) = rx.recv().await else { return Ok::<_, BoxError>(None) };
-            pausing.store(true, Ordering::SeqCst);
+            let _ = pausing.set(Instant::now());
             host.pause().await?;
             paused.store(true, Ordering::SeqCst);
             match hold {

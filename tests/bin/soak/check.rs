@@ -492,30 +492,36 @@ pub(crate) struct CountRead {
     pub(crate) missing: std::collections::HashSet<u16>,
 }
 
-/// How far behind its statement's clock an ID minted in Postgres may be, at most, in ms
-/// (docs/ids.md: 2.7 s, one failed catch-up on a loaded machine).
-const MINT_LAG_MS: u128 = 3000;
-
-/// What is wrong with each count, judged against the whole history of photo writes and
-/// their deletes: it must count at least the photos acknowledged before it began whose
-/// IDs fall in its window, of the shards it did not report missing, unless a delete of
-/// one had begun before it ended; and at most those whose write began before it ended
-/// and no acknowledged delete had removed before it began, with every write of unknown
-/// outcome (or committed without its ID) that began before it ended and soon enough to
-/// mint an ID in the window. `began_ms`: the wall clock when the history's times begin;
+/// What is wrong with each count, judged once everything is healed against the whole
+/// history of photo writes, their deletes and what the hosts hold at the end: it must
+/// count at least the photos acknowledged before it began whose IDs fall in its window,
+/// of the shards it did not report missing, unless a delete of one had begun before it
+/// ended; and at most those whose write began before it ended and no acknowledged delete
+/// had removed before it began, with each write of unknown outcome (or committed
+/// without its ID returned) found applied at the end, by its token, with an ID in the
+/// window (one not found was never applied: only acknowledged photos are deleted).
 /// `place`: an ID's time (ms since the Unix epoch) and shard.
 pub(crate) fn counts(
     reads: &[CountRead],
     history: &[Write],
     mutations: &[Mutation],
-    began_ms: u128,
+    observed: &Observed,
     place: impl Fn(i64) -> (u128, u16),
 ) -> Vec<String> {
-    // Each photo write with its ID's time and shard, when its ID is known.
-    let photos: Vec<(&Write, Option<(u128, u16)>)> = history
+    let applied: HashMap<&str, i64> =
+        observed.live.iter().filter(|r| r.table == Table::Photos).map(|r| (r.token.as_str(), r.id)).collect();
+    // Each photo write that is or may be somewhere, with its ID's time and shard, and
+    // whether it was acknowledged.
+    let photos: Vec<(&Write, (u128, u16), bool)> = history
         .iter()
         .filter(|w| w.table == Table::Photos)
-        .map(|w| (w, if let Outcome::Acked(id) = w.outcome { Some(place(id)) } else { None }))
+        .filter_map(|w| match w.outcome {
+            Outcome::Acked(id) => Some((w, place(id), true)),
+            Outcome::Committed | Outcome::Failed { unknown: true, .. } => {
+                applied.get(w.token.as_str()).map(|id| (w, place(*id), false))
+            }
+            Outcome::Failed { unknown: false, .. } => None,
+        })
         .collect();
     let mut deletes: HashMap<&str, Vec<&Mutation>> = HashMap::new();
     for m in mutations.iter().filter(|m| m.content.is_none()) {
@@ -525,33 +531,18 @@ pub(crate) fn counts(
     for r in reads {
         let in_window = |ms: u128| (r.from_ms..=r.to_ms).contains(&ms);
         let (mut least, mut most) = (0_u64, 0_u64);
-        for &(w, placed) in &photos {
-            if w.start >= r.end {
+        for &(w, (ms, shard), acked) in &photos {
+            if w.start >= r.end || !in_window(ms) {
                 continue;
             }
             let dels = deletes.get(w.token.as_str()).map_or(&[][..], Vec::as_slice);
-            match w.outcome {
-                Outcome::Acked(_) => {
-                    let Some((ms, shard)) = placed else { continue };
-                    if !in_window(ms) {
-                        continue;
-                    }
-                    let gone_before =
-                        dels.iter().any(|d| matches!(d.outcome, Outcome::Acked(_)) && d.end < r.start);
-                    if !gone_before {
-                        most += 1;
-                    }
-                    let deleting = dels.iter().any(|d| d.start < r.end);
-                    if w.end < r.start && !deleting && !r.missing.contains(&shard) {
-                        least += 1;
-                    }
-                }
-                Outcome::Committed | Outcome::Failed { unknown: true, .. } => {
-                    if began_ms + w.start.as_millis() <= r.to_ms + MINT_LAG_MS {
-                        most += 1;
-                    }
-                }
-                Outcome::Failed { unknown: false, .. } => {}
+            let gone_before = dels.iter().any(|d| matches!(d.outcome, Outcome::Acked(_)) && d.end < r.start);
+            if !gone_before {
+                most += 1;
+            }
+            let deleting = dels.iter().any(|d| d.start < r.end);
+            if acked && w.end < r.start && !deleting && !r.missing.contains(&shard) {
+                least += 1;
             }
         }
         let at = r.end;
@@ -747,10 +738,13 @@ mod tests {
             photo("g", 0, 5, Outcome::Acked(9)),
             photo("h", 0, 5, Outcome::Failed { unknown: false, error: "refused".into() }),
             photo("i", 120, 130, Outcome::Acked(3)),
-            // Of unknown outcome, begun early enough (the history begins at 0 ms on the
-            // clock): may be there.
+            // Of unknown outcome: found applied at the end, in the window, may be there;
+            // found outside it, or not at all, is not.
             photo("j", 50, 60, Outcome::Failed { unknown: true, error: "timeout".into() }),
+            photo("k", 50, 60, Outcome::Committed),
+            photo("l", 50, 60, Outcome::Failed { unknown: true, error: "timeout".into() }),
         ];
+        let observed = seen(vec![row("j", 2), row("k", 8)]);
         let delete = |token: &str, start: u64, end: u64| Mutation {
             token: token.into(),
             content: None,
@@ -760,7 +754,7 @@ mod tests {
         };
         let mutations = vec![delete("e", 10, 20), delete("f", 105, 108)];
         // At least a, b, c; at most a, b, c, d, f, j.
-        let judged = |reads: &[CountRead]| counts(reads, &history, &mutations, 0, place);
+        let judged = |reads: &[CountRead]| counts(reads, &history, &mutations, &observed, place);
         for ok in [read(3, &[]), read(6, &[]), read(1, &[1])] {
             assert_eq!(judged(std::slice::from_ref(&ok)), Vec::<String>::new(), "{ok:?}");
         }

@@ -104,15 +104,13 @@ struct Run {
     reads: AtomicU64,
     /// Of the reads, `get_many` calls.
     get_manys: AtomicU64,
-    /// Fan-out reads (`created_between`) made, and those with shards reported missing.
+    /// Fan-out reads (`created_between`, each page of `newest`, `count_between`) made,
+    /// and those with shards reported missing.
     fan_outs: AtomicU64,
     fan_outs_partial: AtomicU64,
-    /// Counts across every shard, judged once the load is done (every write that could
-    /// have put a row in their window is in the history then).
+    /// Counts across every shard, judged at the end against the whole history and what
+    /// the hosts hold (`check::counts`).
     counts: Mutex<Vec<CountRead>>,
-    /// The wall clock (ms since the Unix epoch) when the soak started, to place the
-    /// history's times on the clock IDs carry.
-    began_ms: u128,
     /// The last transaction's group number ([`Write::group`]).
     groups: AtomicU64,
     read_errors: AtomicU64,
@@ -294,7 +292,6 @@ async fn soak_on(
         fan_outs: AtomicU64::new(0),
         fan_outs_partial: AtomicU64::new(0),
         counts: Mutex::new(Vec::new()),
-        began_ms: wall_ms(),
         groups: AtomicU64::new(0),
         read_errors: AtomicU64::new(0),
         current: Mutex::new(None),
@@ -357,7 +354,6 @@ async fn soak_on(
         run.get_manys.load(Ordering::Relaxed),
         run.read_errors.load(Ordering::Relaxed)
     ));
-    judge_counts(&run);
     run.note(format!(
         "the deaf handle's map: version {} (the first handle's: {}), each reload its own statements' doing",
         run.deaf.map().version(),
@@ -366,7 +362,8 @@ async fn soak_on(
     let observed = recover_and_observe(&run).await?;
     let history = lock(&run.history).clone();
     let mutations = lock(&run.mutations).clone();
-    let violations = check::check(&history, &mutations, &observed);
+    let mut violations = check::check(&history, &mutations, &observed);
+    violations.extend(judge_counts(&run, &history, &mutations, &observed));
     report(&run, &history, &violations)?;
     run.kit.shutdown().await?;
     // A run that could not do what it set out to fails whatever it found, and says
@@ -972,11 +969,6 @@ async fn insert_many(
     lock(&run.history).extend(writes);
 }
 
-/// A fan-out read of a recent time window (`Repo::created_between`), judged against the
-/// shared photos acknowledged before it began: every one in the window (and at or above
-/// the page's last ID when the page is full) is returned as written, unless its shard is
-/// reported missing; no row is returned twice, out of order or outside the window; no
-/// shard is reported missing for a row of another shard.
 /// A read across every shard: a time window (half of them), pages of the newest rows,
 /// or a count.
 async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
@@ -1016,10 +1008,13 @@ fn known_since(run: &Run, known: usize, from_ms: u128) -> Vec<FanOutRow> {
 }
 
 /// One to three pages of `Repo::newest`, each from the cursor the one before gave:
-/// each judged as a fan-out over every ID below its cursor.
+/// each judged as a fan-out over every ID below its cursor (the last row of the page
+/// before: a cursor the product gives is checked to be that row, and no row comes back
+/// on two pages).
 async fn newest(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
     let limit = [5, 50, 500][rng.index(3)];
     let mut before: Option<Id> = None;
+    let mut listed = std::collections::HashSet::new();
     for _ in 0..1 + rng.below(3) {
         let known = lock(&run.photos).len();
         run.fan_outs.fetch_add(1, Ordering::Relaxed);
@@ -1055,15 +1050,32 @@ async fn newest(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) 
             missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
             known: known_since(run, known, from_known),
         };
-        lock(&run.bad_reads).extend(check::fan_out(&read));
-        match page.next {
-            Some(next) => before = Some(next),
-            None => return,
+        let mut wrong = check::fan_out(&read);
+        let last = page.rows.last().map(|p| p.id);
+        let cursor_is_last = if page.rows.len() == limit { page.next == last } else { page.next.is_none() };
+        if !cursor_is_last {
+            wrong.push(format!(
+                "newest at {:?}: {} rows of a limit of {limit}, its cursor {:?}, its last row {:?}",
+                read.at,
+                page.rows.len(),
+                page.next.map(Id::as_i64),
+                last.map(Id::as_i64)
+            ));
+        }
+        for p in &page.rows {
+            if !listed.insert(p.id) {
+                wrong.push(format!("newest at {:?}: photo {} on two pages", read.at, p.id.as_i64()));
+            }
+        }
+        lock(&run.bad_reads).extend(wrong);
+        match (page.next, last) {
+            (Some(_), Some(last)) => before = Some(last),
+            _ => return,
         }
     }
 }
 
-/// `Repo::count_between` over a recent window, judged once the load is done.
+/// `Repo::count_between` over a recent window, judged at the end.
 async fn count_window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
     let to = SystemTime::now() - rng.millis(0, 500);
     let from = to - rng.millis(100, 3000);
@@ -1096,24 +1108,25 @@ async fn count_window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut
     lock(&run.counts).push(read);
 }
 
-/// Judges the counts once the load is done, when every write and delete that could
-/// bear on them is in the history (`check::counts`).
-fn judge_counts(run: &Run) {
+/// Judges the counts at the end (`check::counts`).
+fn judge_counts(run: &Run, history: &[Write], mutations: &[Mutation], observed: &Observed) -> Vec<String> {
     let counts = std::mem::take(&mut *lock(&run.counts));
-    let history = lock(&run.history).clone();
-    let mutations = lock(&run.mutations).clone();
     let place = |id: i64| {
         Id::from_i64(id).map_or((0, u16::MAX), |id| {
             let row = fan_row(run, id, String::new());
             (row.ms, row.shard)
         })
     };
-    let found = check::counts(&counts, &history, &mutations, run.began_ms, place);
+    let found = check::counts(&counts, history, mutations, observed, place);
     run.note(format!("counts judged: {}, {} wrong", counts.len(), found.len()));
-    lock(&run.bad_reads).extend(found);
+    found
 }
 
-/// A time window across every shard (`Repo::created_between`).
+/// A fan-out read of a recent time window (`Repo::created_between`), judged against the
+/// shared photos acknowledged before it began: every one in the window (and at or above
+/// the page's last ID when the page is full) is returned as written, unless its shard is
+/// reported missing; no row is returned twice, out of order or outside the window; no
+/// shard is reported missing for a row of another shard.
 async fn window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
     let to = SystemTime::now() - rng.millis(0, 500);
     let from = to - rng.millis(100, 3000);
