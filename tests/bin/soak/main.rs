@@ -13,11 +13,11 @@
 //!   delete recorded with its start, end, outcome, path and transaction;
 //! - **the mover**: single moves of random shards to random hosts, and now and then a
 //!   rebalance; a migration a third of the way in;
-//! - **the nemesis**, drawn from `SEED`: one fault at a time, either at a random moment
-//!   or when the running move reaches a random step: a host killed, paused or restarted,
-//!   the link from the application to a host, to the catalog, or from a host's peers to
-//!   it cut, every connection of a link reset, or the mover killed (then resumed or
-//!   undone).
+//! - **two nemeses**, drawn from `SEED`, each striking one fault at a time (so up to two
+//!   at once, never two on one host), either at a random moment or when the running move
+//!   reaches a random step: a host killed, paused or restarted, the link from the
+//!   application to a host, to the catalog, or from a host's peers to it cut, every
+//!   connection of a link reset, or the mover killed (then resumed or undone).
 //!
 //! Then every fault is healed, unfinished moves are resumed, `gc` runs, and the checker
 //! ([`check::check`]) compares the history with what the hosts hold. Exit status 0 when
@@ -121,6 +121,8 @@ struct Run {
     strike_failures: Mutex<Vec<String>>,
     /// Whether the mover is inside a move or a rebalance now.
     moving: AtomicBool,
+    /// What the nemeses are striking now.
+    struck: Mutex<Vec<Target>>,
     stopping: AtomicBool,
     faults: Mutex<BTreeMap<&'static str, u64>>,
     moves: Mutex<BTreeMap<&'static str, u64>>,
@@ -298,6 +300,7 @@ async fn soak_on(
         kill_mover: tokio::sync::Notify::new(),
         strike_failures: Mutex::new(Vec::new()),
         moving: AtomicBool::new(false),
+        struck: Mutex::new(Vec::new()),
         stopping: AtomicBool::new(false),
         faults: Mutex::new(BTreeMap::new()),
         moves: Mutex::new(BTreeMap::new()),
@@ -313,10 +316,12 @@ async fn soak_on(
         let run = run.clone();
         tokio::spawn(async move { mover(&run).await })
     };
-    let nemesis = {
-        let run = run.clone();
-        tokio::spawn(async move { nemesis(&run).await })
-    };
+    let nemeses: Vec<_> = (0..NEMESES)
+        .map(|n| {
+            let run = run.clone();
+            tokio::spawn(async move { nemesis(&run, n).await })
+        })
+        .collect();
     // The load ends at its deadline; a worker still not done 2 minutes later is stuck
     // on a call that should have timed out: the run fails rather than hang CI.
     let stuck_at = tokio::time::Instant::from_std(run.deadline) + Duration::from_secs(120);
@@ -326,7 +331,10 @@ async fn soak_on(
             .map_err(|_| "a load worker did not end within 2 minutes of the load's end")??;
     }
     run.stopping.store(true, Ordering::Relaxed);
-    nemesis.await?;
+    for n in nemeses {
+        n.await?;
+    }
+    heal_all(&run).await;
     // The mover finishes the move it is in (it starts no other), or is killed after 2
     // minutes, its move then resumed below.
     let abort = mover.abort_handle();
@@ -1456,8 +1464,21 @@ impl Fault {
     }
 }
 
-async fn nemesis(run: &Run) {
-    let mut rng = Rng::new(run.seed ^ 0x6e65_6d65);
+/// What a fault strikes: two nemeses never strike the same one at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Host(usize),
+    Catalog,
+    Mover,
+}
+
+/// How many nemeses strike at once.
+const NEMESES: u64 = 2;
+
+/// One nemesis (`n`: which, for its own draws): a fault every 1–4 s, on a target no
+/// other nemesis holds.
+async fn nemesis(run: &Run, n: u64) {
+    let mut rng = Rng::new(run.seed ^ 0x6e65_6d65 ^ (n << 40));
     while Instant::now() < run.deadline {
         tokio::time::sleep(rng.millis(1000, 4000)).await;
         if Instant::now() >= run.deadline {
@@ -1497,18 +1518,39 @@ async fn nemesis(run: &Run) {
             Fault::CutCatalog | Fault::KillMover => format!("{}{at}", fault.name()),
             _ => format!("{} ({}){at}{side}", fault.name(), run.kit.hosts()[host].name()),
         };
-        run.note(format!("fault: {what}, for {} ms", held.as_millis()));
+        let target = match fault {
+            Fault::CutCatalog => Target::Catalog,
+            Fault::KillMover => Target::Mover,
+            _ => Target::Host(host),
+        };
+        let alongside = {
+            let mut struck = lock(&run.struck);
+            if struck.contains(&target) {
+                // The other nemesis holds it: this one waits for its next turn.
+                continue;
+            }
+            struck.push(target);
+            struck.len() > 1
+        };
+        let beside = if alongside { " (beside another fault)" } else { "" };
+        run.note(format!("fault: {what}, for {} ms{beside}", held.as_millis()));
         // Counted once made and healed; one that could not be fails the run (after its
         // report): a soak that struck nothing proves nothing.
-        match strike(run, fault, host, held).await {
-            Ok(()) => Run::count(&run.faults, fault.name()),
+        let result = strike(run, fault, host, held).await;
+        lock(&run.struck).retain(|t| *t != target);
+        match result {
+            Ok(()) => {
+                Run::count(&run.faults, fault.name());
+                if alongside {
+                    Run::count(&run.faults, "beside another fault");
+                }
+            }
             Err(e) => {
                 run.note(format!("fault: {what} could not be made or healed: {e}"));
                 lock(&run.strike_failures).push(format!("{what}: {e}"));
             }
         }
     }
-    heal_all(run).await;
 }
 
 async fn strike(run: &Run, fault: Fault, i: usize, held: Duration) -> Result<(), BoxError> {
