@@ -117,6 +117,8 @@ struct Run {
     /// The move under way and its step, for faults that wait for a step.
     current: Mutex<Option<(usize, usize, Step)>>,
     kill_mover: tokio::sync::Notify,
+    /// How many times the mover was killed inside a move or a rebalance.
+    mover_kills: AtomicU64,
     /// Faults that could not be made or healed.
     strike_failures: Mutex<Vec<String>>,
     /// Whether the mover is inside a move or a rebalance now.
@@ -298,6 +300,7 @@ async fn soak_on(
         read_errors: AtomicU64::new(0),
         current: Mutex::new(None),
         kill_mover: tokio::sync::Notify::new(),
+        mover_kills: AtomicU64::new(0),
         strike_failures: Mutex::new(Vec::new()),
         moving: AtomicBool::new(false),
         struck: Mutex::new(Vec::new()),
@@ -1306,6 +1309,7 @@ async fn move_once(
         }
         None => {
             Run::count(&run.moves, "mover killed");
+            run.mover_kills.fetch_add(1, Ordering::SeqCst);
             run.note(format!("mover killed in the {what} of shard {shard} pg{} -> {to}", source + 1));
             finish_moves(run, rng, "after the mover was killed").await;
             false
@@ -1352,6 +1356,7 @@ async fn rebalance_once(run: &Run, rng: &mut Rng) {
         }
         None => {
             Run::count(&run.moves, "mover killed");
+            run.mover_kills.fetch_add(1, Ordering::SeqCst);
             run.note(format!("mover killed during a rebalance of {} moves", plan.moves.len()));
         }
     }
@@ -1539,11 +1544,15 @@ async fn nemesis(run: &Run, n: u64) {
         let result = strike(run, fault, host, held).await;
         lock(&run.struck).retain(|t| *t != target);
         match result {
-            Ok(()) => {
+            Ok(true) => {
                 Run::count(&run.faults, fault.name());
                 if alongside {
                     Run::count(&run.faults, "beside another fault");
                 }
+            }
+            Ok(false) => {
+                run.note(format!("fault: {what} struck nothing: the move had ended"));
+                Run::count(&run.faults, "mover kill too late (the move had ended)");
             }
             Err(e) => {
                 run.note(format!("fault: {what} could not be made or healed: {e}"));
@@ -1553,7 +1562,9 @@ async fn nemesis(run: &Run, n: u64) {
     }
 }
 
-async fn strike(run: &Run, fault: Fault, i: usize, held: Duration) -> Result<(), BoxError> {
+/// Strikes `fault` and heals it; false when it struck nothing (a mover killed after its
+/// move had ended).
+async fn strike(run: &Run, fault: Fault, i: usize, held: Duration) -> Result<bool, BoxError> {
     let host = &run.kit.hosts()[i];
     match fault {
         Fault::Kill => {
@@ -1571,9 +1582,21 @@ async fn strike(run: &Run, fault: Fault, i: usize, held: Duration) -> Result<(),
         Fault::CutCatalog => hold_cut(&run.catalog_link, held).await,
         Fault::CutPeer => hold_cut(&run.peer_links[i], held).await,
         Fault::Sever => run.links[i].sever(),
-        Fault::KillMover => run.kill_mover.notify_waiters(),
+        Fault::KillMover => {
+            let before = run.mover_kills.load(Ordering::SeqCst);
+            run.kill_mover.notify_waiters();
+            // The mover counts the kill once its move is dropped; a move that ended just
+            // before the kill leaves nothing to kill.
+            let until = Instant::now() + Duration::from_secs(2);
+            while run.mover_kills.load(Ordering::SeqCst) == before {
+                if Instant::now() >= until {
+                    return Ok(false);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Waits (up to 10 s) until the mover is inside a move or a rebalance; false if it never
