@@ -402,6 +402,9 @@ pub(crate) struct FanOutRead {
     pub(crate) missing_errors: Vec<String>,
     /// Photos no worker updates or deletes, acknowledged before the read began.
     pub(crate) known: Vec<FanOutRow>,
+    /// The reading worker's own photos (their content unused), with what each may hold
+    /// (`None`: absent), its own deleted ones among them.
+    pub(crate) own: Vec<(FanOutRow, Vec<Option<String>>)>,
 }
 
 /// What is wrong with a fan-out read: a shard left out without being reported missing
@@ -473,6 +476,34 @@ pub(crate) fn fan_out(r: &FanOutRead) -> Vec<String> {
                 k.id, k.content
             )),
             Some(_) => {}
+        }
+    }
+    for (k, states) in &r.own {
+        if let Some(c) = returned.get(&k.id) {
+            if !states.iter().any(|s| s.as_deref() == Some(*c)) {
+                out.push(format!(
+                    "fan-out at {at:?} returned its worker's own photo {} as {c:?}; it may hold {states:?}",
+                    k.id
+                ));
+            }
+        } else if !(k.ms < r.from_ms
+            || k.ms > r.to_ms
+            || k.id < floor
+            || r.below.is_some_and(|b| k.id >= b)
+            || r.missing.contains(&k.shard)
+            || states.contains(&None))
+        {
+            out.push(format!(
+                "fan-out at {at:?} ({}..={} ms, limit {}, {} rows, shards missing {:?}) left out its worker's own photo {} of shard {} ({} ms), which holds {states:?}",
+                r.from_ms,
+                r.to_ms,
+                r.limit,
+                r.rows.len(),
+                r.missing,
+                k.id,
+                k.shard,
+                k.ms
+            ));
         }
     }
     out
@@ -671,6 +702,7 @@ mod tests {
             missing_errors: Vec::new(),
             below: None,
             known: known.clone(),
+            own: Vec::new(),
         };
         // Whole; a full page with the newest 3; shard 1 reported missing, its rows left out.
         let all = newest_first(&known);
@@ -698,7 +730,7 @@ mod tests {
         judged(
             FanOutRead {
                 missing_errors: vec!["pg2: get was sent to shard 3 but returned a row of shard 4".into()],
-                ..read(of_2, false, &[1])
+                ..read(of_2.clone(), false, &[1])
             },
             "misrouted row",
         );
@@ -708,6 +740,31 @@ mod tests {
         assert_eq!(fan_out(&below(all[2..].to_vec())), Vec::<String>::new());
         judged(below(all[1..4].to_vec()), "outside the window");
         judged(below(all[3..].to_vec()), "left out photo 30");
+        // The worker's own photos: photo 60 (1060 ms, shard 1) holds "v2", may hold "v1"
+        // or "v2", may be absent, or was deleted.
+        let mine = fan_row(60, 1060, 1);
+        let own = |rows: Vec<FanOutRow>, states: Vec<Option<&str>>| FanOutRead {
+            limit: 10,
+            own: vec![(mine.clone(), states.into_iter().map(|s| s.map(str::to_owned)).collect())],
+            ..read(rows, false, &[])
+        };
+        let with = |content: &str| {
+            let mut rows = vec![FanOutRow { content: content.into(), ..mine.clone() }];
+            rows.extend(all.iter().cloned());
+            rows
+        };
+        for ok in [
+            own(with("v2"), vec![Some("v2")]),
+            own(with("v1"), vec![Some("v1"), Some("v2")]),
+            own(all.clone(), vec![Some("v2"), None]),
+            own(all.clone(), vec![None]),
+            FanOutRead { missing: [1].into_iter().collect(), ..own(of_2.clone(), vec![Some("v2")]) },
+        ] {
+            assert_eq!(fan_out(&ok), Vec::<String>::new(), "{ok:?}");
+        }
+        judged(own(with("v1"), vec![Some("v2")]), "own photo 60 as \"v1\"");
+        judged(own(with("v1"), vec![None]), "own photo 60 as \"v1\"");
+        judged(own(all.clone(), vec![Some("v2")]), "left out its worker's own photo 60");
     }
 
     #[test]

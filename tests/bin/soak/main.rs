@@ -556,7 +556,16 @@ async fn worker(run: &Run, w: u32) {
             (23, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token, false).await,
             (27, Some((photo, _, _)), _) => tx_pair(run, w, cluster, &mut rng, photo, token, true).await,
             (24, _, _) => insert_many(run, w, &photos, &mut rng, n, &token).await,
-            (25, _, _) => fan_out(run, &photos, &mut rng).await,
+            (25, _, _) => {
+                // The worker's own photos, judged too: it alone changes them.
+                let own: Vec<(FanOutRow, Vec<Option<String>>)> = mine
+                    .iter()
+                    .map(|m| (m.id, m.states.clone()))
+                    .chain(gone.iter().map(|id| (*id, vec![None])))
+                    .map(|(id, states)| (fan_row(run, id, String::new()), states))
+                    .collect();
+                fan_out(run, &photos, &mut rng, &own).await;
+            }
             (26, _, _) => get_many(run, &photos, &mut rng, &mine, &gone).await,
             (17, _, Some(i)) => {
                 let m = &mut mine[i];
@@ -982,11 +991,16 @@ async fn insert_many(
 
 /// A read across every shard: a time window (half of them), pages of the newest rows,
 /// or a count.
-async fn fan_out(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+async fn fan_out(
+    run: &Run,
+    photos: &shardline_repo::Repo<Photo>,
+    rng: &mut Rng,
+    own: &[(FanOutRow, Vec<Option<String>>)],
+) {
     match rng.below(4) {
-        0 => newest(run, photos, rng).await,
+        0 => newest(run, photos, rng, own).await,
         1 => count_window(run, photos, rng).await,
-        _ => window(run, photos, rng).await,
+        _ => window(run, photos, rng, own).await,
     }
 }
 
@@ -1022,7 +1036,12 @@ fn known_since(run: &Run, known: usize, from_ms: u128) -> Vec<FanOutRow> {
 /// each judged as a fan-out over every ID below its cursor (the last row of the page
 /// before: a cursor the product gives is checked to be that row, and no row comes back
 /// on two pages).
-async fn newest(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+async fn newest(
+    run: &Run,
+    photos: &shardline_repo::Repo<Photo>,
+    rng: &mut Rng,
+    own: &[(FanOutRow, Vec<Option<String>>)],
+) {
     let limit = [5, 50, 500][rng.index(3)];
     let mut before: Option<Id> = None;
     let mut listed = std::collections::HashSet::new();
@@ -1060,6 +1079,7 @@ async fn newest(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) 
             missing: missing_shards(&page.missing),
             missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
             known: known_since(run, known, from_known),
+            own: own.to_vec(),
         };
         let mut wrong = check::fan_out(&read);
         let last = page.rows.last().map(|p| p.id);
@@ -1138,7 +1158,12 @@ fn judge_counts(run: &Run, history: &[Write], mutations: &[Mutation], observed: 
 /// the page's last ID when the page is full) is returned as written, unless its shard is
 /// reported missing; no row is returned twice, out of order or outside the window; no
 /// shard is reported missing for a row of another shard.
-async fn window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
+async fn window(
+    run: &Run,
+    photos: &shardline_repo::Repo<Photo>,
+    rng: &mut Rng,
+    own: &[(FanOutRow, Vec<Option<String>>)],
+) {
     let to = SystemTime::now() - rng.millis(0, 500);
     let from = to - rng.millis(100, 3000);
     let limit = [5, 50, 500, 5000][rng.index(4)];
@@ -1174,6 +1199,7 @@ async fn window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) 
         missing: missing_shards(&page.missing),
         missing_errors: page.missing.iter().map(|m| format!("{}: {}", m.host, m.error)).collect(),
         known: known_since(run, known, from_ms),
+        own: own.to_vec(),
     };
     lock(&run.bad_reads).extend(check::fan_out(&read));
 }
