@@ -1048,17 +1048,7 @@ async fn newest(
     for _ in 0..1 + rng.below(3) {
         let known = lock(&run.photos).len();
         run.fan_outs.fetch_add(1, Ordering::Relaxed);
-        let page = match photos.newest(before, limit).await {
-            Ok(page) => page,
-            Err(e) => {
-                lock(&run.bad_reads).push(format!(
-                    "newest at {:?} failed whole: {}",
-                    run.now(),
-                    shardline_repo::error_chain(&e)
-                ));
-                return;
-            }
-        };
+        let Some(page) = whole_or_judged(run, "newest", photos.newest(before, limit).await) else { return };
         // Every ID's time is at or before now (they are minted on this machine's clock).
         let to_ms = wall_ms();
         if !page.missing.is_empty() {
@@ -1106,23 +1096,28 @@ async fn newest(
     }
 }
 
+/// A fan-out's result, or `None` with its failure recorded as a violation: a host down,
+/// slow or fenced is reported in the result (its shards missing); a call fails whole
+/// only on a window outside the layout, which the soak's are not.
+fn whole_or_judged<T>(run: &Run, what: &str, result: Result<T, shardline_repo::Error>) -> Option<T> {
+    result
+        .map_err(|e| {
+            lock(&run.bad_reads).push(format!(
+                "{what} at {:?} failed whole: {}",
+                run.now(),
+                shardline_repo::error_chain(&e)
+            ));
+        })
+        .ok()
+}
+
 /// `Repo::count_between` over a recent window, judged at the end.
 async fn count_window(run: &Run, photos: &shardline_repo::Repo<Photo>, rng: &mut Rng) {
     let to = SystemTime::now() - rng.millis(0, 500);
     let from = to - rng.millis(100, 3000);
     run.fan_outs.fetch_add(1, Ordering::Relaxed);
     let start = run.now();
-    let counted = match photos.count_between(from, to).await {
-        Ok(counted) => counted,
-        Err(e) => {
-            lock(&run.bad_reads).push(format!(
-                "count at {:?} failed whole: {}",
-                run.now(),
-                shardline_repo::error_chain(&e)
-            ));
-            return;
-        }
-    };
+    let Some(counted) = whole_or_judged(run, "count", photos.count_between(from, to).await) else { return };
     let end = run.now();
     if !counted.missing.is_empty() {
         run.fan_outs_partial.fetch_add(1, Ordering::Relaxed);
@@ -1169,18 +1164,8 @@ async fn window(
     let limit = [5, 50, 500, 5000][rng.index(4)];
     let known = lock(&run.photos).len();
     run.fan_outs.fetch_add(1, Ordering::Relaxed);
-    let page = match photos.created_between(from, to, limit).await {
-        Ok(page) => page,
-        // A host down, slow or fenced is reported in the page: the call fails whole only
-        // on a window outside the layout, which this one is not.
-        Err(e) => {
-            lock(&run.bad_reads).push(format!(
-                "fan-out at {:?} failed whole: {}",
-                run.now(),
-                shardline_repo::error_chain(&e)
-            ));
-            return;
-        }
+    let Some(page) = whole_or_judged(run, "fan-out", photos.created_between(from, to, limit).await) else {
+        return;
     };
     if !page.missing.is_empty() {
         run.fan_outs_partial.fetch_add(1, Ordering::Relaxed);
