@@ -183,6 +183,15 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         .username(&user)
         .database(same.get_dbname().unwrap_or(&user))
         .application_name(same.get_application_name().unwrap_or("shardline"));
+    // The password the URL gives (the config's, or the credentials'), or none, as the
+    // repository's driver: sqlx would take `PGPASSWORD`, or a `~/.pgpass` (`PGPASSFILE`)
+    // entry it looked up with the environment's host, port, user and database, so a
+    // password meant for another user or server could be sent to this one. An empty
+    // one is what sqlx sends when it has none.
+    let connect = match same.get_password() {
+        Some(_) => connect,
+        None => connect.password(""),
+    };
     // libpq's (and the repository's) meaning of each mode: `require` with a root
     // certificate checks the chain.
     let mode = match tls.mode {
@@ -964,6 +973,43 @@ mod tests {
                 ("PGUSER", "someone"),
             ],
         );
+    }
+
+    /// Whether sqlx's options hold `password` (they show it in their `Debug` only).
+    fn holds_password(o: &PgConnectOptions, password: &str) -> bool {
+        format!("{o:?}").contains(&format!("password: Some({password:?})"))
+    }
+
+    #[test]
+    fn the_url_alone_gives_the_password() -> Result<()> {
+        assert!(holds_password(&options("postgres://app:secret@db/app")?, "secret"));
+        let o = options("postgres://app@db/app")?;
+        assert!(holds_password(&o, ""), "{o:?}");
+        Ok(())
+    }
+
+    /// The test above, run again in a process whose environment gives a password, and a
+    /// password file with one for every server, user and database, as sqlx reads them:
+    /// neither is taken (before, both were, for a URL without a password).
+    #[test]
+    fn the_environment_gives_no_password() {
+        let dir = std::env::temp_dir().join(format!("shardline-pgpass-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let file = dir.join("pgpass");
+        std::fs::write(&file, "*:*:*:*:from-the-file\n").unwrap_or_else(|e| panic!("{e}"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let path = file.to_string_lossy().into_owned();
+        crate::rerun_with_env("sqlx::tests::the_url_alone_gives_the_password", &[("PGPASSFILE", &path)]);
+        crate::rerun_with_env(
+            "sqlx::tests::the_url_alone_gives_the_password",
+            &[("PGPASSWORD", "from-the-environment"), ("PGPASSFILE", &path)],
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
