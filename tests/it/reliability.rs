@@ -1395,3 +1395,44 @@ pub(crate) async fn grants_follow_init_migrate_and_a_move(ctx: TestContext) -> T
     assert_eq!(err.code().map(|c| c.code()), Some("42501"), "{err}");
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_catalog_restored_to_an_older_map_is_logged_and_the_newer_map_kept);
+/// A catalog restored from a backup holds an older map than the running handles: a
+/// handle keeps the newer map it holds (a reload, asked for or the map check's, ignores
+/// the older one), goes on routing, and logs an error once, naming both versions.
+pub(crate) async fn a_catalog_restored_to_an_older_map_is_logged_and_the_newer_map_kept(
+    ctx: TestContext,
+) -> TestResult {
+    let logs = log_capture();
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let o = ClusterOptions { map_check: Duration::from_millis(100), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&f.config()?, o).await?;
+    let catalog = f.client(&ctx, 0).await?;
+    // The map moves on (versions far from any other test's), the handle with it ...
+    let held: i64 = catalog
+        .query_one("UPDATE shardline.cluster SET map_version = map_version + 7000 RETURNING map_version", &[])
+        .await?
+        .get(0);
+    assert_eq!(cluster.refresh().await?, held);
+    // ... then the catalog is put back to an older one.
+    let older = held - 3000;
+    catalog.execute("UPDATE shardline.cluster SET map_version = $1", &[&older]).await?;
+    assert_eq!(cluster.refresh().await?, older, "the catalog's version, as read");
+    assert_eq!(cluster.map().version(), held, "the newer map is kept");
+    let photos = cluster.repo::<Photo>()?;
+    let p = photos.insert(&NewPhoto::numbered(3, 1)).await?;
+    assert_eq!(photos.get(p.id).await?, Some(p));
+    // The map check sees it too, and neither logs it again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let said = String::from_utf8_lossy(&logs.lock().map_err(|e| e.to_string())?).into_owned();
+    let needle = format!("held={held} catalog={older}");
+    let lines: Vec<&str> = said.lines().filter(|l| l.contains(&needle)).collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert!(
+        lines[0].contains("ERROR") && lines[0].contains("older than the one this handle holds"),
+        "{}",
+        lines[0]
+    );
+    Ok(())
+}

@@ -194,6 +194,8 @@ struct Inner {
     map: RwLock<Arc<ShardMap>>,
     /// The last catalog map version refused for another shard count (logged once).
     refused_version: std::sync::atomic::AtomicI64,
+    /// The last catalog map version found older than the map held (logged once).
+    went_back_to: std::sync::atomic::AtomicI64,
     /// One pool per host, as the config and the catalog say where hosts live; changed
     /// as the catalog adds, readdresses and removes hosts ([`sync_pools`]).
     pools: RwLock<HashMap<HostName, HostPool>>,
@@ -333,6 +335,7 @@ impl Cluster {
             prefix: info.schema_prefix,
             map: RwLock::new(Arc::new(map.clone())),
             refused_version: std::sync::atomic::AtomicI64::new(-1),
+            went_back_to: std::sync::atomic::AtomicI64::new(-1),
             pools: RwLock::new(HashMap::new()),
             config: config.clone(),
             credentials,
@@ -1498,7 +1501,10 @@ async fn refresh(inner: &Inner) -> Result<i64> {
     // The catalog stays locked until the map is swapped: two reloads at once never
     // leave the pools of an older read beside a newer map.
     let version = map.version();
-    if inner.map.read().map(|m| m.version()).unwrap_or(0) > version {
+    let held = inner.map.read().map(|m| m.version()).unwrap_or(0);
+    if held > version {
+        // Reloads are one at a time (the catalog's lock): the catalog itself went back.
+        catalog_went_back(inner, held, version);
         return Ok(version);
     }
     for (host, e) in sync_pools(inner, &map, &hosts).await {
@@ -1535,10 +1541,30 @@ async fn catalog_version(inner: &Inner) -> Result<i64> {
     on_catalog(inner, &mut slot, async |c: &Catalog| c.map_version().await).await
 }
 
+/// Logs (once per catalog version) that the catalog holds an older map than the one
+/// held: restored from a backup, say. The map held stays: it places the shards where the
+/// moves since then left them, which the older one does not know of.
+fn catalog_went_back(inner: &Inner, held: i64, catalog: i64) {
+    if inner.went_back_to.swap(catalog, std::sync::atomic::Ordering::Relaxed) != catalog {
+        tracing::error!(
+            held,
+            catalog,
+            "the catalog's shard map is older than the one this handle holds (was the catalog restored \
+             from a backup? the moves since are not in it); keeping the newer map (docs/operations.md, \
+             \"The catalog\")"
+        );
+    }
+}
+
 /// The map check: whether the catalog's map version is past `held`, the handle's (a
-/// change whose notification never arrived, logged).
+/// change whose notification never arrived, logged). A catalog behind the handle is
+/// logged as [`catalog_went_back`] says.
 async fn catalog_is_ahead(inner: &Inner, held: i64) -> bool {
     match catalog_version(inner).await {
+        Ok(v) if v < held => {
+            catalog_went_back(inner, held, v);
+            false
+        }
         Ok(v) if v > held => {
             tracing::warn!(
                 held,
