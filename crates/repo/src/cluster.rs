@@ -1514,6 +1514,8 @@ async fn refresh(inner: &Inner) -> Result<i64> {
         && held.version() <= version
     {
         *held = Arc::new(map);
+        // A catalog that goes back again later is logged again.
+        inner.went_back_to.store(-1, std::sync::atomic::Ordering::Relaxed);
     }
     drop(slot);
     tracing::debug!(version, "shard map loaded");

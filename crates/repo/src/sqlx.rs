@@ -183,15 +183,17 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         .username(&user)
         .database(same.get_dbname().unwrap_or(&user))
         .application_name(same.get_application_name().unwrap_or("shardline"));
-    // The password the URL gives (the config's, or the credentials'), or none, as the
-    // repository's driver: sqlx would take `PGPASSWORD`, or a `~/.pgpass` (`PGPASSFILE`)
-    // entry it looked up with the environment's host, port, user and database, so a
-    // password meant for another user or server could be sent to this one. An empty
-    // one is what sqlx sends when it has none.
-    let connect = match same.get_password() {
-        Some(_) => connect,
-        None => connect.password(""),
+    // The password as the repository's driver reads the URL (the config's, or the
+    // credentials'), or none: sqlx would take `PGPASSWORD`, or a `~/.pgpass`
+    // (`PGPASSFILE`) entry it looked up with the environment's host, port, user and
+    // database, for a URL without one or with an empty one (`u:@h`), so a password
+    // meant for another user or server could be sent to this one; and it reads a `+` in
+    // `?password=` as a space. An empty one is what sqlx sends when it has none.
+    let password = match same.get_password() {
+        Some(p) => std::str::from_utf8(p).map_err(|_| bad("its password is not UTF-8".into()))?,
+        None => "",
     };
+    let connect = connect.password(password);
     // libpq's (and the repository's) meaning of each mode: `require` with a root
     // certificate checks the chain.
     let mode = match tls.mode {
@@ -982,9 +984,16 @@ mod tests {
 
     #[test]
     fn the_url_alone_gives_the_password() -> Result<()> {
-        assert!(holds_password(&options("postgres://app:secret@db/app")?, "secret"));
-        let o = options("postgres://app@db/app")?;
-        assert!(holds_password(&o, ""), "{o:?}");
+        for (url, password) in [
+            ("postgres://app:secret@db/app", "secret"),
+            ("postgres://app:s%40cret@db/app", "s@cret"),
+            ("postgres://app@db/app?password=a+b", "a+b"),
+            ("postgres://app@db/app", ""),
+            ("postgres://app:@db/app", ""),
+        ] {
+            // Not the options themselves: they would show a password the environment gave.
+            assert!(holds_password(&options(url)?, password), "{url}: not {password:?}");
+        }
         Ok(())
     }
 
@@ -993,9 +1002,17 @@ mod tests {
     /// neither is taken (before, both were, for a URL without a password).
     #[test]
     fn the_environment_gives_no_password() {
+        /// Removes the directory however the test ends.
+        struct Gone(std::path::PathBuf);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                std::fs::remove_dir_all(&self.0).ok();
+            }
+        }
         let dir = std::env::temp_dir().join(format!("shardline-pgpass-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-        let file = dir.join("pgpass");
+        let dir = Gone(dir);
+        let file = dir.0.join("pgpass");
         std::fs::write(&file, "*:*:*:*:from-the-file\n").unwrap_or_else(|e| panic!("{e}"));
         #[cfg(unix)]
         {
@@ -1009,7 +1026,6 @@ mod tests {
             "sqlx::tests::the_url_alone_gives_the_password",
             &[("PGPASSWORD", "from-the-environment"), ("PGPASSFILE", &path)],
         );
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
