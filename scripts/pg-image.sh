@@ -17,6 +17,10 @@
 # `postgres -c name=value ...`, it listens on 5432 for every address, and it accepts
 # password-less logins (the official image does with POSTGRES_HOST_AUTH_METHOD=trust).
 # Its cluster is initialised at build time, so a container starts in about a second.
+# When this machine's PostgreSQL has shardline's native minter installed
+# (scripts/native-minter.sh), the image gets the same library (labelled with its
+# checksum), and an image built here without it, or with another build of it, is built
+# again.
 set -euo pipefail
 # The image's directories get their modes from here (a umask of 077 would leave / and
 # /usr closed to the postgres user).
@@ -37,14 +41,25 @@ if ! docker info >/dev/null 2>&1; then
   exit 0
 fi
 
-if docker image inspect "$IMAGE" >/dev/null 2>&1; then
-  exit 0
+native=/usr/lib/postgresql/15/lib/shardline_minter.so
+native_sum=""
+if [ -f "$native" ]; then
+  native_sum=$(sha256sum "$native" | cut -c1-16)
 fi
 
-log "image $IMAGE not present; trying docker pull"
-if timeout 120 docker pull -q "$IMAGE" >/dev/null 2>&1; then
-  log "pulled $IMAGE"
-  exit 0
+if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  label() { docker image inspect -f "{{ index .Config.Labels \"$1\" }}" "$IMAGE" 2>/dev/null || true; }
+  if [ -z "$native_sum" ] || [ "$(label org.shardline.built-from)" != "debian-packages" ] \
+    || [ "$(label org.shardline.native-minter)" = "$native_sum" ]; then
+    exit 0
+  fi
+  log "image $IMAGE lacks this machine's native minter ($native); building it again"
+else
+  log "image $IMAGE not present; trying docker pull"
+  if timeout 120 docker pull -q "$IMAGE" >/dev/null 2>&1; then
+    log "pulled $IMAGE"
+    exit 0
+  fi
 fi
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -128,11 +143,17 @@ from_debootstrap() {
 if [ "${SHARDLINE_PG_IMAGE_FROM:-}" != "debootstrap" ] \
   && dpkg-query -W -f='${db:Status-Abbrev}' postgresql-15 2>/dev/null | grep -q '^ii' \
   && command -v python3 >/dev/null 2>&1; then
-  log "pull failed; building $IMAGE from this machine's installed postgresql-15 and its dependencies"
+  log "building $IMAGE from this machine's installed postgresql-15 and its dependencies"
   from_host || { log "copying this machine's packages failed"; exit 1; }
 else
-  log "pull failed; building $IMAGE from Debian's packages ($SUITE, $MIRROR)"
+  log "building $IMAGE from Debian's packages ($SUITE, $MIRROR)"
   from_debootstrap
+fi
+
+# shardline's native minter, when this machine has it (built against the same major
+# version).
+if [ -n "$native_sum" ]; then
+  install -m 755 "$native" "$rootfs/usr/lib/postgresql/15/lib/shardline_minter.so"
 fi
 
 # Debian's packaging creates its own cluster in /var/lib/postgresql/15/main; drop it and
@@ -178,7 +199,8 @@ tar --numeric-owner -C "$rootfs" -cf - . | docker import \
   --change 'CMD ["postgres"]' \
   - "$base" >/dev/null
 mkdir -p "$work/ctx"
-printf 'FROM %s\nSTOPSIGNAL SIGINT\nLABEL org.shardline.built-from=debian-packages\n' "$base" >"$work/ctx/Dockerfile"
+printf 'FROM %s\nSTOPSIGNAL SIGINT\nLABEL org.shardline.built-from=debian-packages\nLABEL org.shardline.native-minter=%s\n' \
+  "$base" "${native_sum:-none}" >"$work/ctx/Dockerfile"
 DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$work/ctx" >/dev/null 2>"$work/build.log" \
   || { cat "$work/build.log" >&2; docker rmi "$base" >/dev/null 2>&1; log "docker build failed"; exit 1; }
 docker rmi "$base" >/dev/null 2>&1 || true

@@ -1,5 +1,6 @@
-//! One-row transactions from pgbench, a real client: the same table with `bigserial` and
-//! with `DEFAULT next_id()`, 8, 32 and 64 clients, simple and prepared protocol, on one
+//! One-row transactions from pgbench, a real client: the same table with `bigserial`,
+//! with `DEFAULT next_id()` (the PL/pgSQL minter) and with the native minter's
+//! `next_id()` (`scripts/native-minter.sh` installs its library), 8, 32 and 64 clients, simple and prepared protocol, on one
 //! real Postgres 15 host from the test kit. Prints tps beside bigserial's as ratios, and
 //! after every run checks the minted IDs: duplicates, and rows whose ID's time is more
 //! than 100 ms behind their transaction's start.
@@ -12,10 +13,12 @@
 use std::process::Command;
 
 use shardline_id::Layout;
-use shardline_id::sql::ShardSql;
+use shardline_id::sql::{Minter, ShardSql};
 use shardline_testkit::Cluster;
 
 const SCHEMA: &str = "shard_0005";
+/// The native minter's shard.
+const NATIVE_SCHEMA: &str = "shard_0006";
 
 const VARIANTS: &[(&str, &str)] = &[
     ("bigserial", "id bigserial PRIMARY KEY"),
@@ -24,6 +27,7 @@ const VARIANTS: &[(&str, &str)] = &[
     // own sequence. Not a minter: it shows what the call itself costs a one-row
     // transaction, whatever the function does.
     ("plpgsql nextval", "id bigint PRIMARY KEY DEFAULT shard_0005.plpgsql_nextval()"),
+    ("native next_id()", "id bigint PRIMARY KEY DEFAULT shard_0006.next_id()"),
 ];
 
 /// The floor variant's function (see `VARIANTS`).
@@ -65,6 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let sql = ShardSql::new(Layout::INSTAGRAM, SCHEMA, 5)?;
     client.batch_execute(&format!("CREATE SCHEMA {SCHEMA}")).await?;
     client.batch_execute(&sql.install()).await?;
+    let native = ShardSql::new(Layout::INSTAGRAM, NATIVE_SCHEMA, 6)?.minter(Minter::Native);
+    client.batch_execute(&format!("CREATE SCHEMA {NATIVE_SCHEMA}")).await?;
+    client.batch_execute(&native.install()).await?;
     client.batch_execute(FLOOR_FUNCTION).await?;
     let dir = std::env::temp_dir().join(format!("shardline-pgbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -85,7 +92,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         cluster.backend()
     );
     println!(
-        "{:>7} {:>9} {:>12} {:>12} {:>8} {:>16} {:>8} {:>10} {:>8}",
+        "{:>7} {:>9} {:>10} {:>10} {:>6} {:>16} {:>6} {:>17} {:>6} {:>10} {:>6}",
         "clients",
         "protocol",
         "bigserial",
@@ -93,13 +100,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "ratio",
         "plpgsql nextval",
         "ratio",
+        "native next_id()",
+        "ratio",
         "duplicates",
         "stale"
     );
     let url = host.url("bench");
     for clients in [8, 32, 64] {
         for protocol in ["simple", "prepared"] {
-            let mut tps = [Vec::new(), Vec::new(), Vec::new()];
+            let mut tps = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             for round in 0..rounds {
                 // Alternate which variant runs first.
                 for k in 0..VARIANTS.len() {
@@ -108,24 +117,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                     tps[i].push(pgbench(&url, &scripts[i], clients, protocol, seconds)?);
                 }
             }
+            // Both minters' tables: duplicates, and rows more than 100 ms behind.
             let row = client
                 .query_one(
                     &format!(
                         "SELECT count(*) - count(DISTINCT id),
                                 count(*) FILTER (WHERE (id >> 23) + {epoch} < (date_part('epoch', at) * 1000)::bigint - 100)
-                         FROM {SCHEMA}.t1",
+                         FROM (SELECT id, at FROM {SCHEMA}.t1 UNION ALL SELECT id, at FROM {SCHEMA}.t3) AS minted",
                         epoch = Layout::INSTAGRAM.epoch_ms()
                     ),
                     &[],
                 )
                 .await?;
             let (dups, stale): (i64, i64) = (row.get(0), row.get(1));
-            let (base, ours, floor) =
-                (median(tps[0].clone()), median(tps[1].clone()), median(tps[2].clone()));
+            let [base, ours, floor, c] = tps.map(median);
             println!(
-                "{clients:>7} {protocol:>9} {base:>12.0} {ours:>12.0} {:>7.2}x {floor:>16.0} {:>7.2}x {dups:>10} {stale:>8}",
+                "{clients:>7} {protocol:>9} {base:>10.0} {ours:>10.0} {:>5.2}x {floor:>16.0} {:>5.2}x {c:>17.0} {:>5.2}x {dups:>10} {stale:>6}",
                 ours / base,
-                floor / base
+                floor / base,
+                c / base
             );
         }
     }

@@ -1,4 +1,5 @@
-//! The 1M-row bulk insert, with each way of making a primary key, on one real Postgres 15
+//! The 1M-row bulk insert, with each way of making a primary key (the native minter's
+//! among them: `scripts/native-minter.sh` installs its library), on one real Postgres 15
 //! host from the test kit. Prints rows/s and PK index size beside bigserial's, as ratios.
 //!
 //! ```text
@@ -8,7 +9,7 @@
 use std::time::Instant;
 
 use shardline_id::Layout;
-use shardline_id::sql::ShardSql;
+use shardline_id::sql::{Minter, ShardSql};
 use shardline_testkit::Cluster;
 
 const SCHEMA: &str = "shard_0005";
@@ -21,6 +22,10 @@ struct Variant {
 const VARIANTS: &[Variant] = &[
     Variant { name: "bigserial", column: "id bigserial PRIMARY KEY" },
     Variant { name: "shardline next_id()", column: "id bigint PRIMARY KEY DEFAULT shard_0005.next_id()" },
+    Variant {
+        name: "shardline native next_id() (C)",
+        column: "id bigint PRIMARY KEY DEFAULT shard_0006.next_id()",
+    },
     Variant {
         name: "Instagram's next_id() (PL/pgSQL)",
         column: "id bigint PRIMARY KEY DEFAULT shard_0005.instagram_next_id()",
@@ -46,6 +51,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     client.batch_execute(&format!("CREATE SCHEMA {SCHEMA}")).await?;
     client.batch_execute(&sql.install()).await?;
     client.batch_execute(&sql.instagram_original()).await?;
+    // The native minter (`scripts/native-minter.sh` installs its library), in shard 6.
+    let native = ShardSql::new(Layout::INSTAGRAM, "shard_0006", 6)?.minter(Minter::Native);
+    client.batch_execute(&format!("CREATE SCHEMA {}; {}", native.quoted_schema(), native.install())).await?;
     let version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
     println!(
         "{rows} rows per INSERT ... SELECT generate_series, {rounds} rounds, PostgreSQL {version} on the {} backend (fsync=off)\n",

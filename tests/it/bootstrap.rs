@@ -308,6 +308,96 @@ pub(crate) async fn init_twice_changes_nothing_the_second_time(ctx: TestContext)
     Ok(())
 }
 
+shardline_testkit::register!(shared: the_configs_minter_is_what_init_migrate_and_moves_install);
+/// `id.minter = "native"`: `init` (through the CLI) gives every shard the C `next_id()`;
+/// `migrate` with the key taken out puts the PL/pgSQL one back in every shard (and with
+/// it put back, the C one again), in place, under the tables' defaults; a move builds its
+/// copy with the config's minter. Inserts through the repository mint in their own shard
+/// all along.
+pub(crate) async fn the_configs_minter_is_what_init_migrate_and_moves_install(
+    ctx: TestContext,
+) -> TestResult {
+    const SHARDS: u16 = 8;
+    let f = Fixture::new(&ctx, 2, SHARDS).await?;
+    let plpgsql = f.config_text()?;
+    let native = format!("{plpgsql}\n[id]\nminter = \"native\"\n");
+    std::fs::write(f.path(), &native)?;
+    cli(&f, &["init"]).await?;
+    // The language of every shard's next_id() on each host, by schema.
+    let languages = |host: usize| {
+        let f = &f;
+        let ctx = &ctx;
+        async move {
+            let c = f.client(ctx, host).await?;
+            let rows = c
+                .query(
+                    "SELECT n.nspname::text, l.lanname::text FROM pg_proc AS p
+                       JOIN pg_namespace AS n ON n.oid = p.pronamespace
+                       JOIN pg_language AS l ON l.oid = p.prolang
+                      WHERE p.proname = 'next_id' AND n.nspname LIKE 'shard\\_%' ORDER BY 1",
+                    &[],
+                )
+                .await?;
+            Ok::<_, BoxError>(
+                rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))).collect::<Vec<_>>(),
+            )
+        }
+    };
+    let all_in = |want: &'static str| {
+        let languages = &languages;
+        async move {
+            let mut seen = Vec::new();
+            for h in 0..2 {
+                seen.extend(languages(h).await?);
+            }
+            assert_eq!(seen.len(), usize::from(SHARDS), "{seen:?}");
+            assert!(seen.iter().all(|(_, l)| l == want), "not every shard's next_id() is {want}: {seen:?}");
+            Ok::<_, BoxError>(())
+        }
+    };
+    all_in("c").await?;
+    let config = f.config()?;
+    let cluster =
+        shardline_repo::Cluster::connect(&config, shardline_repo::ClusterOptions::default()).await?;
+    let photos = cluster.repo::<shardline_example_photos::Photo>()?;
+    let mut made = Vec::new();
+    let insert_all = async |made: &mut Vec<shardline_id::Id>| -> Result<(), BoxError> {
+        for user in 0..i64::from(SHARDS) {
+            let p = photos.insert(&crate::moves::photo(user, made.len())).await?;
+            let minted_in = config.layout.decode(p.id).shard;
+            assert_eq!(minted_in, u32::from(cluster.route_user(user).shard.get()), "{p:?}");
+            made.push(p.id);
+        }
+        Ok(())
+    };
+    insert_all(&mut made).await?;
+
+    std::fs::write(f.path(), &plpgsql)?;
+    let said = cli(&f, &["migrate", "--json"]).await?;
+    let json: serde_json::Value = serde_json::from_str(&said)?;
+    assert_eq!(json["minters_installed"], u64::from(SHARDS), "{said}");
+    all_in("plpgsql").await?;
+    insert_all(&mut made).await?;
+
+    std::fs::write(f.path(), &native)?;
+    cli(&f, &["migrate"]).await?;
+    all_in("c").await?;
+    // Shard 0 lives on pg1; moved with the PL/pgSQL config, its copy gets PL/pgSQL, and
+    // moved back with the native one, C.
+    std::fs::write(f.path(), &plpgsql)?;
+    cli(&f, &["move", "0", "--to", "pg2"]).await?;
+    let on_pg2 = languages(1).await?;
+    assert!(on_pg2.contains(&("shard_0000".to_owned(), "plpgsql".to_owned())), "{on_pg2:?}");
+    std::fs::write(f.path(), &native)?;
+    cli(&f, &["move", "0", "--to", "pg1"]).await?;
+    let on_pg1 = languages(0).await?;
+    assert!(on_pg1.contains(&("shard_0000".to_owned(), "c".to_owned())), "{on_pg1:?}");
+    insert_all(&mut made).await?;
+    let distinct: std::collections::HashSet<_> = made.iter().collect();
+    assert_eq!(distinct.len(), made.len(), "a duplicate ID: {made:?}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_host_new_to_the_config_joins_with_no_shards);
 pub(crate) async fn a_host_new_to_the_config_joins_with_no_shards(ctx: TestContext) -> TestResult {
     let mut f = Fixture::new(&ctx, 2, 8).await?;

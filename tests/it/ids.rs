@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::TestRunner;
 use shardline_id::generator::ReservedBlocks;
-use shardline_id::sql::ShardSql;
+use shardline_id::sql::{Minter, ShardSql};
 use shardline_id::{Id, IdParts, Layout};
 use shardline_testkit::Host;
 use shardline_testkit::harness::{TestContext, TestResult};
@@ -39,6 +39,12 @@ async fn shard_db(
 
 fn minter() -> ShardSql {
     ShardSql::new(L, SCHEMA, SHARD).expect("a valid schema and shard")
+}
+
+/// Shard 5's minter with the native (C) `next_id()`: the test kit's hosts have its
+/// library (`scripts/native-minter.sh`).
+fn native() -> ShardSql {
+    minter().minter(Minter::Native)
 }
 
 async fn ids(client: &Client, sql: &str) -> Result<Vec<Id>, tokio_postgres::Error> {
@@ -82,7 +88,18 @@ pub(crate) async fn a_million_rows_from_one_statement_are_distinct(ctx: TestCont
 
 shardline_testkit::register!(shared: more_than_1024_ids_in_one_clock_millisecond_stay_unique);
 pub(crate) async fn more_than_1024_ids_in_one_clock_millisecond_stay_unique(ctx: TestContext) -> TestResult {
-    let (_db, client) = shard_db(&ctx, 1, &minter()).await?;
+    ids_in_one_millisecond(ctx, &minter()).await
+}
+
+shardline_testkit::register!(shared: the_native_minter_mints_more_than_1024_ids_in_one_clock_millisecond_uniquely);
+pub(crate) async fn the_native_minter_mints_more_than_1024_ids_in_one_clock_millisecond_uniquely(
+    ctx: TestContext,
+) -> TestResult {
+    ids_in_one_millisecond(ctx, &native()).await
+}
+
+async fn ids_in_one_millisecond(ctx: TestContext, sql: &ShardSql) -> TestResult {
+    let (_db, client) = shard_db(&ctx, 1, sql).await?;
     // Inside one transaction the clock the minter reads (now()) does not move: every ID
     // below is minted "in the same millisecond". 5000 of them borrow the next ones.
     let minted = ids(&client, &format!("SELECT {SCHEMA}.next_id() FROM generate_series(1, 5000)")).await?;
@@ -115,10 +132,9 @@ pub(crate) async fn more_than_1024_ids_in_one_clock_millisecond_stay_unique(ctx:
     Ok(())
 }
 
-async fn concurrent_sessions(ctx: TestContext, sessions: i32, rows: i64) -> TestResult {
+async fn concurrent_sessions(ctx: TestContext, sessions: i32, rows: i64, sql: ShardSql) -> TestResult {
     // The clock reads 10 s ahead of the sequence, so every session starts by catching up,
     // all at once: the catch-up must be safe against the others' nextval.
-    let sql = minter();
     let (db, client) = shard_db(&ctx, 2, &sql).await?;
     client.batch_execute(&sql.clone().clock_offset_ms(10_000).install()).await?;
     let host: &Host = &ctx.hosts()[2];
@@ -155,17 +171,36 @@ async fn concurrent_sessions(ctx: TestContext, sessions: i32, rows: i64) -> Test
 
 shardline_testkit::register!(shared: two_concurrent_sessions_never_collide);
 pub(crate) async fn two_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
-    concurrent_sessions(ctx, 2, 250_000).await
+    concurrent_sessions(ctx, 2, 250_000, minter()).await
 }
 
 shardline_testkit::register!(shared: four_concurrent_sessions_never_collide);
 pub(crate) async fn four_concurrent_sessions_never_collide(ctx: TestContext) -> TestResult {
-    concurrent_sessions(ctx, 4, 250_000).await
+    concurrent_sessions(ctx, 4, 250_000, minter()).await
+}
+
+shardline_testkit::register!(shared: four_concurrent_sessions_never_collide_through_the_native_minter);
+pub(crate) async fn four_concurrent_sessions_never_collide_through_the_native_minter(
+    ctx: TestContext,
+) -> TestResult {
+    concurrent_sessions(ctx, 4, 250_000, native()).await
 }
 
 shardline_testkit::register!(shared: a_clock_stepping_back_changes_nothing);
 pub(crate) async fn a_clock_stepping_back_changes_nothing(ctx: TestContext) -> TestResult {
-    let sql = minter();
+    clock_steps(ctx, minter()).await
+}
+
+shardline_testkit::register!(shared: a_clock_stepping_back_changes_nothing_for_the_native_minter);
+/// As above, through the native minter: each install changes the clock offset its
+/// running session's `next_id()` reads (the C function reloads its constants).
+pub(crate) async fn a_clock_stepping_back_changes_nothing_for_the_native_minter(
+    ctx: TestContext,
+) -> TestResult {
+    clock_steps(ctx, native()).await
+}
+
+async fn clock_steps(ctx: TestContext, sql: ShardSql) -> TestResult {
     let (_db, client) = shard_db(&ctx, 0, &sql).await?;
     let mut all = Vec::new();
     for offset in [0, -3_600_000, -86_400_000, 5_000, -10_000] {
@@ -483,19 +518,27 @@ shardline_testkit::register!(quiet: after_an_idle_gap_32_one_row_sessions_get_fr
 /// catch-up that cannot get the lock in 200 ms), is printed: on two shared cores it
 /// varies from run to run (0 to 2.7% of a burst, see docs/ids.md).
 pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
-    idle_gaps_then_bursts(ctx, 32).await
+    idle_gaps_then_bursts(ctx, 32, minter()).await
+}
+
+shardline_testkit::register!(quiet: after_an_idle_gap_32_one_row_sessions_get_fresh_ids_from_the_native_minter);
+/// The same through the native minter, which has the same lease and catch-up.
+pub(crate) async fn after_an_idle_gap_32_one_row_sessions_get_fresh_ids_from_the_native_minter(
+    ctx: TestContext,
+) -> TestResult {
+    idle_gaps_then_bursts(ctx, 32, native()).await
 }
 
 shardline_testkit::register!(quiet: after_an_idle_gap_64_one_row_sessions_get_fresh_ids);
 /// The same at 64 sessions, the most clients issue 21 asks the bound to hold for.
 pub(crate) async fn after_an_idle_gap_64_one_row_sessions_get_fresh_ids(ctx: TestContext) -> TestResult {
-    idle_gaps_then_bursts(ctx, 64).await
+    idle_gaps_then_bursts(ctx, 64, minter()).await
 }
 
-async fn idle_gaps_then_bursts(ctx: TestContext, clients: i32) -> TestResult {
+async fn idle_gaps_then_bursts(ctx: TestContext, clients: i32, sql: ShardSql) -> TestResult {
     const ROUNDS: i64 = 3;
     const ROWS: i64 = 60;
-    let (db, client) = shard_db(&ctx, 0, &minter()).await?;
+    let (db, client) = shard_db(&ctx, 0, &sql).await?;
     client
         .batch_execute(&format!(
             "ALTER TABLE {SCHEMA}.photos ADD COLUMN at timestamptz NOT NULL DEFAULT now()"
@@ -804,5 +847,136 @@ pub(crate) async fn a_function_or_operator_made_in_public_never_takes_the_minter
         assert_eq!(parts.shard, SHARD, "{id:?}");
         assert!((now - parts.unix_ms).abs() < 60_000, "{id:?} at {now}");
     }
+    Ok(())
+}
+
+/// The language of shard 5's `next_id()`: `plpgsql` or `c`.
+async fn next_id_language(client: &Client) -> Result<String, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT l.lanname::text FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
+                 WHERE p.oid = '{SCHEMA}.next_id()'::regprocedure"
+            ),
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Milliseconds from now to the time an ID carries.
+fn ahead_of_now(id: Id) -> Result<i64, BoxError> {
+    let now = i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis())?;
+    Ok(L.decode(id).unix_ms - now)
+}
+
+shardline_testkit::register!(shared: the_native_minter_replaces_the_plpgsql_one_in_place_and_running_sessions_follow);
+/// A table whose `DEFAULT next_id()` was made with the PL/pgSQL minter keeps inserting
+/// while another session installs the native minter over it, installs it again with
+/// other constants, and goes back to PL/pgSQL: the same function (the column's default
+/// names it by OID) changes language each time, and the running session takes each
+/// install at its next statement. The second native install moves the clock the minter
+/// reads 120 s ahead, past the session's lease (60 s): only a `next_id()` that reloaded
+/// its constants sees it (with the ones it loaded first, the lease is still valid and the
+/// fast path mints at today's time). IDs stay unique and increasing throughout.
+pub(crate) async fn the_native_minter_replaces_the_plpgsql_one_in_place_and_running_sessions_follow(
+    ctx: TestContext,
+) -> TestResult {
+    let slow_lease = minter().max_lag_ms(60_000);
+    let (db, installer) = shard_db(&ctx, 0, &slow_lease).await?;
+    let session = ctx.hosts()[0].connect(&db).await?;
+    let insert = format!("INSERT INTO {SCHEMA}.photos (n) VALUES (1) RETURNING id");
+    let mut all = Vec::new();
+    for _ in 0..3 {
+        all.extend(ids(&session, &insert).await?);
+    }
+    assert_eq!(next_id_language(&installer).await?, "plpgsql");
+
+    installer.batch_execute(&slow_lease.clone().minter(Minter::Native).install()).await?;
+    assert_eq!(next_id_language(&installer).await?, "c");
+    for _ in 0..3 {
+        all.extend(ids(&session, &insert).await?);
+    }
+    let today = *all.last().ok_or("no ID")?;
+    assert!(ahead_of_now(today)?.abs() < 30_000, "{today:?}: {} ms from now", ahead_of_now(today)?);
+
+    installer
+        .batch_execute(&slow_lease.clone().minter(Minter::Native).clock_offset_ms(120_000).install())
+        .await?;
+    let ahead = ids(&session, &insert).await?;
+    let first = *ahead.first().ok_or("no ID")?;
+    assert!(
+        ahead_of_now(first)? > 100_000,
+        "the running session's native next_id() kept the constants it loaded before the install: {first:?} is {} ms from now, not 120 s ahead",
+        ahead_of_now(first)?
+    );
+    all.extend(ahead);
+
+    installer.batch_execute(&slow_lease.install()).await?;
+    assert_eq!(next_id_language(&installer).await?, "plpgsql");
+    for _ in 0..3 {
+        all.extend(ids(&session, &insert).await?);
+    }
+    assert_eq!(all.iter().collect::<HashSet<_>>().len(), all.len(), "a duplicate ID");
+    assert!(strictly_increasing(&all), "IDs went down: {all:?}");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: the_native_minter_is_refused_without_a_superuser_or_its_library_and_nothing_changes);
+/// Installing the native minter over a schema's PL/pgSQL one as a role that is not a
+/// superuser, or where the server cannot find the library, fails with an error that
+/// names what is missing, and leaves the PL/pgSQL `next_id()` minting.
+pub(crate) async fn the_native_minter_is_refused_without_a_superuser_or_its_library_and_nothing_changes(
+    ctx: TestContext,
+) -> TestResult {
+    let db = ctx.databases().await?;
+    let admin = ctx.hosts()[0].connect(&db).await?;
+    let owner = "shardline_test_native_owner";
+    admin
+        .batch_execute(&format!("CREATE ROLE {owner} LOGIN; ALTER DATABASE \"{db}\" OWNER TO {owner}"))
+        .await?;
+    // The schema, its PL/pgSQL minter and a table, all the role's own.
+    let plain = ctx.hosts()[0].connect(&db).await?;
+    plain
+        .batch_execute(&format!(
+            "SET ROLE {owner}; CREATE SCHEMA {SCHEMA}; {}
+             CREATE TABLE {SCHEMA}.photos (id bigint PRIMARY KEY DEFAULT {SCHEMA}.next_id(), n bigint NOT NULL)",
+            minter().install()
+        ))
+        .await?;
+    let refused =
+        plain.batch_execute(&native().install()).await.err().ok_or("a non-superuser installed C")?;
+    let db_err = refused.as_db_error().ok_or_else(|| format!("not a server error: {refused:?}"))?;
+    assert_eq!(db_err.code().code(), "42501", "{db_err:?}");
+    assert!(db_err.message().contains("only a superuser") && db_err.message().contains(owner), "{db_err:?}");
+
+    assert_eq!(next_id_language(&admin).await?, "plpgsql");
+    let made = ids(&admin, &format!("INSERT INTO {SCHEMA}.photos (n) VALUES (1) RETURNING id")).await?;
+    assert_eq!(made.len(), 1);
+
+    // A superuser's schema (a superuser runs no function another role could have
+    // replaced: the install checks who owns the shared catch-up), on a server that cannot
+    // find the library.
+    let (_other, lost) = shard_db(&ctx, 0, &minter()).await?;
+    lost.batch_execute("SET dynamic_library_path = '/nonexistent'").await?;
+    let refused =
+        lost.batch_execute(&native().install()).await.err().ok_or("installed without the library")?;
+    let db_err = refused.as_db_error().ok_or_else(|| format!("not a server error: {refused:?}"))?;
+    assert_eq!(db_err.code().code(), "58P01", "{db_err:?}");
+    assert!(
+        db_err.message().contains("library shardline_minter is not on this server")
+            && db_err.message().contains("scripts/native-minter.sh"),
+        "{db_err:?}"
+    );
+
+    assert_eq!(next_id_language(&lost).await?, "plpgsql");
+    let made = ids(&lost, &format!("INSERT INTO {SCHEMA}.photos (n) VALUES (1) RETURNING id")).await?;
+    assert_eq!(made.len(), 1);
+    drop(plain);
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{db}\" OWNER TO postgres; REASSIGN OWNED BY {owner} TO postgres; DROP ROLE {owner}"
+        ))
+        .await?;
     Ok(())
 }

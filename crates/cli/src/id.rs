@@ -65,6 +65,10 @@ pub enum IdCommand {
         /// `id.epoch_ms` when the config file exists, else Instagram's).
         #[arg(long, value_name = "MS", allow_negative_numbers = true)]
         epoch_ms: Option<i64>,
+        /// Make next_id() the native minter (a C function; run the SQL as a superuser
+        /// on a server with the library: scripts/native-minter.sh) instead of PL/pgSQL.
+        #[arg(long)]
+        native: bool,
     },
     /// Show the layout: field widths, capacity, and when IDs turn negative or run out.
     Layout {
@@ -199,7 +203,7 @@ pub fn run(opt: IdOpt, config: Option<&Path>, out: &mut dyn Write) -> anyhow::Re
             })?;
             writeln!(out, "{id}")?;
         }
-        IdCommand::Sql { schema, shard, epoch_ms } => {
+        IdCommand::Sql { schema, shard, epoch_ms, native } => {
             let layout = layout(epoch_ms, config)?;
             let sql = shardline_id::sql::ShardSql::new(layout, &schema, shard).map_err(|e| match e {
                 shardline_id::Error::ShardOutOfRange { max, .. } => {
@@ -211,7 +215,9 @@ pub fn run(opt: IdOpt, config: Option<&Path>, out: &mut dyn Write) -> anyhow::Re
             // schema would mint this shard's IDs from its sequence (duplicates of that
             // shard's own, reads sent to the wrong one).
             check_schema_names_shard(&schema, shard)?;
-            write!(out, "{}", sql.install())?;
+            let minter =
+                if native { shardline_id::sql::Minter::Native } else { shardline_id::sql::Minter::PlPgSql };
+            write!(out, "{}", sql.minter(minter).install())?;
         }
         IdCommand::Layout { epoch_ms } => {
             let l = layout(epoch_ms, config)?;

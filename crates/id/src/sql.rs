@@ -390,6 +390,53 @@ $shardline_minter$;"#,
     )
 }
 
+/// The library the native minter's `next_id()` is in, as `CREATE FUNCTION ... LANGUAGE c`
+/// names it: found in the server's `dynamic_library_path` (by default its `$libdir`).
+/// Built from `crates/id/native/shardline_minter.c` by `scripts/native-minter.sh`.
+pub const NATIVE_LIBRARY: &str = "shardline_minter";
+
+/// Which `next_id()` a shard's schema gets. Both mint the same IDs from the same
+/// sequence, with the same lease and the same catch-up (`shardline_catch_up()`, in
+/// PL/pgSQL): they differ only in what runs on every insert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+#[non_exhaustive]
+pub enum Minter {
+    /// A PL/pgSQL function: runs on any PostgreSQL, managed services included, and any
+    /// role that owns the schema installs it. Costs a one-row insert 10–20% of its
+    /// throughput against `bigserial` (docs/benchmarks.md).
+    #[default]
+    PlPgSql,
+    /// The same fast path in C ([`NATIVE_LIBRARY`]): about what `bigserial` costs. Needs
+    /// the library on every host (`scripts/native-minter.sh` builds and installs it), and
+    /// a superuser to install it (Postgres lets only a superuser create a C function).
+    Native,
+}
+
+impl Minter {
+    /// The name a config gives it: `plpgsql` or `native`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Minter::PlPgSql => "plpgsql",
+            Minter::Native => "native",
+        }
+    }
+
+    /// The minter a config's name stands for (`plpgsql` or `native`), or `None`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "plpgsql" => Some(Minter::PlPgSql),
+            "native" => Some(Minter::Native),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Minter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The minter of one logical shard, as SQL for its schema.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardSql {
@@ -398,6 +445,7 @@ pub struct ShardSql {
     shard: u32,
     max_lag_ms: i64,
     clock_offset_ms: i64,
+    minter: Minter,
 }
 
 impl ShardSql {
@@ -418,6 +466,7 @@ impl ShardSql {
             shard,
             max_lag_ms: DEFAULT_MAX_LAG_MS,
             clock_offset_ms: 0,
+            minter: Minter::PlPgSql,
         })
     }
 
@@ -436,6 +485,16 @@ impl ShardSql {
     #[must_use]
     pub fn clock_offset_ms(mut self, ms: i64) -> Self {
         self.clock_offset_ms = ms;
+        self
+    }
+
+    /// Which `next_id()` the install makes ([`Minter::PlPgSql`] unless told). Installing
+    /// the other over a schema's existing one replaces it in place: its columns'
+    /// `DEFAULT next_id()` keep working, and running sessions take the new one at their
+    /// next statement.
+    #[must_use]
+    pub fn minter(mut self, minter: Minter) -> Self {
+        self.minter = minter;
         self
     }
 
@@ -510,6 +569,20 @@ impl ShardSql {
         let lease =
             format!("coalesce(('0' {cat} pg_catalog.current_setting('{lease_guc}', true))::bigint, -1)");
         let slow_compose = compose("v");
+        let next_id = match self.minter {
+            Minter::PlPgSql => format!(
+                r#"CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    RETURN CASE WHEN {now_ticks} {le} {lease}
+        THEN {fast}
+        ELSE {s}.shardline_catch_up()
+    END;
+END
+$fn$;"#
+            ),
+            Minter::Native => native_next_id(&s),
+        };
         format!(
             r#"CREATE SEQUENCE IF NOT EXISTS {seq} AS bigint MINVALUE 0 MAXVALUE {max_value} START 0 CACHE 1 NO CYCLE;
 CREATE SEQUENCE IF NOT EXISTS {due_seq} AS bigint MINVALUE 0 START 0 CACHE 1 NO CYCLE;
@@ -534,15 +607,17 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $fn$
-BEGIN
-    RETURN CASE WHEN {now_ticks} {le} {lease}
-        THEN {fast}
-        ELSE {s}.shardline_catch_up()
-    END;
-END
+-- What the native minter reads once per session (see crates/id/native): the same
+-- constants the PL/pgSQL next_id() is written with.
+CREATE OR REPLACE FUNCTION {s}.shardline_minter_params(OUT seq regclass, OUT catch_up regprocedure,
+    OUT lease_guc text, OUT shard_part bigint, OUT seq_bits integer, OUT ts_shift integer,
+    OUT epoch_ms bigint, OUT offset_ms bigint)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
+SELECT {seq_arg}, '{s}.shardline_catch_up()'::pg_catalog.regprocedure, '{lease_guc}'::text,
+    ({shard_part})::bigint, {seq_bits}::integer, {ts_shift}::integer, ({epoch})::bigint, ({offset})::bigint
 $fn$;
+
+{next_id}
 
 CREATE OR REPLACE FUNCTION {s}.id_parts(id bigint, OUT unix_ms bigint, OUT shard integer, OUT sequence integer)
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
@@ -604,6 +679,26 @@ $fn$ LANGUAGE plpgsql;
             shard = self.shard,
         )
     }
+}
+
+/// The native minter's `next_id()` in schema `s` (quoted): the C function of
+/// [`NATIVE_LIBRARY`], made only by a superuser, with errors that name what is missing.
+fn native_next_id(s: &str) -> String {
+    format!(
+        r#"DO $native$
+BEGIN
+    IF NOT (SELECT r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname OPERATOR(pg_catalog.=) current_user) THEN
+        RAISE EXCEPTION 'the native minter is a C function, which only a superuser may create, and % is not one: install it as a superuser, or use the PL/pgSQL minter (id.minter = "plpgsql")', current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    EXECUTE 'CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint LANGUAGE c VOLATILE AS ''{lib}'', ''shardline_next_id''';
+EXCEPTION WHEN undefined_file THEN
+    RAISE EXCEPTION 'the native minter''s library {lib} is not on this server (%): build and install it on every host with scripts/native-minter.sh, or use the PL/pgSQL minter (id.minter = "plpgsql")', SQLERRM
+        USING ERRCODE = 'undefined_file';
+END
+$native$;"#,
+        lib = NATIVE_LIBRARY,
+    )
 }
 
 /// The prefix of the columns shardline's own statements add to the rows they return

@@ -437,6 +437,7 @@ async fn run(
         map: &map,
         prefix: &info.schema_prefix,
         layout: info.layout,
+        minter: config.minter,
         migrations: &migrations,
         roles: &config.app_roles,
         lock_timeout: options.lock_timeout,

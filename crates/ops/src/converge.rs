@@ -85,6 +85,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) map: &'a ShardMap,
     pub(crate) prefix: &'a SchemaPrefix,
     pub(crate) layout: Layout,
+    /// The config's `id.minter`: which `next_id()` each shard gets.
+    pub(crate) minter: shardline_id::sql::Minter,
     pub(crate) migrations: &'a [Migration],
     /// The config's `app_roles`.
     pub(crate) roles: &'a [shardline_router::RoleName],
@@ -201,7 +203,9 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
                 });
             }
         }
-        let install = ShardSql::new(inputs.layout, schema.as_str(), u32::from(shard.get()))?.install();
+        let install = ShardSql::new(inputs.layout, schema.as_str(), u32::from(shard.get()))?
+            .minter(inputs.minter)
+            .install();
         let minter = (minter_sum != Some(checksum(install.as_bytes()).as_str())).then_some(install);
         // Granted with any other work (a migration may add tables), and on its own when
         // the roles (or what they get) changed. Nothing is revoked from a role taken

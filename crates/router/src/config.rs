@@ -11,6 +11,8 @@
 //!
 //! [id]
 //! epoch_ms = 1314220021721         # default: Instagram's
+//! minter = "plpgsql"               # each shard's next_id(): "plpgsql" (default, any
+//!                                  # Postgres) or "native" (C; the library on every host)
 //!
 //! [catalog]
 //! url = "postgres://shardline@catalog:5432/shardline"
@@ -38,6 +40,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use shardline_id::Layout;
+use shardline_id::sql::Minter;
 use toml::Spanned;
 
 use crate::{Error, HostName, Result, RoleName, SchemaPrefix, ShardCount};
@@ -57,6 +60,9 @@ pub struct Config {
     pub migrations: PathBuf,
     /// The ID layout: Instagram's widths with the configured epoch.
     pub layout: Layout,
+    /// Which `next_id()` `init`, `migrate` and moves install in each shard schema
+    /// (`id.minter`; default PL/pgSQL). See `docs/ids.md`, "The native minter".
+    pub minter: Minter,
     /// The roles the application connects as (default none). `init`, `migrate` and
     /// `move` grant each of them exactly the request path's privileges on every shard
     /// schema they build or change, and read access to the catalog (see
@@ -541,6 +547,7 @@ struct RawCredentials {
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 struct RawId {
     epoch_ms: Option<Spanned<i64>>,
+    minter: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -759,6 +766,16 @@ impl Config {
             }
             app_roles.push(role);
         }
+        let minter = match raw.id.as_ref().and_then(|id| id.minter.as_ref()) {
+            None => Minter::default(),
+            Some(m) => Minter::from_name(m.get_ref()).ok_or_else(|| {
+                src.err(
+                    m.span().start,
+                    "id.minter",
+                    format!("{:?} is not a minter: expected \"plpgsql\" or \"native\"", m.get_ref()),
+                )
+            })?,
+        };
         let layout = src.layout(raw.id)?;
         let listen_url;
         let catalog = match raw.catalog {
@@ -859,6 +876,7 @@ impl Config {
             schema_prefix,
             migrations,
             layout,
+            minter,
             app_roles,
             catalog,
             listen_url,
@@ -1274,6 +1292,10 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             ),
             ("[id]\nepoch = 5\n", "shardline.toml:2: toml: unknown field `epoch`"),
             (
+                "[id]\nminter = \"c\"\n",
+                "shardline.toml:2: id.minter: \"c\" is not a minter: expected \"plpgsql\" or \"native\"",
+            ),
+            (
                 "[id]\nepoch_ms = 1700000000000000\n",
                 "shardline.toml:2: id.epoch_ms: 1700000000000000 is after now",
             ),
@@ -1281,6 +1303,9 @@ peer_url = "postgres://app@10.0.0.2:5432/app"
             let err = load(&format!("{id}{tail}")).unwrap_err().to_string();
             assert!(err.contains(message), "{id:?}: {err}");
         }
+        assert_eq!(load(tail).unwrap().minter, Minter::PlPgSql);
+        assert_eq!(load(&format!("[id]\nminter = \"native\"\n{tail}")).unwrap().minter, Minter::Native);
+        assert_eq!(load(&format!("[id]\nminter = \"plpgsql\"\n{tail}")).unwrap().minter, Minter::PlPgSql);
     }
 
     #[test]

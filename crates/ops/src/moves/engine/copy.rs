@@ -83,7 +83,11 @@ impl Mover<'_> {
                 shard,
                 schema: schema.clone(),
                 create_schema: true,
-                minter: Some(ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.install()),
+                minter: Some(
+                    ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?
+                        .minter(config.minter)
+                        .install(),
+                ),
                 migrations: (0..migrations.len()).collect(),
                 grants: Some(grants::shard_grants(&schema, &config.app_roles)).filter(|g| !g.is_empty()),
             };
@@ -92,6 +96,7 @@ impl Mover<'_> {
                 map: &map,
                 prefix: &prefix,
                 layout,
+                minter: config.minter,
                 migrations: &migrations,
                 roles: &config.app_roles,
                 lock_timeout,

@@ -1,0 +1,203 @@
+/*
+ * shardline's native minter: a shard schema's next_id() in C, for hosts that can load
+ * this library (see docs/ids.md, "The native minter").
+ *
+ * It is the PL/pgSQL next_id()'s fast path, nothing more: while the session holds a lease
+ * valid at its transaction's start (now()), take nextval of the shard's sequence and
+ * compose the ID; otherwise call the schema's shardline_catch_up(), the same slow path
+ * the PL/pgSQL minter calls. Uniqueness never depends on this file: every ID comes from
+ * the sequence, as there.
+ *
+ * Each schema's next_id() is this one C symbol. It finds its schema's constants (the
+ * sequence, the catch-up, the lease's setting, the layout, the clock offset) by calling
+ * the schema's shardline_minter_params() once per session, keyed by its own function OID,
+ * and again after any change to a function or relation (an invalidation), so reinstalling
+ * with other options takes effect in running sessions as the PL/pgSQL one does.
+ */
+#include "postgres.h"
+
+#include <math.h>
+
+#include "access/xact.h"
+#include "commands/sequence.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "miscadmin.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/hsearch.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/syscache.h"
+#include "utils/timestamp.h"
+
+PG_MODULE_MAGIC;
+
+/* The name of a schema's parameters function. */
+#define PARAMS_FUNCTION "shardline_minter_params"
+
+/* A lease setting's name: "shardline.lease_" and a schema name (at most NAMEDATALEN - 1). */
+#define GUC_NAME_MAX (NAMEDATALEN + 32)
+
+typedef struct Params
+{
+	Oid			fn;				/* hash key: the schema's next_id() */
+	bool		valid;
+	Oid			seq;
+	Oid			catch_up;
+	int64		shard_part;
+	int32		seq_bits;
+	int32		ts_shift;
+	int64		epoch_ms;
+	int64		offset_ms;
+	char		guc[GUC_NAME_MAX];
+} Params;
+
+static HTAB *params_by_fn = NULL;
+
+/* Counts invalidations: parameters loaded while one came in are used once, not kept. */
+static uint64 generation = 0;
+
+/* Any change to a function or relation: reload every schema's parameters on next use. */
+static void
+forget_all(void)
+{
+	HASH_SEQ_STATUS status;
+	Params	   *p;
+
+	generation++;
+	if (params_by_fn == NULL)
+		return;
+	hash_seq_init(&status, params_by_fn);
+	while ((p = (Params *) hash_seq_search(&status)) != NULL)
+		p->valid = false;
+}
+
+static void
+on_syscache(Datum arg, int cacheid, uint32 hashvalue)
+{
+	forget_all();
+}
+
+static void
+on_relcache(Datum arg, Oid relid)
+{
+	forget_all();
+}
+
+static void
+load(Params *p, Oid fn)
+{
+	char	   *schema = get_namespace_name(get_func_namespace(fn));
+	StringInfoData query;
+	HeapTuple	row;
+	TupleDesc	desc;
+	bool		isnull;
+	int			i;
+	Datum		values[8];
+	char	   *guc;
+	uint64		loading = generation;
+
+	if (schema == NULL)
+		ereport(ERROR, (errmsg("shardline native minter: the schema of function %u is gone", fn)));
+	initStringInfo(&query);
+	appendStringInfo(&query,
+					 "SELECT seq, catch_up, lease_guc, shard_part, seq_bits, ts_shift, epoch_ms, offset_ms FROM %s.%s()",
+					 quote_identifier(schema), PARAMS_FUNCTION);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		ereport(ERROR, (errmsg("shardline native minter: SPI_connect failed")));
+	if (SPI_execute(query.data, true, 1) != SPI_OK_SELECT || SPI_processed != 1)
+		ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned no row", schema, PARAMS_FUNCTION)));
+	row = SPI_tuptable->vals[0];
+	desc = SPI_tuptable->tupdesc;
+	for (i = 0; i < 8; i++)
+	{
+		values[i] = SPI_getbinval(row, desc, i + 1, &isnull);
+		if (isnull)
+			ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned a null", schema, PARAMS_FUNCTION)));
+	}
+	guc = TextDatumGetCString(values[2]);
+	if (strlen(guc) >= GUC_NAME_MAX)
+		ereport(ERROR, (errmsg("shardline native minter: lease setting name too long: %s", guc)));
+	p->seq = DatumGetObjectId(values[0]);
+	p->catch_up = DatumGetObjectId(values[1]);
+	strlcpy(p->guc, guc, GUC_NAME_MAX);
+	p->shard_part = DatumGetInt64(values[3]);
+	p->seq_bits = DatumGetInt32(values[4]);
+	p->ts_shift = DatumGetInt32(values[5]);
+	p->epoch_ms = DatumGetInt64(values[6]);
+	p->offset_ms = DatumGetInt64(values[7]);
+	if (p->seq_bits < 0 || p->seq_bits > 62 || p->ts_shift < 0 || p->ts_shift > 62)
+		ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned a bad layout", schema, PARAMS_FUNCTION)));
+	SPI_finish();
+	p->valid = (generation == loading);
+}
+
+static Params *
+params_of(Oid fn)
+{
+	Params	   *p;
+	bool		found;
+
+	if (params_by_fn == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(Oid);
+		ctl.entrysize = sizeof(Params);
+		params_by_fn = hash_create("shardline native minter", 64, &ctl, HASH_ELEM | HASH_BLOBS);
+		CacheRegisterSyscacheCallback(PROCOID, on_syscache, (Datum) 0);
+		CacheRegisterRelcacheCallback(on_relcache, (Datum) 0);
+	}
+	p = (Params *) hash_search(params_by_fn, &fn, HASH_ENTER, &found);
+	if (!found)
+		p->valid = false;
+	if (!p->valid)
+		load(p, fn);
+	return p;
+}
+
+/* The session's lease for the schema, as the PL/pgSQL reads it: none is -1, '' is 0. */
+static int64
+lease_of(const Params *p)
+{
+	const char *s = GetConfigOption(p->guc, true, false);
+	char	   *end;
+	long long	v;
+
+	if (s == NULL)
+		return -1;
+	if (*s == '\0')
+		return 0;
+	errno = 0;
+	v = strtoll(s, &end, 10);
+	if (errno != 0 || *end != '\0' || end == s)
+		return -1;
+	return (int64) v;
+}
+
+PG_FUNCTION_INFO_V1(shardline_next_id);
+
+Datum
+shardline_next_id(PG_FUNCTION_ARGS)
+{
+	Params	   *p = params_of(fcinfo->flinfo->fn_oid);
+	TimestampTz start = GetCurrentTransactionStartTimestamp();
+
+	/* (date_part('epoch', now()) * 1000)::bigint, as the PL/pgSQL computes it. */
+	double		ms = rint(((double) (start - SetEpochTimestamp())) / 1000000.0 * 1000.0);
+	int64		now_ticks = (int64) ms + p->offset_ms - p->epoch_ms;
+
+	if (now_ticks <= lease_of(p))
+	{
+		int64		v = nextval_internal(p->seq, true);
+		int64		max_seq = (((int64) 1) << p->seq_bits) - 1;
+
+		PG_RETURN_INT64(((v >> p->seq_bits) << p->ts_shift) | p->shard_part | (v & max_seq));
+	}
+	if (pg_proc_aclcheck(p->catch_up, GetUserId(), ACL_EXECUTE) != ACLCHECK_OK)
+		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_FUNCTION, get_func_name(p->catch_up));
+	return OidFunctionCall0(p->catch_up);
+}
