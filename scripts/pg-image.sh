@@ -18,9 +18,9 @@
 # password-less logins (the official image does with POSTGRES_HOST_AUTH_METHOD=trust).
 # Its cluster is initialised at build time, so a container starts in about a second.
 # When this machine's PostgreSQL has shardline's native minter installed
-# (scripts/native-minter.sh), the image gets the same library (labelled with its
-# checksum), and an image built here without it, or with another build of it, is built
-# again.
+# (scripts/native-minter.sh), the image gets the same library in a layer of its own,
+# labelled with its checksum: added to an image that lacks it or has another build of it,
+# however that image was made (present, pulled or built here).
 set -euo pipefail
 # The image's directories get their modes from here (a umask of 077 would leave / and
 # /usr closed to the postgres user).
@@ -47,19 +47,37 @@ if [ -f "$native" ]; then
   native_sum=$(sha256sum "$native" | cut -c1-16)
 fi
 
+# Adds this machine's native minter library to $IMAGE unless it has that build already.
+add_native() {
+  [ -n "$native_sum" ] || return 0
+  local have
+  have=$(docker image inspect -f '{{ index .Config.Labels "org.shardline.native-minter" }}' "$IMAGE" 2>/dev/null || true)
+  [ "$have" = "$native_sum" ] && return 0
+  local ctx
+  ctx=$(mktemp -d)
+  install -m 755 "$native" "$ctx/shardline_minter.so"
+  printf 'FROM %s\nCOPY shardline_minter.so /usr/lib/postgresql/15/lib/shardline_minter.so\nLABEL org.shardline.native-minter=%s\n' \
+    "$IMAGE" "$native_sum" >"$ctx/Dockerfile"
+  if ! DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$ctx" >/dev/null 2>"$ctx/build.log"; then
+    cat "$ctx/build.log" >&2
+    rm -rf "$ctx"
+    log "adding the native minter to $IMAGE failed"
+    exit 1
+  fi
+  rm -rf "$ctx"
+  log "added the native minter ($native) to $IMAGE"
+}
+
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
-  label() { docker image inspect -f "{{ index .Config.Labels \"$1\" }}" "$IMAGE" 2>/dev/null || true; }
-  if [ -z "$native_sum" ] || [ "$(label org.shardline.built-from)" != "debian-packages" ] \
-    || [ "$(label org.shardline.native-minter)" = "$native_sum" ]; then
-    exit 0
-  fi
-  log "image $IMAGE lacks this machine's native minter ($native); building it again"
-else
-  log "image $IMAGE not present; trying docker pull"
-  if timeout 120 docker pull -q "$IMAGE" >/dev/null 2>&1; then
-    log "pulled $IMAGE"
-    exit 0
-  fi
+  add_native
+  exit 0
+fi
+
+log "image $IMAGE not present; trying docker pull"
+if timeout 120 docker pull -q "$IMAGE" >/dev/null 2>&1; then
+  log "pulled $IMAGE"
+  add_native
+  exit 0
 fi
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -150,12 +168,6 @@ else
   from_debootstrap
 fi
 
-# shardline's native minter, when this machine has it (built against the same major
-# version).
-if [ -n "$native_sum" ]; then
-  install -m 755 "$native" "$rootfs/usr/lib/postgresql/15/lib/shardline_minter.so"
-fi
-
 # Debian's packaging creates its own cluster in /var/lib/postgresql/15/main; drop it and
 # bake a trust-auth cluster at the path PGDATA names, so a container starts in ~1 s.
 rm -rf "$rootfs/var/lib/postgresql/15" "$rootfs/etc/postgresql/15"
@@ -199,10 +211,10 @@ tar --numeric-owner -C "$rootfs" -cf - . | docker import \
   --change 'CMD ["postgres"]' \
   - "$base" >/dev/null
 mkdir -p "$work/ctx"
-printf 'FROM %s\nSTOPSIGNAL SIGINT\nLABEL org.shardline.built-from=debian-packages\nLABEL org.shardline.native-minter=%s\n' \
-  "$base" "${native_sum:-none}" >"$work/ctx/Dockerfile"
+printf 'FROM %s\nSTOPSIGNAL SIGINT\nLABEL org.shardline.built-from=debian-packages\n' "$base" >"$work/ctx/Dockerfile"
 DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$work/ctx" >/dev/null 2>"$work/build.log" \
   || { cat "$work/build.log" >&2; docker rmi "$base" >/dev/null 2>&1; log "docker build failed"; exit 1; }
 docker rmi "$base" >/dev/null 2>&1 || true
 
 log "built $IMAGE in $(( $(date +%s) - start )) s"
+add_native

@@ -192,8 +192,9 @@ pub(crate) async fn a_clock_stepping_back_changes_nothing(ctx: TestContext) -> T
 }
 
 shardline_testkit::register!(shared: a_clock_stepping_back_changes_nothing_for_the_native_minter);
-/// As above, through the native minter: each install changes the clock offset its
-/// running session's `next_id()` reads (the C function reloads its constants).
+/// As above, through the native minter (each install here also replaces its `next_id()`
+/// under the running session; whether the session reloads the constants is proved by
+/// `the_native_minter_replaces_the_plpgsql_one_in_place_and_running_sessions_follow`).
 pub(crate) async fn a_clock_stepping_back_changes_nothing_for_the_native_minter(
     ctx: TestContext,
 ) -> TestResult {
@@ -899,6 +900,24 @@ pub(crate) async fn the_native_minter_replaces_the_plpgsql_one_in_place_and_runn
     }
     let today = *all.last().ok_or("no ID")?;
     assert!(ahead_of_now(today)?.abs() < 30_000, "{today:?}: {} ms from now", ahead_of_now(today)?);
+    // The C fast path composes what the SQL decodes: the sequence's value it took, this
+    // shard, and the time and counter that value carries.
+    let row = session
+        .query_one(
+            &format!("SELECT {SCHEMA}.next_id(), pg_catalog.currval('{}')", slow_lease.sequence()),
+            &[],
+        )
+        .await?;
+    let (id, value): (Id, i64) = (row.get(0), row.get(1));
+    assert_eq!(id, L.id_from_sequence_value(value, SHARD)?, "value {value}");
+    let parts = session.query_one(&format!("SELECT * FROM {SCHEMA}.id_parts($1)"), &[&id]).await?;
+    let (unix_ms, shard, sequence): (i64, i32, i32) = (parts.get(0), parts.get(1), parts.get(2));
+    assert_eq!(
+        IdParts { unix_ms, shard: u32::try_from(shard)?, sequence: u32::try_from(sequence)? },
+        L.decode(id)
+    );
+    assert_eq!(L.decode(id).shard, SHARD);
+    all.push(id);
 
     installer
         .batch_execute(&slow_lease.clone().minter(Minter::Native).clock_offset_ms(120_000).install())

@@ -7,6 +7,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
+use shardline_id::sql::Minter;
 use shardline_id::{Id, Layout};
 
 use crate::UsageError;
@@ -66,7 +67,8 @@ pub enum IdCommand {
         #[arg(long, value_name = "MS", allow_negative_numbers = true)]
         epoch_ms: Option<i64>,
         /// Make next_id() the native minter (a C function; run the SQL as a superuser
-        /// on a server with the library: scripts/native-minter.sh) instead of PL/pgSQL.
+        /// on a server with the library: scripts/native-minter.sh) instead of PL/pgSQL
+        /// (default: the config's `id.minter` when the config file exists, else PL/pgSQL).
         #[arg(long)]
         native: bool,
     },
@@ -98,21 +100,22 @@ fn layout(epoch_ms: Option<i64>, config: Option<&Path>) -> Result<Layout, UsageE
             .with_epoch(ms)
             .map_err(|e| UsageError(format!("invalid value {ms} for --epoch-ms: {e}")));
     }
+    Ok(id_table(config, "the ID layout is read from it; --epoch-ms gives it instead")?.0)
+}
+
+/// The `[id]` table's layout and minter, read as [`layout`] reads it (Instagram's and the
+/// PL/pgSQL minter without a config file). `why` says, in errors, what was being read.
+fn id_table(config: Option<&Path>, why: &str) -> Result<(Layout, Minter), UsageError> {
     let default = Path::new(crate::DEFAULT_CONFIG);
     let path = match config {
         Some(path) => path,
         None if default.exists() => default,
-        None => return Ok(Layout::INSTAGRAM),
+        None => return Ok((Layout::INSTAGRAM, Minter::default())),
     };
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        UsageError(format!(
-            "cannot read the config file {}: {e} (the ID layout is read from it; --epoch-ms gives it instead)",
-            path.display()
-        ))
-    })?;
-    shardline_router::Config::layout_from_toml(&text, &path.display().to_string()).map_err(|e| {
-        UsageError(format!("{e} (the ID layout is read from the config; --epoch-ms gives it instead)"))
-    })
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| UsageError(format!("cannot read the config file {}: {e} ({why})", path.display())))?;
+    shardline_router::Config::id_from_toml(&text, &path.display().to_string())
+        .map_err(|e| UsageError(format!("{e} ({why})")))
 }
 
 /// Refuses a `--schema` that is not `shard`'s schema under some prefix (the prefix, then
@@ -215,8 +218,11 @@ pub fn run(opt: IdOpt, config: Option<&Path>, out: &mut dyn Write) -> anyhow::Re
             // schema would mint this shard's IDs from its sequence (duplicates of that
             // shard's own, reads sent to the wrong one).
             check_schema_names_shard(&schema, shard)?;
-            let minter =
-                if native { shardline_id::sql::Minter::Native } else { shardline_id::sql::Minter::PlPgSql };
+            let minter = if native {
+                Minter::Native
+            } else {
+                id_table(config, "the minter is read from it; --native chooses the native one")?.1
+            };
             write!(out, "{}", sql.minter(minter).install())?;
         }
         IdCommand::Layout { epoch_ms } => {

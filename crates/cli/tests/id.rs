@@ -103,6 +103,33 @@ fn sql_installs_the_minter_in_the_shards_own_schema() {
 }
 
 #[test]
+fn sql_installs_the_configs_minter_and_the_flag_chooses_the_native_one() {
+    let native = "LANGUAGE c VOLATILE AS ''shardline_minter'', ''shardline_next_id_v1''";
+    let o = shardline(&["id", "sql", "--schema", "shard_0005", "--shard", "5"]);
+    assert!(
+        stdout(&o).contains("next_id() RETURNS bigint\nLANGUAGE plpgsql") && !stdout(&o).contains(native)
+    );
+    let o = shardline(&["id", "sql", "--schema", "shard_0005", "--shard", "5", "--native"]);
+    assert!(stdout(&o).contains(native), "{}", stdout(&o));
+    let dir = std::env::temp_dir().join(format!("shardline-cli-minter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("shardline.toml");
+    let with = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_shardline")).arg("--config").arg(&path).args(args).output().unwrap()
+    };
+    std::fs::write(&path, "[id]\nminter = \"native\"\n").unwrap();
+    let o = with(&["id", "sql", "--schema", "shard_0005", "--shard", "5"]);
+    assert!(stdout(&o).contains(native), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(&path, "[id]\nminter = \"c\"\n").unwrap();
+    let o = with(&["id", "sql", "--schema", "shard_0005", "--shard", "5"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("id.minter: \"c\" is not a minter"), "{err}");
+    assert!(o.stdout.is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn an_epoch_near_the_year_10000_prints_its_times_without_a_panic() {
     // Accepted by the layout; its times from the year 10000 on have no RFC 3339 form.
     for args in [

@@ -11,14 +11,20 @@
  * Each schema's next_id() is this one C symbol. It finds its schema's constants (the
  * sequence, the catch-up, the lease's setting, the layout, the clock offset) by calling
  * the schema's shardline_minter_params() once per session, keyed by its own function OID,
- * and again after any change to a function or relation (an invalidation), so reinstalling
- * with other options takes effect in running sessions as the PL/pgSQL one does.
+ * and again after its next_id() is replaced (every install replaces it) or its sequence
+ * changes, so reinstalling with other options takes effect in running sessions as the
+ * PL/pgSQL one does. The columns of shardline_minter_params() are checked by type: SQL
+ * from another version of shardline fails with an error, never a misread.
+ *
+ * The symbol is versioned (shardline_next_id_v1): an install that needs another
+ * library's contract fails at CREATE FUNCTION, on the host whose library is stale.
  */
 #include "postgres.h"
 
 #include <math.h>
 
 #include "access/xact.h"
+#include "catalog/pg_type.h"
 #include "commands/sequence.h"
 #include "executor/spi.h"
 #include "fmgr.h"
@@ -44,6 +50,7 @@ PG_MODULE_MAGIC;
 typedef struct Params
 {
 	Oid			fn;				/* hash key: the schema's next_id() */
+	uint32		fn_hash;		/* its pg_proc row's syscache hash */
 	bool		valid;
 	Oid			seq;
 	Oid			catch_up;
@@ -60,32 +67,47 @@ static HTAB *params_by_fn = NULL;
 /* Counts invalidations: parameters loaded while one came in are used once, not kept. */
 static uint64 generation = 0;
 
-/* Any change to a function or relation: reload every schema's parameters on next use. */
+/*
+ * A change to a next_id() (fn_hash: its pg_proc row's hash; any_fn: every function) or
+ * to a relation (relid; any_rel: every relation): its schema's parameters are loaded
+ * again on next use.
+ */
 static void
-forget_all(void)
+forget(uint32 fn_hash, bool any_fn, Oid relid, bool any_rel)
 {
 	HASH_SEQ_STATUS status;
 	Params	   *p;
 
-	generation++;
 	if (params_by_fn == NULL)
 		return;
 	hash_seq_init(&status, params_by_fn);
 	while ((p = (Params *) hash_seq_search(&status)) != NULL)
-		p->valid = false;
+	{
+		if (any_fn || any_rel || (!OidIsValid(relid) && p->fn_hash == fn_hash)
+			|| (OidIsValid(relid) && p->seq == relid))
+		{
+			p->valid = false;
+			generation++;
+		}
+	}
 }
 
 static void
 on_syscache(Datum arg, int cacheid, uint32 hashvalue)
 {
-	forget_all();
+	forget(hashvalue, hashvalue == 0, InvalidOid, false);
 }
 
 static void
 on_relcache(Datum arg, Oid relid)
 {
-	forget_all();
+	forget(0, false, relid, !OidIsValid(relid));
 }
+
+/* The type each column of shardline_minter_params() must have, in order. */
+static const Oid param_types[8] = {
+	REGCLASSOID, REGPROCEDUREOID, TEXTOID, INT8OID, INT4OID, INT4OID, INT8OID, INT8OID
+};
 
 static void
 load(Params *p, Oid fn)
@@ -112,8 +134,14 @@ load(Params *p, Oid fn)
 		ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned no row", schema, PARAMS_FUNCTION)));
 	row = SPI_tuptable->vals[0];
 	desc = SPI_tuptable->tupdesc;
+	if (desc->natts != 8)
+		ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned %d columns, not 8: install the minter again with this library's version of shardline",
+							   schema, PARAMS_FUNCTION, desc->natts)));
 	for (i = 0; i < 8; i++)
 	{
+		if (SPI_gettypeid(desc, i + 1) != param_types[i])
+			ereport(ERROR, (errmsg("shardline native minter: column %d of %s.%s() has type %u, not %u: install the minter again with this library's version of shardline",
+								   i + 1, schema, PARAMS_FUNCTION, SPI_gettypeid(desc, i + 1), param_types[i])));
 		values[i] = SPI_getbinval(row, desc, i + 1, &isnull);
 		if (isnull)
 			ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned a null", schema, PARAMS_FUNCTION)));
@@ -153,35 +181,43 @@ params_of(Oid fn)
 	}
 	p = (Params *) hash_search(params_by_fn, &fn, HASH_ENTER, &found);
 	if (!found)
+	{
 		p->valid = false;
+		p->seq = InvalidOid;
+		p->fn_hash = GetSysCacheHashValue1(PROCOID, ObjectIdGetDatum(fn));
+	}
 	if (!p->valid)
 		load(p, fn);
 	return p;
 }
 
-/* The session's lease for the schema, as the PL/pgSQL reads it: none is -1, '' is 0. */
+/*
+ * The session's lease for the schema: its setting's digits, as the PL/pgSQL reads them
+ * ('0' || setting, as bigint). An empty setting (set in a transaction that rolled back)
+ * is 0, no setting -1; anything the catch-up never writes (a sign, a space, too many
+ * digits) is -1 too, where the PL/pgSQL raises an error: either way no lease.
+ */
 static int64
 lease_of(const Params *p)
 {
 	const char *s = GetConfigOption(p->guc, true, false);
-	char	   *end;
-	long long	v;
+	int64		v = 0;
 
 	if (s == NULL)
 		return -1;
-	if (*s == '\0')
-		return 0;
-	errno = 0;
-	v = strtoll(s, &end, 10);
-	if (errno != 0 || *end != '\0' || end == s)
-		return -1;
-	return (int64) v;
+	for (; *s != '\0'; s++)
+	{
+		if (*s < '0' || *s > '9' || v > (PG_INT64_MAX - 9) / 10)
+			return -1;
+		v = v * 10 + (*s - '0');
+	}
+	return v;
 }
 
-PG_FUNCTION_INFO_V1(shardline_next_id);
+PG_FUNCTION_INFO_V1(shardline_next_id_v1);
 
 Datum
-shardline_next_id(PG_FUNCTION_ARGS)
+shardline_next_id_v1(PG_FUNCTION_ARGS)
 {
 	Params	   *p = params_of(fcinfo->flinfo->fn_oid);
 	TimestampTz start = GetCurrentTransactionStartTimestamp();
@@ -192,10 +228,11 @@ shardline_next_id(PG_FUNCTION_ARGS)
 
 	if (now_ticks <= lease_of(p))
 	{
-		int64		v = nextval_internal(p->seq, true);
-		int64		max_seq = (((int64) 1) << p->seq_bits) - 1;
+		/* Unsigned, as the sequence's values (0 up) are: no shift relies on -fwrapv. */
+		uint64		v = (uint64) nextval_internal(p->seq, true);
+		uint64		max_seq = (((uint64) 1) << p->seq_bits) - 1;
 
-		PG_RETURN_INT64(((v >> p->seq_bits) << p->ts_shift) | p->shard_part | (v & max_seq));
+		PG_RETURN_INT64((int64) (((v >> p->seq_bits) << p->ts_shift) | (uint64) p->shard_part | (v & max_seq)));
 	}
 	if (pg_proc_aclcheck(p->catch_up, GetUserId(), ACL_EXECUTE) != ACLCHECK_OK)
 		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_FUNCTION, get_func_name(p->catch_up));

@@ -395,6 +395,11 @@ $shardline_minter$;"#,
 /// Built from `crates/id/native/shardline_minter.c` by `scripts/native-minter.sh`.
 pub const NATIVE_LIBRARY: &str = "shardline_minter";
 
+/// The native minter's C symbol in [`NATIVE_LIBRARY`], versioned with the contract
+/// between it and the install's SQL (`shardline_minter_params()`'s columns): a library
+/// without it fails the install (`CREATE FUNCTION`), not an insert.
+pub const NATIVE_SYMBOL: &str = "shardline_next_id_v1";
+
 /// Which `next_id()` a shard's schema gets. Both mint the same IDs from the same
 /// sequence, with the same lease and the same catch-up (`shardline_catch_up()`, in
 /// PL/pgSQL): they differ only in what runs on every insert.
@@ -607,8 +612,10 @@ BEGIN
 END
 $fn$;
 
--- What the native minter reads once per session (see crates/id/native): the same
--- constants the PL/pgSQL next_id() is written with.
+-- What the native minter reads once per session (see crates/id/native): the constants
+-- the PL/pgSQL next_id() is written with. In both minters' installs, so a shard holds
+-- the same objects with either (a move carries their privileges one for one), and
+-- switching back and forth replaces functions, never drops one.
 CREATE OR REPLACE FUNCTION {s}.shardline_minter_params(OUT seq regclass, OUT catch_up regprocedure,
     OUT lease_guc text, OUT shard_part bigint, OUT seq_bits integer, OUT ts_shift integer,
     OUT epoch_ms bigint, OUT offset_ms bigint)
@@ -616,6 +623,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
 SELECT {seq_arg}, '{s}.shardline_catch_up()'::pg_catalog.regprocedure, '{lease_guc}'::text,
     ({shard_part})::bigint, {seq_bits}::integer, {ts_shift}::integer, ({epoch})::bigint, ({offset})::bigint
 $fn$;
+-- Every role that inserts calls it (once per session), as it calls next_id().
+GRANT EXECUTE ON FUNCTION {s}.shardline_minter_params() TO PUBLIC;
 
 {next_id}
 
@@ -691,13 +700,14 @@ BEGIN
         RAISE EXCEPTION 'the native minter is a C function, which only a superuser may create, and % is not one: install it as a superuser, or use the PL/pgSQL minter (id.minter = "plpgsql")', current_user
             USING ERRCODE = 'insufficient_privilege';
     END IF;
-    EXECUTE 'CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint LANGUAGE c VOLATILE AS ''{lib}'', ''shardline_next_id''';
+    EXECUTE 'CREATE OR REPLACE FUNCTION {s}.next_id() RETURNS bigint LANGUAGE c VOLATILE AS ''{lib}'', ''{symbol}''';
 EXCEPTION WHEN undefined_file THEN
     RAISE EXCEPTION 'the native minter''s library {lib} is not on this server (%): build and install it on every host with scripts/native-minter.sh, or use the PL/pgSQL minter (id.minter = "plpgsql")', SQLERRM
         USING ERRCODE = 'undefined_file';
 END
 $native$;"#,
         lib = NATIVE_LIBRARY,
+        symbol = NATIVE_SYMBOL,
     )
 }
 

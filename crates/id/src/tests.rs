@@ -374,32 +374,31 @@ fn the_owner_check_covers_the_catch_up_every_wrapper_calls() {
 
 #[test]
 fn the_native_install_differs_only_in_next_id() {
-    use crate::sql::{Minter, NATIVE_LIBRARY};
+    use crate::sql::{Minter, NATIVE_LIBRARY, NATIVE_SYMBOL};
     let plpgsql = ShardSql::new(L, "shard_0005", 5).unwrap().install();
     let native = ShardSql::new(L, "shard_0005", 5).unwrap().minter(Minter::Native).install();
     let next_id = "CREATE OR REPLACE FUNCTION \"shard_0005\".next_id() RETURNS bigint";
     assert!(plpgsql.contains(&format!("{next_id}\nLANGUAGE plpgsql")));
     assert!(!plpgsql.contains("LANGUAGE c"));
     assert!(
-        native.contains(&format!(
-            "{next_id} LANGUAGE c VOLATILE AS ''{NATIVE_LIBRARY}'', ''shardline_next_id''"
-        ))
+        native
+            .contains(&format!("{next_id} LANGUAGE c VOLATILE AS ''{NATIVE_LIBRARY}'', ''{NATIVE_SYMBOL}''"))
     );
     assert!(!native.contains(&format!("{next_id}\nLANGUAGE plpgsql")));
-    // The same constants for both: the native one reads them from this function.
+    // The native minter reads the constants the PL/pgSQL one is written with, from a
+    // function both installs make (a shard holds the same objects with either).
     for sql in [&plpgsql, &native] {
-        assert!(sql.contains("\"shard_0005\".shardline_minter_params("));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION \"shard_0005\".shardline_minter_params("));
         assert!(sql.contains("'shardline.lease_shard_0005'::text"));
         assert!(
             sql.contains("(5120)::bigint, 10::integer, 23::integer, (1314220021721)::bigint, (0)::bigint")
         );
     }
+    assert!(plpgsql.contains("current_setting('shardline.lease_shard_0005', true)"));
     // Everything but next_id() is the same text.
-    let params = "CREATE OR REPLACE FUNCTION \"shard_0005\".shardline_minter_params(";
     let id_parts = "CREATE OR REPLACE FUNCTION \"shard_0005\".id_parts(";
-    let head = |s: &str| s.split(params).next().unwrap().to_owned();
     let tail = |s: &str| s.split(id_parts).nth(1).unwrap().to_owned();
-    assert_eq!(head(&plpgsql), head(&native));
+    assert_eq!(plpgsql.split(next_id).next(), native.split("DO $native$").next());
     assert_eq!(tail(&plpgsql), tail(&native));
     for m in [Minter::PlPgSql, Minter::Native] {
         assert_eq!(Minter::from_name(m.name()), Some(m));

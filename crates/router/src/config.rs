@@ -622,6 +622,20 @@ impl Source<'_> {
         })
     }
 
+    /// The minter of the `[id]` table (`minter`; default PL/pgSQL).
+    fn minter(&self, id: Option<&RawId>) -> Result<Minter> {
+        match id.and_then(|id| id.minter.as_ref()) {
+            None => Ok(Minter::default()),
+            Some(m) => Minter::from_name(m.get_ref()).ok_or_else(|| {
+                self.err(
+                    m.span().start,
+                    "id.minter",
+                    format!("{:?} is not a minter: expected \"plpgsql\" or \"native\"", m.get_ref()),
+                )
+            }),
+        }
+    }
+
     /// `url` or `url_env` (exactly one), with `${VAR}` expanded (see [`Self::expand`]).
     fn url(
         &self,
@@ -707,6 +721,16 @@ impl Config {
     /// [`Error::Config`] naming the file, line and key: text that is not TOML, an
     /// `[id]` table with an unknown key, an epoch out of range or after now.
     pub fn layout_from_toml(text: &str, file: &str) -> Result<Layout> {
+        Ok(Self::id_from_toml(text, file)?.0)
+    }
+
+    /// The ID layout and the minter a config's TOML `text` gives (its `[id]` table), read
+    /// as [`Config::layout_from_toml`] reads it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Config::layout_from_toml`], and a minter other than `plpgsql` or `native`.
+    pub fn id_from_toml(text: &str, file: &str) -> Result<(Layout, Minter)> {
         #[derive(Deserialize)]
         struct OnlyId {
             id: Option<RawId>,
@@ -716,7 +740,8 @@ impl Config {
             let offset = e.span().map_or(0, |s| s.start);
             src.err(offset, "toml", without_values(e.message().trim()))
         })?;
-        src.layout(raw.id)
+        let minter = src.minter(raw.id.as_ref())?;
+        Ok((src.layout(raw.id)?, minter))
     }
 
     /// Reads a configuration from TOML `text`. `file` names it in errors; relative
@@ -766,16 +791,7 @@ impl Config {
             }
             app_roles.push(role);
         }
-        let minter = match raw.id.as_ref().and_then(|id| id.minter.as_ref()) {
-            None => Minter::default(),
-            Some(m) => Minter::from_name(m.get_ref()).ok_or_else(|| {
-                src.err(
-                    m.span().start,
-                    "id.minter",
-                    format!("{:?} is not a minter: expected \"plpgsql\" or \"native\"", m.get_ref()),
-                )
-            })?,
-        };
+        let minter = src.minter(raw.id.as_ref())?;
         let layout = src.layout(raw.id)?;
         let listen_url;
         let catalog = match raw.catalog {
