@@ -6,7 +6,7 @@
 //! than 100 ms behind their transaction's start.
 //!
 //! ```text
-//! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench pgbench [-- SECONDS ROUNDS]
+//! SHARDLINE_TEST_BACKEND=local cargo bench -p shardline-tests --bench pgbench [-- SECONDS ROUNDS [CLIENTS,...]]
 //! ```
 #![allow(clippy::unwrap_used, reason = "a benchmark")]
 
@@ -62,6 +62,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let seconds: u32 = args.first().map_or(Ok(10), |a| a.parse())?;
     let rounds: usize = args.get(1).map_or(Ok(1), |a| a.parse())?;
+    let client_counts: Vec<u32> =
+        args.get(2).map_or(Ok(vec![8, 32, 64]), |a| a.split(',').map(str::parse).collect())?;
     let cluster = Cluster::start(1).await?;
     let host = &cluster.hosts()[0];
     cluster.create_database("bench").await?;
@@ -105,9 +107,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "duplicates",
         "stale"
     );
-    println!("(duplicates and stale: the PL/pgSQL minter's table / the native minter's)");
+    println!(
+        "(tps: the median of the rounds; ratio: the median of each round's ratio to that round's bigserial;\n duplicates and stale: the PL/pgSQL minter's table / the native minter's)"
+    );
     let url = host.url("bench");
-    for clients in [8, 32, 64] {
+    for &clients in &client_counts {
         for protocol in ["simple", "prepared"] {
             let mut tps = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             for round in 0..rounds {
@@ -137,12 +141,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             }
             let dups = format!("{}/{}", checked[0].0, checked[1].0);
             let stale = format!("{}/{}", checked[0].1, checked[1].1);
+            // Paired: each round's ratio to the bigserial run of the same round, so the
+            // machine's drift between rounds cancels out.
+            let paired = |i: usize| median(tps[i].iter().zip(&tps[0]).map(|(v, b)| v / b).collect());
+            let (ours_r, floor_r, c_r) = (paired(1), paired(2), paired(3));
             let [base, ours, floor, c] = tps.map(median);
             println!(
-                "{clients:>7} {protocol:>9} {base:>10.0} {ours:>10.0} {:>5.2}x {floor:>16.0} {:>5.2}x {c:>17.0} {:>5.2}x {dups:>10} {stale:>10}",
-                ours / base,
-                floor / base,
-                c / base
+                "{clients:>7} {protocol:>9} {base:>10.0} {ours:>10.0} {ours_r:>5.2}x {floor:>16.0} {floor_r:>5.2}x {c:>17.0} {c_r:>5.2}x {dups:>10} {stale:>10}"
             );
         }
     }
