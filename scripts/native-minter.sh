@@ -18,8 +18,9 @@
 # version; the library checks the major version when it is loaded).
 #
 # On another server (a production host), build it the same way there or with PGXS, and
-# copy shardline_minter.so into `pg_config --pkglibdir` on every host: see docs/ids.md,
-# "The native minter".
+# put shardline_minter.so into `pg_config --pkglibdir` on every host as this script does
+# (install to a temporary name, then mv: never cp over a library a server has loaded):
+# see docs/ids.md, "The native minter".
 set -euo pipefail
 
 PG_CONFIG="${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}"
@@ -68,7 +69,7 @@ lib="$out/shardline_minter.so"
 # The server's own compiler flags (-fwrapv, -fexcess-precision=standard, ...).
 # shellcheck disable=SC2046
 ${CC:-cc} $("$PG_CONFIG" --cflags) $("$PG_CONFIG" --cflags_sl) $("$PG_CONFIG" --cppflags) \
-  -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers -Wmissing-prototypes "${werror[@]}" \
+  -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers -Wmissing-prototypes ${werror[@]+"${werror[@]}"} \
   -I"$inc" -shared -o "$lib.tmp" "$src" $("$PG_CONFIG" --ldflags_sl)
 mv "$lib.tmp" "$lib"
 

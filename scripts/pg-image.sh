@@ -3,7 +3,8 @@
 #
 #   scripts/pg-image.sh            # image named by $SHARDLINE_PG_IMAGE, default postgres:15
 #
-# 1. If the image is already present, do nothing (fast, silent).
+# 1. If the image is already present, keep it (fast, silent; only the native minter's
+#    layer below may be added).
 # 2. Else try `docker pull` (works where a registry is reachable).
 # 3. Else build an equivalent image from Debian's packages: PostgreSQL 15 with a
 #    trust-auth cluster baked in, ENTRYPOINT the postgres binary, EXPOSE 5432/tcp. When
@@ -41,7 +42,8 @@ if ! docker info >/dev/null 2>&1; then
   exit 0
 fi
 
-native=/usr/lib/postgresql/15/lib/shardline_minter.so
+# Where scripts/native-minter.sh installs it (the same pg_config).
+native="$("${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}" --pkglibdir 2>/dev/null || echo /usr/lib/postgresql/15/lib)/shardline_minter.so"
 native_sum=""
 if [ -f "$native" ]; then
   native_sum=$(sha256sum "$native" | cut -c1-16)
@@ -58,13 +60,13 @@ add_native() {
   install -m 755 "$native" "$ctx/shardline_minter.so"
   printf 'FROM %s\nCOPY shardline_minter.so /usr/lib/postgresql/15/lib/shardline_minter.so\nLABEL org.shardline.native-minter=%s\n' \
     "$IMAGE" "$native_sum" >"$ctx/Dockerfile"
-  if ! DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$ctx" >/dev/null 2>"$ctx/build.log"; then
-    cat "$ctx/build.log" >&2
-    rm -rf "$ctx"
+  if ! DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$ctx" >/dev/null 2>"$ctx.log"; then
+    cat "$ctx.log" >&2
+    rm -rf "$ctx" "$ctx.log"
     log "adding the native minter to $IMAGE failed"
     exit 1
   fi
-  rm -rf "$ctx"
+  rm -rf "$ctx" "$ctx.log"
   log "added the native minter ($native) to $IMAGE"
 }
 

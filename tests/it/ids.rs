@@ -877,13 +877,13 @@ shardline_testkit::register!(shared: the_native_minter_replaces_the_plpgsql_one_
 /// other constants, and goes back to PL/pgSQL: the same function (the column's default
 /// names it by OID) changes language each time, and the running session takes each
 /// install at its next statement. The second native install moves the clock the minter
-/// reads 120 s ahead, past the session's lease (60 s): only a `next_id()` that reloaded
-/// its constants sees it (with the ones it loaded first, the lease is still valid and the
+/// reads 2 h ahead, past the session's lease (1 h): only a `next_id()` that reloaded its
+/// constants sees it (with the ones it loaded first, the lease is still valid and the
 /// fast path mints at today's time). IDs stay unique and increasing throughout.
 pub(crate) async fn the_native_minter_replaces_the_plpgsql_one_in_place_and_running_sessions_follow(
     ctx: TestContext,
 ) -> TestResult {
-    let slow_lease = minter().max_lag_ms(60_000);
+    let slow_lease = minter().max_lag_ms(3_600_000);
     let (db, installer) = shard_db(&ctx, 0, &slow_lease).await?;
     let session = ctx.hosts()[0].connect(&db).await?;
     let insert = format!("INSERT INTO {SCHEMA}.photos (n) VALUES (1) RETURNING id");
@@ -920,13 +920,13 @@ pub(crate) async fn the_native_minter_replaces_the_plpgsql_one_in_place_and_runn
     all.push(id);
 
     installer
-        .batch_execute(&slow_lease.clone().minter(Minter::Native).clock_offset_ms(120_000).install())
+        .batch_execute(&slow_lease.clone().minter(Minter::Native).clock_offset_ms(7_200_000).install())
         .await?;
     let ahead = ids(&session, &insert).await?;
     let first = *ahead.first().ok_or("no ID")?;
     assert!(
-        ahead_of_now(first)? > 100_000,
-        "the running session's native next_id() kept the constants it loaded before the install: {first:?} is {} ms from now, not 120 s ahead",
+        ahead_of_now(first)? > 5_400_000,
+        "the running session's native next_id() kept the constants it loaded before the install: {first:?} is {} ms from now, not 2 h ahead",
         ahead_of_now(first)?
     );
     all.extend(ahead);
@@ -997,5 +997,34 @@ pub(crate) async fn the_native_minter_is_refused_without_a_superuser_or_its_libr
             "ALTER DATABASE \"{db}\" OWNER TO postgres; REASSIGN OWNED BY {owner} TO postgres; DROP ROLE {owner}"
         ))
         .await?;
+    Ok(())
+}
+
+shardline_testkit::register!(shared: the_native_minter_takes_the_fast_path_while_its_lease_holds);
+/// 1000 `next_id()` calls in one transaction (one `now()`, so one lease covers them all)
+/// call the catch-up once, through either minter: counted by Postgres
+/// (`track_functions`; the catch-up is PL/pgSQL, so `pl` counts it). A native minter whose
+/// lease check never passed would still mint fresh, unique IDs, through the catch-up on
+/// every call, and only this test would see it.
+pub(crate) async fn the_native_minter_takes_the_fast_path_while_its_lease_holds(
+    ctx: TestContext,
+) -> TestResult {
+    for sql in [minter(), native()] {
+        let (_db, client) = shard_db(&ctx, 1, &sql).await?;
+        client.batch_execute("BEGIN; SET LOCAL track_functions = 'pl'").await?;
+        let minted =
+            ids(&client, &format!("SELECT {SCHEMA}.next_id() FROM generate_series(1, 1000)")).await?;
+        assert_eq!(minted.iter().collect::<HashSet<_>>().len(), 1000);
+        let calls: i64 = client
+            .query_one(
+                "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions
+                 WHERE schemaname = $1 AND funcname = 'shardline_catch_up'",
+                &[&SCHEMA],
+            )
+            .await?
+            .get(0);
+        client.batch_execute("COMMIT").await?;
+        assert_eq!(calls, 1, "{}: 1000 IDs took {calls} catch-ups", next_id_language(&client).await?);
+    }
     Ok(())
 }

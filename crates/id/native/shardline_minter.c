@@ -60,12 +60,15 @@ typedef struct Params
 	int64		epoch_ms;
 	int64		offset_ms;
 	char		guc[GUC_NAME_MAX];
+	int64		lease;			/* the session's lease, read from guc (below) */
 } Params;
 
 static HTAB *params_by_fn = NULL;
 
 /* Counts invalidations: parameters loaded while one came in are used once, not kept. */
 static uint64 generation = 0;
+
+static int64 lease_of(const Params *p);
 
 /*
  * A change to a next_id() (fn_hash: its pg_proc row's hash; any_fn: every function) or
@@ -160,6 +163,7 @@ load(Params *p, Oid fn)
 	if (p->seq_bits < 0 || p->seq_bits > 62 || p->ts_shift < 0 || p->ts_shift > 62)
 		ereport(ERROR, (errmsg("shardline native minter: %s.%s() returned a bad layout", schema, PARAMS_FUNCTION)));
 	SPI_finish();
+	p->lease = lease_of(p);
 	p->valid = (generation == loading);
 }
 
@@ -192,7 +196,12 @@ params_of(Oid fn)
 }
 
 /*
- * The session's lease for the schema: its setting's digits, as the PL/pgSQL reads them
+ * The session's lease for the schema, read from its setting when the constants are
+ * loaded and after each catch-up (which sets it), and kept in between: the fast path
+ * reads no setting. A setting rolled back or reset since (RESET ALL, DISCARD ALL) leaves
+ * the kept lease true, as the catch-up's setval and nextval are not transactional.
+ *
+ * The setting's digits, as the PL/pgSQL reads them
  * ('0' || setting, as bigint). An empty setting (set in a transaction that rolled back)
  * is 0, no setting -1; anything the catch-up never writes (a sign, a space, too many
  * digits) is -1 too, where the PL/pgSQL raises an error: either way no lease.
@@ -219,14 +228,24 @@ PG_FUNCTION_INFO_V1(shardline_next_id_v1);
 Datum
 shardline_next_id_v1(PG_FUNCTION_ARGS)
 {
-	Params	   *p = params_of(fcinfo->flinfo->fn_oid);
+	/* The entry, kept for the rest of the statement (hash entries never move). */
+	Params	   *p = (Params *) fcinfo->flinfo->fn_extra;
 	TimestampTz start = GetCurrentTransactionStartTimestamp();
+	double		ms;
+	int64		now_ticks;
+	Datum		id;
+
+	if (p == NULL || !p->valid)
+	{
+		p = params_of(fcinfo->flinfo->fn_oid);
+		fcinfo->flinfo->fn_extra = p;
+	}
 
 	/* (date_part('epoch', now()) * 1000)::bigint, as the PL/pgSQL computes it. */
-	double		ms = rint(((double) (start - SetEpochTimestamp())) / 1000000.0 * 1000.0);
-	int64		now_ticks = (int64) ms + p->offset_ms - p->epoch_ms;
+	ms = rint(((double) (start - SetEpochTimestamp())) / 1000000.0 * 1000.0);
+	now_ticks = (int64) ms + p->offset_ms - p->epoch_ms;
 
-	if (now_ticks <= lease_of(p))
+	if (now_ticks <= p->lease)
 	{
 		/* Unsigned, as the sequence's values (0 up) are: no shift relies on -fwrapv. */
 		uint64		v = (uint64) nextval_internal(p->seq, true);
@@ -236,5 +255,7 @@ shardline_next_id_v1(PG_FUNCTION_ARGS)
 	}
 	if (pg_proc_aclcheck(p->catch_up, GetUserId(), ACL_EXECUTE) != ACLCHECK_OK)
 		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_FUNCTION, get_func_name(p->catch_up));
-	return OidFunctionCall0(p->catch_up);
+	id = OidFunctionCall0(p->catch_up);
+	p->lease = lease_of(p);
+	return id;
 }

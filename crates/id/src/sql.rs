@@ -407,11 +407,12 @@ pub const NATIVE_SYMBOL: &str = "shardline_next_id_v1";
 #[non_exhaustive]
 pub enum Minter {
     /// A PL/pgSQL function: runs on any PostgreSQL, managed services included, and any
-    /// role that owns the schema installs it. Costs a one-row insert 10–20% of its
-    /// throughput against `bigserial` (docs/benchmarks.md).
+    /// role that owns the schema installs it. One-row inserts ran at 0.66–0.91× the
+    /// throughput of `bigserial`'s at 8 and 32 clients (observed: docs/benchmarks.md).
     #[default]
     PlPgSql,
-    /// The same fast path in C ([`NATIVE_LIBRARY`]): about what `bigserial` costs. Needs
+    /// The same fast path in C ([`NATIVE_LIBRARY`]): one-row inserts at 0.84–1.07× the
+    /// throughput of `bigserial`'s, median 0.92× (observed: docs/benchmarks.md). Needs
     /// the library on every host (`scripts/native-minter.sh` builds and installs it), and
     /// a superuser to install it (Postgres lets only a superuser create a C function).
     Native,
