@@ -411,8 +411,8 @@ pub enum Minter {
     /// throughput of `bigserial`'s at 8 and 32 clients (observed: docs/benchmarks.md).
     #[default]
     PlPgSql,
-    /// The same fast path in C ([`NATIVE_LIBRARY`]): one-row inserts at 0.84–1.07× the
-    /// throughput of `bigserial`'s, median 0.92× (observed: docs/benchmarks.md). Needs
+    /// The same fast path in C ([`NATIVE_LIBRARY`]): one-row inserts at 0.96–1.05× the
+    /// throughput of `bigserial`'s at 8 and 32 clients (observed: docs/benchmarks.md). Needs
     /// the library on every host (`scripts/native-minter.sh` builds and installs it), and
     /// a superuser to install it (Postgres lets only a superuser create a C function).
     Native,
