@@ -106,7 +106,7 @@ impl Fixture {
     }
 
     /// Writes the config: the catalog's URL, and each host's URL and peer URL.
-    fn write_config_at(
+    pub(crate) fn write_config_at(
         &self,
         catalog: &str,
         hosts: &[(String, String)],

@@ -1451,3 +1451,64 @@ pub(crate) async fn a_catalog_restored_to_an_older_map_is_logged_and_the_newer_m
     );
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_url_listing_a_standby_before_its_primary_reaches_the_primary);
+/// A URL may list a primary and its standbys, as libpq's do. The catalog's and a host's
+/// here list a database that refuses writes, as a standby does (pg3's copy of the
+/// fixture's, `default_transaction_read_only`), before the primary: `init`, moves and the
+/// repository reach the primary. Before, the driver kept the first that answered, and
+/// `init` failed on the standby ("cannot execute ... in a read-only transaction").
+pub(crate) async fn a_url_listing_a_standby_before_its_primary_reaches_the_primary(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    let standby = &ctx.hosts()[2];
+    standby
+        .connect("postgres")
+        .await?
+        .batch_execute(&format!("ALTER DATABASE \"{}\" SET default_transaction_read_only = on", f.db()))
+        .await?;
+    let listing = |primary: &shardline_testkit::Host| {
+        let (s, p) = (standby.endpoint(), primary.endpoint());
+        format!("postgres://postgres@{}:{},{}:{}/{}", s.host, s.port, p.host, p.port, f.db())
+    };
+    let (pg1, pg2) = (&ctx.hosts()[0], &ctx.hosts()[1]);
+    f.write_config_at(
+        &listing(pg1),
+        &[(pg1.url(f.db()), pg1.peer_url(f.db())), (listing(pg2), pg2.peer_url(f.db()))],
+        4,
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    let photos = cluster.repo::<Photo>()?;
+    let mut on_pg2 = None;
+    for user in 0..16 {
+        let p = photos.insert(&NewPhoto::numbered(user, 1)).await?;
+        assert_eq!(photos.get(p.id).await?.as_ref(), Some(&p));
+        if cluster.route_user(user).host.as_str() == "pg2" {
+            on_pg2 = Some(p);
+        }
+    }
+    let on_pg2 = on_pg2.ok_or("no user of 16 on pg2")?;
+    // A move out of pg2 goes through both lists: its journal into the catalog, its
+    // steps on pg2.
+    let shard = cluster.route_user(on_pg2.user_id).shard;
+    let report = moves::run(&f.config()?, shard, &crate::host("pg1"), &MoveOptions::default())
+        .await
+        .map_err(|e| format!("moving {shard} to pg1: {e}"))?;
+    assert_eq!(report.shard, shard);
+    cluster.refresh().await?;
+    assert_eq!(photos.get(on_pg2.id).await?.as_ref(), Some(&on_pg2), "read after the move");
+    // The standby holds nothing: no catalog, no shard.
+    let held: i64 = standby
+        .connect(f.db())
+        .await?
+        .query_one(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'shardline' OR nspname LIKE 'shard\\_%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(held, 0, "schemas of shardline's on the standby");
+    Ok(())
+}

@@ -457,9 +457,9 @@ pub(crate) fn connect_error(target: &str, source: tokio_postgres::Error) -> Erro
 /// nothing (paused, or cut off behind something that accepted for it) would hang the
 /// start-up forever. One connect timeout per host the URL lists (the driver tries them in
 /// turn), and one more for the start-up (TLS, authentication).
-fn startup_budget(config: &tokio_postgres::Config) -> Duration {
+pub(crate) fn startup_budget(config: &tokio_postgres::Config) -> Duration {
     let per = config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-    let attempts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let attempts = u32::try_from(crate::tls::listed_hosts(config)).unwrap_or(u32::MAX);
     per.saturating_mul(attempts.saturating_add(1))
 }
 

@@ -42,7 +42,9 @@ pub struct ClusterOptions {
     /// leaves the pool, and its socket stays open until the server answers or the link
     /// breaks.
     pub pool_size: usize,
-    /// How long to wait for a new connection (default 5 s).
+    /// How long to wait for a new connection (default 5 s): for each server of a URL
+    /// that lists several (a primary and its standbys, tried in turn), and once more for
+    /// the start-up.
     pub connect_timeout: Duration,
     /// How long a statement may take on one host before the caller gets
     /// [`Error::Timeout`] (default 5 s). A hung host costs this, never more, per round
@@ -1151,6 +1153,9 @@ fn make_pool(
     let target = format!("host {name}");
     let (mut pg, tls) = catalog::pg_config_tls(url, &target)?;
     pg.connect_timeout(options.connect_timeout);
+    // A URL listing a primary and its standbys: one connect timeout per server tried,
+    // and one for the start-up, as the catalog's connections have.
+    let create_timeout = catalog::startup_budget(&pg);
     let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     let (lifetime, uses) = (options.connection_max_lifetime, options.connection_max_uses);
     let generic = options.generic_plans && (options.statement_cache > 0 || options.fan_out_prepared);
@@ -1205,7 +1210,7 @@ fn make_pool(
         }))
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(options.host_timeout))
-        .create_timeout(Some(options.connect_timeout))
+        .create_timeout(Some(create_timeout))
         .build()
         .map_err(|e| Error::Pool { host: name.clone(), message: e.to_string(), timed_out: false })
 }

@@ -156,7 +156,7 @@ fn connect_options(host: &HostName, url: &DbUrl) -> Result<PgConnectOptions> {
         .map_err(|_: tokio_postgres::Error| bad("the repository's driver cannot read it".into()))?;
     // One host: sqlx reads neither a list of hosts nor `target_session_attrs`, so it
     // could not follow the repository's driver to the right one.
-    if same.get_hosts().len() > 1 || same.get_hostaddrs().len() > 1 {
+    if crate::tls::listed_hosts(&same) > 1 {
         return Err(bad("the sqlx path takes a URL naming one host, not a list".into()));
     }
     // Nor `hostaddr`: sqlx connects to it and checks the certificate against it, where

@@ -29,6 +29,12 @@ pub(crate) fn prepare(url: &DbUrl, target: &str) -> Result<(tokio_postgres::Conf
     let params = url.tls().map_err(|message| Error::BadUrl { target: target.to_owned(), message })?;
     let mut config = tokio_postgres::Config::from_str(&params.driver_url)
         .map_err(|e| Error::BadUrl { target: target.to_owned(), message: crate::error_chain(&e) })?;
+    // Every connection shardline makes may write: of a list of hosts (a primary and its
+    // standbys), the one that takes writes, unless the URL chooses (as libpq's
+    // `target_session_attrs`; the driver's default is the first that answers).
+    if !params.sets_target_session_attrs && listed_hosts(&config) > 1 {
+        config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+    }
     config.ssl_mode(match params.mode {
         SslMode::Disable => tokio_postgres::config::SslMode::Disable,
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -36,6 +42,12 @@ pub(crate) fn prepare(url: &DbUrl, target: &str) -> Result<(tokio_postgres::Conf
     });
     let connector = MakeRustlsConnect::new(client_config(&params, target)?);
     Ok((config, connector))
+}
+
+/// How many servers `config` lists (as `host`, or as `hostaddr` alone), at least one:
+/// the driver tries them in turn.
+pub(crate) fn listed_hosts(config: &tokio_postgres::Config) -> usize {
+    config.get_hosts().len().max(config.get_hostaddrs().len()).max(1)
 }
 
 fn provider() -> Arc<CryptoProvider> {
@@ -183,6 +195,24 @@ mod tests {
             ("host=h user=u sslmode=prefer", Driver::Prefer),
         ] {
             assert_eq!(prepared(url).unwrap().get_ssl_mode(), mode, "{url}");
+        }
+    }
+
+    #[test]
+    fn a_list_of_hosts_asks_for_the_one_that_takes_writes_unless_the_url_chooses() {
+        use tokio_postgres::config::TargetSessionAttrs as Attrs;
+        for (url, attrs) in [
+            ("postgres://u:pw@a:5432,b:5433/db", Attrs::ReadWrite),
+            ("postgres://u:pw@a,b/db?sslmode=disable", Attrs::ReadWrite),
+            ("host=a,b port=5432,5433 user=u", Attrs::ReadWrite),
+            ("hostaddr=10.0.0.1,10.0.0.2 user=u", Attrs::ReadWrite),
+            ("postgres://u:pw@a,b/db?target%5Fsession_attrs=read-only", Attrs::ReadOnly),
+            ("postgres://u:pw@a:5432,b:5433/db?target_session_attrs=any", Attrs::Any),
+            ("host=a,b user=u target_session_attrs=any", Attrs::Any),
+            ("postgres://u:pw@a:5432/db", Attrs::Any),
+            ("host=a user=u", Attrs::Any),
+        ] {
+            assert_eq!(prepared(url).unwrap().get_target_session_attrs(), attrs, "{url}");
         }
     }
 

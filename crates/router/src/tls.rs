@@ -81,6 +81,7 @@ pub enum RootCert {
 /// What a URL asks of TLS, and the URL without the keys the driver does not take.
 /// Its `Debug` shows the URL without its password.
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TlsParams {
     /// The mode (default [`SslMode::Prefer`]).
     pub mode: SslMode,
@@ -89,6 +90,10 @@ pub struct TlsParams {
     /// The URL with `sslmode` and `sslrootcert` removed, for the driver. Holds the
     /// password if the URL did: never log it.
     pub driver_url: String,
+    /// Whether the URL sets `target_session_attrs` (left in `driver_url`). Where it does
+    /// not and lists several hosts, shardline asks for `read-write`: every connection it
+    /// makes may write, and a standby listed first must not be the one it keeps.
+    pub sets_target_session_attrs: bool,
 }
 
 impl std::fmt::Debug for TlsParams {
@@ -97,6 +102,7 @@ impl std::fmt::Debug for TlsParams {
             .field("mode", &self.mode)
             .field("root_cert", &self.root_cert)
             .field("driver_url", &crate::config::redact(&self.driver_url))
+            .field("sets_target_session_attrs", &self.sets_target_session_attrs)
             .finish()
     }
 }
@@ -142,6 +148,7 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
     };
     let mut mode = None;
     let mut root = None;
+    let mut sets_target_session_attrs = false;
     let mut kept = Vec::with_capacity(pairs.len());
     for (k, v) in pairs {
         let value = if is_url { percent_decode(&v)? } else { v.clone() };
@@ -162,6 +169,10 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
                 if root.replace(r).is_some() {
                     return Err("sslrootcert is given twice".into());
                 }
+            }
+            "target_session_attrs" => {
+                sets_target_session_attrs = true;
+                kept.push((k, v));
             }
             _ => kept.push((k, v)),
         }
@@ -200,7 +211,7 @@ pub fn parse(url: &str) -> Result<TlsParams, String> {
             .collect::<Vec<_>>()
             .join(" "),
     };
-    Ok(TlsParams { mode, root_cert: root, driver_url })
+    Ok(TlsParams { mode, root_cert: root, driver_url, sets_target_session_attrs })
 }
 
 /// `key=value` pairs of a libpq connection string; values may be single-quoted with `\`
