@@ -1512,3 +1512,101 @@ pub(crate) async fn a_url_listing_a_standby_before_its_primary_reaches_the_prima
     assert_eq!(held, 0, "schemas of shardline's on the standby");
     Ok(())
 }
+
+shardline_testkit::register!(shared: a_catalog_restored_from_before_a_move_is_checked_and_repaired_from_the_hosts);
+/// A catalog restored from a backup taken before a move places the shard where only
+/// the move's old copy is (renamed `<schema>_moved_<id>`): `map --check` lists it and
+/// exits 1, changing nothing, while a new handle reads the restored map. `map --repair`
+/// places it where its schema is, and a new handle then reads the rows written before
+/// and after the move. A shard whose schema two hosts hold is listed and left as it is.
+pub(crate) async fn a_catalog_restored_from_before_a_move_is_checked_and_repaired_from_the_hosts(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let (out, checked) = cli_full(&f, &["map", "--check", "--timeout", "30s"]).await;
+    assert!(
+        checked.is_ok() && out.contains("2 host(s) read, 0 not; 0 shard(s) misplaced"),
+        "{out} {checked:?}"
+    );
+    let catalog = f.client(&ctx, 0).await?;
+    let backup: i64 = catalog.query_one("SELECT map_version FROM shardline.cluster", &[]).await?.get(0);
+    let (user, shard) = (3, crate::shard(3));
+    let before;
+    let after;
+    {
+        let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+        assert_eq!(cluster.route_user(user).host.as_str(), "pg2");
+        let photos = cluster.repo::<Photo>()?;
+        before = photos.insert(&NewPhoto::numbered(user, 1)).await?;
+        moves::run(&f.config()?, shard, &crate::host("pg1"), &MoveOptions::default()).await?;
+        cluster.refresh().await?;
+        after = photos.insert(&NewPhoto::numbered(user, 2)).await?;
+    }
+    // The restore: the map and its version as the backup had them.
+    catalog
+        .batch_execute(&format!(
+            "UPDATE shardline.shards SET host = 'pg2' WHERE shard = 3; UPDATE shardline.cluster SET map_version = {backup}"
+        ))
+        .await?;
+    // Shard 0's schema on pg2 as well (the map has it on pg1): two copies, no move.
+    // Shard 1's only on pg2, as a move's copy that never flipped: guarded, while pg1's
+    // is renamed as a fence renames it.
+    let pg2 = f.client(&ctx, 1).await?;
+    let restored = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    assert_eq!(restored.route_user(user).host.as_str(), "pg2", "a new handle reads the restored map");
+    let (twice, fenced) = (restored.route_user(0).schema, restored.route_user(1).schema);
+    drop(restored);
+    pg2.batch_execute(&format!(
+        "CREATE SCHEMA {twice};
+         CREATE SCHEMA {fenced}; CREATE TABLE {fenced}.photos (id bigint);
+         CREATE FUNCTION {fenced}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
+         CREATE TRIGGER {guard} BEFORE INSERT ON {fenced}.photos FOR EACH STATEMENT EXECUTE FUNCTION {fenced}.refuse();",
+        guard = shardline_repo::REVERT_GUARD
+    ))
+    .await?;
+    catalog.batch_execute(&format!("ALTER SCHEMA {fenced} RENAME TO {fenced}_moved_999")).await?;
+    let (out, checked) = cli_full(&f, &["map", "--check", "--timeout", "30s"]).await;
+    assert!(checked.is_err(), "{out}");
+    assert!(out.contains("the map places it on pg2, its schema is on pg1"), "{out}");
+    assert!(
+        out.contains(&format!("shard 0 ({twice}): the map places it on pg1, its schema is on pg1, pg2")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("shard 1 ({fenced}): the map places it on pg1, its schema is on pg2")),
+        "{out}"
+    );
+    let (json, _) = cli_full(&f, &["map", "--check", "--json", "--timeout", "30s"]).await;
+    let v: serde_json::Value = serde_json::from_str(json.trim())?;
+    let misplaced = v["misplaced"].as_array().ok_or("no misplaced array")?;
+    assert_eq!(misplaced.len(), 3, "{json}");
+    assert_eq!(misplaced[2]["shard"], 3, "{json}");
+    assert_eq!(misplaced[2]["found_on"], serde_json::json!(["pg1"]), "{json}");
+    let now: i64 = catalog.query_one("SELECT map_version FROM shardline.cluster", &[]).await?.get(0);
+    assert_eq!(now, backup, "a check changes nothing");
+    // The repair places shard 3 on pg1 and leaves shard 0 (two copies) and shard 1 (a
+    // guarded copy) as they are.
+    let (out, repaired) = cli_full(&f, &["map", "--repair", "--timeout", "30s"]).await;
+    assert!(repaired.is_err(), "shards 0 and 1 are left: {out}");
+    assert!(out.contains("shard 3: the map had it on pg2, its schema is on pg1: placed there"), "{out}");
+    assert!(out.contains("left: several hosts hold its schema"), "{out}");
+    assert!(out.contains("left: the copy on pg2 is still guarded by a move that never flipped"), "{out}");
+    let placed: Vec<(i32, String)> = catalog
+        .query("SELECT shard, host FROM shardline.shards WHERE shard IN (0, 1, 3) ORDER BY shard", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(placed, [(0, "pg1".to_owned()), (1, "pg1".to_owned()), (3, "pg1".to_owned())]);
+    pg2.batch_execute(&format!("DROP SCHEMA {twice}; DROP SCHEMA {fenced} CASCADE")).await?;
+    catalog.batch_execute(&format!("ALTER SCHEMA {fenced}_moved_999 RENAME TO {fenced}")).await?;
+    let (out, checked) = cli_full(&f, &["map", "--check", "--timeout", "30s"]).await;
+    assert!(checked.is_ok() && out.contains("0 shard(s) misplaced"), "{out} {checked:?}");
+    let fresh = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    assert!(fresh.map().version() > backup, "the repair bumped the map's version");
+    let photos = fresh.repo::<Photo>()?;
+    assert_eq!(photos.get(before.id).await?.as_ref(), Some(&before));
+    assert_eq!(photos.get(after.id).await?.as_ref(), Some(&after));
+    Ok(())
+}

@@ -36,7 +36,21 @@ pub struct ApplyOpt {
 
 /// Options of `map`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("against").args(["check", "repair"])))]
 pub struct MapOpt {
+    /// Read every host's server too, and list the shards whose schema is not where the
+    /// map places them (after a catalog was restored from a backup, say); exits 1 when
+    /// there is one, or a host could not be read. Changes nothing.
+    #[arg(long)]
+    pub check: bool,
+    /// As --check, then place each misplaced shard on the one host that holds its
+    /// schema (not while a move of it runs, nor while a host cannot be read); exits 1
+    /// when a shard is left misplaced.
+    #[arg(long)]
+    pub repair: bool,
+    /// With --check or --repair: how long to wait for each host.
+    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_time_limit, requires = "against")]
+    pub timeout: Duration,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -155,6 +169,28 @@ struct MapHost {
 ///
 /// When the catalog cannot be read or contradicts the config.
 pub fn map(config: &Config, opt: &MapOpt, out: &mut dyn Write) -> anyhow::Result<()> {
+    if opt.check || opt.repair {
+        let rt = runtime()?;
+        let checked = if opt.repair {
+            rt.block_on(shardline_ops::fleet::repair_map(config, opt.timeout))?
+        } else {
+            rt.block_on(shardline_ops::fleet::check_map(config, opt.timeout))?
+        };
+        if opt.json {
+            writeln!(out, "{}", serde_json::to_string(&checked)?)?;
+        } else {
+            writeln!(out, "{checked}")?;
+        }
+        out.flush()?;
+        if !checked.agrees() {
+            anyhow::bail!(
+                "{} shard(s) not where the map places them, {} host(s) not read",
+                checked.misplaced.len(),
+                checked.unread.len()
+            );
+        }
+        return Ok(());
+    }
     let (map, _) = runtime()?.block_on(shardline_ops::fleet::map(config))?;
     let hosts: Vec<MapHost> = map
         .ranges()

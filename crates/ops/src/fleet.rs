@@ -11,6 +11,8 @@
 //! - [`remove`]: retires a host that holds no shard.
 //! - [`readdress`]: records where a host lives now (a failover, new hardware), after
 //!   checking that every shard the map places there is there.
+//! - [`check_map`], [`repair_map`]: the map against where each shard's schema is on the
+//!   hosts (after a catalog was restored from a backup), and the map put right.
 //!
 //! Every operation also reads hosts from the catalog ([`resolved`]): a host added here
 //! needs no entry in the operator's config.
@@ -611,6 +613,294 @@ async fn remove_within(config: &Config, name: &HostName) -> Result<i64> {
     }
     tracing::info!(host = %name, "host removed");
     Ok(catalog.map_version().await?)
+}
+
+/// A shard whose map entry and the hosts' servers disagree, as [`check_map`] found it.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Misplaced {
+    /// The shard.
+    pub shard: LogicalShard,
+    /// Its schema.
+    pub schema: String,
+    /// Where the map places it.
+    pub map_host: HostName,
+    /// The hosts whose servers hold its schema under its own name (an old copy a move
+    /// left, `<schema>_moved_<id>`, does not count), in the config's order; empty when
+    /// no server read holds it.
+    pub found_on: Vec<HostName>,
+    /// A move of it is running in the catalog's journal (its target holds the schema
+    /// too until the move ends: `shardline move --resume` or `--abort` ends it).
+    pub moving: bool,
+    /// Why [`repair_map`] left it as it is (`None` from [`check_map`]).
+    pub left: Option<String>,
+}
+
+/// A host [`check_map`] could not read.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Unread {
+    /// The host.
+    pub host: HostName,
+    /// Why.
+    pub error: String,
+}
+
+/// A shard [`repair_map`] placed where its schema is.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Replaced {
+    /// The shard.
+    pub shard: LogicalShard,
+    /// Where the map had it.
+    pub from: HostName,
+    /// Where its schema is, and the map now has it.
+    pub to: HostName,
+}
+
+/// The catalog's shard map against where each shard's schema is on the hosts'
+/// servers: what `shardline map --check` and `--repair` print.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MapCheck {
+    /// The map's version when read, and after a repair.
+    pub map_version: i64,
+    /// The hosts read: every host the catalog has not removed, and the config's.
+    pub hosts_read: Vec<HostName>,
+    /// The hosts that could not be read: the shards the map places there are not
+    /// judged (unless found elsewhere), and nothing is repaired.
+    pub unread: Vec<Unread>,
+    /// The shards whose schema is not where the map places them (after a repair: the
+    /// ones it left).
+    pub misplaced: Vec<Misplaced>,
+    /// What a repair changed.
+    pub replaced: Vec<Replaced>,
+}
+
+impl MapCheck {
+    /// Whether every host was read and every shard's schema is where the map places it.
+    pub fn agrees(&self) -> bool {
+        self.unread.is_empty() && self.misplaced.is_empty()
+    }
+}
+
+impl fmt::Display for MapCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for r in &self.replaced {
+            writeln!(
+                f,
+                "shard {}: the map had it on {}, its schema is on {}: placed there",
+                r.shard, r.from, r.to
+            )?;
+        }
+        for u in &self.unread {
+            writeln!(f, "host {}: not read: {}", u.host, u.error)?;
+        }
+        for m in &self.misplaced {
+            let found: Vec<&str> = m.found_on.iter().map(HostName::as_str).collect();
+            let found = if found.is_empty() { "no host read".to_owned() } else { found.join(", ") };
+            write!(
+                f,
+                "shard {} ({}): the map places it on {}, its schema is on {found}",
+                m.shard, m.schema, m.map_host
+            )?;
+            if m.moving {
+                f.write_str(" (a move of it is running)")?;
+            }
+            if let Some(why) = &m.left {
+                write!(f, "; left: {why}")?;
+            }
+            writeln!(f)?;
+        }
+        write!(
+            f,
+            "map version {}: {} host(s) read, {} not; {} shard(s) misplaced, {} placed where their schema is",
+            self.map_version,
+            self.hosts_read.len(),
+            self.unread.len(),
+            self.misplaced.len(),
+            self.replaced.len()
+        )
+    }
+}
+
+/// Reads the catalog's shard map and every host's server (each within `timeout`), and
+/// lists the shards whose schema is not where the map places it: what a catalog
+/// restored from a backup taken before a move shows (docs/operations.md, "The
+/// catalog"). Changes nothing.
+///
+/// # Errors
+///
+/// The catalog unreachable or not initialised; [`Error::CatalogHung`] once it has
+/// answered no probe for `timeout` (2 s at least). An unreachable host is
+/// [`MapCheck::unread`], not an error.
+pub async fn check_map(config: &Config, timeout: std::time::Duration) -> Result<MapCheck> {
+    crate::moves::unless_catalog_hung(config, timeout, map_against_hosts(config, timeout, false)).await
+}
+
+/// [`check_map`], then places each misplaced shard on the one host whose server holds
+/// its schema, when exactly one does, no move of it is running, and the catalog knows
+/// that host and has not removed it; the others are left, each saying why. Each shard
+/// placed bumps the map version and notifies running handles (a handle that holds a
+/// newer version than the catalog's ignores it: restart those, as after any restore).
+///
+/// # Errors
+///
+/// As [`check_map`]; [`Error::Fleet`] naming a host that could not be read (the map
+/// is repaired only when every host was read: nothing is changed).
+pub async fn repair_map(config: &Config, timeout: std::time::Duration) -> Result<MapCheck> {
+    crate::moves::unless_catalog_hung(config, timeout, map_against_hosts(config, timeout, true)).await
+}
+
+async fn map_against_hosts(config: &Config, timeout: std::time::Duration, repair: bool) -> Result<MapCheck> {
+    use std::collections::{HashMap, HashSet};
+    let config = &resolved_within(config, timeout).await?;
+    let (catalog, info) = Catalog::open(config).await?;
+    if repair {
+        // `gc`'s lock, held to the end: no `gc` drops a copy, and no move is journaled,
+        // between what is read below and the map's changes.
+        catalog.lock_for_gc().await?;
+    }
+    let map = catalog.map().await?;
+    let moving: HashSet<LogicalShard> =
+        journal::running(&catalog, None).await?.iter().map(|m| m.shard).collect();
+    let live: Vec<HostName> = catalog
+        .hosts()
+        .await?
+        .into_iter()
+        .filter(|h| h.state != HostState::Removed)
+        .map(|h| h.name)
+        .collect();
+    let shards: Vec<LogicalShard> = map.count().shards().collect();
+    let schemas: Vec<String> =
+        shards.iter().map(|&s| info.schema_prefix.schema(s).as_str().to_owned()).collect();
+    // Each host's shard schemas, by name, and whether a move's guards are still on the
+    // copy's tables (a copy no flip has made the shard's yet: see `REVERT_GUARD`).
+    let reads = futures::future::join_all(config.hosts.iter().map(|h| {
+        let schemas = &schemas;
+        async move {
+            let read = async {
+                let client = shardline_repo::catalog::connect(&h.url, &format!("host {}", h.name))
+                    .await
+                    .map_err(|e| shardline_repo::error_chain(&e))?;
+                client
+                    .query(
+                        "SELECT n.nspname::text,
+                                EXISTS (SELECT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+                                         WHERE c.relnamespace = n.oid AND t.tgname = $2)
+                           FROM pg_namespace n WHERE n.nspname = ANY($1)",
+                        &[schemas, &shardline_repo::REVERT_GUARD],
+                    )
+                    .await
+                    .map_err(|e| {
+                        shardline_repo::error_chain(&host_err(&h.name, "list the shard schemas", &e))
+                    })
+            };
+            let found = match tokio::time::timeout(timeout, read).await {
+                Ok(Ok(rows)) => Ok(rows
+                    .iter()
+                    .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
+                    .collect::<HashMap<_, _>>()),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(format!("no answer within {timeout:?}")),
+            };
+            (h.name.clone(), found)
+        }
+    }))
+    .await;
+    let (mut read, mut unread) = (Vec::new(), Vec::new());
+    for (host, found) in reads {
+        match found {
+            Ok(found) => read.push((host, found)),
+            Err(error) => unread.push(Unread { host, error }),
+        }
+    }
+    // A host the catalog lists that could not be put in the config (no address recorded
+    // and none in the config, or no password for it) was not read either.
+    for host in &live {
+        if config.host(host).is_none() {
+            unread.push(Unread {
+                host: host.clone(),
+                error: "no address to reach it (none recorded in the catalog, none in the config) or no \
+                        password for it"
+                    .into(),
+            });
+        }
+    }
+    let mut misplaced = Vec::new();
+    for (&shard, schema) in shards.iter().zip(&schemas) {
+        let map_host = map.host_of(shard);
+        let found_on: Vec<HostName> =
+            read.iter().filter(|(_, found)| found.contains_key(schema)).map(|(h, _)| h.clone()).collect();
+        let map_host_read = read.iter().any(|(h, _)| h == map_host);
+        // Where the map's host was not read, only a copy found elsewhere says anything.
+        if found_on.as_slice() == std::slice::from_ref(map_host) || (!map_host_read && found_on.is_empty()) {
+            continue;
+        }
+        misplaced.push(Misplaced {
+            shard,
+            schema: schema.clone(),
+            map_host: map_host.clone(),
+            found_on,
+            moving: moving.contains(&shard),
+            left: None,
+        });
+    }
+    let mut replaced = Vec::new();
+    if repair && !misplaced.is_empty() {
+        if let Some(u) = unread.first() {
+            return Err(refused(
+                &u.host,
+                format!(
+                    "could not be read ({}): the map is repaired only when every host is read; nothing was changed",
+                    u.error
+                ),
+            ));
+        }
+        let guarded = |host: &HostName, schema: &str| {
+            read.iter().any(|(h, found)| h == host && found.get(schema) == Some(&true))
+        };
+        let mut left = Vec::new();
+        for mut m in misplaced {
+            let why = match m.found_on.as_slice() {
+                _ if m.moving => Some(
+                    "a move of it is running in the journal; after a restore the journal may be older than the \
+                     hosts: see which copy is the shard's before `shardline move --resume` or `--abort`"
+                        .to_owned(),
+                ),
+                [] => Some("no host holds its schema".to_owned()),
+                [to] if !live.contains(to) => Some(format!(
+                    "host {to} is not an active or draining host of the catalog (`shardline host add {to}` first)"
+                )),
+                [to] if guarded(to, &m.schema) => Some(format!(
+                    "the copy on {to} is still guarded by a move that never flipped (its tables refuse writes): \
+                     not the shard's (see `shardline moves`)"
+                )),
+                [to] => match catalog.flip_shard(m.shard, &m.map_host, to).await {
+                    Ok(1) => {
+                        tracing::warn!(shard = %m.shard, from = %m.map_host, to = %to, "the map placed the shard where its schema is");
+                        replaced.push(Replaced { shard: m.shard, from: m.map_host.clone(), to: to.clone() });
+                        None
+                    }
+                    Ok(_) => Some("the map changed meanwhile".to_owned()),
+                    Err(e) => Some(format!("the catalog refused: {}", shardline_repo::error_chain(&e))),
+                },
+                _ => Some("several hosts hold its schema: keep the shard's copy, drop or rename the others".to_owned()),
+            };
+            if why.is_some() {
+                m.left = why;
+                left.push(m);
+            }
+        }
+        misplaced = left;
+    }
+    Ok(MapCheck {
+        map_version: catalog.map_version().await?,
+        hosts_read: read.into_iter().map(|(h, _)| h).collect(),
+        unread,
+        misplaced,
+        replaced,
+    })
 }
 
 #[cfg(test)]
