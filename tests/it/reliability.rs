@@ -1555,7 +1555,8 @@ pub(crate) async fn a_catalog_restored_from_before_a_move_is_checked_and_repaire
     let pg2 = f.client(&ctx, 1).await?;
     let restored = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
     assert_eq!(restored.route_user(user).host.as_str(), "pg2", "a new handle reads the restored map");
-    let (twice, fenced) = (restored.route_user(0).schema, restored.route_user(1).schema);
+    let (twice, fenced, moved) =
+        (restored.route_user(0).schema, restored.route_user(1).schema, restored.route_user(user).schema);
     drop(restored);
     pg2.batch_execute(&format!(
         "CREATE SCHEMA {twice};
@@ -1566,6 +1567,16 @@ pub(crate) async fn a_catalog_restored_from_before_a_move_is_checked_and_repaire
     ))
     .await?;
     catalog.batch_execute(&format!("ALTER SCHEMA {fenced} RENAME TO {fenced}_moved_999")).await?;
+    // Shard 3's copy on pg1 keeps a guard of a move that decided to flip (a flip whose
+    // guards were left for `gc`): it lets writes through, so the copy is the shard's.
+    catalog
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.let_through() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
+             CREATE TRIGGER {guard} BEFORE INSERT ON {moved}.photos FOR EACH STATEMENT EXECUTE FUNCTION public.let_through('777');
+             INSERT INTO shardline.move_marks (move_id, decided) VALUES (777, 'flip');",
+            guard = shardline_repo::REVERT_GUARD
+        ))
+        .await?;
     let (out, checked) = cli_full(&f, &["map", "--check", "--timeout", "30s"]).await;
     assert!(checked.is_err(), "{out}");
     assert!(out.contains("the map places it on pg2, its schema is on pg1"), "{out}");
@@ -1600,6 +1611,12 @@ pub(crate) async fn a_catalog_restored_from_before_a_move_is_checked_and_repaire
         .collect();
     assert_eq!(placed, [(0, "pg1".to_owned()), (1, "pg1".to_owned()), (3, "pg1".to_owned())]);
     pg2.batch_execute(&format!("DROP SCHEMA {twice}; DROP SCHEMA {fenced} CASCADE")).await?;
+    catalog
+        .batch_execute(&format!(
+            "DROP TRIGGER {guard} ON {moved}.photos; DELETE FROM shardline.move_marks WHERE move_id = 777",
+            guard = shardline_repo::REVERT_GUARD
+        ))
+        .await?;
     catalog.batch_execute(&format!("ALTER SCHEMA {fenced}_moved_999 RENAME TO {fenced}")).await?;
     let (out, checked) = cli_full(&f, &["map", "--check", "--timeout", "30s"]).await;
     assert!(checked.is_ok() && out.contains("0 shard(s) misplaced"), "{out} {checked:?}");

@@ -665,7 +665,8 @@ pub struct Replaced {
 pub struct MapCheck {
     /// The map's version when read, and after a repair.
     pub map_version: i64,
-    /// The hosts read: every host the catalog has not removed, and the config's.
+    /// The hosts read: every host the catalog has not removed (a config's host the
+    /// catalog removed is not read).
     pub hosts_read: Vec<HostName>,
     /// The hosts that could not be read: the shards the map places there are not
     /// judged (unless found elsewhere), and nothing is repaired.
@@ -774,8 +775,10 @@ async fn map_against_hosts(config: &Config, timeout: std::time::Duration, repair
     let shards: Vec<LogicalShard> = map.count().shards().collect();
     let schemas: Vec<String> =
         shards.iter().map(|&s| info.schema_prefix.schema(s).as_str().to_owned()).collect();
-    // Each host's shard schemas, by name, and whether a move's guards are still on the
-    // copy's tables (a copy no flip has made the shard's yet: see `REVERT_GUARD`).
+    // Each host's shard schemas, by name, and whether a move's guards still refuse
+    // writes to the copy's tables (a copy no flip has made the shard's yet: see
+    // `REVERT_GUARD`). A guard the flip left for `gc` lets writes through once its move's
+    // marker on that host says `flip`: it does not count.
     let reads = futures::future::join_all(config.hosts.iter().map(|h| {
         let schemas = &schemas;
         async move {
@@ -783,25 +786,53 @@ async fn map_against_hosts(config: &Config, timeout: std::time::Duration, repair
                 let client = shardline_repo::catalog::connect(&h.url, &format!("host {}", h.name))
                     .await
                     .map_err(|e| shardline_repo::error_chain(&e))?;
-                client
+                let err = |e: tokio_postgres::Error| {
+                    shardline_repo::error_chain(&host_err(&h.name, "list the shard schemas", &e))
+                };
+                // The guard's one argument is its move's ID (`tgargs`: each argument
+                // followed by a NUL byte, which `escape` spells `\000`).
+                let rows = client
                     .query(
-                        "SELECT n.nspname::text,
-                                EXISTS (SELECT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
-                                         WHERE c.relnamespace = n.oid AND t.tgname = $2)
-                           FROM pg_namespace n WHERE n.nspname = ANY($1)",
+                        r"SELECT n.nspname::text,
+                                 coalesce((SELECT array_agg(DISTINCT split_part(encode(t.tgargs, 'escape'), '\000', 1))
+                                             FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+                                            WHERE c.relnamespace = n.oid AND t.tgname = $2), '{}')
+                            FROM pg_namespace n WHERE n.nspname = ANY($1)",
                         &[schemas, &shardline_repo::REVERT_GUARD],
                     )
                     .await
-                    .map_err(|e| {
-                        shardline_repo::error_chain(&host_err(&h.name, "list the shard schemas", &e))
-                    })
+                    .map_err(err)?;
+                let mut found: HashMap<String, Vec<String>> =
+                    rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, Vec<String>>(1))).collect();
+                let moves: Vec<String> = found.values().flatten().cloned().collect();
+                let marks = !moves.is_empty()
+                    && client
+                        .query_one("SELECT to_regclass('shardline.move_marks') IS NOT NULL", &[])
+                        .await
+                        .map_err(err)?
+                        .get::<_, bool>(0);
+                if marks {
+                    let flipped: Vec<String> = client
+                        .query(
+                            "SELECT m.move_id::text FROM shardline.move_marks m
+                              WHERE m.decided = 'flip' AND m.move_id::text = ANY($1)",
+                            &[&moves],
+                        )
+                        .await
+                        .map_err(err)?
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect();
+                    for guards in found.values_mut() {
+                        guards.retain(|m| !flipped.contains(m));
+                    }
+                }
+                Ok::<_, String>(
+                    found.into_iter().map(|(schema, refusing)| (schema, !refusing.is_empty())).collect::<HashMap<_, _>>(),
+                )
             };
             let found = match tokio::time::timeout(timeout, read).await {
-                Ok(Ok(rows)) => Ok(rows
-                    .iter()
-                    .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
-                    .collect::<HashMap<_, _>>()),
-                Ok(Err(e)) => Err(e),
+                Ok(found) => found,
                 Err(_) => Err(format!("no answer within {timeout:?}")),
             };
             (h.name.clone(), found)
