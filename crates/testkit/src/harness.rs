@@ -362,6 +362,13 @@ pub const HOLD_ENV: &str = "SHARDLINE_TESTKIT_HOLD_CLUSTER";
 /// What a holder prints, followed by its hosts' ports, once its cluster is up.
 pub const HOLD_READY: &str = "shardline-testkit-hold";
 
+/// With this set beside [`HOLD_ENV`], the holder opens a session on its last host and
+/// pauses that host before it says it is ready; it prints `paused PID` after the ports,
+/// PID being the session's backend process (as the host sees it: on the docker backend,
+/// a process of the container). A paused host's backends cannot notice that their
+/// postmaster died with the holder.
+pub const HOLD_PAUSE_LAST_ENV: &str = "SHARDLINE_TESTKIT_HOLD_PAUSE_LAST";
+
 fn hold(hosts: usize) -> ! {
     use std::io::Write;
     let code = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -378,16 +385,53 @@ fn hold(hosts: usize) -> ! {
                 Ok(cluster) => {
                     let ports: Vec<String> =
                         cluster.hosts().iter().map(|h| h.endpoint().port.to_string()).collect();
-                    println!("{HOLD_READY} {}", ports.join(" "));
+                    let mut ready = format!("{HOLD_READY} {}", ports.join(" "));
+                    // Kept open (never dropped) while the holder waits to be killed.
+                    let mut session = None;
+                    if std::env::var_os(HOLD_PAUSE_LAST_ENV).is_some() {
+                        match pause_last(&cluster).await {
+                            Ok((client, pid)) => {
+                                session = Some(client);
+                                ready.push_str(&format!(" paused {pid}"));
+                            }
+                            Err(e) => {
+                                eprintln!(
+                                    "shardline-testkit: the held cluster's last host: {}",
+                                    error_chain(&e)
+                                );
+                                return 1;
+                            }
+                        }
+                    }
+                    println!("{ready}");
                     let _ = std::io::stdout().flush();
                     // Until killed; the cluster is deliberately never shut down.
                     std::future::pending::<()>().await;
+                    drop(session);
                     0
                 }
             }
         }),
     };
     std::process::exit(code)
+}
+
+/// Opens a session on the cluster's last host, then pauses the host; returns the session
+/// and its backend's process ID.
+async fn pause_last(cluster: &Cluster) -> Result<(tokio_postgres::Client, i32)> {
+    let host = cluster.hosts().last().ok_or(crate::Error::NoSuchHost { index: 0, hosts: 0 })?;
+    let client = host.connect("postgres").await?;
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .map_err(|source| crate::Error::Postgres {
+            host: host.name().to_owned(),
+            what: "reading the held session's backend".into(),
+            source,
+        })?
+        .get(0);
+    host.pause().await?;
+    Ok((client, pid))
 }
 
 struct Shared {

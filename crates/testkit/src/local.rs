@@ -128,7 +128,11 @@ pub(crate) fn scratch_parent() -> PathBuf {
     if shm.is_dir() { shm.to_owned() } else { std::env::temp_dir() }
 }
 
-/// Removes the directories of runs whose process is gone. Their servers died with them.
+/// Removes the directories of runs whose process is gone. Their postmasters died with
+/// them, and so did every backend that was running; a backend of a host the dead run had
+/// paused (stopped by `SIGSTOP`) cannot notice and stays, frozen, for good. So the
+/// processes still working in such a directory (a backend's working directory is its
+/// server's data directory) are killed first.
 pub(crate) fn remove_leftovers(parent: &Path) {
     let Ok(entries) = fs::read_dir(parent) else { return };
     for entry in entries.flatten() {
@@ -136,10 +140,31 @@ pub(crate) fn remove_leftovers(parent: &Path) {
         let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DIR_PREFIX)) else { continue };
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
         if pid.is_some_and(|pid| !crate::pid_alive(pid)) {
-            tracing::info!(dir = %entry.path().display(), "removing a cluster directory left by a dead test process");
-            let _ = fs::remove_dir_all(entry.path());
+            let dir = entry.path();
+            let killed = kill_processes_under(&dir);
+            tracing::info!(dir = %dir.display(), killed, "removing a cluster directory left by a dead test process");
+            let _ = fs::remove_dir_all(&dir);
         }
     }
+}
+
+/// Sends `SIGKILL` (which a stopped process receives too) to every process whose working
+/// directory is `dir` or below it; returns how many. Processes it may not read or signal
+/// are left alone.
+fn kill_processes_under(dir: &Path) -> usize {
+    let Ok(procs) = fs::read_dir("/proc") else { return 0 };
+    let mut killed = 0;
+    for proc_entry in procs.flatten() {
+        let Some(pid) = proc_entry.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else { continue };
+        let Ok(cwd) = fs::read_link(proc_entry.path().join("cwd")) else { continue };
+        if cwd.starts_with(dir)
+            && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+                .is_ok()
+        {
+            killed += 1;
+        }
+    }
+    killed
 }
 
 /// Runs a short-lived program (initdb, cp) to completion, as `user` when given.
