@@ -43,6 +43,13 @@ async fn plain_loop(config: &Config) -> Result<(), BoxError> {
                 client.batch_execute(&format!("SET LOCAL search_path TO {q}")).await?;
                 let install = ShardSql::new(config.layout, schema.as_str(), u32::from(shard.get()))?.install();
                 client.batch_execute(&install).await?;
+                // The function every read of the repository names, as `init` makes it.
+                client
+                    .batch_execute(&format!(
+                        "CREATE FUNCTION {q}.{}() RETURNS boolean LANGUAGE sql STABLE PARALLEL SAFE RETURN true",
+                        shardline_repo::LIVE_CHECK
+                    ))
+                    .await?;
                 for m in migrations {
                     for s in &m.statements {
                         client.batch_execute(&s.sql).await?;

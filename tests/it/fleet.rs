@@ -378,6 +378,13 @@ async fn hosts_join_and_leave_under_a_running_application_that_knows_only_the_ca
     hosts_become(&cluster, &["pg1", "pg2", "pg3"]).await?;
     let said = cli(&f, &["host", "drain", "pg1"]).await?;
     assert!(said.contains("host pg1 drained: 0 move(s) done"), "{said}");
+    // Again, for a script: one JSON object, with what the host still holds.
+    let said: serde_json::Value = serde_json::from_str(&cli(&f, &["host", "drain", "pg1", "--json"]).await?)?;
+    assert_eq!(
+        said,
+        serde_json::json!({"host": "pg1", "moves": [], "remaining": 0, "drained": true}),
+        "{said}"
+    );
     let (out, _) = cli_full(&f, &["move", "0", "--to", "pg1", "--dry-run"]).await;
     assert!(out.contains("pg1 is draining"), "{out}");
     // An address given to end a drain is refused when it is not the one recorded, not

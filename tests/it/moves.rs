@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Photo};
 use shardline_id::Id;
@@ -3204,16 +3204,33 @@ pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy
     for _ in 0..5 {
         stales.push(Cluster::connect(&config, deaf.clone()).await?);
     }
+    // Handles that only read, one per step and kind of read (a read that finds the shard
+    // moved refreshes its handle's map).
+    let mut readers = Vec::new();
+    for _ in 0..5 * READS {
+        readers.push(Cluster::connect(&config, deaf.clone()).await?);
+    }
     let from = stales[0].route_user(0).host;
     let other = if from.as_str() == "pg1" { "pg2" } else { "pg1" };
+    let kept = stales[0].repo::<Photo>()?.insert(&photo(0, 6000)).await?;
     moves::run(&config, crate::shard(0), &crate::host(other), &MoveOptions::default()).await?;
+    // Written after the first move: only where the shard is now, and in the next move's
+    // copy once its rows are copied.
+    let later = Cluster::connect(&config, ClusterOptions::default())
+        .await?
+        .repo::<Photo>()?
+        .insert(&photo(0, 6001))
+        .await?;
     let steps = [Step::Prepared, Step::Copying, Step::CaughtUp, Step::SequenceCarried, Step::Verified];
-    for (stale, step) in stales.iter().zip(steps) {
+    for ((stale, step), readers) in stales.iter().zip(steps).zip(readers.chunks(READS)) {
         assert_eq!(stale.route_user(0).host, from, "{step}: a handle a move behind");
         let err = moves::run(&config, crate::shard(0), &from, &MoveOptions::default().stopping_after(step))
             .await
             .unwrap_err();
         assert!(matches!(err, OpsError::Interrupted { step: s, .. } if s == step), "{step}: {err}");
+        // Every kind of read through a handle a move behind is sent to the copy, which
+        // fails it as a moved shard's: it reads where the shard is, every row there.
+        stale_reads_find_the_shard(readers, step, other, &[kept.id, later.id]).await?;
         // Nothing mints from the copy either (as a router a move behind would, calling
         // the shard's minter there): its ID sequence is capped until the flip's
         // decision, the carry's pause included (undone, the source mints on from where
@@ -3245,7 +3262,8 @@ pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy
     // Moved back for good, by a mover that dies right after its source decided the
     // flip: a router that meets the fence completes the flip, and its write lands on the
     // new copy (its guards let it through once the decision reaches it); `--resume`
-    // drops the guards. The rows written through the stale handles came along.
+    // drops the guards. The rows written through the stale handles came along (and the
+    // two written before, read above through the handles a move behind).
     let mut dying = MoveOptions::default();
     dying.stop_after_decision = true;
     let err = moves::run(&config, crate::shard(0), &from, &dying).await.unwrap_err();
@@ -3258,7 +3276,134 @@ pub(crate) async fn a_router_a_move_behind_never_writes_into_the_next_moves_copy
     let there = f.client(&ctx, host_index(from.as_str())).await?;
     assert_eq!(there.query_one(guards, &[]).await?.get::<_, i64>(0), 0, "the clean-up dropped the guards");
     let page = now.repo::<Photo>()?.page_of_user(0, None, 100).await?;
-    assert_eq!(page.rows.len(), 6, "{:?}", page.rows);
+    assert_eq!(page.rows.len(), 8, "{:?}", page.rows);
+    Ok(())
+}
+
+shardline_testkit::register!(shared: an_abort_of_a_move_a_restored_journal_says_runs_undoes_nothing);
+/// A catalog restored from a backup taken while a move was at `verified` says the move
+/// runs and the map places the shard on its source; in truth it flipped, its target took
+/// writes since, and the source holds only the fenced-away old copy (its marker gone
+/// with the flip's clean-up). `--abort` then refuses, naming the missing marker, and
+/// changes nothing. Before, it renamed the old copy back (writable again) and dropped
+/// the target's live schema: every write since the flip was lost.
+pub(crate) async fn an_abort_of_a_move_a_restored_journal_says_runs_undoes_nothing(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let route = cluster.route_user(0);
+    let (from, to) =
+        (route.host.as_str().to_owned(), if route.host.as_str() == "pg1" { "pg2" } else { "pg1" });
+    let photos = cluster.repo::<Photo>()?;
+    photos.insert(&photo(0, 1)).await?;
+    let report = moves::run(&config, route.shard, &crate::host(to), &MoveOptions::default()).await?;
+    cluster.refresh().await?;
+    let after = photos.insert(&photo(0, 2)).await?;
+    // The restore, as far as this move goes: running at `verified`, the map on the source.
+    let catalog = f.client(&ctx, 0).await?;
+    catalog
+        .batch_execute(&format!(
+            "UPDATE shardline.moves SET state = 'running', step = 'verified' WHERE id = {id};
+             UPDATE shardline.shards SET host = '{from}' WHERE shard = {shard}",
+            id = report.id,
+            shard = route.shard.get()
+        ))
+        .await?;
+    let refused = moves::abort(&config, route.shard, &MoveOptions::default()).await;
+    let said = refused.as_ref().err().map(ToString::to_string).unwrap_or_default();
+    assert!(said.contains("carries no marker of the move"), "{refused:?}");
+    // Nothing undone: the old copy still fenced away on the source, the target's schema
+    // there with the write made after the flip.
+    let schema = route.schema.as_str();
+    let source = f.client(&ctx, host_index(&from)).await?;
+    let live: bool = source.query_one("SELECT to_regnamespace($1) IS NOT NULL", &[&schema]).await?.get(0);
+    assert!(!live, "the old copy was reopened on {from}");
+    let target = f.client(&ctx, host_index(to)).await?;
+    let kept: i64 = target
+        .query_one(
+            &format!("SELECT count(*) FROM {}.photos WHERE id = $1", route.schema.quoted()),
+            &[&after.id],
+        )
+        .await?
+        .get(0);
+    assert_eq!(kept, 1, "the write since the flip is on {to}");
+    Ok(())
+}
+
+/// How many kinds of read [`stale_reads_find_the_shard`] tries, each through a handle
+/// of its own.
+const READS: usize = 7;
+
+/// Reads shard 0 through each of `readers` (handles whose maps place it where a move is
+/// bringing a copy of it, one per kind of read): each must find the shard where it is,
+/// `on`, with the photos `ids` (user 0's) in it, and leave its handle's map placing it
+/// there.
+async fn stale_reads_find_the_shard(readers: &[Cluster], step: Step, on: &str, ids: &[Id]) -> TestResult {
+    assert_eq!(readers.len(), READS);
+    let want: HashSet<Id> = ids.iter().copied().collect();
+    let window =
+        (SystemTime::now() - Duration::from_secs(3600), SystemTime::now() + Duration::from_secs(3600));
+    for (kind, reader) in readers.iter().enumerate() {
+        let photos = reader.repo::<Photo>()?;
+        let (what, found): (&str, HashSet<Id>) = match kind {
+            0 => ("get", {
+                let mut found = HashSet::new();
+                for id in ids {
+                    found.extend(photos.get(*id).await?.map(|p| p.id));
+                }
+                found
+            }),
+            1 => ("get_many", photos.get_many(ids).await?.rows.into_iter().flatten().map(|p| p.id).collect()),
+            2 => (
+                "page_of_user",
+                photos
+                    .page_of_user(0, None, 100)
+                    .await?
+                    .rows
+                    .into_iter()
+                    .map(|p| p.id)
+                    .filter(|id| want.contains(id))
+                    .collect(),
+            ),
+            3 => ("created_between", {
+                let f = photos.created_between(window.0, window.1, 1000).await?;
+                assert!(f.is_complete(), "{step}: created_between: {:?}", f.missing);
+                f.rows.into_iter().map(|p| p.id).filter(|id| want.contains(id)).collect()
+            }),
+            4 => ("newest", {
+                let f = photos.newest(None, 1000).await?;
+                assert!(f.is_complete(), "{step}: newest: {:?}", f.missing);
+                f.rows.into_iter().map(|p| p.id).filter(|id| want.contains(id)).collect()
+            }),
+            5 => ("count", {
+                let c = photos.count().await?;
+                assert!(c.is_complete(), "{step}: count: {:?}", c.missing);
+                assert!(c.count >= ids.len() as u64, "{step}: count {} of at least {}", c.count, ids.len());
+                want.clone()
+            }),
+            _ => ("a shard transaction", {
+                let n = reader
+                    .transaction(crate::shard(0), |tx| {
+                        Box::pin(async move {
+                            let rows = tx.query("SELECT count(*) FROM photos WHERE user_id = 0", &[]).await?;
+                            Ok::<i64, shardline_repo::Error>(rows.first().map_or(-1, |r| r.get(0)))
+                        })
+                    })
+                    .await?;
+                assert!(
+                    usize::try_from(n).is_ok_and(|n| n >= ids.len()),
+                    "{step}: a shard transaction counted {n} of at least {}",
+                    ids.len()
+                );
+                want.clone()
+            }),
+        };
+        assert_eq!(found, want, "{step}: {what} through a handle a move behind");
+        assert_eq!(reader.route_user(0).host.as_str(), on, "{step}: {what} went where the shard is");
+    }
     Ok(())
 }
 

@@ -577,9 +577,10 @@ macro_rules! hand_written_new_photo {
 
 shardline_testkit::register!(shared: a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql);
 /// A column of a hand-written `NewRow` that would close its quotes and write SQL of its
-/// own (here: set the caption), or that Postgres would read otherwise (`URL`), is
-/// refused by `insert`, `insert_many` and a transaction's `insert` before any SQL is
-/// built: nothing stored. The same row with plain names goes in.
+/// own (here: set the caption), or that Postgres would read otherwise (`URL`), or the
+/// row's `id` (the shard mints it), is refused by `insert`, `insert_many` and a
+/// transaction's `insert` before any SQL is built: nothing stored. The same row with
+/// plain names goes in.
 pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_any_sql(
     ctx: TestContext,
 ) -> TestResult {
@@ -589,6 +590,22 @@ pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_an
     hand_written_new_photo!(Plain, &["user_id", "url"]);
     hand_written_new_photo!(Sneaky, &["user_id", SNEAKY]);
     hand_written_new_photo!(Shouting, &["user_id", "URL"]);
+    /// Gives the row's ID (another shard's), which the shard mints.
+    struct WithId {
+        id: Id,
+        user_id: i64,
+        url: String,
+    }
+    impl shardline_repo::NewRow for WithId {
+        type Entity = Photo;
+        const COLUMNS: &'static [&'static str] = &["id", "user_id", "url"];
+        fn shard_key(&self) -> shardline_repo::ShardKey {
+            shardline_repo::ShardKey::User(self.user_id)
+        }
+        fn values(&self) -> Vec<&(dyn shardline_repo::tokio_postgres::types::ToSql + Sync)> {
+            vec![&self.id, &self.user_id, &self.url]
+        }
+    }
 
     let f = Fixture::new(&ctx, 2, 4).await?;
     shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
@@ -613,6 +630,22 @@ pub(crate) async fn a_hand_written_new_row_with_bad_columns_is_refused_before_an
         })
         .await;
     refused(in_tx, SNEAKY, "a transaction's insert")?;
+    // A row that gives its own ID (here another shard's): refused before anything is
+    // sent. Before, it was written in user 1's shard, then reported misrouted, and every
+    // read by its ID looked in the other shard.
+    let elsewhere = Id::from_parts(1_800_000_000_000, u32::from(cluster.route_user(2).shard.get()), 0)?;
+    assert_ne!(cluster.route_user(1).shard, cluster.route_user(2).shard);
+    let with_id = || WithId { id: elsewhere, user_id: 1, url: url() };
+    let gives_id = |r: Result<Vec<Photo>, Error>, how: &str| match r {
+        Err(Error::Invalid { what }) if what.contains("gives photos.id, which the shard mints") => Ok(()),
+        other => Err(format!("{how} with an ID: {other:?}")),
+    };
+    gives_id(photos.insert(&with_id()).await.map(|p| vec![p]), "insert")?;
+    gives_id(photos.insert_many(&[with_id(), with_id()]).await, "insert_many")?;
+    let in_tx = cluster
+        .transaction(shard, |tx| Box::pin(async move { tx.insert(&with_id()).await.map(|p| vec![p]) }))
+        .await;
+    gives_id(in_tx, "a transaction's insert")?;
 
     // Only the plain row is stored, in any shard.
     let mut stored = Vec::new();

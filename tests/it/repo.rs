@@ -49,6 +49,41 @@ pub(crate) async fn a_shard_the_cluster_does_not_have_is_refused_not_a_panic(ctx
     Ok(())
 }
 
+shardline_testkit::register!(shared: options_a_handle_cannot_use_are_refused_by_name_not_a_panic);
+/// A time that would overflow the clock once added to it (`Duration::MAX` for "no
+/// limit"), or a pool no host could hold, is refused by `Cluster::connect`, naming the
+/// option; before, `host_timeout: Duration::MAX` panicked in `connect`, and `move_wait`
+/// at the first moved shard. Up to the bound, a handle is made.
+pub(crate) async fn options_a_handle_cannot_use_are_refused_by_name_not_a_panic(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
+    let config = f.config()?;
+    let d = ClusterOptions::default;
+    let cases: [(&str, ClusterOptions); 6] = [
+        ("connect_timeout", ClusterOptions { connect_timeout: Duration::MAX, ..d() }),
+        ("host_timeout", ClusterOptions { host_timeout: Duration::MAX, ..d() }),
+        ("map_check", ClusterOptions { map_check: Duration::from_secs(u64::MAX), ..d() }),
+        ("move_wait", ClusterOptions { move_wait: Duration::MAX, ..d() }),
+        ("connection_max_lifetime", ClusterOptions { connection_max_lifetime: Some(Duration::MAX), ..d() }),
+        ("pool_size", ClusterOptions { pool_size: usize::MAX, ..d() }),
+    ];
+    for (name, o) in cases {
+        match Cluster::connect(&config, o).await {
+            Err(Error::Invalid { what }) if what.contains(&format!("ClusterOptions::{name}")) => {}
+            other => return Err(format!("{name}: {:?}", other.map(|_| "a handle")).into()),
+        }
+    }
+    let longest = shardline_repo::LONGEST_OPTION;
+    let c = Cluster::connect(&config, ClusterOptions { host_timeout: longest, move_wait: longest, ..d() })
+        .await?;
+    c.repo::<Photo>()?
+        .insert(&NewPhoto { user_id: 1, url: "https://cdn/1.jpg".into(), caption: String::new() })
+        .await?;
+    Ok(())
+}
+
 /// Photo `id` is on the route's host, in the route's schema, and on no other of the
 /// three hosts.
 pub(crate) async fn only_where_routed(
@@ -250,8 +285,14 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
     // Move shard 0 from pg1 to pg2 by hand: copy it, drop it at the source, flip the map.
     let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
     let install = shardline_id::sql::ShardSql::new(stale.layout(), "shard_0000", 0)?.install();
+    // With the function every read names, true on a shard's own copy (what `init`,
+    // `migrate` and moves install beside the minter).
+    let live = format!(
+        "CREATE FUNCTION shard_0000.{}() RETURNS boolean LANGUAGE sql STABLE RETURN true",
+        shardline_repo::LIVE_CHECK
+    );
     pg2.batch_execute(&format!(
-        "CREATE SCHEMA shard_0000; {install}; SET search_path TO shard_0000;
+        "CREATE SCHEMA shard_0000; {install}; {live}; SET search_path TO shard_0000;
          CREATE TABLE photos (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, url text NOT NULL, caption text NOT NULL DEFAULT '');
          RESET search_path"
     ))
@@ -308,7 +349,11 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
     // and run again where the map now places the shard.
     let stale_mid =
         Cluster::connect(&f.config()?, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
-    pg1.batch_execute("CREATE SCHEMA shard_0000").await?;
+    pg1.batch_execute(&format!(
+        "CREATE SCHEMA shard_0000; CREATE FUNCTION shard_0000.{}() RETURNS boolean LANGUAGE sql STABLE RETURN true",
+        shardline_repo::LIVE_CHECK
+    ))
+    .await?;
     pg1.execute("UPDATE shardline.shards SET host = 'pg1' WHERE shard = 0", &[]).await?;
     stale_mid.refresh().await?;
     assert_eq!(stale_mid.route(shard0)?.host.as_str(), "pg1");
@@ -321,7 +366,7 @@ pub(crate) async fn a_stale_map_is_refreshed_not_obeyed(ctx: TestContext) -> Tes
             Box::pin(async move {
                 if run == 0 {
                     tx.query("SELECT 1", &[]).await?;
-                    pg1.batch_execute("DROP SCHEMA shard_0000")
+                    pg1.batch_execute("DROP SCHEMA shard_0000 CASCADE")
                         .await
                         .map_err(|e| Error::Invalid { what: e.to_string() })?;
                 }
@@ -360,6 +405,17 @@ pub(crate) async fn a_fan_out_merges_every_host_newest_first(ctx: TestContext) -
         .created_between(start - Duration::from_secs(3600), start - Duration::from_secs(1800), 10)
         .await?;
     assert!(none.rows.is_empty() && none.is_complete());
+    // A window that ends before it begins is a mistake, said as one (before: no rows,
+    // a count of 0, as if the window were empty).
+    for r in [
+        photos.created_between(now, start, 10).await.map(|f| f.rows.len()),
+        photos.count_between(now, start).await.map(|c| usize::try_from(c.count).unwrap_or(usize::MAX)),
+    ] {
+        assert!(
+            matches!(&r, Err(Error::Invalid { what }) if what.contains("ends") && what.contains("before it begins")),
+            "{r:?}"
+        );
+    }
     Ok(())
 }
 
@@ -543,6 +599,30 @@ pub(crate) async fn a_transaction_commits_or_rolls_back_whole_in_one_shard(ctx: 
     assert_eq!(runs.into_inner(), 1);
     let page = photos.page_of_user(6, None, 100).await?;
     assert_eq!(page.rows.iter().filter(|p| p.caption == "committed by the closure").count(), 1);
+
+    // A statement whose future the closure dropped unfinished (its own timeout) may
+    // still run on the server: the transaction is given up, not committed with it, and
+    // the row it was inserting is not stored. Before, `COMMIT` committed it, though the
+    // closure took the statement for not done and returned `Ok`.
+    let err = cluster
+        .transaction(shard, |tx| {
+            Box::pin(async move {
+                let slow = tx.execute(
+                    "INSERT INTO photos (user_id, url, caption) SELECT 6, 'u', 'dropped unfinished' FROM pg_sleep(0.5)",
+                    &[],
+                );
+                let timed_out = tokio::time::timeout(Duration::from_millis(100), slow).await.is_err();
+                assert!(timed_out, "the insert took under 100 ms");
+                Ok::<_, Error>(())
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::RolledBack { shard: s, .. } if s == shard), "{err:?}");
+    // Even once the statement would have ended.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let page = photos.page_of_user(6, None, 100).await?;
+    assert_eq!(page.rows.iter().filter(|p| p.caption == "dropped unfinished").count(), 0);
 
     // Rows and IDs of another shard are refused before anything is sent.
     let other = photos.insert(&photo(7, 1)).await?;

@@ -585,8 +585,14 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
         u32::from(route.shard.get()),
     )?
     .install();
+    // With the function every read names, true on a shard's own copy (what `init`,
+    // `migrate` and moves install beside the minter).
+    let live = format!(
+        "CREATE FUNCTION {schema}.{}() RETURNS boolean LANGUAGE sql STABLE RETURN true",
+        shardline_repo::LIVE_CHECK
+    );
     dst.batch_execute(&format!(
-        "CREATE SCHEMA {schema}; {install}; SET search_path TO {schema};
+        "CREATE SCHEMA {schema}; {install}; {live}; SET search_path TO {schema};
          CREATE TABLE photos (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, url text NOT NULL, caption text NOT NULL DEFAULT '');
          RESET search_path"
     ))

@@ -10,7 +10,7 @@ use shardline_router::{Config, HostName};
 
 use crate::UsageError;
 use crate::cluster::runtime;
-use crate::moves::{moves_failed, print_moves};
+use crate::moves::{moves_failed, print_moves, report_moves};
 
 /// Options of `host`.
 #[derive(Debug, Args)]
@@ -77,7 +77,8 @@ pub enum HostCommand {
         /// How each move copies its shard's rows (see `move`).
         #[command(flatten)]
         copy: crate::moves::CopyArgs,
-        /// Print one JSON array of the moves.
+        /// Print one JSON object: with `--dry-run` the plan; else the moves, what the
+        /// host still holds, and whether it is drained.
         #[arg(long)]
         json: bool,
     },
@@ -189,8 +190,19 @@ pub fn host(config: &Config, opt: &HostOpt, out: &mut dyn Write) -> anyhow::Resu
                 }
                 return Ok(());
             }
-            print_moves(&report.moves, *json, out)?;
-            if !*json {
+            if *json {
+                // One object: the moves, and what the host still holds (`null` when the
+                // catalog could not be read after them).
+                let moves = report_moves(&report.moves, None)?;
+                let summary = serde_json::json!({
+                    "host": report.host,
+                    "moves": moves,
+                    "remaining": report.remaining,
+                    "drained": report.drained(),
+                });
+                writeln!(out, "{summary}")?;
+            } else {
+                print_moves(&report.moves, false, out)?;
                 writeln!(out, "{report}")?;
             }
             drained(&report)

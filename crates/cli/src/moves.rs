@@ -388,11 +388,24 @@ pub(crate) fn print_moves(
     json: bool,
     out: &mut dyn Write,
 ) -> anyhow::Result<bool> {
+    let all = report_moves(results, (!json).then_some(out))?;
+    if json {
+        writeln!(out, "{all}")?;
+    }
+    Ok(!results.is_empty())
+}
+
+/// Each move's outcome as JSON (an array, in order), written as text lines to `text`
+/// as well when given.
+pub(crate) fn report_moves(
+    results: &[(PlannedMove, shardline_ops::Result<shardline_ops::moves::MoveReport>)],
+    mut text: Option<&mut dyn Write>,
+) -> anyhow::Result<serde_json::Value> {
     let mut all = Vec::new();
     for (m, r) in results {
         match r {
             Ok(report) => {
-                if !json {
+                if let Some(out) = text.as_mut() {
                     writeln!(
                         out,
                         "shard {:>4} {} -> {}: {} rows, {}, pause {} ms",
@@ -407,7 +420,7 @@ pub(crate) fn print_moves(
                 all.push(serde_json::json!({"shard": m.shard, "from": m.from, "to": m.to, "report": report}));
             }
             Err(e) => {
-                if !json {
+                if let Some(out) = text.as_mut() {
                     writeln!(
                         out,
                         "shard {:>4} {} -> {}: FAILED: {}",
@@ -423,10 +436,7 @@ pub(crate) fn print_moves(
             }
         }
     }
-    if json {
-        writeln!(out, "{}", serde_json::Value::Array(all))?;
-    }
-    Ok(!results.is_empty())
+    Ok(serde_json::Value::Array(all))
 }
 
 /// An error when any move failed.

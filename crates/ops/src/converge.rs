@@ -35,6 +35,50 @@ use crate::{Error, Result, describe};
 /// sequence backwards).
 pub const MINTER: &str = "shardline minter";
 
+/// What the ledger's [`MINTER`] entry installs in shard `schema`: the ID minter
+/// (`shardline_id::sql::ShardSql::install`) and the schema's
+/// [`shardline_repo::LIVE_CHECK`] function as the shard's own copy has it
+/// ([`live_sql`]): a move's copy is made, and its copy's version set, in the same
+/// transaction ([`ShardWork::hold`]).
+pub(crate) fn minter_sql(
+    layout: Layout,
+    schema: &SchemaName,
+    shard: LogicalShard,
+    minter: shardline_id::sql::Minter,
+) -> Result<String> {
+    let install = ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?.minter(minter).install();
+    Ok(format!("{install}\n{}", live_sql(schema.as_str(), None)))
+}
+
+/// The [`shardline_repo::LIVE_CHECK`] function of shard schema `schema`. On the
+/// shard's own copy (`copy_of` `None`) a SQL function returning `true`, which the
+/// planner inlines and folds away (every read of the repository names it; the cheapest
+/// form measured, `scripts/live-check-cost.sh`). On move
+/// `copy_of`'s copy, not the shard's until that move's flip: it fails with 3F000, as a
+/// schema the shard has left does, unless the move's marker there says the flip is
+/// decided (replicated from the source) or the session is the move's own; as the copy's
+/// write guards do ([`crate::moves`]' `guard_sql`). `SECURITY DEFINER`, with a pinned
+/// `search_path`: an application role need not read shardline's tables.
+pub(crate) fn live_sql(schema: &str, copy_of: Option<i64>) -> String {
+    let f = format!("{}.{}()", shardline_id::ident::quote(schema), shardline_repo::LIVE_CHECK);
+    match copy_of {
+        None => format!("CREATE OR REPLACE FUNCTION {f} RETURNS boolean LANGUAGE sql STABLE PARALLEL SAFE RETURN true;"),
+        Some(id) => format!(
+            "CREATE OR REPLACE FUNCTION {f} RETURNS boolean LANGUAGE plpgsql STABLE
+                 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $live$
+             BEGIN
+                 IF current_setting('shardline.move', true) = '{id}'
+                    OR EXISTS (SELECT FROM shardline.move_marks WHERE move_id = {id} AND decided = 'flip') THEN
+                     RETURN true;
+                 END IF;
+                 RAISE EXCEPTION 'schema \"%\" on this host is a copy that a move brings here; the shard lives elsewhere until its flip', {name}
+                     USING ERRCODE = 'invalid_schema_name';
+             END $live$;",
+            name = literal(schema)
+        ),
+    }
+}
+
 /// The ledger on each host, created if missing.
 pub const HOST_LEDGER_SQL: &str = "CREATE SCHEMA IF NOT EXISTS shardline;
 CREATE TABLE IF NOT EXISTS shardline.shard_migrations (
@@ -58,6 +102,10 @@ pub(crate) struct ShardWork {
     /// The application roles' grants ([`shard_grants`]), run after the migrations in
     /// the same transaction; `None` when the config names no role.
     pub(crate) grants: Option<String>,
+    /// Run last in the same transaction, and not recorded in the ledger: a move's copy
+    /// is guarded as it is made (its writes refused and its reads failed until the
+    /// move's flip), so no router a move behind reads or writes it while it is empty.
+    pub(crate) hold: Option<String>,
 }
 
 /// What one host needs.
@@ -203,9 +251,7 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
                 });
             }
         }
-        let install = ShardSql::new(inputs.layout, schema.as_str(), u32::from(shard.get()))?
-            .minter(inputs.minter)
-            .install();
+        let install = minter_sql(inputs.layout, &schema, *shard, inputs.minter)?;
         let minter = (minter_sum != Some(checksum(install.as_bytes()).as_str())).then_some(install);
         // Granted with any other work (a migration may add tables), and on its own when
         // the roles (or what they get) changed. Nothing is revoked from a role taken
@@ -220,6 +266,7 @@ pub(crate) async fn plan_host(client: &Client, host: &HostName, inputs: &Inputs<
                 minter,
                 migrations: pending,
                 grants,
+                hold: None,
             });
         }
     }
@@ -345,6 +392,9 @@ pub(crate) async fn apply_shard(
     if let Some(grants) = &w.grants {
         batch.push((Origin::Ours("grant the app_roles their privileges"), grants.clone()));
         ledger.push((GRANTS.to_owned(), checksum(grants.as_bytes())));
+    }
+    if let Some(hold) = &w.hold {
+        batch.push((Origin::Ours("guard the move's copy"), hold.clone()));
     }
     let values: Vec<String> = ledger
         .iter()

@@ -162,6 +162,43 @@ pub struct ClusterOptions {
     pub move_wait: Duration,
 }
 
+/// The longest time any option of [`ClusterOptions`] may give (30 days): added to the
+/// clock, a longer one (`Duration::MAX` for "no limit", say) would overflow it.
+pub const LONGEST_OPTION: Duration = Duration::from_secs(30 * 86_400);
+
+/// The most connections per host [`ClusterOptions::pool_size`] may ask for.
+pub const MOST_CONNECTIONS: usize = 10_000;
+
+impl ClusterOptions {
+    /// Refuses options that cannot be used, naming the first: a time over
+    /// [`LONGEST_OPTION`], a pool over [`MOST_CONNECTIONS`].
+    fn check(&self) -> Result<()> {
+        let times = [
+            ("connect_timeout", Some(self.connect_timeout)),
+            ("host_timeout", Some(self.host_timeout)),
+            ("map_check", Some(self.map_check)),
+            ("move_wait", Some(self.move_wait)),
+            ("connection_max_lifetime", self.connection_max_lifetime),
+        ];
+        for (name, value) in times {
+            if let Some(v) = value.filter(|v| *v > LONGEST_OPTION) {
+                return Err(Error::Invalid {
+                    what: format!("ClusterOptions::{name} is {v:?}: at most {LONGEST_OPTION:?} (30 days)"),
+                });
+            }
+        }
+        if self.pool_size > MOST_CONNECTIONS {
+            return Err(Error::Invalid {
+                what: format!(
+                    "ClusterOptions::pool_size is {}: at most {MOST_CONNECTIONS} connections per host",
+                    self.pool_size
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for ClusterOptions {
     fn default() -> Self {
         ClusterOptions {
@@ -318,6 +355,7 @@ impl Cluster {
         mut options: ClusterOptions,
         credentials: Arc<dyn Credentials>,
     ) -> Result<Cluster> {
+        options.check()?;
         // None < Some(false) < Some(true): a pooler said anywhere wins.
         options.transaction_pooler = options.transaction_pooler.max(config.transaction_pooler);
         // The catalog's reads bounded as every later one is (a catalog locked, hung or

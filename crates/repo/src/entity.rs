@@ -185,9 +185,22 @@ pub(crate) fn check_entity<E: Entity>() -> Result<()> {
 
 /// Checks the columns an insert of `N` gives, before any SQL is built from them: a
 /// hand-written `impl NewRow` is not checked by `#[derive(NewRow)]`.
+/// Nor may it give the row's `id`, which `#[derive(NewRow)]` refuses too: the shard
+/// mints it (`DEFAULT next_id()`), and an ID the row chose could name another shard
+/// than the one the row is written in, where every read by that ID would look.
 pub(crate) fn check_new_row<N: NewRow>() -> Result<()> {
     for c in N::COLUMNS {
         check_column("column to insert", <N::Entity as Entity>::TABLE, c)?;
+    }
+    if N::COLUMNS.contains(&"id") {
+        return Err(Error::Invalid {
+            what: format!(
+                "{}: gives {}.id, which the shard mints (a new row has no ID): an ID the row chose could \
+                 name another shard than the one it is written in",
+                std::any::type_name::<N>(),
+                <N::Entity as Entity>::TABLE
+            ),
+        });
     }
     Ok(())
 }

@@ -70,8 +70,23 @@ mod tls;
 /// it.)
 pub const REVERT_GUARD: &str = "shardline_revert_guard";
 
+/// The function each shard schema holds that says whether the schema is the shard's on
+/// its host: on the shard's own copy it returns `true` (a SQL function the planner
+/// inlines and folds away: about 10 µs of server time when a statement is planned, so
+/// on each unnamed statement, and nothing on a kept one; docs/benchmarks.md, *The live
+/// check*); on a move's copy that is not the shard's
+/// until its flip (the copies [`REVERT_GUARD`] guards) it fails with 3F000, until the
+/// move's marker there says the flip is decided. Every read the repository sends names
+/// it beside its shard's tables (`WHERE ... AND "shard_0007".shardline_live()`), as does
+/// a shard transaction's `BEGIN`: a router whose map is a move or more behind, sent to a
+/// copy still being filled, finds the shard moved and reads where it is, instead of
+/// reading a part of its rows. Installed with each shard's minter (`init`, `migrate`,
+/// a move's copy); an application of this version needs `shardline migrate` of this
+/// version run first.
+pub const LIVE_CHECK: &str = "shardline_live";
+
 pub use catalog::{Catalog, ClusterInfo, Prepared};
-pub use cluster::{Cluster, ClusterOptions};
+pub use cluster::{Cluster, ClusterOptions, LONGEST_OPTION, MOST_CONNECTIONS};
 pub use entity::{Entity, NewRow, ShardKey};
 pub use repository::{Counted, FanOut, Many, Missing, Page, Repo};
 pub use shard::{ShardResult, ShardTx};

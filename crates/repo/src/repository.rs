@@ -64,6 +64,12 @@ impl Sql {
         format!("{}.{}", schema.quoted(), self.table)
     }
 
+    /// The condition that fails a read of a copy that is not the shard's
+    /// ([`crate::LIVE_CHECK`]); `true` on the shard's own.
+    fn live(schema: &SchemaName) -> String {
+        format!("{}.{}()", schema.quoted(), crate::LIVE_CHECK)
+    }
+
     pub(crate) fn insert(&self, schema: &SchemaName, columns: &[&str], rows: usize) -> String {
         format!("{} RETURNING {}", self.insert_values(schema, columns, rows, 0), self.columns)
     }
@@ -101,7 +107,12 @@ impl Sql {
     }
 
     pub(crate) fn get(&self, schema: &SchemaName) -> String {
-        format!("SELECT {} FROM {} WHERE \"id\" = $1", self.columns, self.qualified(schema))
+        format!(
+            "SELECT {} FROM {} WHERE \"id\" = $1 AND {}",
+            self.columns,
+            self.qualified(schema),
+            Sql::live(schema)
+        )
     }
 
     /// One statement for many shards of one host: `$n` is shard n's array of IDs.
@@ -112,7 +123,12 @@ impl Sql {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                format!("SELECT {select} FROM {} WHERE \"id\" = ANY(${})", self.qualified(s), i + 1)
+                format!(
+                    "SELECT {select} FROM {} WHERE \"id\" = ANY(${}) AND {}",
+                    self.qualified(s),
+                    i + 1,
+                    Sql::live(s)
+                )
             })
             .collect::<Vec<_>>()
             .join(" UNION ALL ")
@@ -135,10 +151,11 @@ impl Sql {
     /// The rows whose `column` is `$1`, newest first, IDs below `$2`, at most `$3`.
     fn page(&self, schema: &SchemaName, column: &str) -> String {
         format!(
-            "SELECT {} FROM {} WHERE {} = $1 AND \"id\" < $2 ORDER BY \"id\" DESC LIMIT $3",
+            "SELECT {} FROM {} WHERE {} = $1 AND \"id\" < $2 AND {} ORDER BY \"id\" DESC LIMIT $3",
             self.columns,
             self.qualified(schema),
             quote(column),
+            Sql::live(schema)
         )
     }
 
@@ -151,10 +168,11 @@ impl Sql {
             .iter()
             .map(|(shard, s)| {
                 format!(
-                    "(SELECT {select}, {}::int4 AS {} FROM {} WHERE \"id\" BETWEEN $1 AND $2 ORDER BY \"id\" DESC LIMIT $3)",
+                    "(SELECT {select}, {}::int4 AS {} FROM {} WHERE \"id\" BETWEEN $1 AND $2 AND {} ORDER BY \"id\" DESC LIMIT $3)",
                     shard.get(),
                     statement::BRANCH_SHARD,
-                    self.qualified(s)
+                    self.qualified(s),
+                    Sql::live(s)
                 )
             })
             .collect::<Vec<_>>()
@@ -175,10 +193,11 @@ impl Sql {
             .map(|(shard, s)| {
                 let part = i64::from(shard.get()) << layout.shard_shift();
                 format!(
-                    "(SELECT {}::int4 AS {}, count(*) AS n, min(\"id\") FILTER (WHERE (\"id\" & {mask}::int8) <> {part}::int8) AS \"id\" FROM {} WHERE \"id\" BETWEEN $1 AND $2)",
+                    "(SELECT {}::int4 AS {}, count(*) AS n, min(\"id\") FILTER (WHERE (\"id\" & {mask}::int8) <> {part}::int8) AS \"id\" FROM {} WHERE \"id\" BETWEEN $1 AND $2 AND {})",
                     shard.get(),
                     statement::BRANCH_SHARD,
-                    self.qualified(s)
+                    self.qualified(s),
+                    Sql::live(s)
                 )
             })
             .collect::<Vec<_>>()
@@ -577,7 +596,11 @@ impl<E: Entity> Repo<E> {
     /// every column, except that a column whose type lives in the shard's schema (an
     /// enum, say: each shard has its own copy, and `UNION` cannot match two of them) is
     /// read as `text`. A type of an extension (`hstore`, `vector`) is shared by the
-    /// schemas and stays as it is. Learnt once from the single-row read of `schema`.
+    /// schemas and stays as it is. Learnt from the single-row read of `schema`, and kept
+    /// once its table had every column of `E` (a shard a migration has not reached yet
+    /// lacks one: its list is used once, not kept, or a column added there as an enum
+    /// would be read as itself for as long as the handle lives, failing every statement
+    /// over two shards).
     async fn across_select(
         &self,
         client: &deadpool_postgres::Object,
@@ -596,6 +619,9 @@ impl<E: Entity> Repo<E> {
             })
             .collect::<Vec<_>>()
             .join(", ");
+        if !types.knows(&[], E::COLUMNS) {
+            return Ok(select);
+        }
         Ok(self.across.get_or_init(|| select).clone())
     }
 
@@ -969,13 +995,26 @@ impl<E: Entity> Repo<E> {
     /// # Errors
     ///
     /// [`Error::Id`] when the window is outside the ID layout; [`Error::Invalid`] for a
-    /// time before 1970 or past what milliseconds in an `i64` hold.
+    /// time before 1970 or past what milliseconds in an `i64` hold, and for `from` after
+    /// `to`.
     pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
+        let (lo, hi) = self.window_ids(from, to)?;
+        let got = self.across(Ask::Newest { lo, hi, limit }).await?;
+        Ok(Self::page_across(got, limit))
+    }
+
+    /// The lowest and highest IDs a window of creation times `[from, to]` holds; a
+    /// window that ends before it begins is refused, not read as an empty one.
+    fn window_ids(&self, from: SystemTime, to: SystemTime) -> Result<(i64, i64)> {
+        if from > to {
+            return Err(Error::Invalid {
+                what: format!("the time window ends ({to:?}) before it begins ({from:?})"),
+            });
+        }
         let layout = self.cluster.layout();
         let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
         let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
-        let got = self.across(Ask::Newest { lo, hi, limit }).await?;
-        Ok(Self::page_across(got, limit))
+        Ok((lo, hi))
     }
 
     /// One page of every shard's rows, newest first, for a listing across the cluster:
@@ -1006,11 +1045,10 @@ impl<E: Entity> Repo<E> {
     /// # Errors
     ///
     /// [`Error::Id`] when the window is outside the ID layout; [`Error::Invalid`] for a
-    /// time before 1970 or past what milliseconds in an `i64` hold.
+    /// time before 1970 or past what milliseconds in an `i64` hold, and for `from` after
+    /// `to`.
     pub async fn count_between(&self, from: SystemTime, to: SystemTime) -> Result<Counted> {
-        let layout = self.cluster.layout();
-        let lo = i64::from(layout.min_id_at(unix_ms(from)?)?);
-        let hi = i64::from(layout.max_id_at(unix_ms(to)?)?);
+        let (lo, hi) = self.window_ids(from, to)?;
         let got = self.across(Ask::Count { lo, hi }).await?;
         Ok(Counted { count: got.count, missing: got.missing })
     }

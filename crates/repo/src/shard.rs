@@ -49,7 +49,8 @@ pub(crate) const PROBE: &str = "shardline_check";
 
 /// What a routed transaction runs after its `BEGIN`, in the same round trip: the
 /// `search_path` set to `schema` (quoted by the one quoting function,
-/// `SchemaName::quoted`), and a check that the schema is there (with `session`, it also
+/// `SchemaName::quoted`), and a check that the schema is there and is the shard's, not a
+/// move's copy still being filled ([`crate::LIVE_CHECK`]) (with `session`, it also
 /// answers with the session's process ID and start, which the sqlx path cancels by).
 /// Shared by the sqlx path.
 ///
@@ -64,14 +65,18 @@ pub(crate) const PROBE: &str = "shardline_check";
 /// shard table's name still takes that table's writes then; see `docs/sqlx.md`).
 pub(crate) fn enter_schema(schema: &shardline_router::SchemaName, session: bool) -> String {
     let quoted = schema.quoted();
+    // 3F000 when the schema is not there (the cast, read as the statement is parsed,
+    // before the function is looked up: a function of a missing schema is 42883), and
+    // when it is a move's copy that is not the shard's yet ([`crate::LIVE_CHECK`]).
     let check = format!("{}::regnamespace", shardline_id::ident::literal(&quoted.to_string()));
+    let live = format!("{quoted}.{}()", crate::LIVE_CHECK);
     if session {
         format!(
             "SET LOCAL search_path TO {quoted}, pg_temp;
-             SELECT {check}, a.pid, a.backend_start::text FROM pg_stat_get_activity(pg_backend_pid()) AS a"
+             SELECT {check}, a.pid, a.backend_start::text, {live} FROM pg_stat_get_activity(pg_backend_pid()) AS a"
         )
     } else {
-        format!("SET LOCAL search_path TO {quoted}, pg_temp; SELECT {check}")
+        format!("SET LOCAL search_path TO {quoted}, pg_temp; SELECT {check}, {live}")
     }
 }
 
@@ -138,6 +143,11 @@ pub struct ShardTx<'env> {
     moved: bool,
     /// A statement ran out of time: the transaction is over (see `after`).
     abandoned: bool,
+    /// A statement was sent and its answer not read yet. Still set when the next call
+    /// comes, its future was dropped unfinished (the closure's own timeout, a
+    /// `select!`): the server may still run it, so the transaction is given up
+    /// ([`ShardTx::given_up_if_dropped`]) rather than committed with it.
+    in_flight: std::sync::atomic::AtomicBool,
 }
 
 impl ShardTx<'_> {
@@ -162,6 +172,7 @@ impl ShardTx<'_> {
     /// probe fail with 25P01 (a `SAVEPOINT` outside a transaction block):
     /// [`Error::TransactionEnded`], never `Ok`. (A bare `COMMIT` there would only warn.)
     async fn commit(&mut self) -> Result<()> {
+        self.given_up_if_dropped();
         let (host, shard) = (self.route.host.clone(), self.route.shard);
         match self.probe("; COMMIT").await {
             Ok(()) => {
@@ -214,6 +225,18 @@ impl ShardTx<'_> {
         let probed = self.probe("").await;
         self.after(&probed);
         matches!(probed, Err(e) if e.sqlstate() == Some("25P01"))
+    }
+
+    /// A statement whose future was dropped before its answer came (see `in_flight`)
+    /// ran, or runs, on the server, though the closure never saw it end: the
+    /// transaction is given up as after a timeout (cancelled and rolled back in the
+    /// background), so later statements and `COMMIT` get [`Error::RolledBack`]. Before,
+    /// `COMMIT` committed it.
+    fn given_up_if_dropped(&mut self) {
+        if self.in_flight.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            self.abandoned = true;
+            drop(self.client.take());
+        }
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
@@ -274,6 +297,7 @@ impl ShardTx<'_> {
         params: &[&(dyn ToSql + Sync)],
         count_only: bool,
     ) -> Result<(Vec<Row>, u64)> {
+        self.given_up_if_dropped();
         let route = &self.route;
         let client = self.client()?;
         let work = async {
@@ -289,7 +313,9 @@ impl ShardTx<'_> {
                 Ok((rows, n))
             }
         };
+        self.in_flight.store(true, std::sync::atomic::Ordering::Relaxed);
         let result = within(&route.host, self.timeout, work).await;
+        self.in_flight.store(false, std::sync::atomic::Ordering::Relaxed);
         self.after(&result);
         result
     }
@@ -305,6 +331,7 @@ impl ShardTx<'_> {
         kinds: &[Param<'_>],
         returned: &[&str],
     ) -> Result<Vec<Row>> {
+        self.given_up_if_dropped();
         let (route, cluster) = (&self.route, self.cluster);
         let client = self.client()?;
         let work = async {
@@ -313,7 +340,9 @@ impl ShardTx<'_> {
             check_rows(cluster.layout(), &route.host, what, &[route.shard], &rows)?;
             Ok(rows)
         };
+        self.in_flight.store(true, std::sync::atomic::Ordering::Relaxed);
         let result = within(&route.host, self.timeout, work).await;
+        self.in_flight.store(false, std::sync::atomic::Ordering::Relaxed);
         self.after(&result);
         result
     }
@@ -462,6 +491,7 @@ impl Cluster {
                 timeout,
                 moved: false,
                 abandoned: false,
+                in_flight: std::sync::atomic::AtomicBool::new(false),
             };
             let (host, c) = (&tx.route.host, tx.client()?);
             let begun = within(host, timeout, async {

@@ -107,7 +107,7 @@ impl TableTypes {
 
     /// Whether every column `params` and `returned` name is known (a column added by a
     /// migration after the types were read is not).
-    fn knows(&self, params: &[Param<'_>], returned: &[&str]) -> bool {
+    pub(crate) fn knows(&self, params: &[Param<'_>], returned: &[&str]) -> bool {
         let named = params.iter().filter_map(|p| match p {
             Param::Column(c) => Some(*c),
             Param::Int8 => None,

@@ -83,13 +83,14 @@ impl Mover<'_> {
                 shard,
                 schema: schema.clone(),
                 create_schema: true,
-                minter: Some(
-                    ShardSql::new(layout, schema.as_str(), u32::from(shard.get()))?
-                        .minter(config.minter)
-                        .install(),
-                ),
+                minter: Some(converge::minter_sql(layout, &schema, shard, config.minter)?),
                 migrations: (0..migrations.len()).collect(),
                 grants: Some(grants::shard_grants(&schema, &config.app_roles)).filter(|g| !g.is_empty()),
+                // Guarded in the same transaction (again below, for a resumed move):
+                // committed unguarded, the empty copy took a router's write (lost with
+                // the copy) or answered its read, for as long as the indexes' drops and
+                // the sequence's cap took.
+                hold: if reverts.is_none() { Some(guard_sql(schema.as_str(), id)) } else { None },
             };
             let shard_timeout = crate::Options::default().shard_timeout;
             let inputs = Inputs {
@@ -961,11 +962,23 @@ pub(crate) async fn drop_guards(c: &Client, host: &HostName, schema: &str) -> Re
             .iter()
             .map(|r| r.get(0))
             .collect();
+        // The schema's reads are let through too ([`converge::live_sql`]), in the same
+        // transaction (also when no guard is left: a run cut short between the two).
         if tables.is_empty() {
-            return Ok(());
+            let there: bool = c
+                .query_one("SELECT to_regnamespace($1) IS NOT NULL", &[&schema])
+                .await
+                .map_err(on(host, "look for the schema"))?
+                .get(0);
+            if !there {
+                return Ok(());
+            }
         }
-        let drops: String =
-            tables.iter().map(|t| format!("DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {t};")).collect();
+        let drops: String = tables
+            .iter()
+            .map(|t| format!("DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {t};"))
+            .chain(std::iter::once(converge::live_sql(schema, None)))
+            .collect();
         match c.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '500ms'; {drops} COMMIT")).await {
             Ok(()) => return Ok(()),
             Err(e) => {
@@ -1001,16 +1014,22 @@ impl Mover<'_> {
 /// the mover on its sessions: the copy's `COPY` and the emptying `TRUNCATE`). Logical
 /// replication's workers run in `replica` mode, where the trigger does not fire.
 /// `SECURITY DEFINER`: an application role need not read shardline's tables.
-fn guard_sql(tables: &[String], id: i64) -> String {
-    let triggers: String = tables
-        .iter()
-        .map(|t| {
-            format!(
-                "CREATE OR REPLACE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON {t}
-                   FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard('{id}');\n"
-            )
-        })
-        .collect();
+fn guard_sql(schema: &str, id: i64) -> String {
+    // Every table of the schema as it is at that point of the transaction (the copy's
+    // are made in it, a revert's old copy renamed in it).
+    let triggers = format!(
+        "DO $guard$ DECLARE t record; BEGIN
+           FOR t IN SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                     WHERE n.nspname = {name} AND c.relkind IN ('r', 'p') ORDER BY 1 LOOP
+             EXECUTE pg_catalog.format(
+               'CREATE OR REPLACE TRIGGER {REVERT_GUARD} BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON %I.%I
+                  FOR EACH STATEMENT EXECUTE FUNCTION shardline.revert_guard(%L)', {name}, t.relname, '{id}');
+           END LOOP;
+         END $guard$;
+         {live}",
+        name = quote_literal(schema),
+        live = converge::live_sql(schema, Some(id)),
+    );
     format!(
         "CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
              SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $g$
@@ -1028,15 +1047,14 @@ fn guard_sql(tables: &[String], id: i64) -> String {
 
 /// Guards the tables of move `id`'s new copy `schema` on `host` ([`guard_sql`]).
 async fn guard_copy(c: &Client, host: &HostName, schema: &SchemaName, id: i64) -> Result<()> {
-    let tables = tables_of(c, host, schema.as_str(), &schema.quoted()).await?;
-    c.batch_execute(&format!("BEGIN; {} COMMIT", guard_sql(&tables, id)))
+    c.batch_execute(&format!("BEGIN; {} COMMIT", guard_sql(schema.as_str(), id)))
         .await
         .map_err(on(host, "guard the copy"))
 }
 
 async fn reopen_old_copy(c: &Client, host: &HostName, old: &str, schema: &SchemaName, id: i64) -> Result<()> {
-    // Listed under the old name, guarded under the new one (the rename comes first).
-    let guards = guard_sql(&tables_of(c, host, old, &schema.quoted()).await?, id);
+    // Guarded under the new name (the rename comes first, in the same transaction).
+    let guards = guard_sql(schema.as_str(), id);
     c.batch_execute(&format!(
         "BEGIN;
          ALTER SCHEMA {old_q} RENAME TO {new_q};

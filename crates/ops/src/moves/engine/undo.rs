@@ -108,6 +108,7 @@ pub(super) async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> 
     let result = async {
         src.batch_execute("BEGIN").await.map_err(&fail)?;
         let mut marked_max = None;
+        let mut marked = false;
         if has_marks
             && let Some(row) = src
                 .query_opt(
@@ -121,12 +122,28 @@ pub(super) async fn unfence(mover: &mut Mover<'_>, live: bool, fenced: bool) -> 
             if decided.as_deref() == Some("flip") {
                 return Err(Error::FlipDecided { id, shard });
             }
+            marked = true;
             marked_max = row.get::<_, Option<i64>>(1);
             src.execute("UPDATE shardline.move_marks SET decided = 'undo' WHERE move_id = $1", &[&id])
                 .await
                 .map_err(&fail)?;
         }
         let unfenced = !live && fenced;
+        // The marker is written before the fence and goes only with a flip's clean-up:
+        // a source fenced away without it is one whose move flipped and was cleaned up,
+        // though the journal read here says the move runs (a catalog restored from a
+        // backup). Reopening that old copy, then dropping the target's, would lose
+        // every write since the flip.
+        if unfenced && !marked {
+            return Err(Error::Fleet {
+                host: source.clone(),
+                message: format!(
+                    "move {id} of shard {shard}: {moved} is fenced away and carries no marker of the move, so \
+                     it flipped and was cleaned up, though the journal says it runs (a catalog restored from \
+                     a backup?); nothing was undone: put the map right first (`shardline map --check`)"
+                ),
+            });
+        }
         if unfenced {
             // The fence capped the sequence at its last value: the cap is lifted with
             // the rename.
