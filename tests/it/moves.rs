@@ -3333,6 +3333,56 @@ pub(crate) async fn an_abort_of_a_move_a_restored_journal_says_runs_undoes_nothi
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_shard_from_before_the_live_check_moves_once_migrate_gave_it_one);
+/// A cluster made by a shardline from before the live check (each shard's minter
+/// installed without `shardline_live()`, its ledger saying so): a move of such a shard is
+/// refused before anything is built, naming `migrate` (carrying its privileges to a copy
+/// that has the function would revoke the copy's `EXECUTE` on it for good). `migrate`
+/// installs it, as a changed minter; then the shard moves and is read where it went.
+pub(crate) async fn a_shard_from_before_the_live_check_moves_once_migrate_gave_it_one(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    let route = cluster.route_user(0);
+    let to = if route.host.as_str() == "pg1" { "pg2" } else { "pg1" };
+    let kept = cluster.repo::<Photo>()?.insert(&photo(0, 1)).await?;
+    for h in 0..2 {
+        f.client(&ctx, h)
+            .await?
+            .batch_execute(&format!(
+                "DO $$ DECLARE s text; BEGIN
+                   FOR s IN SELECT nspname FROM pg_namespace WHERE nspname LIKE 'shard\\_%' LOOP
+                     EXECUTE format('DROP FUNCTION %I.{live}()', s);
+                   END LOOP;
+                 END $$;
+                 UPDATE shardline.shard_migrations SET checksum = 'an older minter' WHERE name = 'shardline minter'",
+                live = shardline_repo::LIVE_CHECK
+            ))
+            .await?;
+    }
+    let refused = moves::run(&config, route.shard, &crate::host(to), &MoveOptions::default()).await;
+    let said = refused.as_ref().err().map(ToString::to_string).unwrap_or_default();
+    assert!(said.contains("has no shardline_live()") && said.contains("shardline migrate"), "{refused:?}");
+    let copies: i64 = f
+        .client(&ctx, host_index(to))
+        .await?
+        .query_one("SELECT count(*) FROM pg_namespace WHERE nspname = $1", &[&route.schema.as_str()])
+        .await?
+        .get(0);
+    assert_eq!(copies, 0, "nothing built on {to}");
+    moves::abort(&config, route.shard, &MoveOptions::default()).await.ok();
+    let said = cli(&f, &["migrate"]).await?;
+    assert!(said.contains("up to date"), "{said}");
+    moves::run(&config, route.shard, &crate::host(to), &MoveOptions::default()).await?;
+    let now = Cluster::connect(&config, ClusterOptions::default()).await?;
+    assert_eq!(now.route_user(0).host.as_str(), to);
+    assert_eq!(now.repo::<Photo>()?.get(kept.id).await?.map(|p| p.id), Some(kept.id));
+    Ok(())
+}
+
 /// How many kinds of read [`stale_reads_find_the_shard`] tries, each through a handle
 /// of its own.
 const READS: usize = 7;

@@ -65,9 +65,9 @@ pub(crate) const PROBE: &str = "shardline_check";
 /// shard table's name still takes that table's writes then; see `docs/sqlx.md`).
 pub(crate) fn enter_schema(schema: &shardline_router::SchemaName, session: bool) -> String {
     let quoted = schema.quoted();
-    // 3F000 when the schema is not there (the cast, read as the statement is parsed,
-    // before the function is looked up: a function of a missing schema is 42883), and
-    // when it is a move's copy that is not the shard's yet ([`crate::LIVE_CHECK`]).
+    // 3F000 when the schema is not there, and when it is a move's copy that is not the
+    // shard's yet ([`crate::LIVE_CHECK`]); 42883 for a schema without the function (a
+    // shard `migrate` has not reached since an upgrade, or one made by hand).
     let check = format!("{}::regnamespace", shardline_id::ident::literal(&quoted.to_string()));
     let live = format!("{quoted}.{}()", crate::LIVE_CHECK);
     if session {
@@ -154,6 +154,11 @@ impl ShardTx<'_> {
     /// Ends the transaction with `ROLLBACK`; the connection goes back to the pool only
     /// when that succeeds.
     async fn rollback(&mut self) -> Result<()> {
+        if self.given_up_if_dropped() {
+            // Cancelled and rolled back in the background: not queued behind a
+            // statement the closure dropped (which may wait on a lock).
+            return Ok(());
+        }
         let (host, shard) = (&self.route.host, self.route.shard);
         let client = self.client()?;
         within(host, self.timeout, async {
@@ -172,7 +177,7 @@ impl ShardTx<'_> {
     /// probe fail with 25P01 (a `SAVEPOINT` outside a transaction block):
     /// [`Error::TransactionEnded`], never `Ok`. (A bare `COMMIT` there would only warn.)
     async fn commit(&mut self) -> Result<()> {
-        self.given_up_if_dropped();
+        let _ = self.given_up_if_dropped();
         let (host, shard) = (self.route.host.clone(), self.route.shard);
         match self.probe("; COMMIT").await {
             Ok(()) => {
@@ -222,6 +227,9 @@ impl ShardTx<'_> {
     /// A probe that ran out of time gives the connection up ([`ShardTx::after`]), so
     /// the rollback after it does not wait out the timeout a second time.
     async fn ended_by_closure(&mut self) -> bool {
+        if self.given_up_if_dropped() {
+            return false;
+        }
         let probed = self.probe("").await;
         self.after(&probed);
         matches!(probed, Err(e) if e.sqlstate() == Some("25P01"))
@@ -232,11 +240,14 @@ impl ShardTx<'_> {
     /// transaction is given up as after a timeout (cancelled and rolled back in the
     /// background), so later statements and `COMMIT` get [`Error::RolledBack`]. Before,
     /// `COMMIT` committed it.
-    fn given_up_if_dropped(&mut self) {
-        if self.in_flight.swap(false, std::sync::atomic::Ordering::Relaxed) {
+    /// Returns whether it gave the transaction up.
+    fn given_up_if_dropped(&mut self) -> bool {
+        let dropped = self.in_flight.swap(false, std::sync::atomic::Ordering::Relaxed);
+        if dropped {
             self.abandoned = true;
             drop(self.client.take());
         }
+        dropped
     }
 
     fn client(&self) -> Result<&deadpool_postgres::Object> {
@@ -297,7 +308,7 @@ impl ShardTx<'_> {
         params: &[&(dyn ToSql + Sync)],
         count_only: bool,
     ) -> Result<(Vec<Row>, u64)> {
-        self.given_up_if_dropped();
+        let _ = self.given_up_if_dropped();
         let route = &self.route;
         let client = self.client()?;
         let work = async {
@@ -331,7 +342,7 @@ impl ShardTx<'_> {
         kinds: &[Param<'_>],
         returned: &[&str],
     ) -> Result<Vec<Row>> {
-        self.given_up_if_dropped();
+        let _ = self.given_up_if_dropped();
         let (route, cluster) = (&self.route, self.cluster);
         let client = self.client()?;
         let work = async {

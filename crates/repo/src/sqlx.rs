@@ -466,6 +466,17 @@ impl ShardConn<'_> {
     pub fn table(&self, table: &str) -> String {
         format!("{}.{}", self.route.schema.quoted(), shardline_id::ident::quote(table))
     }
+
+    /// The shard schema's live check, for a read in a [`Sqlx::statement`]
+    /// (`"shard_0005".shardline_live()`): add `AND` it to the read's `WHERE`. A
+    /// statement runs no `BEGIN` of shardline's, so nothing else checks that the schema
+    /// it reaches is the shard's: through a handle a move behind, a read without it may
+    /// reach a move's copy still being filled and answer from part of its rows; with it,
+    /// such a read fails as a moved shard's and runs again where the shard is (see
+    /// [`crate::LIVE_CHECK`]). [`Sqlx::transaction`] checks in its `BEGIN`.
+    pub fn live(&self) -> String {
+        format!("{}.{}()", self.route.schema.quoted(), crate::LIVE_CHECK)
+    }
 }
 
 impl std::ops::Deref for ShardConn<'_> {

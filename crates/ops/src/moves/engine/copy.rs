@@ -21,6 +21,27 @@ impl Mover<'_> {
         let config = self.config;
         let lock_timeout = self.options.lock_timeout;
         let reverts = self.detail.reverts.clone();
+        // The source's shard must have this version's live check (`migrate` installs
+        // it): the copy gets it, and carrying privileges from a source without it would
+        // revoke the copy's `EXECUTE` on it for good.
+        let source = self.source.clone();
+        let live = format!("{}.{}()", schema.quoted(), shardline_repo::LIVE_CHECK);
+        let has_live: bool = self
+            .src()
+            .await?
+            .query_one("SELECT to_regprocedure($1) IS NOT NULL", &[&live])
+            .await
+            .map_err(on(&source, "look for the shard's live check"))?
+            .get(0);
+        if !has_live {
+            return Err(Error::Fleet {
+                host: source,
+                message: format!(
+                    "shard {shard} ({schema}) has no {}(): run `shardline migrate` of this version before moving shards",
+                    shardline_repo::LIVE_CHECK
+                ),
+            });
+        }
         let dst = self.dst().await?;
         dst.batch_execute(&format!("{HOST_LEDGER_SQL}\n{MARKS_SQL}"))
             .await
@@ -964,20 +985,24 @@ pub(crate) async fn drop_guards(c: &Client, host: &HostName, schema: &str) -> Re
             .collect();
         // The schema's reads are let through too ([`converge::live_sql`]), in the same
         // transaction (also when no guard is left: a run cut short between the two).
-        if tables.is_empty() {
-            let there: bool = c
-                .query_one("SELECT to_regnamespace($1) IS NOT NULL", &[&schema])
-                .await
-                .map_err(on(host, "look for the schema"))?
-                .get(0);
-            if !there {
-                return Ok(());
-            }
+        // Made the shard's own version only where it is a copy's (`SECURITY DEFINER`):
+        // no DDL, and no ownership needed, where there is nothing to do.
+        let guarded_reads: bool = c
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                                 WHERE n.nspname = $1 AND p.proname = $2 AND p.prosecdef)",
+                &[&schema, &shardline_repo::LIVE_CHECK],
+            )
+            .await
+            .map_err(on(host, "look at the copy's live check"))?
+            .get(0);
+        if tables.is_empty() && !guarded_reads {
+            return Ok(());
         }
         let drops: String = tables
             .iter()
             .map(|t| format!("DROP TRIGGER IF EXISTS {REVERT_GUARD} ON {t};"))
-            .chain(std::iter::once(converge::live_sql(schema, None)))
+            .chain(guarded_reads.then(|| converge::live_sql(schema, None)))
             .collect();
         match c.batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '500ms'; {drops} COMMIT")).await {
             Ok(()) => return Ok(()),
@@ -1030,8 +1055,11 @@ fn guard_sql(schema: &str, id: i64) -> String {
         name = quote_literal(schema),
         live = converge::live_sql(schema, Some(id)),
     );
+    // Moves onto one host at once (`rebalance --parallel`) each replace the guard's
+    // function: one at a time, or the second fails ("tuple concurrently updated").
     format!(
-        "CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
+        "SELECT pg_catalog.pg_advisory_xact_lock({GUARD_FUNCTION_LOCK});
+         CREATE OR REPLACE FUNCTION shardline.revert_guard() RETURNS trigger LANGUAGE plpgsql
              SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $g$
          BEGIN
              IF current_setting('shardline.move', true) = TG_ARGV[0]
@@ -1044,6 +1072,10 @@ fn guard_sql(schema: &str, id: i64) -> String {
          {triggers}"
     )
 }
+
+/// The advisory lock (of the transaction) under which [`guard_sql`] replaces the guard's
+/// function: "shardline" in ASCII, then 2 (the guard).
+const GUARD_FUNCTION_LOCK: i64 = 0x7368_6172_646c_0002;
 
 /// Guards the tables of move `id`'s new copy `schema` on `host` ([`guard_sql`]).
 async fn guard_copy(c: &Client, host: &HostName, schema: &SchemaName, id: i64) -> Result<()> {
