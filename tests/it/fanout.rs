@@ -655,6 +655,12 @@ pub(crate) async fn a_listing_pages_every_shard_newest_first_and_counts_agree(
     let top: Vec<Id> = listed.rows.iter().take(3).map(|p| p.id).collect();
     assert_eq!(first.rows.iter().map(|p| p.id).collect::<Vec<_>>(), top, "the first page is the top");
     assert!(photos.newest(before, 0).await?.rows.is_empty());
+    // A page that ends exactly at the last row has no cursor (no empty call after it);
+    // one row short of it has.
+    let n = listed.rows.len();
+    assert_eq!(photos.newest(None, n).await?.next, None, "the whole listing in one page");
+    let short = photos.newest(None, n - 1).await?;
+    assert_eq!(short.next, listed.rows.get(n - 2).map(|p| p.id), "one row left below the page");
 
     // Counts: the window, everything, and "is there any" as a window of one.
     assert_eq!(listed.rows.len(), 48 + usize::try_from(pages)?);

@@ -775,6 +775,21 @@ pub(crate) async fn a_table_stranded_after_its_copy_starts_the_copy_over(ctx: Te
     seed(&cluster, 2, 6, 2).await?;
     stopped_with(&config, 2, "pg3", MoveOptions::default().subscription_copy().stopping_after(Step::Copying))
         .await?;
+    // A name really missing in the shard fails at once while its move copies: the
+    // source is not fenced before `caught_up` (before, the router took the 42P01 for the
+    // move's fence and waited out `move_wait`, 20 s, then ran the statement again).
+    let started = Instant::now();
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let err = cluster
+        .transaction(crate::shard(2), |tx| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Box::pin(async move { tx.execute("SELECT FROM no_such_table", &[]).await.map(drop) })
+        })
+        .await
+        .expect_err("a statement naming no table");
+    assert_eq!(err.sqlstate(), Some("42P01"), "{err}");
+    let (runs, took) = (runs.load(std::sync::atomic::Ordering::Relaxed), started.elapsed());
+    assert!(runs == 1 && took < Duration::from_secs(3), "{runs} runs in {took:?} beside a copying move");
     let stranded = f
         .client(&ctx, 2)
         .await?

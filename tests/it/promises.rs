@@ -510,6 +510,55 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
     Ok(())
 }
 
+shardline_testkit::register!(shared: an_enum_column_added_by_a_later_migration_is_read_across_shards);
+/// A handle that read across shards before a migration added an enum column to the
+/// entity's table reads across them after it. The select list of statements over several
+/// shards reads a column whose type lives in the shard's schema as `text` (`UNION ALL`
+/// cannot match two shards' copies of an enum). Before, the list was learnt and kept from
+/// the first shard read, even while its table lacked the column, so the column was read
+/// as itself for the life of the handle, and every statement over two shards failed
+/// (42846).
+pub(crate) async fn an_enum_column_added_by_a_later_migration_is_read_across_shards(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    f.migration(
+        "0005_moods.sql",
+        "CREATE TABLE moods (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL);",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
+    for user in 0..4 {
+        cluster
+            .transaction(cluster.route_user(user).shard, |tx| {
+                Box::pin(async move { tx.execute("INSERT INTO moods (user_id) VALUES ($1)", &[&user]).await })
+            })
+            .await?;
+    }
+    let feelings = cluster.repo::<Feeling>()?;
+    // Every host holds two shards: each host's statement spans two schemas.
+    let before = feelings.newest(None, 10).await?;
+    assert_eq!(
+        before.missing.iter().map(|m| m.shards.len()).sum::<usize>(),
+        4,
+        "no shard has the column yet"
+    );
+    f.migration(
+        "0006_mood.sql",
+        "CREATE TYPE mood AS ENUM ('happy', 'sad');
+         ALTER TABLE moods ADD COLUMN mood mood NOT NULL DEFAULT 'happy';",
+    )?;
+    shardline_ops::migrate(&f.config()?, &options(1), &quiet).await?;
+    let after = feelings.newest(None, 10).await?;
+    assert!(after.is_complete(), "the same handle after the migration: {:?}", after.missing);
+    assert_eq!(after.rows.len(), 4);
+    assert!(after.rows.iter().all(|r| r.mood == Mood("happy".into())));
+    let ids: Vec<Id> = after.rows.iter().map(|r| r.id).collect();
+    let got = feelings.get_many(&ids).await?;
+    assert_eq!((got.rows.iter().flatten().count(), got.missing.len()), (4, 0));
+    Ok(())
+}
+
 #[derive(Debug, Clone, PartialEq, shardline_repo::Entity)]
 #[shardline(table = "attrs")]
 pub(crate) struct Attrs {

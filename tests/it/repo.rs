@@ -268,6 +268,15 @@ pub(crate) async fn a_users_pages_come_newest_first_by_keyset(ctx: TestContext) 
         }
     }
     assert_eq!(seen, ids, "pages are newest first, complete, without repeats");
+    // A page that ends exactly at the user's last row has no cursor: no empty call after
+    // it (before, `next` was set whenever the page was full).
+    let whole = photos.page_of_user(42, None, 25).await?;
+    assert_eq!((whole.rows.len(), whole.next), (25, None), "all 25 rows, nothing after them");
+    let all_but_one = photos.page_of_user(42, None, 24).await?;
+    assert_eq!(all_but_one.next, Some(ids[23]), "one row is left below the page");
+    let last_five = photos.page_of_user(42, Some(ids[19]), 5).await?;
+    let got: Vec<_> = last_five.rows.iter().map(|p| p.id).collect();
+    assert_eq!((got.as_slice(), last_five.next), (&ids[20..], None));
     Ok(())
 }
 

@@ -779,16 +779,23 @@ impl Catalog {
 
     /// The one read of the journal of moves outside its owner
     /// (`shardline_ops::moves::journal`, which creates and writes `shardline.moves`):
-    /// whether a move of any of `shards` is running, and whether one ended in the last
-    /// five seconds. A router waiting on a fenced shard asks it; the application roles
-    /// may `SELECT` the journal for it (`shardline_ops::grants`). Unnamed (one round
-    /// trip, no statement kept): the catalog may be behind a transaction-mode pooler.
+    /// whether a move of any of `shards` is running at a step that can hide the shard's
+    /// schema on its source, and whether one ended in the last five seconds. A router
+    /// waiting on a fenced shard asks it; the application roles may `SELECT` the
+    /// journal for it (`shardline_ops::grants`). Unnamed (one round trip, no statement
+    /// kept): the catalog may be behind a transaction-mode pooler.
+    ///
+    /// A move journaled `started`, `prepared` or `copying` has not fenced its source (the
+    /// fence renames the schema; it is committed before the journal says `fenced`, so
+    /// `caught_up` counts): a name missing there is really missing, and the statement
+    /// fails at once instead of waiting out `move_wait` behind a long copy.
     pub(crate) async fn moves_of(&self, shards: &[LogicalShard]) -> Result<(bool, bool)> {
         let shards: Vec<i32> = shards.iter().map(|s| i32::from(s.get())).collect();
         let row = self
             .client
             .query_typed_one(
-                "SELECT coalesce(bool_or(state = 'running'), false),
+                "SELECT coalesce(bool_or(state = 'running'
+                                         AND step NOT IN ('started', 'prepared', 'copying')), false),
                         coalesce(bool_or(state <> 'running' AND updated_at > now() - interval '5 seconds'), false)
                    FROM shardline.moves WHERE shard = ANY($1)",
                 &[(&shards, tokio_postgres::types::Type::INT4_ARRAY)],

@@ -243,7 +243,8 @@ pub struct Many<E> {
 pub struct Page<E> {
     /// The rows.
     pub rows: Vec<E>,
-    /// The cursor for the next page (the last row's ID), or `None` at the end.
+    /// The cursor for the next page (the last row's ID), or `None` at the end: when no
+    /// row is left below this page (a page that ends exactly at the last row has none).
     pub next: Option<Id>,
 }
 
@@ -263,10 +264,11 @@ pub struct Missing {
 pub struct FanOut<E> {
     /// The rows, newest first.
     pub rows: Vec<E>,
-    /// When the rows fill the limit, the last row's ID: pass it as `before` to
-    /// [`Repo::newest`] for the next page. `None` when there are no more. (Of
-    /// [`Repo::created_between`]: the window holds more rows below it, and
-    /// [`Repo::newest`] from it reads on past the window's start.)
+    /// When more rows follow the page, the last row's ID: pass it as `before` to
+    /// [`Repo::newest`] for the next page. `None` when there are no more (a page that
+    /// ends exactly at the last row has none). (Of [`Repo::created_between`]: the
+    /// window holds more rows below it, and [`Repo::newest`] from it reads on past the
+    /// window's start.)
     pub next: Option<Id>,
     /// Shards that could not be read. Empty when the result is complete.
     pub missing: Vec<Missing>,
@@ -960,13 +962,17 @@ impl<E: Entity> Repo<E> {
         limit: u32,
     ) -> Result<Page<E>> {
         let below = before.map_or(i64::MAX, i64::from);
-        let n = i64::from(limit);
+        // One row more than the page, to tell whether another page follows: a page that
+        // ends exactly at the last row has no cursor (no empty call after it).
+        let n = i64::from(limit) + 1;
         let kinds = [Param::Column(column), Param::Column("id"), Param::Int8];
         let rows = self
             .on_shard(shard, "page", |s| self.sql.page(s, column), &[&key, &below, &n], &kinds, E::COLUMNS)
             .await?;
-        let rows = Self::rows(&rows)?;
-        let next = if rows.len() == usize::try_from(limit).unwrap_or(usize::MAX) {
+        let mut rows = Self::rows(&rows)?;
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let next = if rows.len() > limit {
+            rows.truncate(limit);
             rows.last().map(Entity::id)
         } else {
             None
@@ -999,7 +1005,7 @@ impl<E: Entity> Repo<E> {
     /// `to`.
     pub async fn created_between(&self, from: SystemTime, to: SystemTime, limit: usize) -> Result<FanOut<E>> {
         let (lo, hi) = self.window_ids(from, to)?;
-        let got = self.across(Ask::Newest { lo, hi, limit }).await?;
+        let got = self.across(Ask::Newest { lo, hi, limit: Self::one_more(limit) }).await?;
         Ok(Self::page_across(got, limit))
     }
 
@@ -1030,7 +1036,7 @@ impl<E: Entity> Repo<E> {
     /// whole starts again (or from an earlier cursor) when a page is incomplete.
     pub async fn newest(&self, before: Option<Id>, limit: usize) -> Result<FanOut<E>> {
         let hi = before.map_or(i64::MAX, |b| i64::from(b).saturating_sub(1));
-        let got = self.across(Ask::Newest { lo: 0, hi, limit }).await?;
+        let got = self.across(Ask::Newest { lo: 0, hi, limit: Self::one_more(limit) }).await?;
         Ok(Self::page_across(got, limit))
     }
 
@@ -1061,10 +1067,22 @@ impl<E: Entity> Repo<E> {
         Ok(Counted { count: got.count, missing: got.missing })
     }
 
-    /// A page of the newest rows of the lists gathered, and its cursor.
+    /// How many rows a page of `limit` asks for: one more, to tell whether another page
+    /// follows (none for a page of 0 rows).
+    fn one_more(limit: usize) -> usize {
+        if limit == 0 { 0 } else { limit.saturating_add(1) }
+    }
+
+    /// A page of the newest rows of the lists gathered (asked for
+    /// [`Repo::one_more`] of `limit`), and its cursor: only when a row is left below it.
     fn page_across(got: Gathered<E>, limit: usize) -> FanOut<E> {
-        let rows = merge_newest_first(got.lists, limit);
-        let next = if limit > 0 && rows.len() == limit { rows.last().map(Entity::id) } else { None };
+        let mut rows = merge_newest_first(got.lists, Self::one_more(limit));
+        let next = if rows.len() > limit {
+            rows.truncate(limit);
+            rows.last().map(Entity::id)
+        } else {
+            None
+        };
         FanOut { rows, next, missing: got.missing }
     }
 
