@@ -11,7 +11,8 @@ use shardline_example_photos::{Comment, Like, NewComment, NewLike, NewPhoto, Pho
 use shardline_id::Id;
 use shardline_ops::Error as OpsError;
 use shardline_ops::moves::{self, MoveOptions, State, Step, preflight};
-use shardline_repo::{Cluster, ClusterOptions};
+use shardline_repo::{Catalog, Cluster, ClusterOptions};
+use shardline_router::config::DbUrl;
 use shardline_testkit::harness::{TestContext, TestResult};
 
 use crate::bootstrap::{BoxError, Fixture, Hosts, cli, cli_at, cli_full, options, quiet};
@@ -4821,6 +4822,110 @@ pub(crate) async fn a_move_whose_shard_was_moved_during_its_preflight_is_refused
     // The shard moves on from where it is.
     let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
     assert_eq!((report.source.as_str(), report.target.as_str()), ("pg3", "pg2"), "{report}");
+    Ok(())
+}
+
+shardline_testkit::register!(shared: a_host_readdressed_during_a_moves_preflight_ends_the_move_before_anything_is_made);
+/// pg3, known from the catalog only, is readdressed (here to the same server under
+/// another `application_name`, as to a promoted replica) while a move onto it runs its
+/// pre-flight (the `on_preflight` drill). The move was resolved at the old address:
+/// it ends as soon as it is journaled, naming pg3, with nothing made and the journal
+/// saying why, and runs again at the new address. (Before, it copied the shard to the
+/// old address and flipped the map to the new one.) Once a move is journaled, the
+/// readdress is refused instead: the journal's row share-locks both hosts' rows, and
+/// the readdress counts the running moves under the row's lock.
+pub(crate) async fn a_host_readdressed_during_a_moves_preflight_ends_the_move_before_anything_is_made(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    // The operator's config without pg3: its address is the catalog's.
+    let text = f.config_text()?;
+    let cut = text.find("\n[[hosts]]\nname = \"pg3\"").ok_or("pg3's entry")?;
+    let config = f.config_from(&text[..cut])?;
+    assert!(config.host(&crate::host("pg3")).is_none());
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let pg3 = &ctx.hosts()[2];
+    let (moved_url, peer) =
+        (format!("{}?application_name=readdressed", pg3.url(f.db())), pg3.peer_url(f.db()));
+    let readdressed: Arc<std::sync::Mutex<Option<Result<(), String>>>> = Arc::default();
+    let hook: moves::HookFn = {
+        let (config, readdressed, url, peer) =
+            (config.clone(), readdressed.clone(), moved_url.clone(), peer.clone());
+        Arc::new(move || {
+            let (config, readdressed) = (config.clone(), readdressed.clone());
+            let (url, peer) = (DbUrl::new(url.clone()), DbUrl::new(peer.clone()));
+            Box::pin(async move {
+                let done = shardline_ops::fleet::readdress(&config, &crate::host("pg3"), &url, Some(&peer))
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string());
+                if let Ok(mut r) = readdressed.lock() {
+                    *r = Some(done);
+                }
+            })
+        })
+    };
+    let err =
+        moves::run(&config, crate::shard(0), &crate::host("pg3"), &MoveOptions::default().on_preflight(hook))
+            .await
+            .map(|r| format!("the move ran: {r}"))
+            .unwrap_err();
+    readdressed.lock().map_err(|e| e.to_string())?.clone().ok_or("the drill ran")??;
+    let text = err.to_string();
+    assert!(
+        matches!(&err, OpsError::Fleet { host, .. } if host.as_str() == "pg3")
+            && text.contains("was readdressed"),
+        "{text}"
+    );
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal.len(), 1, "{journal:?}");
+    assert_eq!((journal[0].state, journal[0].step), (State::RolledBack, Step::Started), "{journal:?}");
+    assert!(journal[0].error.as_deref().is_some_and(|e| e.contains("readdressed")), "{journal:?}");
+    assert_eq!(counts(&f, &ctx, 2, "shard_0000").await?, None, "nothing made on pg3");
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    // Run again, it moves the shard to pg3 at its new address.
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg3"), &MoveOptions::default()).await?;
+    assert_eq!(report.target.as_str(), "pg3");
+    assert_eq!(counts(&f, &ctx, 2, "shard_0000").await?, Some([40, 40, 40]));
+
+    // A readdress while a move onto the host is journaled is refused, and changes nothing.
+    let stopped = moves::run(
+        &config,
+        crate::shard(1),
+        &crate::host("pg3"),
+        &MoveOptions::default().stopping_after(Step::Prepared),
+    )
+    .await;
+    assert!(stopped.is_err(), "{stopped:?}");
+    let refused = shardline_ops::fleet::readdress(
+        &config,
+        &crate::host("pg3"),
+        &DbUrl::new(pg3.url(f.db())),
+        Some(&DbUrl::new(peer.clone())),
+    )
+    .await
+    .map(|r| format!("readdressed: {r:?}"))
+    .unwrap_err()
+    .to_string();
+    assert!(refused.contains("is running"), "{refused}");
+    // The catalog's own check, under the host row's lock (the readdress above was
+    // refused by its look at the journal before it): a readdress that looked before the
+    // move was journaled, and records after, is refused there.
+    let catalog = Catalog::open(&config).await?.0;
+    let (url, peer_url) = (DbUrl::new(pg3.url(f.db())), DbUrl::new(peer.clone()));
+    let err =
+        catalog.set_address(&crate::host("pg3"), &url, &peer_url).await.map(|k| format!("recorded: {k}"));
+    let err = err.unwrap_err();
+    assert!(
+        matches!(&err, shardline_repo::Error::InvalidCatalog { reason } if reason.contains("readdress it once the move ends")),
+        "{err}"
+    );
+    let hosts = catalog.hosts().await?;
+    let recorded = hosts.iter().find(|h| h.name.as_str() == "pg3").and_then(|h| h.address.clone());
+    assert!(recorded.is_some_and(|a| a.expose().contains("readdressed")), "the address stays");
+    moves::abort(&config, crate::shard(1), &MoveOptions::default()).await?;
     Ok(())
 }
 

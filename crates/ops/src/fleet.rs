@@ -396,7 +396,12 @@ async fn readdress_within(
             ),
         ));
     }
-    catalog.set_address(name, url, peer_url).await?;
+    match catalog.set_address(name, url, peer_url).await {
+        Ok(_) => {}
+        // A move was journaled onto or off it after the check above.
+        Err(shardline_repo::Error::InvalidCatalog { reason }) => return Err(refused(name, reason)),
+        Err(e) => return Err(e.into()),
+    }
     if let Some(entry) = config.host(name)
         && !credentials::same_address(&entry.url, url)
     {

@@ -1082,22 +1082,19 @@ impl Catalog {
     }
 
     /// Records that host `name` now lives at `url` (reached by the others at
-    /// `peer_url`), passwords not recorded; returns whether the host was known.
+    /// `peer_url`), passwords not recorded; returns whether the host was known. Refused
+    /// while a move to or from the host runs: the move reaches it at the address it
+    /// was journaled with (a move's journal row share-locks both hosts' rows, so a move
+    /// journaled while this waited for the row is seen; one journaled after it reads
+    /// the new address, see `shardline_ops::moves`).
     ///
     /// # Errors
     ///
-    /// [`Error::Catalog`].
+    /// [`Error::Catalog`]; [`Error::InvalidCatalog`] while a move to or from the host
+    /// runs (nothing changes).
     pub async fn set_address(&self, name: &HostName, url: &DbUrl, peer_url: &DbUrl) -> Result<bool> {
         let (address, peer) = (recordable(name, url)?, recordable(name, peer_url)?);
-        let n = self
-            .client
-            .execute(
-                "UPDATE shardline.hosts SET address = $2, peer_address = $3 WHERE name = $1",
-                &[&name.as_str(), &address.expose(), &peer.expose()],
-            )
-            .await
-            .map_err(|e| Error::catalog("record a host's address", e))?;
-        Ok(n == 1)
+        self.change_host(name, HostChange::Address { address: address.expose(), peer: peer.expose() }).await
     }
 
     /// Sets host `name`'s state; returns whether the host was known. Removing a host
@@ -1106,16 +1103,25 @@ impl Catalog {
     /// # Errors
     ///
     /// [`Error::Catalog`]; [`Error::InvalidCatalog`] when `Removed` is asked of a host
-    /// that holds shards.
+    /// that holds shards, or while a move to or from it runs.
     pub async fn set_host_state(&self, name: &HostName, state: HostState) -> Result<bool> {
+        self.change_host(name, HostChange::State(state)).await
+    }
+
+    /// Makes `change` to host `name`'s row, locked `FOR UPDATE` in a transaction of its
+    /// own; returns whether the host was known (nothing changes when it is not). READ
+    /// COMMITTED whatever the server's default: the counts below must see what
+    /// committed while this waited for the row's lock (a flip onto the host, see
+    /// `shard_host_live`; a move's journal row, which share-locks both hosts' rows).
+    async fn change_host(&self, name: &HostName, change: HostChange<'_>) -> Result<bool> {
         let c = &self.client;
-        let err = |e| Error::catalog("set a host's state", e);
-        // READ COMMITTED whatever the server's default: the counts below must see what
-        // committed while this waited for the row's lock.
+        let what = match change {
+            HostChange::Address { .. } => "record a host's address",
+            HostChange::State(_) => "set a host's state",
+        };
+        let err = |e| Error::catalog(what, e);
         c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(err)?;
         let result = async {
-            // The row first (a flip onto the host waits on it, see shard_host_live),
-            // then its shards, in a snapshot taken after the lock.
             let known = c
                 .query_opt("SELECT FROM shardline.hosts WHERE name = $1 FOR UPDATE", &[&name.as_str()])
                 .await
@@ -1124,7 +1130,7 @@ impl Catalog {
             if !known {
                 return Ok(false);
             }
-            if state == HostState::Removed {
+            if change == HostChange::State(HostState::Removed) {
                 let held: i64 = c
                     .query_one("SELECT count(*) FROM shardline.shards WHERE host = $1", &[&name.as_str()])
                     .await
@@ -1135,8 +1141,8 @@ impl Catalog {
                         reason: format!("host {name} still holds {held} shard(s)"),
                     });
                 }
-                // A move journaled onto or off it (its journal row took a share lock on
-                // this row, so it is seen here once it committed).
+            }
+            if matches!(change, HostChange::Address { .. } | HostChange::State(HostState::Removed)) {
                 let moving: i64 = c
                     .query_one(
                         "SELECT count(*) FROM shardline.moves WHERE state = 'running' AND (source = $1 OR target = $1)",
@@ -1146,16 +1152,26 @@ impl Catalog {
                     .map_err(err)?
                     .get(0);
                 if moving > 0 {
+                    let then = if matches!(change, HostChange::Address { .. }) { "readdress" } else { "remove" };
                     return Err(Error::InvalidCatalog {
-                        reason: format!("a move to or from host {name} is running; remove it once the move ends"),
+                        reason: format!("a move to or from host {name} is running; {then} it once the move ends"),
                     });
                 }
             }
-            c.execute(
-                "UPDATE shardline.hosts SET state = $2 WHERE name = $1",
-                &[&name.as_str(), &state.as_str()],
-            )
-            .await
+            let name = name.as_str();
+            match change {
+                HostChange::Address { address, peer } => {
+                    c.execute(
+                        "UPDATE shardline.hosts SET address = $2, peer_address = $3 WHERE name = $1",
+                        &[&name, &address, &peer],
+                    )
+                    .await
+                }
+                HostChange::State(state) => {
+                    c.execute("UPDATE shardline.hosts SET state = $2 WHERE name = $1", &[&name, &state.as_str()])
+                        .await
+                }
+            }
             .map_err(err)?;
             Ok(true)
         }
@@ -1171,6 +1187,15 @@ impl Catalog {
             }
         }
     }
+}
+
+/// A change to a host's row ([`Catalog::change_host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostChange<'a> {
+    /// Where it lives (passwords already taken off).
+    Address { address: &'a str, peer: &'a str },
+    /// Its state.
+    State(HostState),
 }
 
 /// A dedicated connection `LISTEN`ing on [`MAP_CHANNEL`].

@@ -11,6 +11,7 @@ use shardline_id::ident::quote as quote_ident;
 use shardline_id::sql::ShardSql;
 use shardline_repo::Catalog;
 use shardline_repo::catalog::connect;
+use shardline_repo::credentials::same_address;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
@@ -1150,6 +1151,7 @@ pub async fn run(
     target: &HostName,
     options: &MoveOptions,
 ) -> Result<MoveReport> {
+    let given = config;
     let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     let mut check = preflight::preflight_for(
         config,
@@ -1184,7 +1186,7 @@ pub async fn run(
         Ok((catalog, info.layout, id, detail))
     })
     .await?;
-    start(config, options, catalog, layout, id, &check, &detail).await
+    start(given, config, options, catalog, layout, id, &check, &detail).await
 }
 
 /// `detail` with a new [`Revertible`] when `options` ask for one (the revert's journal
@@ -1200,8 +1202,15 @@ async fn revertible(catalog: &Catalog, options: &MoveOptions, mut detail: Detail
     Ok(detail)
 }
 
-/// Journals move `id` as started and runs it to the end.
+/// Journals move `id` as started and runs it to the end. `given` is the config as the
+/// caller gave it, `config` the same resolved with the catalog's hosts before the
+/// pre-flight.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "each is one of the move's parts, passed on from run and revert"
+)]
 async fn start(
+    given: &Config,
     config: &Config,
     options: &MoveOptions,
     catalog: Catalog,
@@ -1220,9 +1229,55 @@ async fn start(
         journal::by_id(&catalog, id).await
     })
     .await?;
+    // The hosts read again, now that the journal names the move (from here a `host
+    // readdress` of either is refused): one readdressed while the pre-flight ran ends
+    // the move here, before anything is made, instead of moving the shard off, or onto,
+    // a server that is no longer the host.
+    let readdressed = readdressed_since(given, config, options, &[&check.source, &check.target]).await;
+    if let Some(changed) = readdressed {
+        let reason = match &changed {
+            Ok(host) => format!(
+                "host {host} was readdressed while this move's pre-flight ran: nothing was made; run the move again"
+            ),
+            Err(e) => format!("the hosts could not be read again once the move was journaled: {e}"),
+        };
+        let detail =
+            serde_json::to_string(detail).map_err(|e| Error::Journal { id, message: e.to_string() })?;
+        unless_catalog_hung(config, options.hung_after, journal::rolled_back(&catalog, id, &reason, &detail))
+            .await?;
+        return Err(match changed {
+            Ok(host) => Error::Fleet { host, message: reason },
+            Err(e) => e,
+        });
+    }
     let mover = Mover::load(config, options, catalog, layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
+}
+
+/// The first of `hosts` that `given` resolved now places at another URL (or peer URL)
+/// than `config` (`given` resolved before the move was journaled) does; `None` when
+/// none moved. A host the given config lists is reached at its URL there, so only a
+/// catalog address can have changed.
+async fn readdressed_since(
+    given: &Config,
+    config: &Config,
+    options: &MoveOptions,
+    hosts: &[&HostName],
+) -> Option<Result<HostName>> {
+    let now = match crate::fleet::resolved_within(given, options.hung_after).await {
+        Ok(now) => now,
+        Err(e) => return Some(Err(e)),
+    };
+    hosts
+        .iter()
+        .find(|h| match (config.host(h), now.host(h)) {
+            (Some(was), Some(is)) => {
+                !same_address(&was.url, &is.url) || !same_address(&was.peer_url, &is.peer_url)
+            }
+            _ => true,
+        })
+        .map(|h| Ok((*h).clone()))
 }
 
 /// `shardline move SHARD --revert`: brings the shard back to where its last move took
@@ -1239,12 +1294,13 @@ async fn start(
 /// flip drops the old copy (the shard stays where it is; a later move back copies it
 /// again).
 pub async fn revert(config: &Config, shard: LogicalShard, options: &MoveOptions) -> Result<MoveReport> {
+    let given = config;
     let config = &crate::fleet::resolved_within(config, options.hung_after).await?;
     // Nothing is journaled until `start`: a catalog that hangs before fails the revert,
     // changing nothing.
     let (catalog, layout, id, check, detail) =
         unless_catalog_hung(config, options.hung_after, revert_checked(config, shard, options)).await?;
-    start(config, options, catalog, layout, id, &check, &detail).await
+    start(given, config, options, catalog, layout, id, &check, &detail).await
 }
 
 /// [`revert`]'s checks, and the journal's ID and detail of the revert they allow.

@@ -633,7 +633,10 @@ pub(crate) async fn start(
     // share-locked): another move of the shard that ran to its end while this one's
     // pre-flight ran left the source without the shard, and a move journaled from there
     // could neither go on nor be undone (its undo refuses a map that places the shard
-    // elsewhere).
+    // elsewhere). Both hosts' rows share-locked: a `host readdress` (which locks the
+    // row, then counts the running moves naming it) either waits for this row and
+    // refuses, or commits first and the mover sees the new address when it reads the
+    // hosts again after this (`engine::start`).
     let checked = client(catalog)
         .query_one(
             // The lock in a CTE read FROM: in an EXISTS its target list is never run.
@@ -643,7 +646,8 @@ pub(crate) async fn start(
                                     WHERE h.name = $4 AND coalesce(to_jsonb(h) ->> 'state', 'active') <> 'removed'
                                       FOR SHARE) AS target,
                            EXISTS (SELECT FROM shardline.shards s WHERE s.shard = $2 AND s.host = $3
-                                      FOR SHARE) AS source
+                                      FOR SHARE)
+                           AND EXISTS (SELECT FROM shardline.hosts h WHERE h.name = $3 FOR SHARE) AS source
                       FROM gc),
                   written AS (
                     INSERT INTO shardline.moves (id, shard, source, target, step, state, detail) OVERRIDING SYSTEM VALUE
