@@ -413,7 +413,11 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
          CREATE TABLE moods (id bigint PRIMARY KEY DEFAULT next_id(), user_id bigint NOT NULL, mood mood NOT NULL);
          CREATE TABLE notes (id bigint PRIMARY KEY DEFAULT next_id(), moods mood[], body json, price money, at point);
          CREATE TABLE tags (mood mood, body json, doc xml);
-         ALTER TABLE tags REPLICA IDENTITY FULL;",
+         ALTER TABLE tags REPLICA IDENTITY FULL;
+         CREATE DOMAIN handle AS text CHECK (VALUE <> '');
+         CREATE TABLE by_mood (mood mood PRIMARY KEY, n int NOT NULL);
+         CREATE TABLE handles (h handle PRIMARY KEY, n int NOT NULL);
+         CREATE TABLE mood_sets (moods mood[] PRIMARY KEY);",
     )?;
     shardline_ops::init(&f.config()?, &options(2), &quiet).await?;
     let cluster = Cluster::connect(&f.config()?, ClusterOptions::default()).await?;
@@ -476,6 +480,11 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
                     )
                     .await?;
                     tx.execute("INSERT INTO tags VALUES ('sad', '{}', '<a/>'), ('sad', '{}', '<a/>'), (NULL, NULL, NULL)", &[]).await?;
+                    // Keys whose types are the shard's own (an enum, a domain, an
+                    // enum's array): the change log reads them back as those types.
+                    tx.execute("INSERT INTO by_mood VALUES ('sad', 1), ('happy', 2)", &[]).await?;
+                    tx.execute("INSERT INTO handles VALUES ('h1', 1)", &[]).await?;
+                    tx.execute("INSERT INTO mood_sets VALUES ('{happy,sad}'), ('{sad}')", &[]).await?;
                     Ok::<_, Error>(())
                 })
             })
@@ -497,15 +506,17 @@ pub(crate) async fn an_enum_column_works_in_every_operation_across_64_shards(ctx
                     let r = tx
                         .query(
                             "SELECT (SELECT count(*) FROM notes WHERE body::text = '{\"a\": [1, 2]}' AND moods = '{happy,sad}'),
-                                    (SELECT count(*) FROM tags)",
+                                    (SELECT count(*) FROM tags),
+                                    (SELECT count(*) FROM by_mood) + (SELECT count(*) FROM handles)
+                                      + (SELECT count(*) FROM mood_sets)",
                             &[],
                         )
                         .await?;
-                    Ok::<_, Error>((r[0].get::<_, i64>(0), r[0].get::<_, i64>(1)))
+                    Ok::<_, Error>((r[0].get::<_, i64>(0), r[0].get::<_, i64>(1), r[0].get::<_, i64>(2)))
                 })
             })
             .await?;
-        assert_eq!(counted, (1, 3), "user {user}'s shard after its move");
+        assert_eq!(counted, (1, 3, 5), "user {user}'s shard after its move");
     }
     Ok(())
 }

@@ -44,8 +44,8 @@ COMMENT ON TABLE shardline.move_changes IS 'shardline: the keys written to a mov
 pub(super) struct Keyed {
     /// The table's name.
     pub(super) table: String,
-    /// The key's columns: name and type (`format_type`).
-    pub(super) cols: Vec<(String, String)>,
+    /// The key's columns: name and type.
+    pub(super) cols: Vec<(String, KeyType)>,
     /// Every column, in order, and whether its row hash takes it as it is or as its
     /// text (see [`verify::HASHED_COLUMNS`]).
     pub(super) hashed: Vec<(String, bool)>,
@@ -90,15 +90,40 @@ impl Keyed {
         verify::row_hash(t, &cols)
     }
 
-    /// `k("a" bigint, ...)`: the key's columns as a record definition.
-    fn record(&self) -> String {
-        let parts: Vec<String> = self.cols.iter().map(|(c, ty)| format!("{} {ty}", quote_ident(c))).collect();
+    /// `k("a" bigint, ...)`: the key's columns as a record definition, on a host where
+    /// the table lives in `schema` (a type of the shard's own is named there).
+    fn record(&self, schema: &str) -> String {
+        let parts: Vec<String> =
+            self.cols.iter().map(|(c, ty)| format!("{} {}", quote_ident(c), ty.in_schema(schema))).collect();
         format!("k({})", parts.join(", "))
     }
 
     /// The name of this table's trigger function for move `id` (the `n`-th keyed table).
     fn function(id: i64, n: usize) -> String {
         format!("shardline.{}", quote_ident(&format!("move_{id}_{n}")))
+    }
+}
+
+/// The type of a key column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum KeyType {
+    /// A type of another schema than the table's (`pg_catalog`'s, an extension's), as
+    /// `format_type` names it.
+    Global(String),
+    /// A type of the table's own schema (an enum or a domain the shard's migrations
+    /// made), or an array of one: its name, quoted (with `[]`), to be qualified with the
+    /// schema the table lives in where it is read (the source's shard is renamed by the
+    /// fence, and the target's copy has the shard's name).
+    Local(String),
+}
+
+impl KeyType {
+    /// The type's name on a host where the table lives in `schema`.
+    fn in_schema(&self, schema: &str) -> String {
+        match self {
+            KeyType::Global(name) => name.clone(),
+            KeyType::Local(name) => format!("{}.{name}", quote_ident(schema)),
+        }
     }
 }
 
@@ -119,11 +144,17 @@ pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> R
     let rows = c
         .query(
             &format!(
-                "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod), {}
+                "SELECT c.relname::text, a.attname::text,
+                        CASE WHEN e.typnamespace = n.oid
+                             THEN quote_ident(e.typname) || CASE WHEN e.oid <> ty.oid THEN '[]' ELSE '' END
+                             ELSE format_type(a.atttypid, a.atttypmod) END,
+                        e.typnamespace = n.oid, {}
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                    JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary
                   CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
                    JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum
+                   JOIN pg_type ty ON ty.oid = a.atttypid
+                   JOIN pg_type e ON e.oid = CASE WHEN ty.typelem <> 0 AND ty.typlen = -1 THEN ty.typelem ELSE ty.oid END
                   WHERE n.nspname = $1 AND c.relkind = 'r'
                   ORDER BY c.relname, k.ord",
                 verify::HASHED_COLUMNS
@@ -134,10 +165,12 @@ pub(super) async fn keyed_tables(c: &Client, host: &HostName, schema: &str) -> R
         .map_err(on(host, "list the tables' keys"))?;
     let mut out: Vec<Keyed> = Vec::new();
     for r in rows {
-        let (table, col, ty): (String, String, String) = (r.get(0), r.get(1), r.get(2));
+        let (table, col, name, local): (String, String, String, bool) =
+            (r.get(0), r.get(1), r.get(2), r.get(3));
+        let ty = if local { KeyType::Local(name) } else { KeyType::Global(name) };
         match out.last_mut() {
             Some(k) if k.table == table => k.cols.push((col, ty)),
-            _ => out.push(Keyed { table, cols: vec![(col, ty)], hashed: verify::hashed_columns(&r, 3) }),
+            _ => out.push(Keyed { table, cols: vec![(col, ty)], hashed: verify::hashed_columns(&r, 4) }),
         }
     }
     Ok(out)
@@ -374,6 +407,7 @@ impl Which {
 pub(super) async fn read_log(
     c: &Client,
     host: &HostName,
+    schema: &str,
     id: i64,
     keyed: &[Keyed],
     which: Which,
@@ -387,7 +421,7 @@ pub(super) async fn read_log(
             "SELECT c.tbl, {}::text FROM shardline.move_changes c CROSS JOIN LATERAL jsonb_to_record(c.key) AS {}
               WHERE c.move_id = $1 AND c.tbl = {} AND c.key IS NOT NULL AND {}",
             k.json("k"),
-            k.record(),
+            k.record(schema),
             literal(&k.table),
             which.sql()
         ));
@@ -486,7 +520,7 @@ pub(super) async fn rows_by_key(
                 quote_ident(&k.table),
                 k.tuple("t"),
                 k.list("k"),
-                k.record(),
+                k.record(schema),
             ),
             &[&keys],
         )
@@ -664,8 +698,8 @@ impl Mover<'_> {
                 async { dst.batch_execute(TEXT_SETTINGS).await.map_err(on(&target, "set the time zone")) }
             )?;
             let (la, lb) = futures::try_join!(
-                read_log(src, &source, id, &src_keyed, Which::After(0)),
-                read_log(dst, &target, id, &src_keyed, Which::After(0))
+                read_log(src, &source, &schema, id, &src_keyed, Which::After(0)),
+                read_log(dst, &target, &schema, id, &src_keyed, Which::After(0))
             )?;
             for (k, d) in &differ {
                 let truncated = la.truncated.contains(&k.table) || lb.truncated.contains(&k.table);
@@ -784,8 +818,8 @@ impl Mover<'_> {
         }
         let keyed: Vec<Keyed> = differ.iter().map(|(k, _)| (*k).clone()).collect();
         let (la, lb) = futures::try_join!(
-            read_log(src, &source, id, &keyed, which),
-            read_log(dst, &target, id, &keyed, which)
+            read_log(src, &source, &schema, id, &keyed, which),
+            read_log(dst, &target, &schema, id, &keyed, which)
         )?;
         let mut lines = Vec::new();
         for (k, d) in &differ {
@@ -850,8 +884,8 @@ impl Mover<'_> {
                 async { dst.batch_execute(utc).await.map_err(on(&target, "set the time zone")) }
             )?;
             let (ta, tb) = futures::try_join!(
-                read_log(src, &source, id, keyed, Which::Round(n)),
-                read_log(dst, &target, id, keyed, Which::Round(n))
+                read_log(src, &source, &schema, id, keyed, Which::Round(n)),
+                read_log(dst, &target, &schema, id, keyed, Which::Round(n))
             )?;
             let begin = &format!("{TEXT_SETTINGS}; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY");
             futures::try_join!(
@@ -886,8 +920,8 @@ impl Mover<'_> {
             // Logged since the round took its keys (read after the snapshots): a
             // differing key must be there; their number decides whether to go on.
             let (la, lb) = futures::try_join!(
-                read_log(src, &source, id, keyed, Which::After(n)),
-                read_log(dst, &target, id, keyed, Which::After(n))
+                read_log(src, &source, &schema, id, keyed, Which::After(n)),
+                read_log(dst, &target, &schema, id, keyed, Which::After(n))
             )?;
             let mut in_flight = 0;
             let mut requeued = 0;
@@ -998,8 +1032,8 @@ impl Mover<'_> {
             return Ok(out);
         }
         let (la, lb, ta, tb) = futures::try_join!(
-            read_log(src, &source, id, &keyed, Which::After(pre.verified_round)),
-            read_log(dst, &target, id, &keyed, Which::After(pre.verified_round)),
+            read_log(src, &source, &moved, id, &keyed, Which::After(pre.verified_round)),
+            read_log(dst, &target, &schema, id, &keyed, Which::After(pre.verified_round)),
             triggers(src, &source, &moved, id),
             triggers(dst, &target, &schema, id)
         )?;
@@ -1060,7 +1094,11 @@ mod tests {
     fn keys_render_quoted() {
         let k = Keyed {
             table: "t".into(),
-            cols: vec![("id".into(), "bigint".into()), ("Odd\"".into(), "text".into())],
+            cols: vec![
+                ("id".into(), KeyType::Global("bigint".into())),
+                ("Odd\"".into(), KeyType::Global("text".into())),
+                ("m".into(), KeyType::Local("\"Mood\"[]".into())),
+            ],
             hashed: vec![("id".into(), true), ("Odd\"".into(), false), ("mood".into(), false)],
         };
         assert_eq!(k.key_hash("t"), "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text), 0)");
@@ -1069,7 +1107,7 @@ mod tests {
             "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text, t.\"mood\"::text), 0)"
         );
         assert_eq!(k.json("t"), "jsonb_build_object('id', t.\"id\", 'Odd\"', t.\"Odd\"\"\")");
-        assert_eq!(k.record(), "k(\"id\" bigint, \"Odd\"\"\" text)");
+        assert_eq!(k.record("shard_0001"), "k(\"id\" bigint, \"Odd\"\"\" text, \"m\" shard_0001.\"Mood\"[])");
         assert_eq!(json_array([r#"{"id": 1}"#.to_owned()].iter()), r#"[{"id": 1}]"#);
     }
 }
