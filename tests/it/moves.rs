@@ -1069,6 +1069,7 @@ async fn every_step_on(ctx: &shardline_testkit::Cluster) -> Result<(), BoxError>
     let mut on = "pg2";
     let mut failed_while_down = 0;
     let mut undone_count = 0;
+    let mut undo_failed = 0;
     let mut n = 0;
     for (i, step) in Step::ALL[..9].iter().copied().enumerate() {
         for victim_is_source in [true, false] {
@@ -1110,6 +1111,13 @@ async fn every_step_on(ctx: &shardline_testkit::Cluster) -> Result<(), BoxError>
                 // was fenced (the source answered, so its writes could resume).
                 let state = latest().await?;
                 assert!(matches!(state, State::Running | State::RolledBack), "{case}: {state:?}");
+                // A failure whose undo failed too says so, and what finishes it: not the
+                // move's own error, which may say it was undone.
+                if matches!(e, OpsError::UndoFailed { .. }) {
+                    undo_failed += 1;
+                    assert_eq!(state, State::Running, "{case}: {e}");
+                    assert!(e.to_string().contains("shardline move --abort 2"), "{case}: {e}");
+                }
             }
             host.start().await?;
             if latest().await? == State::Running {
@@ -1177,10 +1185,13 @@ async fn every_step_on(ctx: &shardline_testkit::Cluster) -> Result<(), BoxError>
     assert!(moves::abort(&config, crate::shard(2), &MoveOptions::default()).await?.unfenced);
     assert_eq!(counts(&f, ctx, host_index(on), "shard_0002").await?, Some(expected));
     eprintln!(
-        "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down, \
+        "    18 (step x host) kills: {failed_while_down} recoveries failed while the host was down \
+         ({undo_failed} of them resumes inside the fence whose undo failed too), \
          {undone_count} moves ended undone, {} completed",
         18 - undone_count
     );
+    // A resume inside the fence with its source dead cannot undo either.
+    assert!(undo_failed > 0, "no recovery reported a failed undo");
     Ok(())
 }
 

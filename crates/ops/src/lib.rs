@@ -227,6 +227,23 @@ pub enum Error {
         /// The shard.
         shard: LogicalShard,
     },
+    /// A move failed while its shard was (or may have been) fenced, or failed its
+    /// verification, and undoing it failed too: the shard may still be fenced, its
+    /// writes waiting, until `shardline move --abort` finishes the undo (the journal
+    /// records both errors).
+    #[error(
+        "move {id} of shard {shard} failed ({failure}), and undoing it failed too ({undo}): the shard may stay fenced, its writes waiting, until `shardline move --abort {shard}` finishes the undo"
+    )]
+    UndoFailed {
+        /// The move.
+        id: i64,
+        /// The shard.
+        shard: LogicalShard,
+        /// Why the move failed.
+        failure: String,
+        /// Why its undo failed.
+        undo: String,
+    },
     /// Verification found differences; the move was undone (the shard stays on the
     /// source).
     #[error(

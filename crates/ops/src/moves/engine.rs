@@ -1555,7 +1555,8 @@ async fn drive(mut mover: Mover<'_>) -> Result<MoveReport> {
                     let undo = shardline_repo::error_chain(&undo);
                     tracing::error!(id = mover.id, error = %undo, "could not undo the move; run `shardline move --abort`");
                     record_error(&mover, &format!("{said}; undoing it failed too: {undo}")).await;
-                    return Err(e);
+                    // Not the move's own error: that one may say the move was undone.
+                    return Err(Error::UndoFailed { id: mover.id, shard: mover.shard, failure: said, undo });
                 }
             } else {
                 record_error(&mover, &shardline_repo::error_chain(&e)).await;
