@@ -697,6 +697,52 @@ pub(crate) async fn every_operation_runs_in_the_shard_the_map_gives(ctx: TestCon
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_moves_copy_with_no_tables_yet_is_not_taken_for_the_shard);
+/// Shards with no tables (a cluster before its first table's migration): a handle a move
+/// behind runs a statement on the host where a move is bringing a copy of the shard.
+/// The copy has the shard's schema name and no table, so nothing guards it but its
+/// `shardline_live()`: the statement's 42P01 is taken for a shard not there (the copy's
+/// function refuses), and the statement runs again where the shard is, leaving the
+/// handle's map there. (Before, a copy was told by its tables' write guards: with no
+/// table it was taken for the shard, and the error came back from the copy.)
+pub(crate) async fn a_moves_copy_with_no_tables_yet_is_not_taken_for_the_shard(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 2, 4).await?;
+    for m in ["0001_photos.sql", "0002_likes.sql", "0003_comments.sql", "0004_likes_by_id.sql"] {
+        f.remove_migration(m)?;
+    }
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let stale =
+        Cluster::connect(&config, ClusterOptions { listen: false, ..ClusterOptions::default() }).await?;
+    let route = stale.route_user(0);
+    let (from, to) =
+        (route.host.as_str().to_owned(), if route.host.as_str() == "pg1" { "pg2" } else { "pg1" });
+    moves::run(&config, route.shard, &shardline_router::HostName::new(to)?, &MoveOptions::default()).await?;
+    let back = MoveOptions::default().stopping_after(moves::Step::Prepared);
+    let stopped = moves::run(&config, route.shard, &shardline_router::HostName::new(&from)?, &back).await;
+    assert!(stopped.is_err(), "the drill stops the move back after prepared: {stopped:?}");
+    assert_eq!(stale.route_user(0).host.as_str(), from, "the handle still places the shard on {from}");
+    let ran_on = std::sync::Mutex::new(Vec::new());
+    let err = stale
+        .sqlx()
+        .statement_on_user(0, |conn| {
+            if let Ok(mut r) = ran_on.lock() {
+                r.push(conn.host().to_string());
+            }
+            Box::pin(async move { ::sqlx::query("SELECT FROM no_table_yet").execute(&mut **conn).await })
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.sqlstate(), Some("42P01"), "{err}");
+    let ran_on = ran_on.into_inner().map_err(|e| e.to_string())?;
+    assert_eq!(ran_on, [from.clone(), to.to_owned()], "run on the copy, then where the shard is");
+    assert_eq!(stale.route_user(0).host.as_str(), to, "the handle's map follows the shard");
+    moves::abort(&config, route.shard, &MoveOptions::default()).await?;
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_database_url_naming_one_shard_describes_queries_as_the_macros_need);
 /// `query!` and `query_as!` check a query at compile time by asking `DATABASE_URL`'s
 /// server to describe it (sqlx's `Executor::describe`, what the macros call). Queries

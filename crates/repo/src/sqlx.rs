@@ -324,44 +324,30 @@ async fn acquire<'env>(pool: &PgPool, route: Route, what: &'static str) -> Resul
 }
 
 /// Whether `schema` is gone from the host `conn` is on (the shard moved, or is fenced
-/// for a move), or is a copy there that is not the shard's yet (its tables guarded by
-/// [`crate::REVERT_GUARD`], and the guard refuses writes); `false` when that cannot be
-/// told. Guards a move left for `gc` on the shard's new copy let writes through (their
-/// move decided to flip): they do not count. Whether a guard refuses is asked of the
-/// guard itself, with a statement that changes nothing (`DELETE ... WHERE false` fires
-/// it, as it would fire for any write), in a transaction rolled back after it, on a
-/// table the session may delete from and without rules if there is one; a probe that
-/// fails for another reason (no `DELETE` right, a trigger of the application's that
-/// refuses deletes, a lock held past 2 s) counts the guard as refusing, as before such
-/// guards were told apart: the work then waits for a move.
-/// The second value says whether the connection is as it was (false when the probe's
-/// `ROLLBACK` failed: close it rather than hand it out again).
-async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> (bool, bool) {
-    let guarded: std::result::Result<(bool, Option<String>), _> = ::sqlx::query_as(
-        "SELECT to_regnamespace($1) IS NULL,
-                (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t
-                   JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-                  WHERE c.relnamespace = to_regnamespace($1) AND t.tgname = $2
-                  ORDER BY has_table_privilege(c.oid, 'DELETE') DESC, c.relhasrules, c.relkind <> 'r'
-                  LIMIT 1)",
-    )
-    .bind(schema.as_str())
-    .bind(crate::REVERT_GUARD)
-    .fetch_one(&mut *conn)
-    .await;
-    match guarded {
-        Ok((true, _)) => (true, true),
-        Ok((false, None)) | Err(_) => (false, true),
-        Ok((false, Some(table))) => {
-            // In a transaction rolled back whatever happens, so that what the table's
-            // other statement triggers do on a DELETE is undone; a lock held on the
-            // table (a fence taking it) is waited for a little only.
-            let probe = ::sqlx::AssertSqlSafe(format!(
-                "BEGIN; SET LOCAL lock_timeout = '2s'; DELETE FROM {table} WHERE false"
-            ));
-            let refused = ::sqlx::raw_sql(probe).execute(&mut *conn).await.is_err();
-            let rolled_back = ::sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.is_ok();
-            (refused || !rolled_back, rolled_back)
+/// for a move), or is a move's copy there that is not the shard's yet; `false` when that
+/// cannot be told. Asked of the schema's [`crate::LIVE_CHECK`] function, which every read
+/// of the repository names: on a copy it fails with 3F000 until the copy's move decided
+/// to flip (so a copy whose guards a move left for `gc` counts as the shard's, as its
+/// guards let writes through), whether or not the copy has tables yet. A shard from
+/// before the function (42883, until `shardline migrate`) cannot be told. Each is a
+/// statement of its own, outside any transaction: the connection stays as it was.
+async fn schema_gone(conn: &mut PgConnection, schema: &SchemaName) -> bool {
+    let present: std::result::Result<(bool,), _> = ::sqlx::query_as("SELECT to_regnamespace($1) IS NOT NULL")
+        .bind(schema.as_str())
+        .fetch_one(&mut *conn)
+        .await;
+    match present {
+        Ok((false,)) => true,
+        Err(_) => false,
+        Ok((true,)) => {
+            let probe = ::sqlx::AssertSqlSafe(format!("SELECT {}.{}()", schema.quoted(), crate::LIVE_CHECK));
+            match ::sqlx::raw_sql(probe).execute(&mut *conn).await {
+                Ok(_) => false,
+                Err(e) => {
+                    let code = e.as_database_error().and_then(|d| d.code().map(|c| c.into_owned()));
+                    crate::shard::begin_finds_schema_gone(code.as_deref())
+                }
+            }
         }
     }
 }
@@ -794,11 +780,10 @@ impl Sqlx {
         // shard's schema is gone from here (fenced or moved)? Then it runs again where
         // the shard is. A table missing from a schema that is there is the caller's.
         // Asked on the same connection (a full pool cannot delay the answer).
-        let mut clean = rolled_back;
         if rolled_back && (matches!(error, Error::RolledBack { .. }) || error.is_moved()) {
-            (*moved, clean) = schema_gone(conn.conn(), &schema).await;
+            *moved = schema_gone(conn.conn(), &schema).await;
         }
-        if clean {
+        if rolled_back {
             conn.release();
         }
         Err(error)
@@ -895,9 +880,9 @@ impl Sqlx {
                 // A statement that says a table or its schema is missing is asked about
                 // on the same connection: gone from here, the shard moved (or is
                 // fenced), and the work runs again where it is.
-                let mut clean = sound && !open;
+                let clean = sound && !open;
                 if clean && error.is_moved() {
-                    (*moved, clean) = schema_gone(conn.conn(), &schema).await;
+                    *moved = schema_gone(conn.conn(), &schema).await;
                 }
                 if clean {
                     conn.release();
