@@ -843,6 +843,27 @@ pub(crate) async fn a_partitioned_table_moves_whole_with_its_shard(ctx: TestCont
         }
         other => return Err(format!("a shard with a foreign partition: {other:?}").into()),
     }
+    // A partition of one of the shard's tables in another schema: a move copies the
+    // shard's schema only, so its rows would stay behind. Refused before anything is
+    // done, naming it (before, the move failed once it had built the copy, at the
+    // subscription: 3F000, schema "archive" does not exist on the target).
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA archive;
+             CREATE TABLE archive.events_2030 PARTITION OF {s}.events FOR VALUES FROM ('2030-01-01') TO ('2031-01-01');
+             INSERT INTO {s}.events (user_id, day, body) VALUES (4, '2030-06-01', 'kept elsewhere')",
+            s = route.schema.quoted()
+        ))
+        .await?;
+    let refused = moves::run(&config, route.shard, &crate::host(to), &MoveOptions::default()).await;
+    admin.batch_execute("DROP SCHEMA archive CASCADE").await?;
+    match refused {
+        Err(shardline_ops::Error::Preflight(p)) => {
+            let text = p.to_string();
+            assert!(text.contains("archive.events_2030") && text.contains("another schema"), "{text}");
+        }
+        other => return Err(format!("a shard with a partition in another schema: {other:?}").into()),
+    }
     let gc = moves::gc(&config, Duration::ZERO).await?;
     let triggers: i64 = f
         .client(&ctx, 0)

@@ -1493,6 +1493,17 @@ pub(crate) const FOREIGN_CHILDREN: &str = "WITH RECURSIVE tree(oid, root) AS (
     JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
    WHERE NOT t.root AND c.relkind = 'f' ORDER BY 1";
 
+/// The partitions and inheritance children, at any depth, of `$1`'s tables that live in
+/// another schema, qualified and quoted: a move copies the shard's schema, so their rows
+/// would stay behind (and be missing from the shard once it flipped).
+pub(crate) const CHILDREN_ELSEWHERE: &str = "WITH RECURSIVE tree(oid, root) AS (
+    SELECT c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+    UNION SELECT h.inhrelid, false FROM pg_inherits h JOIN tree t ON h.inhparent = t.oid)
+  SELECT DISTINCT format('%I.%I', n.nspname, c.relname) FROM tree t
+    JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
+   WHERE NOT t.root AND c.relkind IN ('r', 'p') AND n.nspname <> $1 ORDER BY 1";
+
 /// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
 /// schema's name in the statement that uses them, which may differ from `schema`'s:
 /// a copy being renamed), in name order: partitioned tables and the others.

@@ -428,6 +428,15 @@ async fn check_source(
             format!("{table}, a foreign partition or child of a table of {schema}, has its rows on another server, which both copies would share; shardline does not move such a shard"),
         );
     }
+    let elsewhere = c.query(super::engine::CHILDREN_ELSEWHERE, &[&schema.as_str()]).await.map_err(fail)?;
+    for r in elsewhere {
+        let table: String = r.get(0);
+        checks.add(
+            Some(host),
+            "table outside the shard",
+            format!("{table}, a partition or child of a table of {schema}, lives in another schema: a move copies {schema} only, so its rows would stay behind; move it into {schema} (ALTER TABLE ... SET SCHEMA {schema})"),
+        );
+    }
     let size = c
         .query_one(
             "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.relkind = 'r' AND c.reltuples > 0), 0)::bigint,
