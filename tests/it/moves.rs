@@ -1198,7 +1198,8 @@ async fn every_step_on(ctx: &shardline_testkit::Cluster) -> Result<(), BoxError>
 shardline_testkit::register!(own: a_host_paused_inside_each_step_leaves_the_move_done_or_undone);
 /// A hung host, not a dead one: the source or the target is frozen (SIGSTOP, `docker
 /// pause`) inside each step of a move, as soon as the step before it is journaled, for
-/// 2 s (the source 12 s while the shard is fenced: past the fence's lease), then thawed.
+/// 2 s (the source 6 s while the shard is fenced: past the fence's lease, 4 s here), then
+/// thawed.
 /// Whatever the step, the move then completes, or fails and is resumed or undone; the
 /// shard ends on one host, whole, writable, with nothing orphaned.
 pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undone(
@@ -1209,11 +1210,12 @@ pub(crate) async fn a_host_paused_inside_each_step_leaves_the_move_done_or_undon
         .flat_map(|after| {
             let fenced = (Step::CaughtUp..=Step::SequenceCarried).contains(after);
             [true, false].map(|source| {
-                (*after, source, Some(Duration::from_secs(if source && fenced { 12 } else { 2 })))
+                (*after, source, Some(Duration::from_secs(if source && fenced { 6 } else { 2 })))
             })
         })
         .collect();
-    let seen = pause_cases("paused_hosts", &cases, MoveOptions::default().hung_after).await?;
+    let seen = pause_cases("paused_hosts", &cases, MoveOptions::default().with_lease(Duration::from_secs(4)))
+        .await?;
     eprintln!(
         "    18 (step x host) pauses: {} moves completed, {} ended undone; \
          {} returned while the host was still paused, {} completed before the freeze landed",
@@ -1247,7 +1249,9 @@ pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
         (Step::Flipped, true, None),
         (Step::Flipped, false, None),
     ];
-    let seen = pause_cases("hung_hosts", &cases, Duration::from_secs(4)).await?;
+    let mut hung = MoveOptions::default();
+    hung.hung_after = Duration::from_secs(4);
+    let seen = pause_cases("hung_hosts", &cases, hung).await?;
     eprintln!(
         "    {} hung hosts: {} moves completed, {} ended undone; {} completed before the freeze landed",
         cases.len(),
@@ -1281,7 +1285,7 @@ pub(crate) async fn a_host_hung_for_good_inside_a_step_fails_the_move_in_time(
 async fn pause_cases(
     db: &str,
     cases: &[(Step, bool, Option<Duration>)],
-    hung_after: Duration,
+    base: MoveOptions,
 ) -> Result<PauseOutcome, BoxError> {
     let kit = shardline_testkit::Cluster::start(3).await?;
     let ctx = &kit;
@@ -1305,8 +1309,8 @@ async fn pause_cases(
         );
         let host = &ctx.hosts()[host_index(victim)];
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut opts = MoveOptions::default();
-        opts.hung_after = hung_after;
+        let mut opts = base.clone();
+        let hung_after = opts.hung_after;
         opts.progress = Some(Arc::new(move |p: &moves::MoveProgress| {
             if matches!(p, moves::MoveProgress::Step { step, .. } if *step == after) {
                 let _ = tx.send(Instant::now());
@@ -4840,11 +4844,11 @@ shardline_testkit::register!(shared: a_host_readdressed_during_a_moves_preflight
 /// pg3, known from the catalog only, is readdressed (here to the same server under
 /// another `application_name`, as to a promoted replica) while a move onto it runs its
 /// pre-flight (the `on_preflight` drill). The move was resolved at the old address:
-/// it ends as soon as it is journaled, naming pg3, with nothing made and the journal
-/// saying why, and runs again at the new address. (Before, it copied the shard to the
-/// old address and flipped the map to the new one.) Once a move is journaled, the
-/// readdress is refused instead: the journal's row share-locks both hosts' rows, and
-/// the readdress counts the running moves under the row's lock.
+/// the journal refuses it, naming pg3, with nothing journaled or made, and it runs
+/// again at the new address. (Before, it copied the shard to the old address and
+/// flipped the map to the new one.) Once a move is journaled, the readdress is refused
+/// instead: the journal's row share-locks both hosts' rows, and the readdress counts
+/// the running moves under the row's lock.
 pub(crate) async fn a_host_readdressed_during_a_moves_preflight_ends_the_move_before_anything_is_made(
     ctx: TestContext,
 ) -> TestResult {
@@ -4891,9 +4895,7 @@ pub(crate) async fn a_host_readdressed_during_a_moves_preflight_ends_the_move_be
         "{text}"
     );
     let journal = moves::list(&config).await?;
-    assert_eq!(journal.len(), 1, "{journal:?}");
-    assert_eq!((journal[0].state, journal[0].step), (State::RolledBack, Step::Started), "{journal:?}");
-    assert!(journal[0].error.as_deref().is_some_and(|e| e.contains("readdressed")), "{journal:?}");
+    assert!(journal.is_empty(), "nothing journaled: {journal:?}");
     assert_eq!(counts(&f, &ctx, 2, "shard_0000").await?, None, "nothing made on pg3");
     assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
     // Run again, it moves the shard to pg3 at its new address.

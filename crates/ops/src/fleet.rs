@@ -531,6 +531,7 @@ pub async fn drain(
     options: &MoveOptions,
     dry_run: bool,
 ) -> Result<DrainReport> {
+    let given = config;
     let config = &resolved_within(config, options.hung_after).await?;
     // The catalog's part before the moves, bounded as theirs is.
     let (plan, held) =
@@ -539,8 +540,10 @@ pub async fn drain(
     if dry_run {
         return Ok(DrainReport { host: name.clone(), plan, moves: Vec::new(), remaining: Some(held) });
     }
+    // The config as given: each move reads the hosts' addresses from the catalog when it
+    // starts (a drain may take hours, and a host be readdressed meanwhile).
     let moves =
-        crate::rebalance::apply(config, &plan, crate::rebalance::Parallel::shared(parallel), options).await;
+        crate::rebalance::apply(given, &plan, crate::rebalance::Parallel::shared(parallel), options).await;
     // The moves may have taken hours: a connection of their start's may be long gone
     // (the catalog restarted, an idle link dropped). A new one, bounded as the moves'
     // catalog reads are; when it fails, the moves' outcomes are reported all the same.

@@ -221,6 +221,18 @@ pub async fn host_config(
     Ok(HostConfig { name: host.name.clone(), url, peer_url })
 }
 
+/// Whether [`host_config`] resolves `host` (a host the config does not list) to `entry`'s
+/// URLs, passwords aside: `false` once the host was readdressed since `entry` was made
+/// from its record.
+pub fn resolves_to(entry: &HostConfig, host: &CatalogHost) -> bool {
+    let Some(address) = &host.address else { return false };
+    let peer = match &host.peer_address {
+        Some(peer) if peer != address => peer,
+        _ => address,
+    };
+    same_address(&entry.url, address) && same_address(&entry.peer_url, peer)
+}
+
 /// `config` with every host the catalog knows and has not removed (after the config's
 /// own), each reachable as [`host_config`] says: what the operations run with, so that
 /// a host added with `shardline host add` needs no config change.

@@ -1075,7 +1075,9 @@ async fn newest(
         };
         let mut wrong = check::fan_out(&read);
         let last = page.rows.last().map(|p| p.id);
-        let cursor_is_last = if page.rows.len() == limit { page.next == last } else { page.next.is_none() };
+        // A cursor only after a full page, and then its last row's; a full page that
+        // ends at the listing's last row has none.
+        let cursor_is_last = page.next.is_none() || (page.rows.len() == limit && page.next == last);
         if !cursor_is_last {
             wrong.push(format!(
                 "newest at {:?}: {} rows of a limit of {limit}, its cursor {:?}, its last row {:?}",

@@ -11,7 +11,6 @@ use shardline_id::ident::quote as quote_ident;
 use shardline_id::sql::ShardSql;
 use shardline_repo::Catalog;
 use shardline_repo::catalog::connect;
-use shardline_repo::credentials::same_address;
 use shardline_router::{Config, HostName, LogicalShard, SchemaName};
 use tokio_postgres::Client;
 
@@ -1144,7 +1143,10 @@ impl<'a> Mover<'a> {
 /// [`Error::Preflight`] with every problem (nothing changed); [`Error::Busy`] while an
 /// `init` or `migrate` runs; a step's failure, naming the host and SQLSTATE;
 /// [`Error::Verify`] with the differing keys; [`Error::Interrupted`] when
-/// `options.stop_after` asked for it.
+/// `options.stop_after` asked for it; [`Error::UndoFailed`] when a failure inside the
+/// fence could not be undone either (`--abort` finishes the undo); [`Error::Fleet`]
+/// when the source or the target was readdressed while the pre-flight ran (nothing
+/// journaled).
 pub async fn run(
     config: &Config,
     shard: LogicalShard,
@@ -1204,7 +1206,7 @@ async fn revertible(catalog: &Catalog, options: &MoveOptions, mut detail: Detail
 
 /// Journals move `id` as started and runs it to the end. `given` is the config as the
 /// caller gave it, `config` the same resolved with the catalog's hosts before the
-/// pre-flight.
+/// pre-flight (a host readdressed since is refused by the journal).
 #[expect(
     clippy::too_many_arguments,
     reason = "each is one of the move's parts, passed on from run and revert"
@@ -1223,61 +1225,22 @@ async fn start(
     unless_catalog_hung(config, options.hung_after, lock_move(&catalog, id)).await?;
     // Watched, not timed: journaling waits for a running `gc` to end (its lock), for as
     // long as it runs, while the catalog answers; nothing is fenced yet.
+    // The source's and target's entries made from the catalog's records (not from the
+    // operator's config): the journal refuses the move if either was readdressed since.
+    let resolved: Vec<_> = [&check.source, &check.target]
+        .into_iter()
+        .filter(|h| given.host(h).is_none())
+        .filter_map(|h| config.host(h).cloned())
+        .collect();
     let record = unless_catalog_hung(config, options.hung_after, async {
-        journal::start(&catalog, id, check.shard, &check.source, &check.target, detail).await?;
+        journal::start(&catalog, id, check.shard, &check.source, &check.target, detail, &resolved).await?;
         journal::ensure_complete_flip(&catalog).await?;
         journal::by_id(&catalog, id).await
     })
     .await?;
-    // The hosts read again, now that the journal names the move (from here a `host
-    // readdress` of either is refused): one readdressed while the pre-flight ran ends
-    // the move here, before anything is made, instead of moving the shard off, or onto,
-    // a server that is no longer the host.
-    let readdressed = readdressed_since(given, config, options, &[&check.source, &check.target]).await;
-    if let Some(changed) = readdressed {
-        let reason = match &changed {
-            Ok(host) => format!(
-                "host {host} was readdressed while this move's pre-flight ran: nothing was made; run the move again"
-            ),
-            Err(e) => format!("the hosts could not be read again once the move was journaled: {e}"),
-        };
-        let detail =
-            serde_json::to_string(detail).map_err(|e| Error::Journal { id, message: e.to_string() })?;
-        unless_catalog_hung(config, options.hung_after, journal::rolled_back(&catalog, id, &reason, &detail))
-            .await?;
-        return Err(match changed {
-            Ok(host) => Error::Fleet { host, message: reason },
-            Err(e) => e,
-        });
-    }
     let mover = Mover::load(config, options, catalog, layout, record).await?;
     mover.report(MoveProgress::Step { id, step: Step::Started });
     drive(mover).await
-}
-
-/// The first of `hosts` that `given` resolved now places at another URL (or peer URL)
-/// than `config` (`given` resolved before the move was journaled) does; `None` when
-/// none moved. A host the given config lists is reached at its URL there, so only a
-/// catalog address can have changed.
-async fn readdressed_since(
-    given: &Config,
-    config: &Config,
-    options: &MoveOptions,
-    hosts: &[&HostName],
-) -> Option<Result<HostName>> {
-    let now = match crate::fleet::resolved_within(given, options.hung_after).await {
-        Ok(now) => now,
-        Err(e) => return Some(Err(e)),
-    };
-    hosts
-        .iter()
-        .find(|h| match (config.host(h), now.host(h)) {
-            (Some(was), Some(is)) => {
-                !same_address(&was.url, &is.url) || !same_address(&was.peer_url, &is.peer_url)
-            }
-            _ => true,
-        })
-        .map(|h| Ok((*h).clone()))
 }
 
 /// `shardline move SHARD --revert`: brings the shard back to where its last move took

@@ -12,8 +12,9 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use shardline_repo::Catalog;
-use shardline_repo::catalog::GC_LOCK_KEY;
+use shardline_repo::catalog::{CatalogHost, GC_LOCK_KEY, HostState};
+use shardline_repo::{Catalog, credentials};
+use shardline_router::config::{DbUrl, HostConfig};
 use shardline_router::{Config, HostName, LogicalShard};
 use tokio_postgres::Client;
 
@@ -614,9 +615,63 @@ pub(crate) async fn next_id(catalog: &Catalog) -> Result<i64> {
 }
 
 /// Journals move `id` as started and running. [`Error::MoveRunning`] when the shard
-/// has a running move already (the journal's unique index).
+/// has a running move already (the journal's unique index). `resolved` are the source's
+/// and target's entries the move made from the catalog's records (the hosts the
+/// operator's config does not list): when either record changed since (a `host
+/// readdress` while the pre-flight ran), nothing is journaled and [`Error::Fleet`] names
+/// the host. Both hosts' rows are share-locked until the journal's row commits: a
+/// readdress (which locks the row, then counts the running moves naming it) either
+/// commits before, and is seen here, or waits for this and refuses.
 pub(crate) async fn start(
     catalog: &Catalog,
+    id: i64,
+    shard: LogicalShard,
+    source: &HostName,
+    target: &HostName,
+    detail: &Detail,
+    resolved: &[HostConfig],
+) -> Result<()> {
+    let c = client(catalog);
+    let fail = catalog_err("journal the move");
+    c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(&fail)?;
+    let journaled = async {
+        // The `gc` lock first, as the insert below takes it (shared to the commit).
+        let rows = c
+            .query(
+                "WITH gc AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared($2))
+                 SELECT h.name::text, to_jsonb(h) ->> 'address', to_jsonb(h) ->> 'peer_address'
+                   FROM gc, shardline.hosts h WHERE h.name = ANY($1) ORDER BY h.name FOR SHARE OF h",
+                &[&[source.as_str(), target.as_str()].as_slice(), &GC_LOCK_KEY],
+            )
+            .await
+            .map_err(&fail)?;
+        for entry in resolved {
+            let record = rows.iter().find(|r| r.get::<_, &str>(0) == entry.name.as_str()).map(|r| {
+                let url = |i: usize| r.get::<_, Option<String>>(i).map(DbUrl::new);
+                CatalogHost::new(entry.name.clone(), url(1), url(2), HostState::Active)
+            });
+            if !record.is_some_and(|h| credentials::resolves_to(entry, &h)) {
+                return Err(Error::Fleet {
+                    host: entry.name.clone(),
+                    message: "was readdressed while this move's pre-flight ran (or removed): nothing was journaled; run the move again".into(),
+                });
+            }
+        }
+        insert(c, id, shard, source, target, detail).await
+    }
+    .await;
+    match journaled {
+        Ok(()) => c.batch_execute("COMMIT").await.map_err(&fail),
+        Err(e) => {
+            let _ = c.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
+/// [`start`]'s insert, inside its transaction.
+async fn insert(
+    c: &Client,
     id: i64,
     shard: LogicalShard,
     source: &HostName,
@@ -633,11 +688,8 @@ pub(crate) async fn start(
     // share-locked): another move of the shard that ran to its end while this one's
     // pre-flight ran left the source without the shard, and a move journaled from there
     // could neither go on nor be undone (its undo refuses a map that places the shard
-    // elsewhere). Both hosts' rows share-locked: a `host readdress` (which locks the
-    // row, then counts the running moves naming it) either waits for this row and
-    // refuses, or commits first and the mover sees the new address when it reads the
-    // hosts again after this (`engine::start`).
-    let checked = client(catalog)
+    // elsewhere).
+    let checked = c
         .query_one(
             // The lock in a CTE read FROM: in an EXISTS its target list is never run.
             "WITH gc AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared($6)),
