@@ -1120,7 +1120,14 @@ impl Catalog {
             HostChange::State(_) => "set a host's state",
         };
         let err = |e| Error::catalog(what, e);
-        c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(err)?;
+        // A client gone between the statements (a cut link) would leave the session idle
+        // in the transaction, the row locked (a flip onto the host waits for it) until
+        // TCP noticed: the server ends it instead.
+        c.batch_execute(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = '15s'",
+        )
+        .await
+        .map_err(err)?;
         let result = async {
             let known = c
                 .query_opt("SELECT FROM shardline.hosts WHERE name = $1 FOR UPDATE", &[&name.as_str()])

@@ -1146,7 +1146,9 @@ impl<'a> Mover<'a> {
 /// `options.stop_after` asked for it; [`Error::UndoFailed`] when a failure inside the
 /// fence could not be undone either (`--abort` finishes the undo); [`Error::Fleet`]
 /// when the source or the target was readdressed while the pre-flight ran (nothing
-/// journaled).
+/// journaled). Give `config` as loaded, not already resolved with the catalog's hosts
+/// ([`crate::fleet::resolved`]): a move checks the addresses it read from the catalog,
+/// and takes the URLs a config lists as the caller's own.
 pub async fn run(
     config: &Config,
     shard: LogicalShard,

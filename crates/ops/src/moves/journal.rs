@@ -633,7 +633,15 @@ pub(crate) async fn start(
 ) -> Result<()> {
     let c = client(catalog);
     let fail = catalog_err("journal the move");
-    c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(&fail)?;
+    // A client gone between the statements (a cut link) would leave the session idle
+    // in the transaction, holding both hosts' rows and the `gc` lock until TCP noticed:
+    // the server ends it instead.
+    c.batch_execute(&format!(
+        "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+        IDLE_IN_TRANSACTION.as_millis()
+    ))
+    .await
+    .map_err(&fail)?;
     let journaled = async {
         // The `gc` lock first, as the insert below takes it (shared to the commit).
         let rows = c
@@ -653,7 +661,7 @@ pub(crate) async fn start(
             if !record.is_some_and(|h| credentials::resolves_to(entry, &h)) {
                 return Err(Error::Fleet {
                     host: entry.name.clone(),
-                    message: "was readdressed while this move's pre-flight ran (or removed): nothing was journaled; run the move again".into(),
+                    message: "was readdressed while this move's pre-flight ran: nothing was journaled; run the move again".into(),
                 });
             }
         }
@@ -668,6 +676,10 @@ pub(crate) async fn start(
         }
     }
 }
+
+/// How long the catalog's server lets [`start`]'s transaction sit idle before it ends
+/// the session (its statements follow one another at once).
+const IDLE_IN_TRANSACTION: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// [`start`]'s insert, inside its transaction.
 async fn insert(
