@@ -1446,28 +1446,37 @@ pub(super) async fn check_reverse(
 /// Why a revert cannot go on (`Err`), or `Ok`.
 pub(super) type Refusal = std::result::Result<(), String>;
 
+/// The tables under the tables of schema `$1` (partitions and inheritance children, at
+/// any depth, in any schema) that `$filter` (over `c`, the child's `pg_class` row, and
+/// `n`, its schema) selects, qualified and quoted, in name order.
+macro_rules! children_of_schema {
+    ($filter:literal) => {
+        concat!(
+            "WITH RECURSIVE tree(oid, root) AS (
+    SELECT c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
+    UNION SELECT h.inhrelid, false FROM pg_inherits h JOIN tree t ON h.inhparent = t.oid)
+  SELECT DISTINCT format('%I.%I', n.nspname, c.relname) FROM tree t
+    JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
+   WHERE NOT t.root AND ",
+            $filter,
+            " ORDER BY 1"
+        )
+    };
+}
+
 /// The foreign tables under the tables of schema `$1` (a partition, or an inheritance
 /// child, at any depth, in any schema), qualified: their rows live on another server,
 /// which both copies of a shard would share, and emptying a copy (a partitioned table's
 /// `TRUNCATE`) would empty them there. A shard with one is not moved.
-pub(crate) const FOREIGN_CHILDREN: &str = "WITH RECURSIVE tree(oid, root) AS (
-    SELECT c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
-    UNION SELECT h.inhrelid, false FROM pg_inherits h JOIN tree t ON h.inhparent = t.oid)
-  SELECT DISTINCT format('%I.%I', n.nspname, c.relname) FROM tree t
-    JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
-   WHERE NOT t.root AND c.relkind = 'f' ORDER BY 1";
+pub(crate) const FOREIGN_CHILDREN: &str = children_of_schema!("c.relkind = 'f'");
 
 /// The partitions and inheritance children, at any depth, of `$1`'s tables that live in
 /// another schema, qualified and quoted: a move copies the shard's schema, so their rows
-/// would stay behind (and be missing from the shard once it flipped).
-pub(crate) const CHILDREN_ELSEWHERE: &str = "WITH RECURSIVE tree(oid, root) AS (
-    SELECT c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-     WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')
-    UNION SELECT h.inhrelid, false FROM pg_inherits h JOIN tree t ON h.inhparent = t.oid)
-  SELECT DISTINCT format('%I.%I', n.nspname, c.relname) FROM tree t
-    JOIN pg_class c ON c.oid = t.oid JOIN pg_namespace n ON n.oid = c.relnamespace
-   WHERE NOT t.root AND c.relkind IN ('r', 'p') AND n.nspname <> $1 ORDER BY 1";
+/// would stay behind (and be missing from the shard once it flipped). A shard with one
+/// is not moved.
+pub(crate) const CHILDREN_ELSEWHERE: &str =
+    children_of_schema!("c.relkind IN ('r', 'p') AND n.nspname <> $1");
 
 /// The tables of `schema` on `host`, qualified and quoted as `schema_sql` (the
 /// schema's name in the statement that uses them, which may differ from `schema`'s:

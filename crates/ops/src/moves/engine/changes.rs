@@ -1099,15 +1099,26 @@ mod tests {
                 ("Odd\"".into(), KeyType::Global("text".into())),
                 ("m".into(), KeyType::Local("\"Mood\"[]".into())),
             ],
-            hashed: vec![("id".into(), true), ("Odd\"".into(), false), ("mood".into(), false)],
+            hashed: vec![("id".into(), true), ("Odd\"".into(), false), ("m".into(), false)],
         };
-        assert_eq!(k.key_hash("t"), "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text), 0)");
+        assert_eq!(
+            k.key_hash("t"),
+            "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text, t.\"m\"::text), 0)"
+        );
         assert_eq!(
             k.row_hash("t"),
-            "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text, t.\"mood\"::text), 0)"
+            "hash_record_extended(ROW(t.\"id\", t.\"Odd\"\"\"::text, t.\"m\"::text), 0)"
         );
-        assert_eq!(k.json("t"), "jsonb_build_object('id', t.\"id\", 'Odd\"', t.\"Odd\"\"\")");
-        assert_eq!(k.record("shard_0001"), "k(\"id\" bigint, \"Odd\"\"\" text, \"m\" shard_0001.\"Mood\"[])");
+        assert_eq!(k.json("t"), "jsonb_build_object('id', t.\"id\", 'Odd\"', t.\"Odd\"\"\", 'm', t.\"m\")");
+        // A type of the shard's own is named in the schema the table lives in there.
+        assert_eq!(
+            k.record("shard_0001"),
+            "k(\"id\" bigint, \"Odd\"\"\" text, \"m\" \"shard_0001\".\"Mood\"[])"
+        );
+        assert_eq!(
+            k.record("shard_0001_moved_7"),
+            "k(\"id\" bigint, \"Odd\"\"\" text, \"m\" \"shard_0001_moved_7\".\"Mood\"[])"
+        );
         assert_eq!(json_array([r#"{"id": 1}"#.to_owned()].iter()), r#"[{"id": 1}]"#);
     }
 }
