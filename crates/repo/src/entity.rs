@@ -95,6 +95,35 @@ impl ShardKey {
 
 /// The values an insert supplies; the database fills the rest (`id` from the shard's
 /// `next_id()`).
+///
+/// `#[derive(NewRow)]` places its rows by the column its entity reads its pages by.
+/// A row placed by another column does not compile: every comment below would land
+/// where `page_of_parent` never looks.
+///
+/// ```compile_fail,E0080
+/// use shardline_repo::{Entity, Id, NewRow};
+///
+/// #[derive(Entity)]
+/// #[shardline(table = "comments")]
+/// struct Comment {
+///     id: Id,
+///     #[shardline(parent)]
+///     photo_id: Id,
+///     user_id: i64,
+///     body: String,
+/// }
+///
+/// // "NewComment places its rows by its user `user_id`, but Comment has no
+/// // #[shardline(user)] field stored in `user_id`: mark the same column in both"
+/// #[derive(NewRow)]
+/// #[shardline(entity = Comment)]
+/// struct NewComment {
+///     photo_id: Id,
+///     #[shardline(user)]
+///     user_id: i64,
+///     body: String,
+/// }
+/// ```
 pub trait NewRow: Send + Sync {
     /// The entity the insert returns.
     type Entity: Entity;

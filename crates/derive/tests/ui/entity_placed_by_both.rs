@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 
-use shardline_repo::Id;
+// The derive reads the attributes, not the types: any type serves for an ID here.
+type Id = i64;
 
 #[derive(shardline_derive::Entity)]
 #[shardline(table = "comments")]

@@ -1,10 +1,8 @@
 #![allow(dead_code)]
 
-#[derive(shardline_derive::Entity)]
-#[shardline(table = "photos")]
+// The entity as named by `entity = Photo` (the derive refuses before it reads it).
 struct Photo {
-    id: shardline_repo::Id,
-    #[shardline(user)]
+    id: i64,
     user_id: i64,
     url: String,
 }
