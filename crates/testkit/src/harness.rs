@@ -49,6 +49,14 @@ pub type TestResult = std::result::Result<(), Box<dyn std::error::Error + Send +
 /// The environment variable that overrides the per-test time limit, in seconds.
 pub const TIMEOUT_ENV: &str = "SHARDLINE_TEST_TIMEOUT_SECS";
 
+/// The environment variable that sets from how many seconds a test's time is printed
+/// (`shardline-testkit: NAME took N s (ended M s into the run)`); default
+/// [`DEFAULT_SLOW`], `0` prints every test's.
+pub const SLOW_ENV: &str = "SHARDLINE_TEST_SLOW_SECS";
+
+/// From how long a test's time is printed when [`SLOW_ENV`] is unset.
+pub const DEFAULT_SLOW: Duration = Duration::from_secs(10);
+
 /// The environment variable that narrows a run to the tests whose subject is the hosts
 /// themselves: `SHARDLINE_TEST_SCOPE=hosts` runs the tests that stop, kill, pause or
 /// start hosts of their own (registered `exclusive`, `quiet` or `own`) and those of the
@@ -302,6 +310,10 @@ impl Harness {
             .ok()
             .and_then(|s| s.parse().ok())
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+        let slow = std::env::var(SLOW_ENV)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(DEFAULT_SLOW, Duration::from_secs);
         let shared = Arc::new(Shared {
             hosts: self.hosts,
             cluster: OnceCell::new(),
@@ -311,6 +323,7 @@ impl Harness {
             width: u32::try_from(width).unwrap_or(u32::MAX),
             databases: Arc::new(AtomicUsize::new(0)),
             timeout,
+            slow,
             began: std::time::Instant::now(),
             serial: std::sync::Mutex::new(Duration::ZERO),
             turn: tokio::sync::watch::Sender::new(0),
@@ -448,6 +461,8 @@ struct Shared {
     width: u32,
     databases: Arc<AtomicUsize>,
     timeout: Duration,
+    /// From how long a test's time is printed ([`SLOW_ENV`]).
+    slow: Duration,
     /// When the run began, and how long the exclusive and quiet tests took (their sum,
     /// not counting the heals after them).
     began: std::time::Instant,
@@ -527,10 +542,10 @@ impl Shared {
         };
         let began = std::time::Instant::now();
         let outcome = AssertUnwindSafe(tokio::time::timeout(self.timeout, run(ctx))).catch_unwind().await;
-        // Where a suite's time goes, in CI's log: every test that took 10 s or more, and
-        // when it ended.
+        // Where a suite's time goes, in CI's log: every test that took 10 s or more (or
+        // SHARDLINE_TEST_SLOW_SECS), and when it ended.
         let took = began.elapsed();
-        if took >= Duration::from_secs(10) {
+        if took >= self.slow {
             eprintln!(
                 "shardline-testkit: {name} took {:.1} s (ended {:.1} s into the run)",
                 took.as_secs_f64(),
