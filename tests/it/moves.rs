@@ -1804,6 +1804,115 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     Ok(())
 }
 
+shardline_testkit::register!(shared: a_fenced_step_that_outlasts_max_pause_is_given_up_and_writes_resume);
+/// A step inside the fence that does not end while both hosts answer every probe: once
+/// the comparison before the fence passed, a session on the target takes the copy of a
+/// table without a key (compared in full inside the fence) for itself and keeps it. The
+/// move is given up at `max_pause` after its fence and undone: the write that waited
+/// behind the fence (sent when the fence was journaled) lands on the source, and the
+/// session lets the table go only once that write is acknowledged. Before, the pause
+/// lasted as long as the lock: the write failed after `move_wait`, and the move flipped
+/// once the lock was let go.
+pub(crate) async fn a_fenced_step_that_outlasts_max_pause_is_given_up_and_writes_resume(
+    ctx: TestContext,
+) -> TestResult {
+    let f = Fixture::new(&ctx, 3, 6).await?;
+    f.migration(
+        "0005_events.sql",
+        "CREATE TABLE events (user_id bigint NOT NULL, what text NOT NULL);
+         ALTER TABLE events REPLICA IDENTITY FULL;",
+    )?;
+    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
+    let config = f.config()?;
+    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
+    seed(&cluster, 0, 6, 2).await?;
+    let pg1 = f.client(&ctx, 0).await?;
+    pg1.batch_execute("INSERT INTO shard_0000.events VALUES (0, 'a'), (0, 'b')").await?;
+    let holder = Arc::new(f.client(&ctx, 1).await?);
+    let hold: moves::HookFn = {
+        let holder = holder.clone();
+        Arc::new(move || {
+            let holder = holder.clone();
+            Box::pin(async move {
+                if let Err(e) =
+                    holder.batch_execute("BEGIN; LOCK TABLE shard_0000.events IN ACCESS EXCLUSIVE MODE").await
+                {
+                    eprintln!("      the drill could not lock the copy: {e}");
+                }
+            })
+        })
+    };
+    // At the fence's journal entry: a write to the shard, which waits behind the fence;
+    // once it is acknowledged (or has failed), the holder lets the table go.
+    type Waited = Option<(Instant, Result<Duration, String>)>;
+    let waited: Arc<std::sync::Mutex<Waited>> = Arc::default();
+    let mut opts = MoveOptions::default().with_max_pause(Duration::from_secs(2)).on_compared(hold);
+    opts.progress = Some({
+        let (cluster, holder, waited) = (cluster.clone(), holder.clone(), waited.clone());
+        Arc::new(move |p: &moves::MoveProgress| {
+            if !matches!(p, moves::MoveProgress::Step { step: Step::Fenced, .. }) {
+                return;
+            }
+            let (cluster, holder, waited) = (cluster.clone(), holder.clone(), waited.clone());
+            tokio::spawn(async move {
+                let fenced = Instant::now();
+                let wrote = match cluster.repo::<Photo>() {
+                    Ok(photos) => photos.insert(&photo(0, 9000)).await.map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                let wrote = wrote.map(|_| fenced.elapsed());
+                if let Ok(mut w) = waited.lock() {
+                    *w = Some((fenced, wrote));
+                }
+                if let Err(e) = holder.batch_execute("ROLLBACK").await {
+                    eprintln!("      the drill could not let the copy go: {e}");
+                }
+            });
+        })
+    });
+    let pg2 = crate::host("pg2");
+    let moving = moves::run(&config, crate::shard(0), &pg2, &opts);
+    let result = tokio::time::timeout(Duration::from_secs(90), moving)
+        .await
+        .map_err(|_| "the move held on for 90 s: nothing bounded the step inside its fence")?;
+    let returned = Instant::now();
+    let (fenced, wrote) =
+        waited.lock().map_err(|e| e.to_string())?.clone().ok_or("the write ran at the fence")?;
+    let err = match result {
+        Ok(report) => return Err(format!("the move flipped ({report}); the write: {wrote:?}").into()),
+        Err(e) => e,
+    };
+    let text = err.to_string();
+    assert!(
+        matches!(err, OpsError::PauseTooLong { step: Step::SequenceCarried, .. }),
+        "given up in the verification, inside the fence: {text}"
+    );
+    assert!(text.contains("max_pause") && text.contains("writes resume on the source"), "{text}");
+    let wrote = wrote.map_err(|e| format!("the write behind the fence failed: {e}"))?;
+    eprintln!(
+        "      the write behind the fence landed {wrote:?} after the fence (max_pause 2 s); the move returned {:?} after it",
+        returned.duration_since(fenced)
+    );
+    // The pause: max_pause, then the undo's unfencing (a transaction on the source).
+    assert!(wrote < Duration::from_secs(8), "the write waited {wrote:?} behind the fence");
+    // Undone: the shard whole and writable on its source, its write there; nothing left.
+    let journal = moves::list(&config).await?;
+    assert_eq!(journal[0].state, State::RolledBack);
+    assert!(journal[0].error.as_deref().is_some_and(|e| e.contains("max_pause")), "{:?}", journal[0].error);
+    assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);
+    let landed: i64 = pg1
+        .query_one("SELECT count(*) FROM shard_0000.photos WHERE url = 'https://cdn/0/9000.jpg'", &[])
+        .await?
+        .get(0);
+    assert_eq!(landed, 1);
+    assert_eq!(leftovers(&f, &ctx).await?, vec![0, 0, 0]);
+    // Nothing holds the copy now: the same move runs through.
+    let report = moves::run(&config, crate::shard(0), &crate::host("pg2"), &MoveOptions::default()).await?;
+    assert!(report.pause_ms < 2000, "{report}");
+    Ok(())
+}
+
 shardline_testkit::register!(shared: a_tables_replica_identity_index_moves_with_it);
 /// A table whose replica identity is a unique index (`REPLICA IDENTITY USING INDEX`):
 /// the move keeps that index on the target through the copy (a secondary index

@@ -31,7 +31,7 @@ pub struct MoveOpt {
     pub resume: bool,
     /// Undo the shard's interrupted move (before its flip): the shard stays, writable,
     /// on its source. Of the other options, only `--hung-after` and `--json` apply.
-    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy", "max_lag", "lease", "stop_after"])]
+    #[arg(long, conflicts_with_all = ["max_rate", "subscription_copy", "max_pause", "max_lag", "lease", "stop_after"])]
     pub abort: bool,
     /// Keep the move revertible after its flip (`--revert`, until `gc` drops the old
     /// copy): a replication slot on the target keeps its WAL meanwhile.
@@ -69,8 +69,9 @@ pub struct MoveOpt {
     pub json: bool,
 }
 
-/// How a move copies the shard's rows: `--max-rate` and `--subscription-copy`, on
-/// `move`, `rebalance` and `host drain`.
+/// How a move copies the shard's rows, and how long it may pause the shard's writes:
+/// `--max-rate`, `--subscription-copy` and `--max-pause`, on `move`, `rebalance` and
+/// `host drain`.
 #[derive(Debug, Args)]
 pub struct CopyArgs {
     /// Copy the shard's rows at most this fast, in MB/s (decimal megabytes), read by
@@ -82,12 +83,18 @@ pub struct CopyArgs {
     /// go, unthrottled (for a source with cores and disk to spare).
     #[arg(long, conflicts_with = "max_rate")]
     pub subscription_copy: bool,
+    /// The longest the shard's writes may wait on a move, from its fence until its copy
+    /// is verified; past it the move is undone and writes resume on the source.
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = parse_max_pause)]
+    pub max_pause: Duration,
 }
 
 impl CopyArgs {
-    /// Sets [`MoveOptions::max_rate`] from the flags; with neither, the library's
-    /// default ([`shardline_ops::moves::DEFAULT_MAX_RATE`]) stays.
+    /// Sets [`MoveOptions::max_rate`] from the flags (with neither, the library's
+    /// default, [`shardline_ops::moves::DEFAULT_MAX_RATE`], stays) and
+    /// [`MoveOptions::max_pause`].
     pub fn apply(&self, options: &mut MoveOptions) {
+        options.max_pause = self.max_pause;
         if self.subscription_copy {
             options.max_rate = None;
         } else if let Some(rate) = self.max_rate {
@@ -103,6 +110,15 @@ fn parse_max_lag(s: &str) -> Result<Duration, String> {
         s,
         Duration::from_millis(1)..=Duration::from_secs(60),
         "must be 1ms to 1min (a lag of 0 is never reached)",
+    )
+}
+
+/// `--max-pause`: 1 s to 1 h (a pause of 0 would undo every move at its fence).
+fn parse_max_pause(s: &str) -> Result<Duration, String> {
+    crate::cluster::duration_within(
+        s,
+        Duration::from_secs(1)..=Duration::from_secs(3600),
+        "must be 1s to 1h (a pause of 0 would undo every move at its fence)",
     )
 }
 
@@ -502,8 +518,13 @@ mod tests {
     #[test]
     fn options_an_abort_would_not_read_are_refused() {
         let parse = |args: &[&str]| Move::try_parse_from(std::iter::once("move").chain(args.iter().copied()));
-        for extra in [["--lease", "5s"], ["--max-lag", "1s"], ["--stop-after", "fenced"], ["--max-rate", "5"]]
-        {
+        for extra in [
+            ["--lease", "5s"],
+            ["--max-lag", "1s"],
+            ["--stop-after", "fenced"],
+            ["--max-rate", "5"],
+            ["--max-pause", "5s"],
+        ] {
             let args = [&["0", "--abort"][..], &extra[..]].concat();
             let err = parse(&args).unwrap_err();
             assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {err}");
@@ -549,6 +570,22 @@ mod tests {
         let mut options = MoveOptions::default();
         parsed.copy.apply(&mut options);
         Ok(options.max_rate)
+    }
+
+    #[test]
+    fn max_pause_reaches_the_moves_options_and_a_pause_no_move_could_keep_is_refused() {
+        let parse = |args: &[&str]| Copy::try_parse_from(std::iter::once("copy").chain(args.iter().copied()));
+        let pause = |args: &[&str]| {
+            let mut options = MoveOptions::default();
+            parse(args).unwrap().copy.apply(&mut options);
+            options.max_pause
+        };
+        assert_eq!(pause(&[]), std::time::Duration::from_secs(30));
+        assert_eq!(pause(&["--max-pause", "2s"]), std::time::Duration::from_secs(2));
+        for bad in ["0s", "500ms", "2h"] {
+            let err = parse(&["--max-pause", bad]).unwrap_err();
+            assert!(err.to_string().contains("must be 1s to 1h"), "{bad}: {err}");
+        }
     }
 
     #[test]

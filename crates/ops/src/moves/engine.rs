@@ -237,6 +237,16 @@ pub struct MoveOptions {
     /// How long, once fenced, to wait for the target to have everything (default 30 s).
     /// If it does not, the move is undone and writes resume on the source.
     pub sync_timeout: Duration,
+    /// The longest the shard's writes may wait on the move (default 30 s): from the
+    /// fence's commit until the copy is verified (the steps `fenced`, `synced` and
+    /// `sequence_carried`: waiting for the target, carrying the ID sequence, the
+    /// verification inside the fence). Past it, the step in progress is given up and
+    /// the move undone, so writes resume on the source: [`Error::PauseTooLong`]. It
+    /// bounds what the host probes ([`MoveOptions::hung_after`]) do not, a host that
+    /// answers but whose step does not end (a lock someone holds on the target's copy,
+    /// a table without a key too big to compare in time). The flip that follows is not
+    /// cut short: once the source decided it, it only completes. At least 1 s is used.
+    pub max_pause: Duration,
     /// Stop, as if the process had died, once this step is journaled: for drills and
     /// tests of `--resume` and `--abort`.
     pub stop_after: Option<Step>,
@@ -323,6 +333,7 @@ impl Default for MoveOptions {
             lock_timeout: Duration::from_secs(2),
             fence_attempts: 5,
             sync_timeout: Duration::from_secs(30),
+            max_pause: Duration::from_secs(30),
             stop_after: None,
             lease: Duration::from_secs(10),
             lose_fence_reply: false,
@@ -365,6 +376,14 @@ impl MoveOptions {
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// These options, with the shard's writes waiting at most `max_pause` on the move
+    /// (see [`MoveOptions::max_pause`]).
+    #[must_use]
+    pub fn with_max_pause(mut self, max_pause: Duration) -> Self {
+        self.max_pause = max_pause;
         self
     }
 
@@ -441,6 +460,7 @@ impl std::fmt::Debug for MoveOptions {
             .field("lock_timeout", &self.lock_timeout)
             .field("fence_attempts", &self.fence_attempts)
             .field("sync_timeout", &self.sync_timeout)
+            .field("max_pause", &self.max_pause)
             .field("stop_after", &self.stop_after)
             .field("lease", &self.lease)
             .field("lose_fence_reply", &self.lose_fence_reply)
@@ -1071,6 +1091,26 @@ impl<'a> Mover<'a> {
         }
     }
 
+    /// [`MoveOptions::max_pause`], at least 1 s.
+    fn max_pause(&self) -> Duration {
+        self.options.max_pause.max(Duration::from_secs(1))
+    }
+
+    /// How much of [`MoveOptions::max_pause`] is left, when the shard is fenced and its
+    /// copy not yet verified: measured from the fence's commit by this process, or from
+    /// the journaled time of the fence for a resumed move (none left once it passed).
+    fn pause_left(&self) -> Option<Duration> {
+        if !self.step.pauses_writes() || self.step >= Step::Verified {
+            return None;
+        }
+        let paused = match (self.fence_started, self.detail.fenced_at_ms) {
+            (Some(started), _) => started.elapsed(),
+            (None, Some(at)) => Duration::from_millis(now_ms().saturating_sub(at)),
+            (None, None) => Duration::ZERO,
+        };
+        Some(self.max_pause().saturating_sub(paused))
+    }
+
     async fn forget_connections(&mut self) {
         self.src = None;
         self.dst = None;
@@ -1110,7 +1150,22 @@ impl<'a> Mover<'a> {
                 self.run_step().await?;
                 continue;
             }
-            let r = unless_hung(config, &hosts, hung_after, self.run_step()).await;
+            // Inside the fence, the step also ends where the pause would pass
+            // `max_pause`: it is given up as a hung one is, and the move undone.
+            let (left, step) = (self.pause_left(), self.step);
+            let r = unless_hung(config, &hosts, hung_after, self.run_step());
+            let r = match left {
+                None => r.await,
+                Some(left) => tokio::time::timeout(left, r).await.unwrap_or_else(|_| {
+                    tracing::warn!(id = self.id, %step, "the shard's writes waited max_pause; giving the step up");
+                    Err(Error::PauseTooLong {
+                        id: self.id,
+                        shard: self.shard,
+                        step,
+                        max_pause: self.max_pause(),
+                    })
+                }),
+            };
             self.settle(r).await?;
         }
         Ok(MoveReport {
