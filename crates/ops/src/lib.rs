@@ -207,16 +207,17 @@ pub enum Error {
     },
     /// The shard's writes waited on the move for [`moves::MoveOptions::max_pause`]
     /// without its copy verified: the step in progress was given up, and the move is
-    /// undone so that writes resume on the source.
+    /// undone (unless [`Error::UndoFailed`] says otherwise) so that writes resume on the
+    /// source.
     #[error(
-        "move {id} of shard {shard} paused the shard's writes for {max_pause:?} (max_pause) and its copy was not verified yet (at step {step}): the move is given up and undone, so writes resume on the source; start it again (with a longer --max-pause if the pause may be longer)"
+        "move {id} of shard {shard} held the shard's writes for max_pause ({max_pause:?}) without its copy verified (in the step after {step}), so it was given up to be undone and let them resume on the source; move the shard again, with a longer --max-pause if the pause may be longer"
     )]
     PauseTooLong {
         /// The move.
         id: i64,
         /// The shard.
         shard: LogicalShard,
-        /// The last step done when it was given up.
+        /// The last step done when the step after it was given up.
         step: moves::Step,
         /// The pause allowed.
         max_pause: std::time::Duration,

@@ -235,17 +235,21 @@ pub struct MoveOptions {
     /// Fence attempts before giving up (default 5); writes go on between attempts.
     pub fence_attempts: u32,
     /// How long, once fenced, to wait for the target to have everything (default 30 s).
-    /// If it does not, the move is undone and writes resume on the source.
+    /// If it does not, the move is undone and writes resume on the source. The wait
+    /// also ends at [`MoveOptions::max_pause`], counted from the fence, whichever comes
+    /// first.
     pub sync_timeout: Duration,
     /// The longest the shard's writes may wait on the move (default 30 s): from the
-    /// fence's commit until the copy is verified (the steps `fenced`, `synced` and
+    /// fence (its wait for the shard's locks included) until the copy is verified (the steps `fenced`, `synced` and
     /// `sequence_carried`: waiting for the target, carrying the ID sequence, the
     /// verification inside the fence). Past it, the step in progress is given up and
     /// the move undone, so writes resume on the source: [`Error::PauseTooLong`]. It
     /// bounds what the host probes ([`MoveOptions::hung_after`]) do not, a host that
     /// answers but whose step does not end (a lock someone holds on the target's copy,
     /// a table without a key too big to compare in time). The flip that follows is not
-    /// cut short: once the source decided it, it only completes. At least 1 s is used.
+    /// cut short: once the source decided it, it only completes. A move resumed while
+    /// fenced counts it from its resume (the bound is not journaled: `--resume` takes
+    /// its own). At least 1 s is used.
     pub max_pause: Duration,
     /// Stop, as if the process had died, once this step is journaled: for drills and
     /// tests of `--resume` and `--abort`.
@@ -905,6 +909,10 @@ struct Mover<'a> {
     src: Option<Client>,
     dst: Option<Client>,
     fence_started: Option<Instant>,
+    /// Where [`MoveOptions::max_pause`] is counted from: this process's fence (its
+    /// wait for the shard's locks included), or, for a move found fenced, this
+    /// process's resume (the machines' clocks are not compared).
+    pause_from: Option<Instant>,
     /// The end of the last sub-step of the pause timed (see [`Mover::lap`]).
     lap_at: Option<Instant>,
     /// The flip's proof, made before the fence (its SHA-256 journaled with `fenced`),
@@ -939,6 +947,7 @@ impl<'a> Mover<'a> {
             src: None,
             dst: None,
             fence_started: None,
+            pause_from: None,
             lap_at: None,
             flip_token: None,
             renewer: None,
@@ -1097,18 +1106,36 @@ impl<'a> Mover<'a> {
     }
 
     /// How much of [`MoveOptions::max_pause`] is left, when the shard is fenced and its
-    /// copy not yet verified: measured from the fence's commit by this process, or from
-    /// the journaled time of the fence for a resumed move (none left once it passed).
+    /// copy not yet verified (counted from [`Mover::pause_from`]).
     fn pause_left(&self) -> Option<Duration> {
         if !self.step.pauses_writes() || self.step >= Step::Verified {
             return None;
         }
-        let paused = match (self.fence_started, self.detail.fenced_at_ms) {
-            (Some(started), _) => started.elapsed(),
-            (None, Some(at)) => Duration::from_millis(now_ms().saturating_sub(at)),
-            (None, None) => Duration::ZERO,
-        };
-        Some(self.max_pause().saturating_sub(paused))
+        let from = self.pause_from?;
+        Some(self.max_pause().saturating_sub(from.elapsed()))
+    }
+
+    /// After a step given up at `max_pause`: the step's own journal entry may have been
+    /// on its way to the catalog when it was (its work was done by then), so the step
+    /// is read back from the journal and the mover goes on, or undoes, from there.
+    async fn step_from_journal(&mut self) {
+        let bound = self.options.hung_after.max(Duration::from_secs(2));
+        match tokio::time::timeout(bound, journal::by_id(&self.catalog, self.id)).await {
+            Ok(Ok(record))
+                if record.state == State::Running
+                    && record.step > self.step
+                    && record.step < Step::Flipped =>
+            {
+                self.step = record.step;
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "could not read the move's step back from the journal");
+            }
+            Err(_) => {
+                tracing::warn!(id = self.id, "could not read the move's step back from the journal in time")
+            }
+        }
     }
 
     async fn forget_connections(&mut self) {
@@ -1137,6 +1164,9 @@ impl<'a> Mover<'a> {
             let held = unless_hung(config, &source, hung_after, self.hold_lease()).await;
             self.settle(held).await?;
         }
+        if self.step.pauses_writes() && self.pause_from.is_none() {
+            self.pause_from = Some(Instant::now());
+        }
         let (config, hung_after) = (self.config, self.options.hung_after);
         let hosts = [self.source.clone(), self.target.clone()];
         while self.step < Step::Cleaned {
@@ -1157,7 +1187,7 @@ impl<'a> Mover<'a> {
             let r = match left {
                 None => r.await,
                 Some(left) => tokio::time::timeout(left, r).await.unwrap_or_else(|_| {
-                    tracing::warn!(id = self.id, %step, "the shard's writes waited max_pause; giving the step up");
+                    tracing::warn!(id = self.id, after = %step, "the shard's writes waited max_pause; giving the step up");
                     Err(Error::PauseTooLong {
                         id: self.id,
                         shard: self.shard,
@@ -1166,7 +1196,11 @@ impl<'a> Mover<'a> {
                     })
                 }),
             };
-            self.settle(r).await?;
+            let r = self.settle(r).await;
+            if matches!(r, Err(Error::PauseTooLong { .. })) {
+                self.step_from_journal().await;
+            }
+            r?;
         }
         Ok(MoveReport {
             id: self.id,
@@ -1197,8 +1231,10 @@ impl<'a> Mover<'a> {
 ///
 /// [`Error::Preflight`] with every problem (nothing changed); [`Error::Busy`] while an
 /// `init` or `migrate` runs; a step's failure, naming the host and SQLSTATE;
-/// [`Error::Verify`] with the differing keys; [`Error::Interrupted`] when
-/// `options.stop_after` asked for it; [`Error::UndoFailed`] when a failure inside the
+/// [`Error::Verify`] with the differing keys; [`Error::PauseTooLong`] when the copy
+/// was not verified within `options.max_pause` of the fence (undone);
+/// [`Error::Interrupted`] when `options.stop_after` asked for it;
+/// [`Error::UndoFailed`] when a failure inside the
 /// fence could not be undone either (`--abort` finishes the undo); [`Error::Fleet`]
 /// when the source or the target was readdressed while the pre-flight ran (nothing
 /// journaled). Give `config` as loaded, not already resolved with the catalog's hosts
@@ -1552,6 +1588,33 @@ pub(super) async fn tables_of(
     .iter()
     .map(|r| format!("{schema_sql}.{}", quote_ident(r.get(0))))
     .collect())
+}
+
+/// How long a drop of a shard's schema waits for a lock someone holds on one of its
+/// tables before it fails (55P03), leaving the schema for the next `gc`.
+const DROP_LOCK_TIMEOUT_MS: u32 = 5000;
+
+/// Drops the shard schema `name` (a moved shard's old copy, a move's undone copy) with
+/// its ledger rows, in one transaction on `c`. A lock held on one of its tables past
+/// [`DROP_LOCK_TIMEOUT_MS`] fails it rather than holding the caller (the undo of a move
+/// whose writes already resumed, `gc` with other hosts to clean): the transaction is
+/// rolled back and the schema stays, for the next `gc`.
+pub(crate) async fn drop_shard_schema(
+    c: &Client,
+    name: &str,
+) -> std::result::Result<(), tokio_postgres::Error> {
+    let sql = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT_MS}ms'; DROP SCHEMA IF EXISTS {} CASCADE;
+         DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
+        quote_ident(name),
+        quote_literal(name)
+    );
+    let dropped = c.batch_execute(&sql).await;
+    if dropped.is_err() {
+        // A failed statement of the batch leaves its transaction open, aborted.
+        let _ = c.batch_execute("ROLLBACK").await;
+    }
+    dropped
 }
 
 /// Drops a move's reverse publication and slot `name` on `host` (its target), if there.

@@ -18,11 +18,11 @@ use shardline_repo::Catalog;
 use shardline_router::{Config, HostName};
 use tokio_postgres::Client;
 
-use super::engine::{drop_revert_side, drop_source_side, drop_subscription, sync_slots};
+use super::engine::{drop_revert_side, drop_shard_schema, drop_source_side, drop_subscription, sync_slots};
 use super::journal::{self, MoveRecord, State};
 use super::preflight::host_err;
 use crate::Result;
-use shardline_id::ident::{literal as quote_literal, quote as quote_ident};
+use shardline_id::ident::quote as quote_ident;
 
 /// What `gc` dropped, and what it could not reach.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -395,14 +395,8 @@ async fn gc_host(
             report.kept.push(format!("{host}: schema {moved}"));
             continue;
         }
-        c.batch_execute(&format!(
-            // IF EXISTS: a run given up on a hung host may still drop it meanwhile.
-            "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
-            quote_ident(moved),
-            quote_literal(moved)
-        ))
-        .await
-        .map_err(fail("drop an old schema"))?;
+        // IF EXISTS: a run given up on a hung host may still drop it meanwhile.
+        drop_shard_schema(c, moved).await.map_err(fail("drop an old schema"))?;
         report.dropped.push(format!("{host}: schema {moved} (move {})", m.id));
         report.dropped_moves.insert((m.id, Side::Source));
     }
@@ -418,13 +412,7 @@ async fn gc_host(
             continue;
         }
         let schema = config.schema_prefix.schema(shard);
-        c.batch_execute(&format!(
-            "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
-            schema.quoted(),
-            quote_literal(schema.as_str())
-        ))
-        .await
-        .map_err(fail("drop a rolled-back copy"))?;
+        drop_shard_schema(c, schema.as_str()).await.map_err(fail("drop a rolled-back copy"))?;
         report.dropped.push(format!("{host}: schema {schema} (copy of rolled-back move {})", m.id));
         report.dropped_moves.insert((m.id, Side::Target));
     }

@@ -86,6 +86,7 @@ impl Mover<'_> {
         let lock_ms = self.options.lock_timeout.as_millis().max(1);
         let lease_ms = i64::try_from(self.options.lease.as_millis()).unwrap_or(i64::MAX);
         self.fence_started = None;
+        self.pause_from = None;
         self.lap_at = None;
         self.detail.pause_steps.clear();
         let (live, fenced) = self.source_schemas().await?;
@@ -98,6 +99,8 @@ impl Mover<'_> {
                 .map_err(on(&source, "read the fence marker"))?
                 .get(0);
             self.hold_lease().await?;
+            // Fenced since before this process: its pause is counted from here.
+            self.pause_from = Some(Instant::now());
             n
         } else if live {
             // A fence undone once (its lease ran out) is not tried again.
@@ -136,6 +139,7 @@ impl Mover<'_> {
                             return Err(Error::Interrupted { id, step: self.step });
                         }
                         self.fence_started = Some(started);
+                        self.pause_from = Some(started);
                         self.lap_at = Some(started);
                         self.lap("fence transaction");
                         self.detail.fence_sequence = Some(fenced.last_value);

@@ -331,13 +331,7 @@ impl Mover<'_> {
                 drop_revert_side(self.dst().await?, &target, &rev.name).await?;
             }
             let dst = self.dst().await?;
-            dst.batch_execute(&format!(
-                "BEGIN; DROP SCHEMA IF EXISTS {} CASCADE; DELETE FROM shardline.shard_migrations WHERE schema_name = {}; COMMIT",
-                schema.quoted(),
-                quote_literal(schema.as_str())
-            ))
-            .await
-            .map_err(on(&target, "drop the copy"))?;
+            drop_shard_schema(dst, schema.as_str()).await.map_err(on(&target, "drop the copy"))?;
         }
         Ok(())
     }
