@@ -1915,9 +1915,9 @@ pub(crate) async fn a_fenced_step_that_outlasts_max_pause_is_given_up_and_writes
     // `gc`, named, and the move returns with the lock still held. Stopped before the
     // fence, the lock taken, then resumed. Before, the drop waited for the lock.
     let full = MoveOptions::default().verifying(moves::Verification::Full);
-    moves::run(&config, crate::shard(0), &pg2, &full.clone().stopping_after(Step::CaughtUp))
-        .await
-        .unwrap_err();
+    let stopped =
+        moves::run(&config, crate::shard(0), &pg2, &full.clone().stopping_after(Step::CaughtUp)).await;
+    assert!(matches!(stopped, Err(OpsError::Interrupted { step: Step::CaughtUp, .. })), "{stopped:?}");
     let keeper = f.client(&ctx, 1).await?;
     keeper.batch_execute("BEGIN; LOCK TABLE shard_0000.events IN ACCESS EXCLUSIVE MODE").await?;
     let bounded = full.with_max_pause(Duration::from_secs(4));
@@ -1937,11 +1937,19 @@ pub(crate) async fn a_fenced_step_that_outlasts_max_pause_is_given_up_and_writes
     assert_eq!(last.state, State::RolledBack);
     assert!(
         last.detail.target_schema_left
-            && last.detail.cleanup_pending.iter().any(|p| p.starts_with("pg2") && p.contains("shard_0000")),
+            && last
+                .detail
+                .cleanup_pending
+                .iter()
+                .any(|p| { p.starts_with("pg2") && p.contains("shard_0000") && p.contains("55P03") }),
         "{:?}",
         last.detail.cleanup_pending
     );
     assert_eq!(cluster.route_user(0).host.as_str(), "pg1");
+    // A gc run meanwhile leaves the locked copy to its next run, says so, and goes on
+    // (before, its drop waited for the lock too).
+    let held = moves::gc(&config, Duration::ZERO).await?;
+    assert!(held.left.iter().any(|l| l.starts_with("pg2") && l.contains("55P03")), "{held:?}");
     keeper.batch_execute("ROLLBACK").await?;
     moves::gc(&config, Duration::ZERO).await?;
     assert_eq!(counts(&f, &ctx, 1, "shard_0000").await?, None);

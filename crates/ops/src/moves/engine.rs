@@ -1115,29 +1115,6 @@ impl<'a> Mover<'a> {
         Some(self.max_pause().saturating_sub(from.elapsed()))
     }
 
-    /// After a step given up at `max_pause`: the step's own journal entry may have been
-    /// on its way to the catalog when it was (its work was done by then), so the step
-    /// is read back from the journal and the mover goes on, or undoes, from there.
-    async fn step_from_journal(&mut self) {
-        let bound = self.options.hung_after.max(Duration::from_secs(2));
-        match tokio::time::timeout(bound, journal::by_id(&self.catalog, self.id)).await {
-            Ok(Ok(record))
-                if record.state == State::Running
-                    && record.step > self.step
-                    && record.step < Step::Flipped =>
-            {
-                self.step = record.step;
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(id = self.id, error = %shardline_repo::error_chain(&e), "could not read the move's step back from the journal");
-            }
-            Err(_) => {
-                tracing::warn!(id = self.id, "could not read the move's step back from the journal in time")
-            }
-        }
-    }
-
     async fn forget_connections(&mut self) {
         self.src = None;
         self.dst = None;
@@ -1196,11 +1173,11 @@ impl<'a> Mover<'a> {
                     })
                 }),
             };
-            let r = self.settle(r).await;
-            if matches!(r, Err(Error::PauseTooLong { .. })) {
-                self.step_from_journal().await;
-            }
-            r?;
+            // A step given up at `max_pause` may have had its own journal entry on its
+            // way to the catalog (its work done by then): the journal may then be a step
+            // ahead, which the undo that follows does not mind (nothing is decided
+            // before the flip).
+            self.settle(r).await?;
         }
         Ok(MoveReport {
             id: self.id,
@@ -1596,9 +1573,10 @@ const DROP_LOCK_TIMEOUT_MS: u32 = 5000;
 
 /// Drops the shard schema `name` (a moved shard's old copy, a move's undone copy) with
 /// its ledger rows, in one transaction on `c`. A lock held on one of its tables past
-/// [`DROP_LOCK_TIMEOUT_MS`] fails it rather than holding the caller (the undo of a move
-/// whose writes already resumed, `gc` with other hosts to clean): the transaction is
-/// rolled back and the schema stays, for the next `gc`.
+/// [`DROP_LOCK_TIMEOUT_MS`] fails it (55P03) rather than holding the caller (the undo of
+/// a move whose writes already resumed, which leaves the copy to `gc` in the journal; a
+/// `gc` run, which leaves it to the next one and goes on): the transaction is rolled
+/// back and the schema stays.
 pub(crate) async fn drop_shard_schema(
     c: &Client,
     name: &str,

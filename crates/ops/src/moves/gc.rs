@@ -396,7 +396,10 @@ async fn gc_host(
             continue;
         }
         // IF EXISTS: a run given up on a hung host may still drop it meanwhile.
-        drop_shard_schema(c, moved).await.map_err(fail("drop an old schema"))?;
+        if let Err(e) = drop_shard_schema(c, moved).await {
+            left_locked(host, &format!("schema {moved} (move {})", m.id), e, report)?;
+            continue;
+        }
         report.dropped.push(format!("{host}: schema {moved} (move {})", m.id));
         report.dropped_moves.insert((m.id, Side::Source));
     }
@@ -412,9 +415,25 @@ async fn gc_host(
             continue;
         }
         let schema = config.schema_prefix.schema(shard);
-        drop_shard_schema(c, schema.as_str()).await.map_err(fail("drop a rolled-back copy"))?;
+        if let Err(e) = drop_shard_schema(c, schema.as_str()).await {
+            left_locked(host, &format!("schema {schema} (copy of rolled-back move {})", m.id), e, report)?;
+            continue;
+        }
         report.dropped.push(format!("{host}: schema {schema} (copy of rolled-back move {})", m.id));
         report.dropped_moves.insert((m.id, Side::Target));
     }
+    Ok(())
+}
+
+/// A drop of `what` on `host` that failed: one that waited out its lock timeout (someone
+/// holds a lock on one of its tables) is left for the next run, in `report.left`, and
+/// the run goes on; any other failure ends the host's part of the run.
+fn left_locked(host: &HostName, what: &str, e: tokio_postgres::Error, report: &mut GcReport) -> Result<()> {
+    let e = host_err(host, &format!("drop {what}"), &e);
+    if e.sqlstate() != Some("55P03") {
+        return Err(e);
+    }
+    tracing::warn!(host = %host, error = %shardline_repo::error_chain(&e), "a schema to drop is locked; left for the next gc");
+    report.left.push(format!("{host}: {what}: {e}"));
     Ok(())
 }
