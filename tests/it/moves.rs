@@ -1731,16 +1731,12 @@ pub(crate) async fn no_id_the_source_handed_out_is_minted_again_on_the_target(
     Ok(())
 }
 
-shardline_testkit::register!(shared: verification_counts_duplicate_rows_of_a_table_without_a_key);
-/// A table without a primary key (replica identity full) is verified as a multiset:
-/// two copies of one row on the source against two of another on the target (which an
-/// XOR of row hashes cancels out), or one duplicate too many, stop the move before the
-/// flip, naming the table and the rows with how often each side holds them. Untouched,
-/// the table moves, duplicates and all.
-pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
-    ctx: TestContext,
-) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 6).await?;
+/// Three hosts, six shards with the example's tables and `events`, a table without a
+/// primary key (replica identity full), initialised; shard 0 seeded.
+async fn with_a_keyless_table(
+    ctx: &TestContext,
+) -> Result<(Fixture, shardline_router::Config, Cluster), BoxError> {
+    let f = Fixture::new(ctx, 3, 6).await?;
     f.migration(
         "0005_events.sql",
         "CREATE TABLE events (user_id bigint NOT NULL, what text NOT NULL);
@@ -1750,6 +1746,19 @@ pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
     let config = f.config()?;
     let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
     seed(&cluster, 0, 6, 2).await?;
+    Ok((f, config, cluster))
+}
+
+shardline_testkit::register!(shared: verification_counts_duplicate_rows_of_a_table_without_a_key);
+/// A table without a primary key (replica identity full) is verified as a multiset:
+/// two copies of one row on the source against two of another on the target (which an
+/// XOR of row hashes cancels out), or one duplicate too many, stop the move before the
+/// flip, naming the table and the rows with how often each side holds them. Untouched,
+/// the table moves, duplicates and all.
+pub(crate) async fn verification_counts_duplicate_rows_of_a_table_without_a_key(
+    ctx: TestContext,
+) -> TestResult {
+    let (f, config, cluster) = with_a_keyless_table(&ctx).await?;
     let (pg1, pg2) = (f.client(&ctx, 0).await?, f.client(&ctx, 1).await?);
     pg2.batch_execute(REPLICA).await?; // past the copy's guard, as an operator would be
     pg1.batch_execute(
@@ -1816,16 +1825,7 @@ shardline_testkit::register!(shared: a_fenced_step_that_outlasts_max_pause_is_gi
 pub(crate) async fn a_fenced_step_that_outlasts_max_pause_is_given_up_and_writes_resume(
     ctx: TestContext,
 ) -> TestResult {
-    let f = Fixture::new(&ctx, 3, 6).await?;
-    f.migration(
-        "0005_events.sql",
-        "CREATE TABLE events (user_id bigint NOT NULL, what text NOT NULL);
-         ALTER TABLE events REPLICA IDENTITY FULL;",
-    )?;
-    shardline_ops::init(&f.config()?, &options(1), &quiet).await?;
-    let config = f.config()?;
-    let cluster = Cluster::connect(&config, ClusterOptions::default()).await?;
-    seed(&cluster, 0, 6, 2).await?;
+    let (f, config, cluster) = with_a_keyless_table(&ctx).await?;
     let pg1 = f.client(&ctx, 0).await?;
     pg1.batch_execute("INSERT INTO shard_0000.events VALUES (0, 'a'), (0, 'b')").await?;
     let holder = Arc::new(f.client(&ctx, 1).await?);
